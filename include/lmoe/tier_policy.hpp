@@ -1,0 +1,85 @@
+// Which tail tier runs for a batch of T tokens: a pure select() and an explain() that says why.
+//
+// Each threshold comes from (rising precedence) the built-in default, a tier-table JSON file, or an
+// environment variable; a forced tier (LMOE_TIER, or a caller's explicit choice) wins over all.
+// A tier that cannot run a case is declined with its reason and the next candidate is tried; every
+// candidate considered appears in the explanation, so nothing falls back silently.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lmoe/tier.hpp"
+
+namespace lmoe {
+
+// Where a setting's value came from.
+enum class SettingSource : std::uint8_t { built_in, table, environment, caller };
+std::string_view setting_source_name(SettingSource source);
+
+template <typename T>
+struct Setting {
+  T value{};
+  SettingSource source = SettingSource::built_in;
+  std::string origin;  // "LMOE_FUSED_MAX_TOKENS=64", "table tiers.json", "default"
+};
+
+// Breakpoints in T: fused for T <= fused_max_tokens, overlap for T <= overlap_max_tokens, column
+// for T <= column_max_tokens (nullopt: no limit), token above. The defaults follow the reference
+// system: fused up to 128, overlap up to 256, column above; token only where a table or the
+// environment enables it.
+struct PolicyConfig {
+  Setting<std::int64_t> fused_max_tokens{128, SettingSource::built_in, "default"};
+  Setting<std::int64_t> overlap_max_tokens{256, SettingSource::built_in, "default"};
+  Setting<std::optional<std::int64_t>> column_max_tokens{std::nullopt, SettingSource::built_in,
+                                                         "default: the token tier is off"};
+  Setting<bool> overlap_disabled{false, SettingSource::built_in, "default"};
+  Setting<std::optional<TailTier>> forced_tier{std::nullopt, SettingSource::built_in, "default"};
+  std::optional<std::string> table_path;  // the tier table these settings were read from, if any
+};
+
+// Reads a variable of the environment; nullopt when unset. Tests pass their own.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+EnvLookup process_environment();
+
+// Builds the policy from defaults, then `table_path` (or LMOE_TIER_TABLE when table_path is empty),
+// then the environment: LMOE_FUSED_MAX_TOKENS, LMOE_OVERLAP_MAX_TOKENS, LMOE_COLUMN_MAX_TOKENS,
+// LMOE_DISABLE_OVERLAP, LMOE_TIER. Garbage or negative values throw lmoe::Error naming the variable.
+PolicyConfig load_policy_config(const EnvLookup& env,
+                                const std::optional<std::string>& table_path = std::nullopt);
+
+// Applies a tier table (JSON text) on top of `config`; `origin` names it in explanations.
+void apply_tier_table(PolicyConfig& config, const std::string& json_text, const std::string& origin);
+
+// For one T: which tiers the backend can run, with the reason for each it cannot.
+struct TierSupport {
+  std::array<std::optional<std::string>, 4> declined;  // indexed by TailTier; nullopt = can run
+  bool can_run(TailTier tier) const { return !declined[static_cast<std::size_t>(tier)]; }
+};
+
+struct TierVerdict {
+  TailTier tier;
+  bool chosen = false;
+  std::string reason;  // why it was taken, declined or not preferred
+};
+
+struct TierDecision {
+  std::optional<TailTier> tier;        // nullopt: no tier can run (an error for callers)
+  std::vector<TierVerdict> considered;  // in the order they were considered
+  std::string summary;                  // one line: "T=64 → fused (T <= fused_max_tokens=128, default)"
+};
+
+// The tier the breakpoints prefer for T, before capabilities are consulted.
+TailTier preferred_tier(std::int64_t num_tokens, const PolicyConfig& config);
+// Pure: the same inputs give the same decision. Throws nothing for T = 0 (reported as no work).
+TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
+// decide() that throws lmoe::Error (with the explanation) when no tier can run.
+TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
+// Multi-line human-readable account: the settings and their sources, then every tier considered.
+std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
+
+}  // namespace lmoe

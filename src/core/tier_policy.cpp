@@ -1,0 +1,270 @@
+#include "lmoe/tier_policy.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "lmoe/error.hpp"
+
+namespace lmoe {
+
+std::string_view setting_source_name(SettingSource source) {
+  switch (source) {
+    case SettingSource::built_in: return "default";
+    case SettingSource::table: return "table";
+    case SettingSource::environment: return "environment";
+    case SettingSource::caller: return "caller";
+  }
+  return "?";
+}
+
+EnvLookup process_environment() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+}
+
+namespace {
+
+std::string lowercase(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+std::int64_t parse_token_count(const std::string& variable, const std::string& text) {
+  const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return c >= '0' && c <= '9';
+  });
+  if (!digits_only) {
+    throw Error(variable + "='" + text + "': expected a non-negative integer number of tokens");
+  }
+  std::int64_t value = 0;
+  for (char c : text) {
+    if (value > (std::numeric_limits<std::int64_t>::max() - (c - '0')) / 10) {
+      throw Error(variable + "='" + text + "': the number is too large");
+    }
+    value = value * 10 + (c - '0');
+  }
+  return value;
+}
+
+bool parse_flag(const std::string& variable, const std::string& text) {
+  const std::string value = lowercase(text);
+  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
+  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
+  throw Error(variable + "='" + text + "': expected 1, 0, true, false, yes, no, on or off");
+}
+
+// An unset or empty variable leaves the setting as it was.
+std::optional<std::string> read_variable(const EnvLookup& env, const std::string& name) {
+  auto value = env(name);
+  if (!value || value->empty()) return std::nullopt;
+  return value;
+}
+
+std::string describe_limit(const Setting<std::optional<std::int64_t>>& setting) {
+  return setting.value ? std::to_string(*setting.value) : std::string("none");
+}
+
+template <typename T>
+std::string origin_of(const Setting<T>& setting) {
+  return setting.origin.empty() ? std::string(setting_source_name(setting.source)) : setting.origin;
+}
+
+struct Preference {
+  TailTier tier;
+  std::string why;
+};
+
+Preference prefer(std::int64_t num_tokens, const PolicyConfig& config) {
+  const std::string t = "T=" + std::to_string(num_tokens);
+  if (num_tokens <= config.fused_max_tokens.value) {
+    return {TailTier::fused, t + " <= fused_max_tokens=" +
+                                 std::to_string(config.fused_max_tokens.value) + " (" +
+                                 origin_of(config.fused_max_tokens) + ")"};
+  }
+  if (num_tokens <= config.overlap_max_tokens.value) {
+    if (!config.overlap_disabled.value) {
+      return {TailTier::overlap, t + " <= overlap_max_tokens=" +
+                                     std::to_string(config.overlap_max_tokens.value) + " (" +
+                                     origin_of(config.overlap_max_tokens) + ")"};
+    }
+  }
+  const auto& column_max = config.column_max_tokens;
+  if (!column_max.value || num_tokens <= *column_max.value) {
+    std::string why = column_max.value ? t + " <= column_max_tokens=" + describe_limit(column_max) +
+                                             " (" + origin_of(column_max) + ")"
+                                       : t + " > every smaller tier's limit; column_max_tokens=none (" +
+                                             origin_of(column_max) + ")";
+    if (num_tokens <= config.overlap_max_tokens.value && config.overlap_disabled.value) {
+      why = t + " is in overlap's range but overlap is disabled (" +
+            origin_of(config.overlap_disabled) + ")";
+    }
+    return {TailTier::column, why};
+  }
+  return {TailTier::token, t + " > column_max_tokens=" + describe_limit(column_max) + " (" +
+                               origin_of(column_max) + ")"};
+}
+
+// Where to go when the preferred tier cannot run: the nearest tier in cost model first.
+std::vector<TailTier> fallback_order(TailTier preferred) {
+  switch (preferred) {
+    case TailTier::fused: return {TailTier::overlap, TailTier::column, TailTier::token};
+    case TailTier::overlap: return {TailTier::column, TailTier::token, TailTier::fused};
+    case TailTier::column: return {TailTier::token, TailTier::overlap, TailTier::fused};
+    case TailTier::token: return {TailTier::column, TailTier::overlap, TailTier::fused};
+  }
+  return {};
+}
+
+}  // namespace
+
+PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::string>& table_path) {
+  PolicyConfig config;
+
+  std::optional<std::string> path = table_path;
+  if (!path) path = read_variable(env, "LMOE_TIER_TABLE");
+  if (path) {
+    std::ifstream file(*path, std::ios::binary);
+    if (!file) throw Error("cannot open the tier table '" + *path + "'");
+    std::stringstream text;
+    text << file.rdbuf();
+    apply_tier_table(config, text.str(), "table " + *path);
+    config.table_path = *path;
+  }
+
+  auto from_env = [&](auto& setting, const std::string& name, auto parse) {
+    if (auto text = read_variable(env, name)) {
+      setting.value = parse(name, *text);
+      setting.source = SettingSource::environment;
+      setting.origin = name + "=" + *text;
+    }
+  };
+  from_env(config.fused_max_tokens, "LMOE_FUSED_MAX_TOKENS", parse_token_count);
+  from_env(config.overlap_max_tokens, "LMOE_OVERLAP_MAX_TOKENS", parse_token_count);
+  from_env(config.column_max_tokens, "LMOE_COLUMN_MAX_TOKENS",
+           [](const std::string& name, const std::string& text) -> std::optional<std::int64_t> {
+             if (lowercase(text) == "none") return std::nullopt;
+             return parse_token_count(name, text);
+           });
+  from_env(config.overlap_disabled, "LMOE_DISABLE_OVERLAP", parse_flag);
+  from_env(config.forced_tier, "LMOE_TIER",
+           [](const std::string& name, const std::string& text) -> std::optional<TailTier> {
+             try {
+               return parse_tier_or_auto(text);
+             } catch (const Error& error) {
+               throw Error(name + "='" + text + "': " + error.message());
+             }
+           });
+  return config;
+}
+
+TailTier preferred_tier(std::int64_t num_tokens, const PolicyConfig& config) {
+  return prefer(num_tokens, config).tier;
+}
+
+TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
+  TierDecision decision;
+  const std::string t = "T=" + std::to_string(num_tokens);
+  auto declined_reason = [&](TailTier tier) -> std::optional<std::string> {
+    if (tier == TailTier::overlap && config.overlap_disabled.value) {
+      return "disabled (" + origin_of(config.overlap_disabled) + ")";
+    }
+    return support.declined[static_cast<std::size_t>(tier)];
+  };
+
+  if (num_tokens < 0) {
+    decision.summary = t + ": a negative token count is invalid";
+    return decision;
+  }
+  if (num_tokens == 0) {
+    decision.summary = t + ": no tokens, nothing to run";
+    return decision;
+  }
+
+  if (const auto& forced = config.forced_tier; forced.value) {
+    const TailTier tier = *forced.value;
+    auto declined = support.declined[static_cast<std::size_t>(tier)];
+    if (declined) {
+      decision.considered.push_back({tier, false, "forced (" + origin_of(forced) + ") but declined: " + *declined});
+      decision.summary = t + ": forced tier " + std::string(tier_name(tier)) + " cannot run: " + *declined;
+    } else {
+      decision.tier = tier;
+      decision.considered.push_back({tier, true, "forced (" + origin_of(forced) + ")"});
+      decision.summary = t + " → " + std::string(tier_name(tier)) + " (forced: " + origin_of(forced) + ")";
+    }
+    for (TailTier other : kAllTiers) {
+      if (other != tier) decision.considered.push_back({other, false, "not considered: a tier is forced"});
+    }
+    return decision;
+  }
+
+  const Preference preference = prefer(num_tokens, config);
+  std::vector<TailTier> order = {preference.tier};
+  for (TailTier tier : fallback_order(preference.tier)) order.push_back(tier);
+
+  std::string fallback_note;
+  for (TailTier tier : order) {
+    if (decision.tier) {
+      auto declined = declined_reason(tier);
+      decision.considered.push_back(
+          {tier, false, "not needed: " + std::string(tier_name(*decision.tier)) + " was chosen" +
+                            (declined ? " (and it cannot run: " + *declined + ")" : "")});
+      continue;
+    }
+    if (auto declined = declined_reason(tier)) {
+      decision.considered.push_back({tier, false, "declined: " + *declined});
+      fallback_note += (fallback_note.empty() ? "" : "; ") + std::string(tier_name(tier)) +
+                       " declined: " + *declined;
+      continue;
+    }
+    decision.tier = tier;
+    std::string why = tier == preference.tier ? "preferred: " + preference.why
+                                              : "fallback after " + fallback_note;
+    decision.considered.push_back({tier, true, why});
+    decision.summary = t + " → " + std::string(tier_name(tier)) + " (" + why + ")";
+  }
+  if (!decision.tier) decision.summary = t + ": no tier can run (" + fallback_note + ")";
+  return decision;
+}
+
+TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
+  TierDecision decision = decide(num_tokens, config, support);
+  if (!decision.tier) throw Error(decision.summary);
+  return *decision.tier;
+}
+
+std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
+  std::ostringstream out;
+  const TierDecision decision = decide(num_tokens, config, support);
+  out << "decision: " << decision.summary << "\n";
+  out << "settings (precedence: default < table < environment; a forced tier wins):\n";
+  auto row = [&](const std::string& name, const std::string& value, const std::string& origin) {
+    out << "  " << name << std::string(20 - std::min<std::size_t>(20, name.size()), ' ') << value
+        << std::string(8 - std::min<std::size_t>(8, value.size()), ' ') << origin << "\n";
+  };
+  row("fused_max_tokens", std::to_string(config.fused_max_tokens.value), origin_of(config.fused_max_tokens));
+  row("overlap_max_tokens", std::to_string(config.overlap_max_tokens.value),
+      origin_of(config.overlap_max_tokens));
+  row("column_max_tokens", describe_limit(config.column_max_tokens), origin_of(config.column_max_tokens));
+  row("overlap_disabled", config.overlap_disabled.value ? "yes" : "no", origin_of(config.overlap_disabled));
+  row("forced_tier",
+      config.forced_tier.value ? std::string(tier_name(*config.forced_tier.value)) : "none",
+      origin_of(config.forced_tier));
+  row("tier_table", config.table_path.value_or("none"), "");
+  out << "tiers:\n";
+  for (const TierVerdict& verdict : decision.considered) {
+    const std::string name(tier_name(verdict.tier));
+    out << "  " << (verdict.chosen ? "* " : "  ") << name << std::string(9 - name.size(), ' ')
+        << verdict.reason << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace lmoe
