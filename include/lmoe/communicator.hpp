@@ -1,0 +1,48 @@
+// The communicator interface every backend implements (threads, MPI; NCCL and P2P on GPUs).
+//
+// Reductions follow the numerics contract (DESIGN.md §3): each element is summed in fp32 in rank
+// order 0 … size−1, starting from rank 0's value, and rounded once to the storage dtype, so every
+// rank receives bit-identical results whatever the transport.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "lmoe/dtype.hpp"
+#include "lmoe/tensor.hpp"
+
+namespace lmoe {
+
+// An opaque stream handle (cudaStream_t on CUDA backends); host communicators ignore it.
+using StreamHandle = void*;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "threads", "mpi", ...
+  virtual std::string_view backend_name() const = 0;
+  // Where the buffers passed to the collectives live.
+  virtual MemorySpace memory_space() const = 0;
+
+  // recv[i] = round(Σ_r send_r[i]) for i < count. send and recv may be the same buffer.
+  virtual void all_reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                          StreamHandle stream = nullptr) = 0;
+  // send holds Σ counts elements, one contiguous block per rank in rank order; this rank receives
+  // round(Σ_r block_rank of send_r) in recv (counts[rank()] elements). Counts may differ per rank.
+  virtual void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts,
+                              DType dtype, StreamHandle stream = nullptr) = 0;
+  // Rank r contributes counts[r] elements; recv receives all blocks concatenated in rank order.
+  virtual void all_gather(const void* send, void* recv, std::span<const std::size_t> counts,
+                          DType dtype, StreamHandle stream = nullptr) = 0;
+  virtual void barrier() = 0;
+  // Makes every rank's pending and future collectives fail with an error that carries `why`.
+  virtual void abort(const std::string& why) = 0;
+};
+
+}  // namespace lmoe
