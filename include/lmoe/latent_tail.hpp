@@ -1,0 +1,77 @@
+// LatentTail: the object a user holds for one layer's tail. It owns the replicated weights and
+// runs, per call, the tier the policy picks (or the one the caller forces) on its backend.
+//
+//   Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r      → [T, d], identical on all ranks
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "lmoe/communicator.hpp"
+#include "lmoe/dims.hpp"
+#include "lmoe/tensor.hpp"
+#include "lmoe/tier.hpp"
+#include "lmoe/tier_policy.hpp"
+
+namespace lmoe {
+
+enum class Backend : std::uint8_t { cpu, cuda };
+std::string_view backend_name(Backend backend);
+Backend parse_backend(std::string_view name);
+// Whether this build and machine can run the backend (cuda: compiled in and a GPU present).
+bool backend_available(Backend backend);
+
+// Which tiers a backend can run for T tokens at these dims, without building a tail (for
+// `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).
+TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);
+
+struct TailOptions {
+  TailDims dims;
+  float rms_norm_eps = 1e-5f;
+  DType dtype = DType::bf16;
+  Backend backend = Backend::cpu;
+  // Built-in defaults; load_policy_config(process_environment()) adds a table and the environment.
+  PolicyConfig policy;
+  // Before each forward, ranks exchange a fingerprint of the call (T, tier, configuration, local
+  // validation result) so that a rank with bad input or a different configuration makes every
+  // rank fail with the same error instead of leaving its peers waiting in a collective.
+  bool check_ranks_agree = true;
+};
+
+class TailExecutor;
+
+class LatentTail {
+ public:
+  // norm_weight: l values ([l] or [1, l]); up_proj_weight: [d, l] (row-major, out × in). Both in
+  // host memory and in options.dtype; they are copied. `comm` must outlive the LatentTail.
+  // Throws lmoe::Error on every rank when ranks were constructed with different configurations.
+  LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
+             ConstMatrixView up_proj_weight);
+  ~LatentTail();
+  LatentTail(const LatentTail&) = delete;
+  LatentTail& operator=(const LatentTail&) = delete;
+
+  const TailOptions& options() const;
+  int tp_rank() const;
+  int tp_size() const;
+
+  // Which tiers can run T tokens here, and why not where they cannot.
+  TierSupport support(std::int64_t num_tokens) const;
+  TierDecision decide(std::int64_t num_tokens) const;
+  std::string explain(std::int64_t num_tokens) const;
+
+  // routed: [T, l], this rank's partial; shared: [T, d], this rank's partial, which the call may
+  // overwrite (the column tier accumulates into it, as the reference system does); out: [T, d]
+  // (may be the same buffer as shared). Runs `tier` when given (an error if it cannot run), else
+  // the policy's choice. Returns the tier that ran; nullopt for T = 0, which runs nothing.
+  std::optional<TailTier> forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
+                   std::optional<TailTier> tier = std::nullopt, StreamHandle stream = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace lmoe

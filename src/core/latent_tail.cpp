@@ -1,0 +1,245 @@
+#include "lmoe/latent_tail.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "core/tail_executor.hpp"
+#include "core/validation.hpp"
+#include "cpu/cpu_tail_executor.hpp"
+#include "lmoe/error.hpp"
+
+#ifdef LMOE_HAS_CUDA
+#include "cuda/cuda_tail_executor.hpp"
+#endif
+
+namespace lmoe {
+
+std::string_view backend_name(Backend backend) { return backend == Backend::cpu ? "cpu" : "cuda"; }
+
+Backend parse_backend(std::string_view name) {
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  throw Error("unknown backend '" + std::string(name) + "': expected cpu or cuda");
+}
+
+bool backend_available(Backend backend) {
+  if (backend == Backend::cpu) return true;
+#ifdef LMOE_HAS_CUDA
+  return cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash = 1469598103934665603ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  return hash;
+}
+
+std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash) {
+  const std::size_t row_bytes = static_cast<std::size_t>(view.cols) * view.element_size();
+  for (std::int64_t row = 0; row < view.rows; ++row) hash = fnv1a(view.row_ptr(row), row_bytes, hash);
+  return hash;
+}
+
+// What ranks exchange to agree before they communicate; a multiple of 4 bytes (sent as f32 words).
+struct RankRecord {
+  std::uint64_t config_hash = 0;
+  std::int64_t num_tokens = 0;
+  std::int32_t tier = -1;
+  std::int32_t ok = 1;
+  char text[240] = {};  // the error when !ok, else a description of the configuration
+};
+static_assert(sizeof(RankRecord) % 4 == 0);
+
+void set_text(RankRecord& record, const std::string& text) {
+  std::memset(record.text, 0, sizeof(record.text));
+  std::memcpy(record.text, text.data(), std::min(text.size(), sizeof(record.text) - 1));
+}
+
+std::vector<RankRecord> exchange(Communicator& comm, const RankRecord& mine) {
+  std::vector<RankRecord> all(static_cast<std::size_t>(comm.size()));
+  const std::vector<std::size_t> counts(static_cast<std::size_t>(comm.size()), sizeof(RankRecord) / 4);
+  comm.all_gather(&mine, all.data(), counts, DType::f32);
+  return all;
+}
+
+// The same error on every rank: the first rank that failed, or the first disagreement.
+void throw_if_ranks_disagree(const std::vector<RankRecord>& all, const char* what) {
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].ok) throw Error("rank " + std::to_string(r) + ": " + all[r].text);
+  }
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r].config_hash != all[0].config_hash) {
+      throw Error(std::string("ranks disagree on the ") + what + ": rank 0 has " + all[0].text +
+                  "; rank " + std::to_string(r) + " has " + all[r].text);
+    }
+    if (all[r].num_tokens != all[0].num_tokens || all[r].tier != all[0].tier) {
+      auto describe = [](const RankRecord& record) {
+        return "T=" + std::to_string(record.num_tokens) + " tier=" +
+               (record.tier < 0 ? std::string("none")
+                                : std::string(tier_name(static_cast<TailTier>(record.tier))));
+      };
+      throw Error("ranks disagree on the call: rank 0 has " + describe(all[0]) + ", rank " +
+                  std::to_string(r) + " has " + describe(all[r]));
+    }
+  }
+}
+
+}  // namespace
+
+struct LatentTail::Impl {
+  TailOptions options;
+  Communicator& comm;
+  std::unique_ptr<TailExecutor> executor;
+  std::uint64_t config_hash = 0;
+  std::string config_text;
+
+  Impl(TailOptions opts, Communicator& communicator) : options(std::move(opts)), comm(communicator) {}
+
+  TailProblem problem(std::int64_t tokens) const {
+    return {tokens, options.dims, options.dtype, comm.size()};
+  }
+
+  bool exchange_records() const {
+    return options.check_ranks_agree && comm.size() > 1 && comm.memory_space() == MemorySpace::host;
+  }
+};
+
+LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
+                       ConstMatrixView up_proj_weight)
+    : impl_(std::make_unique<Impl>(std::move(options), comm)) {
+  const TailOptions& opts = impl_->options;
+  std::optional<std::string> error = validate_options(opts, comm.size());
+  if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);
+  if (!error && !backend_available(opts.backend)) {
+    error = "backend " + std::string(backend_name(opts.backend)) +
+            " is not available in this build or on this machine";
+  }
+
+  RankRecord mine;
+  if (!error) {
+    std::uint64_t hash = fnv1a(&opts.dims, sizeof(opts.dims));
+    hash = fnv1a(&opts.rms_norm_eps, sizeof(opts.rms_norm_eps), hash);
+    hash = fnv1a(&opts.dtype, sizeof(opts.dtype), hash);
+    hash = fnv1a(&opts.backend, sizeof(opts.backend), hash);
+    const std::uint64_t weights = checksum(up_proj_weight, checksum(norm_weight, 1469598103934665603ull));
+    hash = fnv1a(&weights, sizeof(weights), hash);
+    char text[200];
+    std::snprintf(text, sizeof(text), "d_model=%lld d_latent=%lld eps=%g dtype=%s backend=%s weights=%016llx",
+                  static_cast<long long>(opts.dims.d_model), static_cast<long long>(opts.dims.d_latent),
+                  static_cast<double>(opts.rms_norm_eps), std::string(dtype_name(opts.dtype)).c_str(),
+                  std::string(backend_name(opts.backend)).c_str(),
+                  static_cast<unsigned long long>(weights));
+    impl_->config_hash = hash;
+    impl_->config_text = text;
+    mine.config_hash = hash;
+    set_text(mine, text);
+  } else {
+    mine.ok = 0;
+    set_text(mine, *error);
+  }
+  if (comm.size() > 1 && comm.memory_space() == MemorySpace::host) {
+    throw_if_ranks_disagree(exchange(comm, mine), "configuration");
+  } else if (error) {
+    throw Error(*error);
+  }
+
+  if (opts.backend == Backend::cpu) {
+    impl_->executor = make_cpu_tail_executor(comm, opts.dims, opts.dtype, opts.rms_norm_eps,
+                                             norm_weight, up_proj_weight);
+  } else {
+#ifdef LMOE_HAS_CUDA
+    impl_->executor = make_cuda_tail_executor(comm, opts.dims, opts.dtype, opts.rms_norm_eps,
+                                              norm_weight, up_proj_weight);
+#endif
+  }
+}
+
+LatentTail::~LatentTail() = default;
+
+const TailOptions& LatentTail::options() const { return impl_->options; }
+int LatentTail::tp_rank() const { return impl_->comm.rank(); }
+int LatentTail::tp_size() const { return impl_->comm.size(); }
+
+TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp) {
+  TierSupport support;
+  const TailProblem problem{num_tokens, dims, dtype, tp};
+  for (TailTier tier : kAllTiers) {
+    auto& declined = support.declined[static_cast<std::size_t>(tier)];
+    declined = generic_tier_limit(tier, problem);
+#ifdef LMOE_HAS_CUDA
+    if (!declined && backend == Backend::cuda) declined = cuda_tier_limit(tier, problem);
+#else
+    if (!declined && backend == Backend::cuda) declined = "the cuda backend is not built";
+#endif
+  }
+  return support;
+}
+
+TierSupport LatentTail::support(std::int64_t num_tokens) const {
+  const TailOptions& opts = impl_->options;
+  TierSupport support = tier_support(opts.backend, num_tokens, opts.dims, opts.dtype, tp_size());
+  const TailProblem problem = impl_->problem(num_tokens);
+  for (TailTier tier : kAllTiers) {
+    auto& declined = support.declined[static_cast<std::size_t>(tier)];
+    if (!declined) declined = impl_->executor->can_implement(tier, problem);
+  }
+  return support;
+}
+
+TierDecision LatentTail::decide(std::int64_t num_tokens) const {
+  return lmoe::decide(num_tokens, impl_->options.policy, support(num_tokens));
+}
+
+std::string LatentTail::explain(std::int64_t num_tokens) const {
+  return lmoe::explain(num_tokens, impl_->options.policy, support(num_tokens));
+}
+
+std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
+                                            std::optional<TailTier> tier, StreamHandle stream) {
+  const std::int64_t tokens = routed.rows;
+  std::optional<std::string> error = validate_call(impl_->options, impl_->executor->memory_space(),
+                                                   routed, as_const(shared), as_const(out));
+  std::optional<TailTier> chosen;
+  if (!error && tokens > 0) {
+    if (tier) {
+      const TierSupport can = support(tokens);
+      if (auto declined = can.declined[static_cast<std::size_t>(*tier)]) {
+        error = "tier " + std::string(tier_name(*tier)) + " cannot run T=" + std::to_string(tokens) +
+                ": " + *declined;
+      } else {
+        chosen = tier;
+      }
+    } else {
+      TierDecision decision = decide(tokens);
+      if (decision.tier) {
+        chosen = decision.tier;
+      } else {
+        error = decision.summary;
+      }
+    }
+  }
+
+  if (impl_->exchange_records()) {
+    RankRecord mine;
+    mine.config_hash = impl_->config_hash;
+    mine.num_tokens = tokens;
+    mine.tier = chosen ? static_cast<std::int32_t>(*chosen) : -1;
+    mine.ok = error ? 0 : 1;
+    set_text(mine, error ? *error : impl_->config_text);
+    throw_if_ranks_disagree(exchange(impl_->comm, mine), "configuration");
+  } else if (error) {
+    throw Error(*error);
+  }
+  if (tokens == 0) return std::nullopt;
+  impl_->executor->run(*chosen, routed, shared, out, stream);
+  return chosen;
+}
+
+}  // namespace lmoe

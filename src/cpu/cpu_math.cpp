@@ -1,0 +1,84 @@
+#include "cpu/cpu_math.hpp"
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "lmoe/error.hpp"
+
+namespace lmoe::cpu {
+
+void set_blas_threads(int num_threads) { openblas_set_num_threads(num_threads < 1 ? 1 : num_threads); }
+
+std::vector<float> to_float(ConstMatrixView matrix) {
+  std::vector<float> values(static_cast<std::size_t>(matrix.rows * matrix.cols));
+  for (std::int64_t row = 0; row < matrix.rows; ++row) {
+    for (std::int64_t col = 0; col < matrix.cols; ++col) {
+      values[static_cast<std::size_t>(row * matrix.cols + col)] =
+          load_as_float(matrix.data, matrix.offset(row, col), matrix.dtype);
+    }
+  }
+  return values;
+}
+
+void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, MatrixView out) {
+  LMOE_CHECK(static_cast<std::int64_t>(gamma.size()) == x.cols && out.cols == x.cols &&
+                 out.rows == x.rows,
+             "rms_norm: shape mismatch");
+  std::vector<float> row(static_cast<std::size_t>(x.cols));
+  for (std::int64_t t = 0; t < x.rows; ++t) {
+    float sum_squares = 0.0f;
+    for (std::int64_t j = 0; j < x.cols; ++j) {
+      row[j] = load_as_float(x.data, x.offset(t, j), x.dtype);
+      sum_squares += row[j] * row[j];
+    }
+    const float rstd = 1.0f / std::sqrt(sum_squares / static_cast<float>(x.cols) + eps);
+    for (std::int64_t j = 0; j < x.cols; ++j) {
+      store_from_float(out.data, out.offset(t, j), out.dtype, (row[j] * rstd) * gamma[j]);
+    }
+  }
+}
+
+std::vector<float> gemm_fp32(ConstMatrixView a, const float* w, std::int64_t n) {
+  std::vector<float> acc(static_cast<std::size_t>(a.rows * n));
+  if (acc.empty()) return acc;
+  const std::vector<float> a32 = to_float(a);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.rows), static_cast<int>(n),
+              static_cast<int>(a.cols), 1.0f, a32.data(), static_cast<int>(a.cols), w,
+              static_cast<int>(a.cols), 0.0f, acc.data(), static_cast<int>(n));
+  return acc;
+}
+
+void up_project(ConstMatrixView a, const float* w, std::int64_t n, MatrixView out, bool accumulate) {
+  LMOE_CHECK(out.rows == a.rows && out.cols == n, "up_project: shape mismatch");
+  const std::vector<float> acc = gemm_fp32(a, w, n);
+  for (std::int64_t t = 0; t < a.rows; ++t) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      float value = acc[static_cast<std::size_t>(t * n + j)];
+      if (accumulate) value = load_as_float(out.data, out.offset(t, j), out.dtype) + value;
+      store_from_float(out.data, out.offset(t, j), out.dtype, value);
+    }
+  }
+}
+
+void add(ConstMatrixView a, ConstMatrixView b, MatrixView out) {
+  LMOE_CHECK(a.rows == b.rows && a.cols == b.cols && out.rows == a.rows && out.cols == a.cols,
+             "add: shape mismatch");
+  for (std::int64_t t = 0; t < a.rows; ++t) {
+    for (std::int64_t j = 0; j < a.cols; ++j) {
+      const float sum = load_as_float(a.data, a.offset(t, j), a.dtype) +
+                        load_as_float(b.data, b.offset(t, j), b.dtype);
+      store_from_float(out.data, out.offset(t, j), out.dtype, sum);
+    }
+  }
+}
+
+void copy(ConstMatrixView src, MatrixView dst) {
+  LMOE_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.dtype == dst.dtype,
+             "copy: shape mismatch");
+  const std::size_t row_bytes = static_cast<std::size_t>(src.cols) * src.element_size();
+  for (std::int64_t t = 0; t < src.rows; ++t) std::memcpy(dst.row_ptr(t), src.row_ptr(t), row_bytes);
+}
+
+}  // namespace lmoe::cpu
