@@ -1,0 +1,44 @@
+// `lmoe explain`: the policy's decision for T tokens and tp ranks, with every reason.
+#include <iostream>
+#include <memory>
+
+#include "common.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe::cli {
+
+namespace {
+
+struct ExplainCommand {
+  ModelOptions model;
+  std::int64_t tokens = 1;
+  int tp = 8;
+  std::string backend = "auto";
+  std::string tier_table;
+
+  void execute() const {
+    const ModelOptions::Resolved resolved = model.resolve();
+    LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
+    const Backend chosen = resolve_backend(backend);
+    const PolicyConfig policy = resolve_policy(tier_table);
+    std::cout << resolved.name << ": d_model " << resolved.dims.d_model << ", d_latent "
+              << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
+              << ", backend " << backend_name(chosen) << "\n";
+    std::cout << explain(tokens, policy, tier_support(chosen, tokens, resolved.dims, resolved.dtype, tp));
+  }
+};
+
+}  // namespace
+
+void add_explain_command(CLI::App& app) {
+  auto command = std::make_shared<ExplainCommand>();
+  CLI::App* sub = app.add_subcommand("explain", "say which tier runs T tokens and why");
+  command->model.add_to(*sub);
+  sub->add_option("-t,--tokens", command->tokens, "token count T")->required()->check(CLI::NonNegativeNumber);
+  sub->add_option("--tp", command->tp, "tensor-parallel ranks")->capture_default_str();
+  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
+  sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->callback([command] { command->execute(); });
+}
+
+}  // namespace lmoe::cli

@@ -1,0 +1,43 @@
+// Options and helpers that several `lmoe` subcommands share.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <optional>
+#include <string>
+
+#include "lmoe/dims.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/tier_policy.hpp"
+
+namespace lmoe::cli {
+
+// --preset, --d-model, --d-latent, --dtype, --eps: a preset's dims, each overridable.
+struct ModelOptions {
+  std::string preset = "kimi-k3";
+  std::int64_t d_model = 0;   // 0: the preset's
+  std::int64_t d_latent = 0;  // 0: the preset's
+  std::string dtype;          // empty: the preset's
+  std::optional<float> eps;   // empty: the preset's
+
+  void add_to(CLI::App& app);
+  struct Resolved {
+    std::string name;
+    TailDims dims;
+    DType dtype;
+    float eps;
+  };
+  Resolved resolve() const;
+};
+
+// --backend: "auto" picks cuda when it is available, else cpu.
+Backend resolve_backend(const std::string& name);
+
+// The policy from the environment and an optional --tier-table.
+PolicyConfig resolve_policy(const std::string& tier_table);
+
+void add_run_command(CLI::App& app);
+void add_tail_command(CLI::App& app);
+void add_explain_command(CLI::App& app);
+
+}  // namespace lmoe::cli

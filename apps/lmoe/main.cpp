@@ -1,0 +1,67 @@
+// lmoe: the latent MoE tail under tensor parallelism, from the command line.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "common.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe::cli {
+
+void ModelOptions::add_to(CLI::App& app) {
+  std::string presets;
+  for (const ModelPreset& preset : model_presets()) presets += (presets.empty() ? "" : ", ") + preset.name;
+  app.add_option("--preset", preset, "model dims: " + presets)->capture_default_str();
+  app.add_option("--d-model", d_model, "hidden size d (overrides the preset)")->check(CLI::PositiveNumber);
+  app.add_option("--d-latent", d_latent, "latent size l (overrides the preset)")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", dtype, "storage dtype: bf16, f16 or f32 (default: the preset's)");
+  app.add_option("--eps", eps, "RMSNorm epsilon (default: the preset's)");
+}
+
+ModelOptions::Resolved ModelOptions::resolve() const {
+  const ModelPreset& base = find_preset(preset);
+  Resolved resolved{base.name, base.dims, base.dtype, base.rms_norm_eps};
+  if (d_model > 0) resolved.dims.d_model = d_model;
+  if (d_latent > 0) resolved.dims.d_latent = d_latent;
+  if (d_model > 0 || d_latent > 0) resolved.name += " (dims overridden)";
+  if (!dtype.empty()) resolved.dtype = parse_dtype(dtype);
+  if (eps) resolved.eps = *eps;
+  return resolved;
+}
+
+Backend resolve_backend(const std::string& name) {
+  if (name == "auto") return backend_available(Backend::cuda) ? Backend::cuda : Backend::cpu;
+  const Backend backend = parse_backend(name);
+  if (!backend_available(backend)) {
+    throw Error("backend " + name + " is not available (not built, or no GPU on this machine)");
+  }
+  return backend;
+}
+
+PolicyConfig resolve_policy(const std::string& tier_table) {
+  return load_policy_config(process_environment(),
+                            tier_table.empty() ? std::nullopt : std::optional<std::string>(tier_table));
+}
+
+}  // namespace lmoe::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"lmoe — the latent Mixture-of-Experts tail under tensor parallelism"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "lmoe 0.1.0");
+  lmoe::cli::add_run_command(app);
+  lmoe::cli::add_tail_command(app);
+  lmoe::cli::add_explain_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error);
+  } catch (const lmoe::Error& error) {
+    std::cerr << "lmoe: error: " << error.message() << "\n";
+    return 2;
+  } catch (const std::exception& error) {
+    std::cerr << "lmoe: error: " << error.what() << "\n";
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,24 @@
+// Plain-text tables for the terminal, in the style of nccl-tests: right-aligned numeric columns.
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace lmoe::cli {
+
+class Table {
+ public:
+  explicit Table(std::vector<std::string> headers) : headers_(std::move(headers)) {}
+  void add_row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  void print(std::ostream& out) const;
+
+ private:
+  std::vector<std::string> headers_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// "12.3", "1.23e+04", "-" for a negative value (not measured).
+std::string format_number(double value, int precision = 3);
+
+}  // namespace lmoe::cli
