@@ -1,0 +1,275 @@
+"""End-to-end tests of the `lmoe` tool: `tail` on safetensors files (checked against an
+independent numpy implementation of the tail), malformed files, `explain`, `run --json` and bad
+environment variables. Usage: test_cli.py PATH_TO_LMOE"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+LMOE = None
+
+
+def to_bf16_bits(x):
+    """float32 → bf16 bits, round to nearest even (as lmoe does)."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def from_bf16_bits(bits):
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def write_safetensors(path, tensors, metadata=None, header_override=None):
+    """tensors: name → (dtype string, shape, raw bytes)."""
+    header = {}
+    offset = 0
+    blobs = []
+    for name in sorted(tensors):
+        dtype, shape, raw = tensors[name]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = (header_override if header_override is not None else json.dumps(header)).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def read_output(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    entry = header["output"]
+    begin, end = entry["data_offsets"]
+    raw = data[8 + n + begin : 8 + n + end]
+    assert entry["dtype"] == "BF16", entry
+    return from_bf16_bits(np.frombuffer(raw, dtype=np.uint16)).reshape(entry["shape"]), header
+
+
+def make_case(tp, tokens, d, l, seed):
+    rng = np.random.default_rng(seed)
+    routed = to_bf16_bits(rng.standard_normal((tp, tokens, l), dtype=np.float32))
+    shared = to_bf16_bits(rng.standard_normal((tp, tokens, d), dtype=np.float32))
+    gamma = to_bf16_bits(1 + 0.1 * rng.standard_normal(l, dtype=np.float32))
+    w_up = to_bf16_bits(rng.standard_normal((d, l), dtype=np.float32) / np.sqrt(l))
+    return routed, shared, gamma, w_up
+
+
+def expected_tail(routed, shared, gamma, w_up, eps):
+    """The tail's math in float64 from the stored bf16 values (no intermediate rounding)."""
+    x = from_bf16_bits(routed).astype(np.float64).sum(axis=0)
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+    n = x * rstd * from_bf16_bits(gamma).astype(np.float64)
+    u = n @ from_bf16_bits(w_up).astype(np.float64).T
+    return u + from_bf16_bits(shared).astype(np.float64).sum(axis=0)
+
+
+def lmoe(*args, env=None, check=True):
+    full_env = dict(os.environ)
+    for name in list(full_env):
+        if name.startswith("LMOE_"):
+            del full_env[name]
+    full_env.update(env or {})
+    result = subprocess.run([LMOE, *args], capture_output=True, text=True, env=full_env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"lmoe {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+class TailCommand(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        # Kimi-K3 dims, tp 8: the 7168 × 3584 up-projection and every tier's stripes at full size.
+        cls.tp, cls.tokens, cls.d, cls.l = 8, 19, 7168, 3584
+        cls.case = make_case(cls.tp, cls.tokens, cls.d, cls.l, seed=7)
+        routed, shared, gamma, w_up = cls.case
+        cls.input = os.path.join(cls.dir.name, "k3_tp8.safetensors")
+        write_safetensors(
+            cls.input,
+            {
+                "routed": ("BF16", routed.shape, routed.tobytes()),
+                "shared": ("BF16", shared.shape, shared.tobytes()),
+                "norm.weight": ("BF16", gamma.shape, gamma.tobytes()),
+                "up_proj.weight": ("BF16", w_up.shape, w_up.tobytes()),
+            },
+            metadata={"eps": "1e-05"},
+        )
+        cls.expected = expected_tail(*cls.case, eps=1e-5)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def run_tier(self, tier):
+        out = os.path.join(self.dir.name, f"out_{tier}.safetensors")
+        result = lmoe("tail", "--input", self.input, "--output", out, "--tier", tier, "--backend", "cpu", "--check")
+        y, header = read_output(out)
+        self.assertEqual(list(y.shape), [self.tokens, self.d])
+        self.assertEqual(header["__metadata__"]["tier"], tier)
+        return y, result
+
+    def test_every_tier_writes_the_right_output(self):
+        outputs = {}
+        for tier in ["fused", "overlap", "column", "token"]:
+            with self.subTest(tier=tier):
+                y, result = self.run_tier(tier)
+                self.assertIn(f"tier: {tier}", result.stdout)
+                error = np.linalg.norm(y - self.expected) / np.linalg.norm(self.expected)
+                self.assertLess(error, 1e-2)
+                self.assertTrue(np.isfinite(y).all())
+                outputs[tier] = y
+        # fused, overlap and token share one contract; their bf16 outputs agree closely.
+        for tier in ["overlap", "token"]:
+            self.assertLess(np.abs(outputs[tier] - outputs["fused"]).max(), 0.1)
+
+    def test_auto_says_which_tier_and_why(self):
+        out = os.path.join(self.dir.name, "out_auto.safetensors")
+        result = lmoe("tail", "--input", self.input, "--output", out, "--backend", "cpu")
+        self.assertIn("tier: fused", result.stdout)
+        self.assertIn("T=19 <= fused_max_tokens=128", result.stdout)
+        self.assertIn("eps=1e-05 (__metadata__ eps)", result.stderr)
+
+
+class MalformedFiles(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tp, self.tokens, self.d, self.l = 2, 3, 32, 16
+        self.case = make_case(self.tp, self.tokens, self.d, self.l, seed=3)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def tensors(self):
+        routed, shared, gamma, w_up = self.case
+        return {
+            "routed": ("BF16", routed.shape, routed.tobytes()),
+            "shared": ("BF16", shared.shape, shared.tobytes()),
+            "norm.weight": ("BF16", gamma.shape, gamma.tobytes()),
+            "up_proj.weight": ("BF16", w_up.shape, w_up.tobytes()),
+        }
+
+    def expect_error(self, path, *needles):
+        out = os.path.join(self.dir.name, "out.safetensors")
+        result = lmoe("tail", "--input", path, "--output", out, "--backend", "cpu", check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("lmoe: error:", result.stderr)
+        for needle in needles:
+            self.assertIn(needle, result.stderr)
+        self.assertFalse(os.path.exists(out))
+
+    def test_valid_small_file_works(self):
+        path = os.path.join(self.dir.name, "ok.safetensors")
+        write_safetensors(path, self.tensors())
+        out = os.path.join(self.dir.name, "out.safetensors")
+        lmoe("tail", "--input", path, "--output", out, "--backend", "cpu", "--check")
+        y, _ = read_output(out)
+        expected = expected_tail(*self.case, eps=1e-5)
+        self.assertLess(np.linalg.norm(y - expected) / np.linalg.norm(expected), 1e-2)
+
+    def test_truncated_file(self):
+        path = os.path.join(self.dir.name, "t.safetensors")
+        write_safetensors(path, self.tensors())
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data[:-10])
+        self.expect_error(path, "t.safetensors")
+
+    def test_missing_tensor(self):
+        path = os.path.join(self.dir.name, "m.safetensors")
+        tensors = self.tensors()
+        del tensors["norm.weight"]
+        write_safetensors(path, tensors)
+        self.expect_error(path, "missing tensor 'norm.weight'")
+
+    def test_wrong_shape(self):
+        path = os.path.join(self.dir.name, "s.safetensors")
+        tensors = self.tensors()
+        w = tensors["up_proj.weight"][2]
+        tensors["up_proj.weight"] = ("BF16", (self.l, self.d), w)
+        write_safetensors(path, tensors)
+        self.expect_error(path, "tensor 'up_proj.weight' has shape [16, 32], expected [32, 16]")
+
+    def test_mixed_dtypes(self):
+        path = os.path.join(self.dir.name, "d.safetensors")
+        tensors = self.tensors()
+        g = from_bf16_bits(self.case[2])
+        tensors["norm.weight"] = ("F32", g.shape, g.astype(np.float32).tobytes())
+        write_safetensors(path, tensors)
+        self.expect_error(path, "tensor 'norm.weight' is F32 but routed is BF16")
+
+    def test_garbage_header(self):
+        path = os.path.join(self.dir.name, "g.safetensors")
+        write_safetensors(path, self.tensors(), header_override="{not json")
+        self.expect_error(path, "g.safetensors")
+
+    def test_absurd_header_length(self):
+        path = os.path.join(self.dir.name, "h.safetensors")
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", 1 << 60) + b"{}")
+        self.expect_error(path, "h.safetensors")
+
+    def test_unknown_dtype(self):
+        path = os.path.join(self.dir.name, "u.safetensors")
+        tensors = self.tensors()
+        g = from_bf16_bits(self.case[2]).astype(np.float64)
+        tensors["norm.weight"] = ("F64", g.shape, g.tobytes())
+        write_safetensors(path, tensors)
+        self.expect_error(path, "F64")
+
+    def test_missing_file(self):
+        self.expect_error(os.path.join(self.dir.name, "nope.safetensors"), "nope.safetensors")
+
+
+class OtherCommands(unittest.TestCase):
+    def test_explain_lists_every_tier(self):
+        result = lmoe("explain", "--tokens", "3", "--tp", "4", "--preset", "kimi-k3", "--backend", "cpu")
+        for tier in ["fused", "overlap", "column", "token"]:
+            self.assertIn(tier, result.stdout)
+        self.assertIn("T=3 < tp=4", result.stdout)
+
+    def test_explain_env_and_forced_tier(self):
+        result = lmoe("explain", "--tokens", "100", "--tp", "8", "--backend", "cpu", env={"LMOE_FUSED_MAX_TOKENS": "64"})
+        self.assertIn("→ overlap", result.stdout)
+        self.assertIn("LMOE_FUSED_MAX_TOKENS=64", result.stdout)
+        result = lmoe("explain", "--tokens", "100", "--tp", "8", "--backend", "cpu", env={"LMOE_TIER": "token"})
+        self.assertIn("→ token (forced: LMOE_TIER=token)", result.stdout)
+
+    def test_bad_environment_variable_names_it(self):
+        result = lmoe("explain", "--tokens", "1", "--backend", "cpu", env={"LMOE_OVERLAP_MAX_TOKENS": "lots"}, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("LMOE_OVERLAP_MAX_TOKENS='lots'", result.stderr)
+
+    def test_run_writes_json_with_every_row_ok(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "run.json")
+            result = lmoe("run", "--preset", "small", "-n", "3", "-t", "0,1,2,3,129", "--backend", "cpu", "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+            self.assertTrue(doc["ok"])
+            self.assertEqual([row["tokens"] for row in doc["rows"]], [0, 1, 2, 3, 129])
+            self.assertEqual(doc["rows"][2]["tiers"]["token"]["status"], "declined")
+            self.assertEqual(doc["rows"][3]["tiers"]["token"]["status"], "ran")
+            self.assertEqual(doc["rows"][4]["chosen"], "overlap")
+
+    def test_unknown_preset(self):
+        result = lmoe("run", "--preset", "gpt-9", check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("unknown preset 'gpt-9'", result.stderr)
+
+
+if __name__ == "__main__":
+    LMOE = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)

@@ -1,0 +1,690 @@
+// The tier policy: where each breakpoint comes from (default < table < environment), which tier
+// each T gets at and around every breakpoint, forcing, declining with a reason, and the errors a
+// bad environment variable or tier table raises.
+#include "lmoe/tier_policy.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lmoe/error.hpp"
+
+namespace {
+
+using lmoe::PolicyConfig;
+using lmoe::SettingSource;
+using lmoe::TailTier;
+using lmoe::TierDecision;
+using lmoe::TierSupport;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+using Env = std::map<std::string, std::string>;
+
+lmoe::EnvLookup fake_env(Env values) {
+  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
+    auto it = values.find(name);
+    if (it == values.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+PolicyConfig load(const Env& env, const std::optional<std::string>& table_path = std::nullopt) {
+  return lmoe::load_policy_config(fake_env(env), table_path);
+}
+
+// The message of the lmoe::Error that loading throws; any other outcome fails the test.
+std::string load_error(const Env& env,
+                       const std::optional<std::string>& table_path = std::nullopt) {
+  try {
+    load(env, table_path);
+  } catch (const lmoe::Error& error) {
+    return error.message();
+  }
+  ADD_FAILURE() << "load_policy_config did not throw";
+  return "<no error>";
+}
+
+std::string table_error(const std::string& json) {
+  PolicyConfig config;
+  try {
+    lmoe::apply_tier_table(config, json, "t.json");
+  } catch (const lmoe::Error& error) {
+    return error.message();
+  }
+  ADD_FAILURE() << "apply_tier_table accepted " << json;
+  return "<no error>";
+}
+
+TierSupport all_can_run() { return {}; }
+
+TierSupport declining(TailTier tier, const std::string& why) {
+  TierSupport support;
+  support.declined[static_cast<std::size_t>(tier)] = why;
+  return support;
+}
+
+TailTier tier_for(std::int64_t tokens, const PolicyConfig& config,
+                  const TierSupport& support = all_can_run()) {
+  return lmoe::select(tokens, config, support);
+}
+
+std::string select_error(std::int64_t tokens, const PolicyConfig& config,
+                         const TierSupport& support) {
+  try {
+    lmoe::select(tokens, config, support);
+  } catch (const lmoe::Error& error) {
+    return error.message();
+  }
+  ADD_FAILURE() << "select did not throw for T=" << tokens;
+  return "<no error>";
+}
+
+// Writes tier tables into a directory of its own and removes it afterwards.
+class TierTableFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("lmoe_tier_policy_" + std::to_string(::getpid()) + "_" + info->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string write(const std::string& name, const std::string& text) {
+    const std::filesystem::path path = dir_ / name;
+    std::ofstream(path, std::ios::binary) << text;
+    return path.string();
+  }
+
+  std::filesystem::path dir_;
+};
+
+const char* kFullTable = R"({"format": "lmoe-tier-table", "version": 1,
+  "breakpoints": {"fused_max_tokens": 64, "overlap_max_tokens": 512, "column_max_tokens": 4096},
+  "overlap_disabled": true,
+  "hardware": {"gpu": "H200"}, "measurements": [1, 2, 3]})";
+
+// ---------------------------------------------------------------------------------------------
+// Sources and precedence
+
+TEST(TierPolicyConfig, BuiltInDefaultsWithAnEmptyEnvironment) {
+  const PolicyConfig config = load({});
+  EXPECT_EQ(config.fused_max_tokens.value, 128);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(config.overlap_max_tokens.value, 256);
+  EXPECT_EQ(config.overlap_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(config.column_max_tokens.value, std::nullopt);
+  EXPECT_EQ(config.column_max_tokens.source, SettingSource::built_in);
+  EXPECT_FALSE(config.overlap_disabled.value);
+  EXPECT_EQ(config.forced_tier.value, std::nullopt);
+  EXPECT_EQ(config.table_path, std::nullopt);
+}
+
+TEST(TierPolicyConfig, EmptyVariablesCountAsUnset) {
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", ""},
+                                    {"LMOE_OVERLAP_MAX_TOKENS", ""},
+                                    {"LMOE_COLUMN_MAX_TOKENS", ""},
+                                    {"LMOE_DISABLE_OVERLAP", ""},
+                                    {"LMOE_TIER", ""},
+                                    {"LMOE_TIER_TABLE", ""}});
+  EXPECT_EQ(config.fused_max_tokens.value, 128);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(config.column_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(config.forced_tier.source, SettingSource::built_in);
+  EXPECT_EQ(config.table_path, std::nullopt);
+}
+
+TEST_F(TierTableFiles, TableOverridesEveryDefault) {
+  const std::string path = write("tiers.json", kFullTable);
+  const PolicyConfig config = load({}, path);
+  EXPECT_EQ(config.fused_max_tokens.value, 64);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::table);
+  EXPECT_EQ(config.fused_max_tokens.origin, "table " + path + " fused_max_tokens");
+  EXPECT_EQ(config.overlap_max_tokens.value, 512);
+  EXPECT_EQ(config.overlap_max_tokens.source, SettingSource::table);
+  EXPECT_EQ(config.column_max_tokens.value, std::optional<std::int64_t>(4096));
+  EXPECT_EQ(config.column_max_tokens.source, SettingSource::table);
+  EXPECT_TRUE(config.overlap_disabled.value);
+  EXPECT_EQ(config.overlap_disabled.source, SettingSource::table);
+  EXPECT_EQ(config.table_path, std::optional<std::string>(path));
+}
+
+TEST_F(TierTableFiles, TableKeysLeftOutKeepTheirDefaults) {
+  const std::string path = write("partial.json", R"({"format": "lmoe-tier-table", "version": 1,
+                                "breakpoints": {"overlap_max_tokens": 300}})");
+  const PolicyConfig config = load({}, path);
+  EXPECT_EQ(config.fused_max_tokens.value, 128);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(config.overlap_max_tokens.value, 300);
+  EXPECT_EQ(config.overlap_max_tokens.source, SettingSource::table);
+  EXPECT_FALSE(config.overlap_disabled.value);
+  EXPECT_EQ(config.overlap_disabled.source, SettingSource::built_in);
+}
+
+TEST_F(TierTableFiles, TableIsFoundThroughLmoeTierTable) {
+  const std::string path = write("tiers.json", kFullTable);
+  const PolicyConfig config = load({{"LMOE_TIER_TABLE", path}});
+  EXPECT_EQ(config.fused_max_tokens.value, 64);
+  EXPECT_EQ(config.table_path, std::optional<std::string>(path));
+}
+
+TEST_F(TierTableFiles, ExplicitTablePathWinsOverLmoeTierTable) {
+  const std::string chosen = write("chosen.json", kFullTable);
+  // The variable names a file that does not exist: it must not even be opened.
+  const PolicyConfig config = load({{"LMOE_TIER_TABLE", (dir_ / "missing.json").string()}}, chosen);
+  EXPECT_EQ(config.fused_max_tokens.value, 64);
+  EXPECT_EQ(config.table_path, std::optional<std::string>(chosen));
+}
+
+TEST_F(TierTableFiles, EnvironmentOverridesTheTableForEachKey) {
+  const std::string path = write("tiers.json", kFullTable);
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", "32"},
+                                    {"LMOE_OVERLAP_MAX_TOKENS", "1000"},
+                                    {"LMOE_COLUMN_MAX_TOKENS", "none"},
+                                    {"LMOE_DISABLE_OVERLAP", "0"}},
+                                   path);
+  EXPECT_EQ(config.fused_max_tokens.value, 32);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::environment);
+  EXPECT_EQ(config.fused_max_tokens.origin, "LMOE_FUSED_MAX_TOKENS=32");
+  EXPECT_EQ(config.overlap_max_tokens.value, 1000);
+  EXPECT_EQ(config.overlap_max_tokens.source, SettingSource::environment);
+  EXPECT_EQ(config.overlap_max_tokens.origin, "LMOE_OVERLAP_MAX_TOKENS=1000");
+  // "none" clears the table's limit rather than being ignored.
+  EXPECT_EQ(config.column_max_tokens.value, std::nullopt);
+  EXPECT_EQ(config.column_max_tokens.source, SettingSource::environment);
+  EXPECT_EQ(config.column_max_tokens.origin, "LMOE_COLUMN_MAX_TOKENS=none");
+  EXPECT_FALSE(config.overlap_disabled.value);
+  EXPECT_EQ(config.overlap_disabled.source, SettingSource::environment);
+  EXPECT_EQ(config.overlap_disabled.origin, "LMOE_DISABLE_OVERLAP=0");
+  EXPECT_EQ(config.table_path, std::optional<std::string>(path));
+}
+
+TEST(TierPolicyConfig, EnvironmentOverridesEachDefault) {
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", "0"},
+                                    {"LMOE_OVERLAP_MAX_TOKENS", "7"},
+                                    {"LMOE_COLUMN_MAX_TOKENS", "9"},
+                                    {"LMOE_DISABLE_OVERLAP", "yes"},
+                                    {"LMOE_TIER", "column"}});
+  EXPECT_EQ(config.fused_max_tokens.value, 0);
+  EXPECT_EQ(config.overlap_max_tokens.value, 7);
+  EXPECT_EQ(config.column_max_tokens.value, std::optional<std::int64_t>(9));
+  EXPECT_TRUE(config.overlap_disabled.value);
+  EXPECT_EQ(config.forced_tier.value, std::optional<TailTier>(TailTier::column));
+  EXPECT_EQ(config.forced_tier.source, SettingSource::environment);
+  EXPECT_EQ(config.forced_tier.origin, "LMOE_TIER=column");
+}
+
+TEST(TierPolicyConfig, FlagSpellings) {
+  for (const char* yes : {"1", "true", "TRUE", "Yes", "on"}) {
+    EXPECT_TRUE(load({{"LMOE_DISABLE_OVERLAP", yes}}).overlap_disabled.value) << yes;
+  }
+  for (const char* no : {"0", "false", "No", "OFF"}) {
+    const PolicyConfig config = load({{"LMOE_DISABLE_OVERLAP", no}});
+    EXPECT_FALSE(config.overlap_disabled.value) << no;
+    EXPECT_EQ(config.overlap_disabled.source, SettingSource::environment) << no;
+  }
+}
+
+TEST(TierPolicyConfig, LmoeTierAutoMeansNoForcedTier) {
+  const PolicyConfig config = load({{"LMOE_TIER", "auto"}});
+  EXPECT_EQ(config.forced_tier.value, std::nullopt);
+  EXPECT_EQ(config.forced_tier.source, SettingSource::environment);
+  for (TailTier tier : lmoe::kAllTiers) {
+    const std::string name(lmoe::tier_name(tier));
+    EXPECT_EQ(load({{"LMOE_TIER", name}}).forced_tier.value, std::optional<TailTier>(tier)) << name;
+  }
+}
+
+TEST(TierPolicyConfig, LargestTokenCountIsAcceptedAndOneMoreIsTooLarge) {
+  EXPECT_EQ(load({{"LMOE_FUSED_MAX_TOKENS", "9223372036854775807"}}).fused_max_tokens.value,
+            INT64_MAX);
+  EXPECT_EQ(load_error({{"LMOE_FUSED_MAX_TOKENS", "9223372036854775808"}}),
+            "LMOE_FUSED_MAX_TOKENS='9223372036854775808': the number is too large");
+  EXPECT_EQ(load_error({{"LMOE_OVERLAP_MAX_TOKENS", "99999999999999999999999"}}),
+            "LMOE_OVERLAP_MAX_TOKENS='99999999999999999999999': the number is too large");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad environment values: every message names the variable and its value.
+
+TEST(TierPolicyConfig, GarbageTokenCountsThrowNamingTheVariable) {
+  const char* variables[] = {"LMOE_FUSED_MAX_TOKENS", "LMOE_OVERLAP_MAX_TOKENS",
+                             "LMOE_COLUMN_MAX_TOKENS"};
+  const char* garbage[] = {"-1", "abc", "12x", " 12", "12 ", "+5", "1e3", "1.5", "0x10", "--0"};
+  for (const char* variable : variables) {
+    for (const char* value : garbage) {
+      EXPECT_EQ(load_error({{variable, value}}),
+                std::string(variable) + "='" + value +
+                    "': expected a non-negative integer number of tokens")
+          << variable << "=" << value;
+    }
+  }
+  EXPECT_EQ(load_error({{"LMOE_FUSED_MAX_TOKENS", "-1"}}),
+            "LMOE_FUSED_MAX_TOKENS='-1': expected a non-negative integer number of tokens");
+}
+
+TEST(TierPolicyConfig, GarbageFlagThrowsNamingTheVariable) {
+  EXPECT_EQ(load_error({{"LMOE_DISABLE_OVERLAP", "maybe"}}),
+            "LMOE_DISABLE_OVERLAP='maybe': expected 1, 0, true, false, yes, no, on or off");
+  EXPECT_EQ(load_error({{"LMOE_DISABLE_OVERLAP", "2"}}),
+            "LMOE_DISABLE_OVERLAP='2': expected 1, 0, true, false, yes, no, on or off");
+}
+
+TEST(TierPolicyConfig, UnknownForcedTierThrowsNamingTheVariable) {
+  EXPECT_EQ(
+      load_error({{"LMOE_TIER", "turbo"}}),
+      "LMOE_TIER='turbo': unknown tier 'turbo': expected auto, fused, overlap, column or token");
+  EXPECT_EQ(
+      load_error({{"LMOE_TIER", "Fused"}}),
+      "LMOE_TIER='Fused': unknown tier 'Fused': expected auto, fused, overlap, column or token");
+}
+
+TEST(TierPolicyConfig, ErrorWhatCarriesThePlaceAndMessageDoesNot) {
+  try {
+    load({{"LMOE_FUSED_MAX_TOKENS", "x"}});
+    FAIL() << "no throw";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(std::string(error.what()), HasSubstr("core/tier_policy.cpp:"));
+    EXPECT_THAT(error.message(), StartsWith("LMOE_FUSED_MAX_TOKENS='x'"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed tier tables
+
+TEST(TierTable, NotJson) {
+  EXPECT_THAT(table_error("{not json"), StartsWith("t.json: not valid JSON: "));
+  EXPECT_THAT(table_error(""), StartsWith("t.json: not valid JSON: "));
+}
+
+TEST(TierTable, TopLevelMustBeAnObject) {
+  EXPECT_EQ(table_error("[1, 2]"), "t.json: expected a JSON object at the top level");
+  EXPECT_EQ(table_error("128"), "t.json: expected a JSON object at the top level");
+}
+
+TEST(TierTable, WrongOrMissingFormat) {
+  EXPECT_EQ(table_error(R"({"format": "other", "version": 1})"),
+            "t.json: \"format\" must be \"lmoe-tier-table\"");
+  EXPECT_EQ(table_error(R"({"version": 1})"), "t.json: \"format\" must be \"lmoe-tier-table\"");
+}
+
+TEST(TierTable, WrongOrMissingVersion) {
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 2})"),
+            "t.json: unsupported \"version\" 2 (this lmoe reads version 1)");
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 0})"),
+            "t.json: unsupported \"version\" 0 (this lmoe reads version 1)");
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": "1"})"),
+            "t.json: unsupported \"version\" \"1\" (this lmoe reads version 1)");
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table"})"),
+            "t.json: unsupported \"version\" null (this lmoe reads version 1)");
+}
+
+TEST(TierTable, UnknownBreakpointIsAnError) {
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 1,
+                             "breakpoints": {"fused_max_token": 64}})"),
+            "t.json: breakpoints.fused_max_token: unknown breakpoint (expected fused_max_tokens, "
+            "overlap_max_tokens or column_max_tokens)");
+}
+
+TEST(TierTable, BreakpointValuesMustBeNonNegativeIntegers) {
+  const auto with = [](const std::string& key, const std::string& value) {
+    return R"({"format": "lmoe-tier-table", "version": 1, "breakpoints": {")" + key +
+           "\": " + value + "}}";
+  };
+  EXPECT_EQ(table_error(with("fused_max_tokens", "-1")),
+            "t.json: breakpoints.fused_max_tokens: expected a non-negative integer, got -1");
+  EXPECT_EQ(table_error(with("overlap_max_tokens", "1.5")),
+            "t.json: breakpoints.overlap_max_tokens: expected a non-negative integer, got 1.5");
+  EXPECT_EQ(table_error(with("column_max_tokens", "\"64\"")),
+            "t.json: breakpoints.column_max_tokens: expected a non-negative integer, got \"64\"");
+  EXPECT_EQ(table_error(with("fused_max_tokens", "null")),
+            "t.json: breakpoints.fused_max_tokens: expected a non-negative integer, got null");
+  // An unsigned value beyond int64 must not wrap into an accepted (or negative) limit.
+  EXPECT_THAT(table_error(with("fused_max_tokens", "18446744073709551615")),
+              StartsWith("t.json: breakpoints.fused_max_tokens: expected a non-negative integer"));
+  // ±1 at the lower edge: 0 is a valid breakpoint.
+  PolicyConfig config;
+  lmoe::apply_tier_table(config, with("fused_max_tokens", "0"), "t.json");
+  EXPECT_EQ(config.fused_max_tokens.value, 0);
+}
+
+TEST(TierTable, BreakpointsAndFlagHaveTypes) {
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 1, "breakpoints": [128]})"),
+            "t.json: \"breakpoints\" must be an object");
+  EXPECT_EQ(
+      table_error(R"({"format": "lmoe-tier-table", "version": 1, "overlap_disabled": "yes"})"),
+      "t.json: \"overlap_disabled\" must be true or false");
+}
+
+TEST(TierTable, NullColumnLimitMeansNoLimitFromTheTable) {
+  PolicyConfig config;
+  config.column_max_tokens.value = 100;
+  lmoe::apply_tier_table(config, R"({"format": "lmoe-tier-table", "version": 1,
+                                     "breakpoints": {"column_max_tokens": null}})",
+                         "t.json");
+  EXPECT_EQ(config.column_max_tokens.value, std::nullopt);
+  EXPECT_EQ(config.column_max_tokens.source, SettingSource::table);
+  EXPECT_EQ(config.column_max_tokens.origin, "t.json column_max_tokens");
+}
+
+TEST_F(TierTableFiles, MalformedTableFileFailsTheLoadWithItsPath) {
+  const std::string path = write("bad.json", R"({"format": "lmoe-tier-table", "version": 3})");
+  EXPECT_EQ(load_error({}, path),
+            "table " + path + ": unsupported \"version\" 3 (this lmoe reads version 1)");
+  EXPECT_EQ(load_error({{"LMOE_TIER_TABLE", path}}),
+            "table " + path + ": unsupported \"version\" 3 (this lmoe reads version 1)");
+}
+
+TEST_F(TierTableFiles, MissingTableFileThrows) {
+  const std::string path = (dir_ / "nope.json").string();
+  EXPECT_EQ(load_error({}, path), "cannot open the tier table '" + path + "'");
+  EXPECT_EQ(load_error({{"LMOE_TIER_TABLE", path}}), "cannot open the tier table '" + path + "'");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Breakpoints, each at −1, at, +1
+
+TEST(TierPolicySelect, DefaultBreakpoints) {
+  const PolicyConfig config = load({});
+  EXPECT_EQ(tier_for(1, config), TailTier::fused);
+  EXPECT_EQ(tier_for(127, config), TailTier::fused);
+  EXPECT_EQ(tier_for(128, config), TailTier::fused);
+  EXPECT_EQ(tier_for(129, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(255, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(256, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(257, config), TailTier::column);
+  // Without a column limit the token tier is never preferred.
+  EXPECT_EQ(tier_for(1'000'000'000, config), TailTier::column);
+  EXPECT_EQ(tier_for(INT64_MAX, config), TailTier::column);
+}
+
+TEST(TierPolicySelect, ColumnLimitWhenSet) {
+  const PolicyConfig config = load({{"LMOE_COLUMN_MAX_TOKENS", "1024"}});
+  EXPECT_EQ(tier_for(256, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(257, config), TailTier::column);
+  EXPECT_EQ(tier_for(1023, config), TailTier::column);
+  EXPECT_EQ(tier_for(1024, config), TailTier::column);
+  EXPECT_EQ(tier_for(1025, config), TailTier::token);
+}
+
+TEST(TierPolicySelect, BreakpointsFromTheEnvironment) {
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", "16"},
+                                    {"LMOE_OVERLAP_MAX_TOKENS", "48"},
+                                    {"LMOE_COLUMN_MAX_TOKENS", "96"}});
+  EXPECT_EQ(tier_for(15, config), TailTier::fused);
+  EXPECT_EQ(tier_for(16, config), TailTier::fused);
+  EXPECT_EQ(tier_for(17, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(47, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(48, config), TailTier::overlap);
+  EXPECT_EQ(tier_for(49, config), TailTier::column);
+  EXPECT_EQ(tier_for(95, config), TailTier::column);
+  EXPECT_EQ(tier_for(96, config), TailTier::column);
+  EXPECT_EQ(tier_for(97, config), TailTier::token);
+}
+
+TEST(TierPolicySelect, ZeroFusedLimitSendsEvenOneTokenOnward) {
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", "0"}});
+  EXPECT_EQ(tier_for(1, config), TailTier::overlap);
+}
+
+TEST(TierPolicySelect, PreferredTierIgnoresCapabilities) {
+  const PolicyConfig config = load({{"LMOE_COLUMN_MAX_TOKENS", "1000"}});
+  EXPECT_EQ(lmoe::preferred_tier(128, config), TailTier::fused);
+  EXPECT_EQ(lmoe::preferred_tier(129, config), TailTier::overlap);
+  EXPECT_EQ(lmoe::preferred_tier(257, config), TailTier::column);
+  EXPECT_EQ(lmoe::preferred_tier(1001, config), TailTier::token);
+}
+
+TEST(TierPolicySelect, DisabledOverlapRoutesItsRangeToColumn) {
+  const PolicyConfig config = load({{"LMOE_DISABLE_OVERLAP", "1"}});
+  EXPECT_EQ(tier_for(128, config), TailTier::fused);
+  EXPECT_EQ(tier_for(129, config), TailTier::column);
+  EXPECT_EQ(tier_for(256, config), TailTier::column);
+  EXPECT_EQ(tier_for(257, config), TailTier::column);
+  const TierDecision decision = lmoe::decide(129, config, all_can_run());
+  EXPECT_EQ(decision.summary,
+            "T=129 → column (preferred: T=129 is in overlap's range but overlap is disabled "
+            "(LMOE_DISABLE_OVERLAP=1))");
+}
+
+TEST(TierPolicySelect, DisabledOverlapIsNeverAFallback) {
+  const PolicyConfig config = load({{"LMOE_DISABLE_OVERLAP", "1"}});
+  // Fused declined: the next candidate would be overlap, but it is disabled, so column runs.
+  const TierDecision decision =
+      lmoe::decide(8, config, declining(TailTier::fused, "no P2P workspace"));
+  ASSERT_EQ(decision.tier, std::optional<TailTier>(TailTier::column));
+  ASSERT_EQ(decision.considered.size(), 4u);
+  EXPECT_EQ(decision.considered[1].tier, TailTier::overlap);
+  EXPECT_FALSE(decision.considered[1].chosen);
+  EXPECT_EQ(decision.considered[1].reason, "declined: disabled (LMOE_DISABLE_OVERLAP=1)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forcing
+
+TEST(TierPolicyForce, ForcedTierWinsOverTheBreakpoints) {
+  for (TailTier tier : lmoe::kAllTiers) {
+    const PolicyConfig config = load({{"LMOE_TIER", std::string(lmoe::tier_name(tier))}});
+    for (std::int64_t tokens : {1, 128, 129, 256, 257, 100000}) {
+      EXPECT_EQ(tier_for(tokens, config), tier) << lmoe::tier_name(tier) << " T=" << tokens;
+    }
+  }
+}
+
+TEST(TierPolicyForce, ForcedTierRecordsItsOriginAndTheOthersAreNotConsidered) {
+  const PolicyConfig config = load({{"LMOE_TIER", "token"}});
+  const TierDecision decision = lmoe::decide(5, config, all_can_run());
+  ASSERT_EQ(decision.tier, std::optional<TailTier>(TailTier::token));
+  EXPECT_EQ(decision.summary, "T=5 → token (forced: LMOE_TIER=token)");
+  ASSERT_EQ(decision.considered.size(), 4u);
+  EXPECT_EQ(decision.considered[0].tier, TailTier::token);
+  EXPECT_TRUE(decision.considered[0].chosen);
+  for (std::size_t i = 1; i < decision.considered.size(); ++i) {
+    EXPECT_FALSE(decision.considered[i].chosen);
+    EXPECT_EQ(decision.considered[i].reason, "not considered: a tier is forced");
+  }
+}
+
+TEST(TierPolicyForce, ForcedTierThatIsDeclinedDoesNotFallBack) {
+  const PolicyConfig config = load({{"LMOE_TIER", "token"}});
+  const std::string why = "T=1 < tp=2 (the tier gives every rank at least one token row)";
+  const TierSupport support = declining(TailTier::token, why);
+  const TierDecision decision = lmoe::decide(1, config, support);
+  EXPECT_EQ(decision.tier, std::nullopt);
+  EXPECT_EQ(decision.summary, "T=1: forced tier token cannot run: " + why);
+  ASSERT_FALSE(decision.considered.empty());
+  EXPECT_EQ(decision.considered[0].reason, "forced (LMOE_TIER=token) but declined: " + why);
+  EXPECT_EQ(select_error(1, config, support), "T=1: forced tier token cannot run: " + why);
+  EXPECT_THAT(lmoe::explain(1, config, support), HasSubstr(why));
+}
+
+TEST(TierPolicyForce, CallerForcedTierInTheConfig) {
+  PolicyConfig config;
+  config.forced_tier = {TailTier::overlap, SettingSource::caller, "--tier overlap"};
+  EXPECT_EQ(lmoe::decide(3, config, all_can_run()).summary,
+            "T=3 → overlap (forced: --tier overlap)");
+}
+
+TEST(TierPolicyForce, ForcedTierWinsOverDisabledOverlap) {
+  // The header's rule: a forced tier wins over all settings, including LMOE_DISABLE_OVERLAP.
+  const PolicyConfig config = load({{"LMOE_TIER", "overlap"}, {"LMOE_DISABLE_OVERLAP", "1"}});
+  EXPECT_EQ(tier_for(500, config), TailTier::overlap);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Declining and falling back
+
+TEST(TierPolicyFallback, FusedDeclinedFallsBackToOverlapWithTheReason) {
+  const PolicyConfig config = load({});
+  const std::string why = "d_model=90 is not divisible by tp=4";
+  const TierSupport support = declining(TailTier::fused, why);
+  const TierDecision decision = lmoe::decide(64, config, support);
+  ASSERT_EQ(decision.tier, std::optional<TailTier>(TailTier::overlap));
+  ASSERT_EQ(decision.considered.size(), 4u);
+  EXPECT_EQ(decision.considered[0].tier, TailTier::fused);
+  EXPECT_FALSE(decision.considered[0].chosen);
+  EXPECT_EQ(decision.considered[0].reason, "declined: " + why);
+  EXPECT_EQ(decision.considered[1].tier, TailTier::overlap);
+  EXPECT_TRUE(decision.considered[1].chosen);
+  EXPECT_EQ(decision.considered[1].reason, "fallback after fused declined: " + why);
+  EXPECT_EQ(decision.considered[2].reason, "not needed: overlap was chosen");
+  EXPECT_EQ(decision.considered[3].reason, "not needed: overlap was chosen");
+  EXPECT_EQ(decision.summary, "T=64 → overlap (fallback after fused declined: " + why + ")");
+
+  const std::string text = lmoe::explain(64, config, support);
+  EXPECT_THAT(text, HasSubstr("declined: " + why));
+  EXPECT_THAT(text, HasSubstr("* overlap  fallback after fused declined"));
+}
+
+TEST(TierPolicyFallback, FallbackOrderFollowsThePreferredTier) {
+  const PolicyConfig config = load({{"LMOE_COLUMN_MAX_TOKENS", "1000"}});
+  // column preferred (T=500) but declined → token next.
+  EXPECT_EQ(tier_for(500, config, declining(TailTier::column, "x")), TailTier::token);
+  // token preferred (T=2000) but declined → column next.
+  EXPECT_EQ(tier_for(2000, config, declining(TailTier::token, "x")), TailTier::column);
+  // overlap preferred (T=200) but declined → column next.
+  EXPECT_EQ(tier_for(200, config, declining(TailTier::overlap, "x")), TailTier::column);
+  // Fused and overlap both declined for a decode batch → column.
+  TierSupport both = declining(TailTier::fused, "a");
+  both.declined[static_cast<std::size_t>(TailTier::overlap)] = "b";
+  EXPECT_EQ(tier_for(4, config, both), TailTier::column);
+}
+
+TEST(TierPolicyFallback, NothingCanRunListsEveryReason) {
+  TierSupport support;
+  support.declined = {std::string("r-fused"), std::string("r-overlap"), std::string("r-column"),
+                      std::string("r-token")};
+  const PolicyConfig config = load({});
+  const TierDecision decision = lmoe::decide(10, config, support);
+  EXPECT_EQ(decision.tier, std::nullopt);
+  EXPECT_EQ(decision.considered.size(), 4u);
+  const std::string expected =
+      "T=10: no tier can run (fused declined: r-fused; overlap declined: r-overlap; column "
+      "declined: r-column; token declined: r-token)";
+  EXPECT_EQ(decision.summary, expected);
+  EXPECT_EQ(select_error(10, config, support), expected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// No work, invalid T
+
+TEST(TierPolicyDecide, ZeroTokensIsNoWorkAndNotAnException) {
+  const PolicyConfig config = load({});
+  TierDecision decision;
+  ASSERT_NO_THROW(decision = lmoe::decide(0, config, all_can_run()));
+  EXPECT_EQ(decision.tier, std::nullopt);
+  EXPECT_TRUE(decision.considered.empty());
+  EXPECT_EQ(decision.summary, "T=0: no tokens, nothing to run");
+  EXPECT_EQ(select_error(0, config, all_can_run()), "T=0: no tokens, nothing to run");
+  // Forcing a tier does not turn "no work" into work.
+  EXPECT_EQ(lmoe::decide(0, load({{"LMOE_TIER", "fused"}}), all_can_run()).tier, std::nullopt);
+}
+
+TEST(TierPolicyDecide, NegativeTokenCountIsInvalid) {
+  const PolicyConfig config = load({});
+  for (std::int64_t tokens : {std::int64_t{-1}, std::int64_t{-128}, INT64_MIN}) {
+    const TierDecision decision = lmoe::decide(tokens, config, all_can_run());
+    EXPECT_EQ(decision.tier, std::nullopt);
+    EXPECT_EQ(decision.summary,
+              "T=" + std::to_string(tokens) + ": a negative token count is invalid");
+    EXPECT_EQ(select_error(tokens, config, all_can_run()),
+              "T=" + std::to_string(tokens) + ": a negative token count is invalid");
+  }
+  EXPECT_EQ(lmoe::decide(-1, load({{"LMOE_TIER", "fused"}}), all_can_run()).tier, std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Purity and the explanation
+
+bool same_decision(const TierDecision& a, const TierDecision& b) {
+  if (a.tier != b.tier || a.summary != b.summary || a.considered.size() != b.considered.size()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.considered.size(); ++i) {
+    if (a.considered[i].tier != b.considered[i].tier ||
+        a.considered[i].chosen != b.considered[i].chosen ||
+        a.considered[i].reason != b.considered[i].reason) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(TierPolicyDecide, IsPure) {
+  const PolicyConfig config = load({{"LMOE_COLUMN_MAX_TOKENS", "1000"}});
+  const TierSupport support = declining(TailTier::fused, "no workspace");
+  const std::vector<std::int64_t> tokens = {-1, 0, 1, 128, 129, 256, 257, 1000, 1001};
+  std::vector<TierDecision> first;
+  for (std::int64_t t : tokens) first.push_back(lmoe::decide(t, config, support));
+  // Again in reverse order, interleaved with other configurations: nothing carries over.
+  for (std::size_t i = tokens.size(); i-- > 0;) {
+    (void)lmoe::decide(tokens[i], load({{"LMOE_TIER", "token"}}), all_can_run());
+    EXPECT_TRUE(same_decision(lmoe::decide(tokens[i], config, support), first[i]))
+        << "T=" << tokens[i];
+    EXPECT_EQ(lmoe::explain(tokens[i], config, support), lmoe::explain(tokens[i], config, support));
+  }
+}
+
+TEST_F(TierTableFiles, ExplainNamesEveryTierAndEverySource) {
+  const std::string path = write("tiers.json", R"({"format": "lmoe-tier-table", "version": 1,
+      "breakpoints": {"overlap_max_tokens": 300}})");
+  const PolicyConfig config = load({{"LMOE_FUSED_MAX_TOKENS", "64"}}, path);
+  // T=50 prefers fused (limit 64 from the environment), which is declined: overlap (limit from the
+  // table) takes it, and the column limit is still the built-in one.
+  const std::string text = lmoe::explain(50, config, declining(TailTier::fused, "why-fused"));
+  EXPECT_THAT(text,
+              StartsWith("decision: T=50 → overlap (fallback after fused declined: why-fused)\n"));
+  EXPECT_THAT(text, HasSubstr("precedence: default < table < environment; a forced tier wins"));
+  EXPECT_THAT(text, HasSubstr("fused_max_tokens    64      LMOE_FUSED_MAX_TOKENS=64\n"));
+  EXPECT_THAT(text,
+              HasSubstr("overlap_max_tokens  300     table " + path + " overlap_max_tokens\n"));
+  EXPECT_THAT(text, HasSubstr("column_max_tokens   none    default: the token tier is off\n"));
+  EXPECT_THAT(text, HasSubstr("tier_table          " + path));
+  const std::string tiers = text.substr(text.find("tiers:\n"));
+  for (TailTier tier : lmoe::kAllTiers) {
+    std::string word(lmoe::tier_name(tier));
+    word.insert(word.begin(), ' ');  // not `" " + name`: GCC 12 -O2 raises a false -Wrestrict on it
+    word.push_back(' ');
+    EXPECT_THAT(tiers, HasSubstr(word)) << word;
+  }
+  EXPECT_THAT(tiers, HasSubstr("    fused    declined: why-fused\n"));
+  EXPECT_THAT(tiers, HasSubstr("  * overlap  fallback after fused declined: why-fused\n"));
+}
+
+TEST(TierPolicyDecide, SummaryNamesTheBreakpointAndItsSource) {
+  const PolicyConfig config = load({});
+  EXPECT_EQ(lmoe::decide(64, config, all_can_run()).summary,
+            "T=64 → fused (preferred: T=64 <= fused_max_tokens=128 (default))");
+  EXPECT_EQ(lmoe::decide(257, config, all_can_run()).summary,
+            "T=257 → column (preferred: T=257 > every smaller tier's limit; column_max_tokens=none "
+            "(default: the token tier is off))");
+  const PolicyConfig limited = load({{"LMOE_COLUMN_MAX_TOKENS", "300"}});
+  EXPECT_EQ(
+      lmoe::decide(301, limited, all_can_run()).summary,
+      "T=301 → token (preferred: T=301 > column_max_tokens=300 (LMOE_COLUMN_MAX_TOKENS=300))");
+}
+
+TEST(TierPolicyNames, SourcesAndTiers) {
+  EXPECT_EQ(lmoe::setting_source_name(SettingSource::built_in), "default");
+  EXPECT_EQ(lmoe::setting_source_name(SettingSource::table), "table");
+  EXPECT_EQ(lmoe::setting_source_name(SettingSource::environment), "environment");
+  EXPECT_EQ(lmoe::setting_source_name(SettingSource::caller), "caller");
+  for (TailTier tier : lmoe::kAllTiers) EXPECT_EQ(lmoe::parse_tier(lmoe::tier_name(tier)), tier);
+  try {
+    lmoe::parse_tier("auto");  // "auto" is only for parse_tier_or_auto
+    FAIL() << "no throw";
+  } catch (const lmoe::Error& error) {
+    EXPECT_EQ(error.message(), "unknown tier 'auto': expected fused, overlap, column or token");
+  }
+}
+
+}  // namespace
