@@ -37,6 +37,7 @@ struct TailOptions {
   // Before each forward, ranks exchange a fingerprint of the call (T, tier, configuration, local
   // validation result) so that a rank with bad input or a different configuration makes every
   // rank fail with the same error instead of leaving its peers waiting in a collective.
+  // Must be the same on every rank (it decides whether the exchange happens at all).
   bool check_ranks_agree = true;
 };
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "lmoe/communicator.hpp"
@@ -20,5 +21,10 @@ std::vector<std::shared_ptr<Communicator>> make_thread_communicators(
 // the abort itself is rethrown.
 void run_on_threads(int num_ranks, const std::function<void(int rank, Communicator& comm)>& fn,
                     std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+// run_on_threads over communicators made elsewhere (e.g. the cuda-threads ones): one thread per
+// communicator, rank = index, with the same error handling.
+void run_on_rank_threads(std::span<const std::shared_ptr<Communicator>> comms,
+                         const std::function<void(int rank, Communicator& comm)>& fn);
 
 }  // namespace lmoe

@@ -2,6 +2,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+
+#include "lmoe/error.hpp"
 
 namespace lmoe {
 
@@ -58,6 +61,7 @@ void reduce_in_rank_order(std::span<const void* const> inputs, void* out, std::s
 }
 
 std::vector<std::size_t> even_split_offsets(std::size_t count, int parts) {
+  LMOE_CHECK(parts >= 1, "even_split_offsets: parts must be >= 1, got " + std::to_string(parts));
   std::vector<std::size_t> offsets(static_cast<std::size_t>(parts) + 1, 0);
   const std::size_t base = count / static_cast<std::size_t>(parts);
   const std::size_t extra = count % static_cast<std::size_t>(parts);

@@ -4,14 +4,13 @@
 // all-reduce and the results are identical on every rank.
 #include "lmoe/threads_communicator.hpp"
 
-#include <condition_variable>
 #include <cstring>
 #include <exception>
-#include <mutex>
 #include <numeric>
 #include <thread>
 
 #include "comm/aborted_error.hpp"
+#include "comm/host_barrier.hpp"
 #include "comm/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 
@@ -22,61 +21,20 @@ namespace {
 class ThreadGroup {
  public:
   ThreadGroup(int size, std::chrono::milliseconds timeout)
-      : size_(size), timeout_(timeout), slots_(static_cast<std::size_t>(size)),
+      : size_(size), barrier_(size, timeout), slots_(static_cast<std::size_t>(size)),
         scratch_(static_cast<std::size_t>(size)) {}
 
   int size() const { return size_; }
 
-  // Waits until every rank has arrived. Throws CommunicatorAborted if the group is aborted while
-  // waiting, and aborts the group itself when the peers do not arrive within the timeout.
-  void barrier(int rank, const char* operation) {
-    std::unique_lock lock(mutex_);
-    throw_if_aborted();
-    const std::uint64_t generation = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      changed_.notify_all();
-      return;
-    }
-    const bool released = changed_.wait_for(lock, timeout_, [&] {
-      return generation_ != generation || aborted_;
-    });
-    if (!released) {
-      abort_locked(rank, "rank " + std::to_string(rank) + " waited more than " +
-                             std::to_string(timeout_.count()) + " ms for its peers in " + operation);
-    }
-    throw_if_aborted();
-  }
-
-  void abort(int rank, const std::string& why) {
-    std::lock_guard lock(mutex_);
-    abort_locked(rank, why);
-  }
+  void barrier(int rank, const char* operation) { barrier_.arrive_and_wait(rank, operation); }
+  void abort(int rank, const std::string& why) { barrier_.abort(rank, why); }
 
   const void*& slot(int rank) { return slots_[static_cast<std::size_t>(rank)]; }
   std::vector<std::byte>& scratch(int rank) { return scratch_[static_cast<std::size_t>(rank)]; }
 
  private:
-  void abort_locked(int rank, const std::string& why) {
-    if (!aborted_) {
-      aborted_ = true;
-      abort_reason_ = "communicator aborted by rank " + std::to_string(rank) + ": " + why;
-    }
-    changed_.notify_all();
-  }
-  void throw_if_aborted() const {
-    if (aborted_) throw CommunicatorAborted(abort_reason_);
-  }
-
   const int size_;
-  const std::chrono::milliseconds timeout_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  int arrived_ = 0;
-  std::uint64_t generation_ = 0;
-  bool aborted_ = false;
-  std::string abort_reason_;
+  HostBarrier barrier_;
   std::vector<const void*> slots_;
   std::vector<std::vector<std::byte>> scratch_;
 };
@@ -101,9 +59,11 @@ class ThreadCommunicator final : public Communicator {
     reduce_block_into_scratch(begin * esize, end - begin, dtype);
     group_->barrier(rank_, "all_reduce");
     for (int peer = 0; peer < size(); ++peer) {
-      const auto& chunk = group_->scratch(peer);
-      std::memcpy(static_cast<std::byte*>(recv) + offsets[peer] * esize, chunk.data(),
-                  (offsets[peer + 1] - offsets[peer]) * esize);
+      const std::size_t bytes = (offsets[peer + 1] - offsets[peer]) * esize;
+      if (bytes) {
+        std::memcpy(static_cast<std::byte*>(recv) + offsets[peer] * esize,
+                    group_->scratch(peer).data(), bytes);
+      }
     }
     group_->barrier(rank_, "all_reduce");
   }
@@ -118,7 +78,7 @@ class ThreadCommunicator final : public Communicator {
     reduce_block_into_scratch(begin * esize, counts[rank_], dtype);
     // recv may overlap this rank's send buffer, which peers read until everyone has reduced.
     group_->barrier(rank_, "reduce_scatter");
-    std::memcpy(recv, group_->scratch(rank_).data(), counts[rank_] * esize);
+    if (counts[rank_]) std::memcpy(recv, group_->scratch(rank_).data(), counts[rank_] * esize);
   }
 
   void all_gather(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
@@ -129,9 +89,12 @@ class ThreadCommunicator final : public Communicator {
     group_->barrier(rank_, "all_gather");
     std::size_t offset = 0;
     for (int peer = 0; peer < size(); ++peer) {
-      // memmove: an in-place all-gather passes its own block of recv as send.
-      std::memmove(static_cast<std::byte*>(recv) + offset * esize, group_->slot(peer),
-                   counts[peer] * esize);
+      std::byte* destination = static_cast<std::byte*>(recv) + offset * esize;
+      // An in-place all-gather passes its own block of recv as send: nothing to copy, and peers
+      // are reading that block meanwhile.
+      if (counts[peer] && destination != group_->slot(peer)) {
+        std::memcpy(destination, group_->slot(peer), counts[peer] * esize);
+      }
       offset += counts[peer];
     }
     group_->barrier(rank_, "all_gather");
@@ -178,18 +141,23 @@ std::vector<std::shared_ptr<Communicator>> make_thread_communicators(
 
 void run_on_threads(int num_ranks, const std::function<void(int, Communicator&)>& fn,
                     std::chrono::milliseconds timeout) {
-  auto comms = make_thread_communicators(num_ranks, timeout);
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
-  std::vector<bool> from_abort(static_cast<std::size_t>(num_ranks), false);
+  run_on_rank_threads(make_thread_communicators(num_ranks, timeout), fn);
+}
+
+void run_on_rank_threads(std::span<const std::shared_ptr<Communicator>> comms,
+                         const std::function<void(int, Communicator&)>& fn) {
+  const std::size_t num_ranks = comms.size();
+  std::vector<std::exception_ptr> errors(num_ranks);
+  std::vector<char> from_abort(num_ranks, 0);
   std::vector<std::thread> threads;
-  for (int rank = 0; rank < num_ranks; ++rank) {
+  for (std::size_t rank = 0; rank < num_ranks; ++rank) {
     threads.emplace_back([&, rank] {
-      Communicator& comm = *comms[static_cast<std::size_t>(rank)];
+      Communicator& comm = *comms[rank];
       try {
-        fn(rank, comm);
+        fn(static_cast<int>(rank), comm);
       } catch (const CommunicatorAborted&) {
         errors[rank] = std::current_exception();
-        from_abort[rank] = true;
+        from_abort[rank] = 1;
       } catch (const std::exception& error) {
         errors[rank] = std::current_exception();
         comm.abort(error.what());
@@ -200,11 +168,12 @@ void run_on_threads(int num_ranks, const std::function<void(int, Communicator&)>
     });
   }
   for (auto& thread : threads) thread.join();
-  for (int rank = 0; rank < num_ranks; ++rank) {
+  // The root cause first: an error a rank raised itself, not one it got from the abort.
+  for (std::size_t rank = 0; rank < num_ranks; ++rank) {
     if (errors[rank] && !from_abort[rank]) std::rethrow_exception(errors[rank]);
   }
-  for (int rank = 0; rank < num_ranks; ++rank) {
-    if (errors[rank]) std::rethrow_exception(errors[rank]);
+  for (const auto& error : errors) {
+    if (error) std::rethrow_exception(error);
   }
 }
 

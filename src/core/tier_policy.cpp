@@ -129,7 +129,7 @@ PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::s
   PolicyConfig config;
 
   std::optional<std::string> path = table_path;
-  if (!path) path = read_variable(env, "LMOE_TIER_TABLE");
+  if (!path || path->empty()) path = read_variable(env, "LMOE_TIER_TABLE");
   if (path) {
     std::ifstream file(*path, std::ios::binary);
     if (!file) throw Error("cannot open the tier table '" + *path + "'");
