@@ -1,0 +1,28 @@
+# The CUDA backend: nvcc for the kernels, the CUDA runtime and cuBLASLt for the GEMMs.
+# Included from the top-level CMakeLists.txt when LMOE_WITH_CUDA=ON.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES "90a;100a")
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+
+# The .cu files include project headers that use C++20 (std::bit_cast); nvcc 12+ accepts
+# -std=c++20, but older CMake (3.25 here) does not know that flag for nvcc and refuses "CUDA20".
+if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+endif()
+set(CMAKE_CUDA_STANDARD 20)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+set(CMAKE_CUDA_EXTENSIONS OFF)
+# Warnings for device code and for the host compiler behind nvcc.
+add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>")
+
+# NCCL is optional for now (the cuda-threads communicator needs none); found here for later tiers.
+find_path(LMOE_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+find_library(LMOE_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+if(LMOE_NCCL_INCLUDE_DIR AND LMOE_NCCL_LIBRARY)
+  message(STATUS "lmoe: NCCL found at ${LMOE_NCCL_LIBRARY} (not used yet)")
+else()
+  message(STATUS "lmoe: NCCL not found; the cuda backend uses its own same-GPU collectives only")
+endif()

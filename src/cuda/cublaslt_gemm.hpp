@@ -1,0 +1,37 @@
+// The up-projection GEMM through cuBLASLt: D[M, N] (row-major, row stride ldd) = A[M, K] · W[N, K]ᵀ,
+// storage-dtype operands, fp32 accumulation, D in the storage dtype (rounded once) or in fp32.
+//
+// No beta = 1 epilogue: measured on an H200 (cuBLASLt 13.0), D = A·Wᵀ + C with bf16 or f16 C does
+// not equal round(fp32 acc + C) — up to 28× the contract's bound at d=384, l=192 and bit
+// mismatches on exact inputs — so the column tier takes fp32 D and adds it itself.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "lmoe/dtype.hpp"
+
+namespace lmoe::cuda {
+
+class CublasLtGemm {
+ public:
+  // One handle and one workspace per executor (a rank's calls are ordered on its streams).
+  explicit CublasLtGemm(std::size_t workspace_bytes = std::size_t{32} << 20);
+  ~CublasLtGemm();
+  CublasLtGemm(const CublasLtGemm&) = delete;
+  CublasLtGemm& operator=(const CublasLtGemm&) = delete;
+
+  // a: [m, k] contiguous and w: [n, k] with row stride ldw, both in `dtype`; d: [m, n] with row
+  // stride ldd in `out_dtype` (dtype, or f32 for the unrounded accumulator).
+  void run(const void* a, const void* w, std::int64_t ldw, void* d, std::int64_t ldd, std::int64_t m,
+           std::int64_t n, std::int64_t k, DType dtype, DType out_dtype, cudaStream_t stream);
+
+ private:
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+};
+
+}  // namespace lmoe::cuda

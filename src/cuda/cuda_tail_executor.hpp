@@ -1,0 +1,23 @@
+// The CUDA executor of the tail tiers, and what LatentTail asks the CUDA backend before building it.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/tail_executor.hpp"
+
+namespace lmoe {
+
+// GPUs visible to this process; 0 when there is no driver or no GPU. Never throws.
+int cuda_device_count();
+
+// nullopt when the CUDA backend can run `tier` for `problem`; otherwise why not.
+std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem);
+
+// Copies the weights to the current device. `comm` must be a device communicator (cuda-threads).
+std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype,
+                                                      float eps, ConstMatrixView norm_weight,
+                                                      ConstMatrixView up_proj_weight);
+
+}  // namespace lmoe

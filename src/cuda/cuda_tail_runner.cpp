@@ -1,0 +1,85 @@
+#include "cuda/cuda_tail_runner.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_buffer.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe {
+
+namespace {
+
+// A stream owned by this rank for the duration of the run.
+class OwnedStream {
+ public:
+  OwnedStream() { LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~OwnedStream() {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+MatrixView device_view(const cuda::DeviceBuffer& buffer, DType dtype, std::int64_t rows, std::int64_t cols) {
+  return {buffer.data(), dtype, rows, cols, cols, MemorySpace::device};
+}
+
+}  // namespace
+
+RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptions& options) {
+  LMOE_CHECK(comm.size() == c.tp, "the case has tp=" + std::to_string(c.tp) + " but the communicator has " +
+                                      std::to_string(comm.size()) + " ranks");
+  TailOptions tail_options;
+  tail_options.dims = c.dims;
+  tail_options.rms_norm_eps = c.eps;
+  tail_options.dtype = c.dtype;
+  tail_options.backend = Backend::cuda;
+  tail_options.policy = options.policy;
+  LatentTail tail(tail_options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+
+  const int rank = comm.rank();
+  const std::int64_t tokens = c.num_tokens, d = c.dims.d_model, l = c.dims.d_latent;
+  const std::size_t esize = dtype_size(c.dtype);
+  const ConstMatrixView routed_in = c.routed.slice_matrix(rank);  // [T, l], host
+  const ConstMatrixView shared_in = c.shared.slice_matrix(rank);  // [T, d], host
+  const cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * l) * esize);
+  const cuda::DeviceBuffer shared(static_cast<std::size_t>(tokens * d) * esize);
+  const cuda::DeviceBuffer y(static_cast<std::size_t>(tokens * d) * esize);
+  const OwnedStream stream;
+  if (routed.bytes()) {
+    LMOE_CUDA_CHECK(cudaMemcpy(routed.data(), routed_in.data, routed.bytes(), cudaMemcpyHostToDevice));
+  }
+
+  RankRun run;
+  run.y = HostTensor(c.dtype, {tokens, d});
+  for (int repeat = 0; repeat < std::max(1, options.repeats); ++repeat) {
+    // The call may overwrite `shared` (column accumulates into it): start from the input each time.
+    if (shared.bytes()) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(shared.data(), shared_in.data, shared.bytes(), cudaMemcpyHostToDevice,
+                                      stream.get()));
+      // All bits set is NaN in every dtype: an element the tail does not write cannot pass.
+      LMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, y.bytes(), stream.get()));
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    comm.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    run.tier = tail.forward(device_view(routed, c.dtype, tokens, l), device_view(shared, c.dtype, tokens, d),
+                            device_view(y, c.dtype, tokens, d), options.tier, stream.get());
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    comm.barrier();
+    run.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  if (y.bytes()) LMOE_CUDA_CHECK(cudaMemcpy(run.y.data(), y.data(), y.bytes(), cudaMemcpyDeviceToHost));
+  return run;
+}
+
+}  // namespace lmoe

@@ -1,0 +1,97 @@
+// Elementwise kernels: the rank-order reduce behind the same-GPU collectives, and the add of the
+// reduce-then-add contract. Device code only.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/dtype.cuh"
+
+namespace lmoe::cuda {
+
+inline constexpr int kMaxPeers = 16;
+
+// Peer input pointers passed by value (trivially copyable, lives in kernel parameter space).
+template <typename T>
+struct PeerInputs {
+  const T* ptr[kMaxPeers];
+  int count;
+};
+
+// out[i] = round(Σ_r in_r[i]): fp32, starting from rank 0's value (so −0 + −0 stays −0) and adding
+// ranks 1 … n−1 in order — the contract's rank sum, bit for bit. `kVector`: every pointer is 16-byte
+// aligned, so a thread moves 16 bytes per input; the tail past the last whole vector is scalar.
+template <typename T, bool kVector>
+__global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* __restrict__ out, std::int64_t count) {
+  using S = Storage<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::int64_t scalar_begin = 0;
+  if constexpr (kVector) {
+    using V = Vec16<T>;
+    const std::int64_t vectors = count / V::kSize;
+    for (std::int64_t i = first; i < vectors; i += stride) {
+      float acc[V::kSize];
+      const V v0 = reinterpret_cast<const V*>(inputs.ptr[0])[i];
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) acc[k] = S::load(v0.v[k]);
+      for (int r = 1; r < inputs.count; ++r) {
+        const V vr = reinterpret_cast<const V*>(inputs.ptr[r])[i];
+#pragma unroll
+        for (int k = 0; k < V::kSize; ++k) acc[k] = __fadd_rn(acc[k], S::load(vr.v[k]));
+      }
+      V result;
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) result.v[k] = S::store(acc[k]);
+      reinterpret_cast<V*>(out)[i] = result;
+    }
+    scalar_begin = vectors * V::kSize;
+  }
+  for (std::int64_t i = scalar_begin + first; i < count; i += stride) {
+    float acc = S::load(inputs.ptr[0][i]);
+    for (int r = 1; r < inputs.count; ++r) acc = __fadd_rn(acc, S::load(inputs.ptr[r][i]));
+    out[i] = S::store(acc);
+  }
+}
+
+// out[i] = round(a[i] + b[i]) over contiguous buffers; out may alias a or b.
+template <typename T, bool kVector>
+__global__ void add_kernel(const T* a, const T* b, T* out, std::int64_t count) {
+  using S = Storage<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::int64_t scalar_begin = 0;
+  if constexpr (kVector) {
+    using V = Vec16<T>;
+    const std::int64_t vectors = count / V::kSize;
+    for (std::int64_t i = first; i < vectors; i += stride) {
+      const V va = reinterpret_cast<const V*>(a)[i];
+      const V vb = reinterpret_cast<const V*>(b)[i];
+      V result;
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) result.v[k] = S::store(__fadd_rn(S::load(va.v[k]), S::load(vb.v[k])));
+      reinterpret_cast<V*>(out)[i] = result;
+    }
+    scalar_begin = vectors * V::kSize;
+  }
+  for (std::int64_t i = scalar_begin + first; i < count; i += stride) {
+    out[i] = S::store(__fadd_rn(S::load(a[i]), S::load(b[i])));
+  }
+}
+
+// stripe[r, c] = round(stripe[r, c] + acc[r, c]): the column tier's "accumulator plus C, rounded
+// once", with the GEMM's unrounded fp32 accumulator acc [rows, cols] (contiguous) and a column stripe
+// of a wider storage-dtype matrix (row stride ld).
+template <typename T>
+__global__ void accumulate_stripe_kernel(T* stripe, std::int64_t ld, const float* __restrict__ acc,
+                                         std::int64_t rows, std::int64_t cols) {
+  using S = Storage<T>;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t count = rows * cols;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const std::int64_t row = i / cols, col = i - row * cols;
+    T& element = stripe[row * ld + col];
+    element = S::store(__fadd_rn(acc[i], S::load(element)));
+  }
+}
+
+}  // namespace lmoe::cuda

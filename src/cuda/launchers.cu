@@ -1,0 +1,137 @@
+#include <algorithm>
+
+#include "cuda/elementwise.cuh"
+#include "cuda/launchers.hpp"
+#include "cuda/rms_norm.cuh"
+
+namespace lmoe::cuda {
+
+namespace {
+
+static_assert(kMaxReduceInputs == kMaxPeers);
+
+constexpr int kThreads = 256;
+// Ranks that share a GPU run their collectives side by side; a modest grid per launch leaves room
+// for the others (DESIGN.md §4), and the grid-stride loops cover any size.
+constexpr std::int64_t kMaxBlocks = 128;
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+int blocks_for(std::int64_t work_items) {
+  return static_cast<int>(std::clamp<std::int64_t>((work_items + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+template <typename T>
+cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std::int64_t count,
+                      cudaStream_t stream) {
+  PeerInputs<T> peers{};
+  bool vector = aligned16(out);
+  for (int r = 0; r < num_inputs; ++r) {
+    peers.ptr[r] = static_cast<const T*>(inputs[r]);
+    vector = vector && aligned16(inputs[r]);
+  }
+  peers.count = num_inputs;
+  constexpr int kVec = Vec16<T>::kSize;
+  if (vector) {
+    rank_order_reduce_kernel<T, true><<<blocks_for(count / kVec + 1), kThreads, 0, stream>>>(
+        peers, static_cast<T*>(out), count);
+  } else {
+    rank_order_reduce_kernel<T, false><<<blocks_for(count), kThreads, 0, stream>>>(
+        peers, static_cast<T*>(out), count);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t add_as(const void* a, const void* b, void* out, std::int64_t count, cudaStream_t stream) {
+  constexpr int kVec = Vec16<T>::kSize;
+  const auto* ta = static_cast<const T*>(a);
+  const auto* tb = static_cast<const T*>(b);
+  auto* tout = static_cast<T*>(out);
+  if (aligned16(a) && aligned16(b) && aligned16(out)) {
+    add_kernel<T, true><<<blocks_for(count / kVec + 1), kThreads, 0, stream>>>(ta, tb, tout, count);
+  } else {
+    add_kernel<T, false><<<blocks_for(count), kThreads, 0, stream>>>(ta, tb, tout, count);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64_t rows,
+                        std::int64_t cols, float eps, cudaStream_t stream) {
+  constexpr int kVec = Vec16<T>::kSize;
+  const std::size_t shared_bytes = static_cast<std::size_t>(cols) * sizeof(float);
+  const auto* tx = static_cast<const T*>(x);
+  auto* tout = static_cast<T*>(out);
+  const int threads = static_cast<int>(std::min<std::int64_t>(kThreads, std::max<std::int64_t>(32, cols / kVec)));
+  // Rows start cols elements apart, so a 16-byte aligned base stays aligned on every row only when
+  // cols is a multiple of the vector width.
+  if (cols % kVec == 0 && aligned16(x) && aligned16(out)) {
+    rms_norm_kernel<T, true><<<static_cast<unsigned>(rows), threads, shared_bytes, stream>>>(
+        tx, gamma, tout, static_cast<int>(cols), eps);
+  } else {
+    rms_norm_kernel<T, false><<<static_cast<unsigned>(rows), threads, shared_bytes, stream>>>(
+        tx, gamma, tout, static_cast<int>(cols), eps);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_rank_order_reduce(const void* const* inputs, int num_inputs, void* out,
+                                     std::int64_t count, DType dtype, cudaStream_t stream) {
+  if (num_inputs < 1 || num_inputs > kMaxReduceInputs || count < 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::f32: return reduce_as<float>(inputs, num_inputs, out, count, stream);
+    case DType::f16: return reduce_as<__half>(inputs, num_inputs, out, count, stream);
+    case DType::bf16: return reduce_as<__nv_bfloat16>(inputs, num_inputs, out, count, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t count, DType dtype,
+                       cudaStream_t stream) {
+  if (count < 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::f32: return add_as<float>(a, b, out, count, stream);
+    case DType::f16: return add_as<__half>(a, b, out, count, stream);
+    case DType::bf16: return add_as<__nv_bfloat16>(a, b, out, count, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
+                                     std::int64_t cols, DType dtype, cudaStream_t stream) {
+  if (rows < 0 || cols < 0 || ld < cols) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const int blocks = blocks_for(rows * cols);
+  switch (dtype) {
+    case DType::f32:
+      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(stripe), ld, acc, rows, cols);
+      break;
+    case DType::f16:
+      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(stripe), ld, acc, rows, cols);
+      break;
+    case DType::bf16:
+      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(stripe), ld, acc, rows,
+                                                                cols);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
+                            std::int64_t cols, float eps, DType dtype, cudaStream_t stream) {
+  if (rows < 0 || cols < 1 || cols > kMaxRmsNormCols || rows > 0x7fffffff) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::f32: return rms_norm_as<float>(x, gamma, out, rows, cols, eps, stream);
+    case DType::f16: return rms_norm_as<__half>(x, gamma, out, rows, cols, eps, stream);
+    case DType::bf16: return rms_norm_as<__nv_bfloat16>(x, gamma, out, rows, cols, eps, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,37 @@
+// Launchers of the CUDA kernels: raw device pointers, sizes and a stream in, a cudaError_t out
+// (the launch error; execution errors surface at the next synchronizing call). Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "lmoe/dtype.hpp"
+
+namespace lmoe::cuda {
+
+// The most ranks a collective reduces over in one launch.
+inline constexpr int kMaxReduceInputs = 16;
+
+// out[i] = round(Σ_r inputs[r][i]) in fp32, rank order. `out` may alias inputs[0] only.
+cudaError_t launch_rank_order_reduce(const void* const* inputs, int num_inputs, void* out,
+                                     std::int64_t count, DType dtype, cudaStream_t stream);
+
+// out[i] = round(a[i] + b[i]); out may alias a or b.
+cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t count, DType dtype,
+                       cudaStream_t stream);
+
+// stripe[r, c] = round(stripe[r, c] + acc[r, c]) for a [rows, cols] stripe with row stride ld;
+// acc is fp32 [rows, cols], contiguous.
+cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
+                                     std::int64_t cols, DType dtype, cudaStream_t stream);
+
+// out = round(rmsnorm(x; gamma, eps)) row by row; x and out are contiguous [rows, cols], gamma is
+// fp32 [cols]. cols must not exceed max_rms_norm_cols().
+cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
+                            std::int64_t cols, float eps, DType dtype, cudaStream_t stream);
+
+// The widest row the norm kernel stages in shared memory without opting into more than 48 KiB.
+inline constexpr std::int64_t kMaxRmsNormCols = 12288;
+
+}  // namespace lmoe::cuda

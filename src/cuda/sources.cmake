@@ -1,0 +1,10 @@
+# The CUDA backend's sources, added to lmoe_core (included from src/CMakeLists.txt).
+target_sources(lmoe_core PRIVATE
+  ${CMAKE_CURRENT_LIST_DIR}/launchers.cu
+  ${CMAKE_CURRENT_LIST_DIR}/cublaslt_gemm.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_communicator.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_executor.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_runner.cpp
+)
+target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_CUDA=1)
+target_link_libraries(lmoe_core PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)

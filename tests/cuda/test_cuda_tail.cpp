@@ -1,0 +1,304 @@
+// The CUDA backend against the CPU contract: the same-GPU collectives bit for bit, and every tier ×
+// tp × T × dtype within the contract's bound (random inputs) and bit for bit (crafted exact inputs),
+// with all ranks sharing one GPU. Every test skips where no GPU is visible.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "comm/rank_order_reduce.hpp"
+#include "cpu/cpu_math.hpp"
+#include "cuda/cuda_tail_executor.hpp"
+#include "cuda/device_buffer.hpp"
+#include "lmoe/cuda_communicator.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/reference.hpp"
+#include "lmoe/tail_runner.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::TailTier;
+
+const lmoe::TailDims kSmall{384, 192};   // divisible by 8·tp for tp ∈ {1, 2, 4, 8}
+const lmoe::TailDims kK3{7168, 3584};
+
+constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused};
+
+#define SKIP_WITHOUT_GPU()                                               \
+  do {                                                                   \
+    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU";  \
+  } while (0)
+
+void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
+
+lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier) {
+  lmoe::RunOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.tier = tier;
+  return lmoe::run_case_on_threads(c, options);
+}
+
+std::vector<std::int64_t> token_counts(int tp) {
+  std::set<std::int64_t> tokens = {1, 7, 129, 257, 300, 1024};
+  for (std::int64_t t : {tp - 1, tp}) {
+    if (t > 0) tokens.insert(t);
+  }
+  return {tokens.begin(), tokens.end()};
+}
+
+// ---- collectives -------------------------------------------------------------------------------
+
+// Values with a few significant bits so that any order of the rank sum is exact in every dtype,
+// and random ones compared with the host's rank-order reduce, which is the contract's sum.
+std::vector<float> collective_input(int rank, std::size_t count, bool exact, std::uint64_t seed) {
+  std::mt19937_64 rng(seed * 131 + static_cast<std::uint64_t>(rank));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> small(-8, 8);
+  std::vector<float> values(count);
+  for (auto& v : values) v = exact ? static_cast<float>(small(rng)) * 0.25f : normal(rng);
+  return values;
+}
+
+class CudaCollectives : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+
+TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, dtype] = GetParam();
+  const std::size_t esize = lmoe::dtype_size(dtype);
+  for (bool exact : {true, false}) {
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4096 + 3}, std::size_t{1} << 20}) {
+      SCOPED_TRACE("count " + std::to_string(count) + (exact ? " exact" : " random"));
+      // Host inputs in the storage dtype and the expected sums.
+      std::vector<std::vector<std::byte>> inputs(static_cast<std::size_t>(tp));
+      std::vector<const void*> input_ptrs;
+      for (int r = 0; r < tp; ++r) {
+        const auto values = collective_input(r, count, exact, count);
+        inputs[r].resize(count * esize);
+        for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(inputs[r].data(), i, dtype, values[i]);
+        input_ptrs.push_back(inputs[r].data());
+      }
+      std::vector<std::byte> expected(count * esize);
+      lmoe::reduce_in_rank_order(input_ptrs, expected.data(), count, dtype);
+      const auto offsets = lmoe::even_split_offsets(count, tp);
+      std::vector<std::size_t> counts;
+      for (int r = 0; r < tp; ++r) counts.push_back(offsets[r + 1] - offsets[r]);
+
+      std::vector<std::vector<std::byte>> all_reduced(tp), scattered(tp), gathered(tp);
+      lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+        EXPECT_EQ(comm.memory_space(), lmoe::MemorySpace::device);
+        void* buffer = nullptr;
+        void* other = nullptr;
+        cuda_ok(cudaMalloc(&buffer, count * esize));
+        cuda_ok(cudaMalloc(&other, count * esize));
+        cuda_ok(cudaMemcpy(buffer, inputs[rank].data(), count * esize, cudaMemcpyHostToDevice));
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        // reduce-scatter out of place, then all-reduce in place (recv == send), then all-gather of
+        // the scattered blocks in place (each rank's block already sits at its offset).
+        cuda_ok(cudaMemsetAsync(other, 0xff, count * esize, stream));
+        void* my_block = static_cast<std::byte*>(other) + offsets[rank] * esize;
+        comm.reduce_scatter(buffer, my_block, counts, dtype, stream);
+        auto& s = scattered[rank];
+        s.resize(counts[rank] * esize);
+        cuda_ok(cudaStreamSynchronize(stream));
+        if (!s.empty()) cuda_ok(cudaMemcpy(s.data(), my_block, s.size(), cudaMemcpyDeviceToHost));
+        comm.all_reduce(buffer, buffer, count, dtype, stream);
+        comm.all_gather(my_block, other, counts, dtype, stream);
+        cuda_ok(cudaStreamSynchronize(stream));
+        all_reduced[rank].resize(count * esize);
+        gathered[rank].resize(count * esize);
+        cuda_ok(cudaMemcpy(all_reduced[rank].data(), buffer, count * esize, cudaMemcpyDeviceToHost));
+        cuda_ok(cudaMemcpy(gathered[rank].data(), other, count * esize, cudaMemcpyDeviceToHost));
+        cuda_ok(cudaStreamDestroy(stream));
+        cuda_ok(cudaFree(buffer));
+        cuda_ok(cudaFree(other));
+      });
+      for (int r = 0; r < tp; ++r) {
+        EXPECT_EQ(0, std::memcmp(all_reduced[r].data(), expected.data(), expected.size())) << "all_reduce rank " << r;
+        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size())) << "all_gather rank " << r;
+        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + offsets[r] * esize, scattered[r].size()))
+            << "reduce_scatter rank " << r;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TpDtype, CudaCollectives,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
+                                            ::testing::Values(DType::bf16, DType::f16, DType::f32)));
+
+TEST(CudaCollectives, RejectsWrongCountsAndTooManyRanks) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_THROW(lmoe::make_cuda_thread_communicators(17, 0), lmoe::Error);
+  EXPECT_THROW(lmoe::run_on_cuda_threads(2, 0,
+                                         [](int, lmoe::Communicator& comm) {
+                                           const std::vector<std::size_t> counts = {1};
+                                           comm.all_gather(nullptr, nullptr, counts, DType::f32, nullptr);
+                                         }),
+               lmoe::Error);
+}
+
+// ---- the tail ----------------------------------------------------------------------------------
+
+struct ParityParam {
+  int tp;
+  DType dtype;
+};
+
+class CudaTailParity : public ::testing::TestWithParam<ParityParam> {
+ protected:
+  static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
+};
+
+TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, dtype] = GetParam();
+  for (TailTier tier : kGpuTiers) {
+    std::int64_t elements = 0, mismatches = 0;
+    double worst = 0;
+    for (std::int64_t tokens : token_counts(tp)) {
+      SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
+      const std::uint64_t seed = 1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
+      const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
+      if (tier == TailTier::token && tokens < tp) {
+        EXPECT_THROW(run_gpu(c, tier), lmoe::Error);
+        continue;
+      }
+      const lmoe::CaseRun result = run_gpu(c, tier);
+      EXPECT_TRUE(result.ranks_identical);
+      ASSERT_EQ(result.tier, tier);
+      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+      elements += cmp.elements;
+      mismatches += cmp.bit_mismatches;
+      worst = std::max(worst, cmp.max_error_over_bound);
+    }
+    // Not asserted (the GEMM's order is free): how far cuBLASLt's order moves results.
+    std::printf("[ parity ] %-7s tp=%d %-4s elements=%lld bit_mismatches=%lld max_err/bound=%.3f\n",
+                std::string(lmoe::tier_name(tier)).c_str(), tp, std::string(lmoe::dtype_name(dtype)).c_str(),
+                static_cast<long long>(elements), static_cast<long long>(mismatches), worst);
+  }
+}
+
+TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, dtype] = GetParam();
+  for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
+    const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
+    for (TailTier tier : kGpuTiers) {
+      if (tier == TailTier::token && tokens < tp) continue;  // declined: covered by the random test
+      SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
+      const lmoe::CaseRun result = run_gpu(c, tier);
+      EXPECT_TRUE(result.ranks_identical);
+      ASSERT_EQ(result.tier, tier);
+      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      EXPECT_EQ(cmp.bit_mismatches, 0);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TpDtype, CudaTailParity,
+    ::testing::Values(ParityParam{1, DType::bf16}, ParityParam{2, DType::bf16}, ParityParam{4, DType::bf16},
+                      ParityParam{8, DType::bf16}, ParityParam{2, DType::f16}, ParityParam{8, DType::f16},
+                      ParityParam{2, DType::f32}, ParityParam{8, DType::f32}),
+    [](const auto& info) {
+      return "tp" + std::to_string(info.param.tp) + "_" + std::string(lmoe::dtype_name(info.param.dtype));
+    });
+
+TEST(CudaTailK3, Bf16Tp8AtModelDims) {
+  SKIP_WITHOUT_GPU();
+  for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{129}}) {
+    const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, 8, tokens, 4242u + static_cast<std::uint64_t>(tokens));
+    const std::vector<double> exact = lmoe::exact_tail(c);
+    for (TailTier tier : {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused}) {
+      if (tier == TailTier::token && tokens < 8) continue;
+      SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
+      lmoe::RunOptions options;
+      options.backend = lmoe::Backend::cuda;
+      options.tier = tier;
+      options.repeats = 5;  // the median is printed for information only (host barriers included)
+      const lmoe::CaseRun result = lmoe::run_case_on_threads(c, options);
+      EXPECT_TRUE(result.ranks_identical);
+      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, exact);
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+      std::printf("[ k3     ] %-7s T=%lld bit_mismatches=%lld/%lld max_err/bound=%.3f normwise=%.2e median_ms=%.3f\n",
+                  std::string(lmoe::tier_name(tier)).c_str(), static_cast<long long>(tokens),
+                  static_cast<long long>(cmp.bit_mismatches), static_cast<long long>(cmp.elements),
+                  cmp.max_error_over_bound, cmp.normwise_error, result.median_seconds * 1e3);
+    }
+  }
+}
+
+// One LatentTail per rank across calls whose T grows and shrinks (the workspaces grow on demand),
+// with out = shared (allowed by the API) and a null stream (the thread's default stream).
+TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 4;
+  const std::vector<std::int64_t> token_steps = {5, 300, 64};
+  std::vector<lmoe::TailCase> cases;
+  for (std::int64_t tokens : token_steps) {
+    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 900u + static_cast<std::uint64_t>(tokens)));
+    cases.back().norm_weight = cases.front().norm_weight;  // one tail, one set of weights
+    cases.back().up_proj_weight = cases.front().up_proj_weight;
+  }
+  for (TailTier tier : kGpuTiers) {
+    SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)));
+    std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(), std::vector<lmoe::HostTensor>(tp));
+    lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+      lmoe::TailOptions options;
+      options.dims = kSmall;
+      options.backend = lmoe::Backend::cuda;
+      lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+      for (std::size_t i = 0; i < cases.size(); ++i) {
+        const lmoe::TailCase& c = cases[i];
+        const std::int64_t tokens = c.num_tokens;
+        const lmoe::ConstMatrixView routed_in = c.routed.slice_matrix(rank), shared_in = c.shared.slice_matrix(rank);
+        const std::size_t routed_bytes = static_cast<std::size_t>(tokens * kSmall.d_latent) * 2;
+        const std::size_t shared_bytes = static_cast<std::size_t>(tokens * kSmall.d_model) * 2;
+        const lmoe::cuda::DeviceBuffer routed(routed_bytes), shared(shared_bytes);
+        cuda_ok(cudaMemcpy(routed.data(), routed_in.data, routed_bytes, cudaMemcpyHostToDevice));
+        cuda_ok(cudaMemcpy(shared.data(), shared_in.data, shared_bytes, cudaMemcpyHostToDevice));
+        const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, kSmall.d_model, kSmall.d_model,
+                                           lmoe::MemorySpace::device};
+        const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, kSmall.d_latent, kSmall.d_latent,
+                                                lmoe::MemorySpace::device};
+        EXPECT_EQ(tail.forward(routed_view, shared_view, shared_view, tier), tier);
+        cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+        outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, kSmall.d_model});
+        cuda_ok(cudaMemcpy(outputs[i][rank].data(), shared.data(), shared_bytes, cudaMemcpyDeviceToHost));
+      }
+    });
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE("T=" + std::to_string(cases[i].num_tokens));
+      for (int r = 1; r < tp; ++r) {
+        EXPECT_EQ(0, std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes())) << "rank " << r;
+      }
+      const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(tier));
+      const lmoe::Comparison cmp = lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+    }
+  }
+}
+
+TEST(CudaTail, DeclinesWhatItCannotRunWithAReason) {
+  const lmoe::TailProblem odd{16, {100, 60}, DType::bf16, 2};
+  const auto reason = lmoe::cuda_tier_limit(TailTier::overlap, odd);
+  ASSERT_TRUE(reason.has_value());
+  EXPECT_NE(reason->find("multiples of 8"), std::string::npos) << *reason;
+  EXPECT_FALSE(lmoe::cuda_tier_limit(TailTier::token, {16, kSmall, DType::bf16, 8}).has_value());
+}
+
+}  // namespace
