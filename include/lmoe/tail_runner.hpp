@@ -24,6 +24,10 @@ struct RankRun {
   std::vector<double> seconds;          // one per repeat, between barriers before and after
 };
 
+// The LatentTail options for a case (its dims, eps and dtype) and a run (backend, policy).
+// Throws lmoe::Error when the communicator's size is not the case's tp.
+TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const RunOptions& options);
+
 // One rank's part: builds the LatentTail for this rank and runs its slice of the case.
 RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& options);
 

@@ -14,11 +14,7 @@
 
 namespace lmoe {
 
-RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& options) {
-#ifdef LMOE_HAS_CUDA
-  // Device inputs, the rank's own stream, y copied back: see src/cuda/cuda_tail_runner.cpp.
-  if (options.backend == Backend::cuda) return run_case_rank_cuda(c, comm, options);
-#endif
+TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const RunOptions& options) {
   LMOE_CHECK(comm.size() == c.tp, "the case has tp=" + std::to_string(c.tp) + " but the communicator has " +
                                       std::to_string(comm.size()) + " ranks");
   TailOptions tail_options;
@@ -27,7 +23,16 @@ RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& o
   tail_options.dtype = c.dtype;
   tail_options.backend = options.backend;
   tail_options.policy = options.policy;
-  LatentTail tail(tail_options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+  return tail_options;
+}
+
+RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& options) {
+#ifdef LMOE_HAS_CUDA
+  // Device inputs, the rank's own stream, y copied back: see src/cuda/cuda_tail_runner.cpp.
+  if (options.backend == Backend::cuda) return run_case_rank_cuda(c, comm, options);
+#endif
+  LatentTail tail(tail_options_for(c, comm, options), comm, c.norm_weight.matrix(),
+                  c.up_proj_weight.matrix());
 
   const int rank = comm.rank();
   RankRun run;

@@ -36,15 +36,8 @@ MatrixView device_view(const cuda::DeviceBuffer& buffer, DType dtype, std::int64
 }  // namespace
 
 RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptions& options) {
-  LMOE_CHECK(comm.size() == c.tp, "the case has tp=" + std::to_string(c.tp) + " but the communicator has " +
-                                      std::to_string(comm.size()) + " ranks");
-  TailOptions tail_options;
-  tail_options.dims = c.dims;
-  tail_options.rms_norm_eps = c.eps;
-  tail_options.dtype = c.dtype;
-  tail_options.backend = Backend::cuda;
-  tail_options.policy = options.policy;
-  LatentTail tail(tail_options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+  LatentTail tail(tail_options_for(c, comm, options), comm, c.norm_weight.matrix(),
+                  c.up_proj_weight.matrix());
 
   const int rank = comm.rank();
   const std::int64_t tokens = c.num_tokens, d = c.dims.d_model, l = c.dims.d_latent;
