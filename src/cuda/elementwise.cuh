@@ -1,5 +1,5 @@
-// Elementwise kernels: the rank-order reduce behind the same-GPU collectives, and the add of the
-// reduce-then-add contract. Device code only.
+// Elementwise kernels: the rank-order reduce behind the same-GPU collectives (with two inputs it is
+// also the add of the reduce-then-add contract). Device code only.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +21,8 @@ struct PeerInputs {
 // ranks 1 … n−1 in order — the contract's rank sum, bit for bit. `kVector`: every pointer is 16-byte
 // aligned, so a thread moves 16 bytes per input; the tail past the last whole vector is scalar.
 template <typename T, bool kVector>
-__global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* __restrict__ out, std::int64_t count) {
+// `out` may alias an input: each element is read by the thread that writes it, before it writes it.
+__global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* out, std::int64_t count) {
   using S = Storage<T>;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -50,31 +51,6 @@ __global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* __restrict__ o
     float acc = S::load(inputs.ptr[0][i]);
     for (int r = 1; r < inputs.count; ++r) acc = __fadd_rn(acc, S::load(inputs.ptr[r][i]));
     out[i] = S::store(acc);
-  }
-}
-
-// out[i] = round(a[i] + b[i]) over contiguous buffers; out may alias a or b.
-template <typename T, bool kVector>
-__global__ void add_kernel(const T* a, const T* b, T* out, std::int64_t count) {
-  using S = Storage<T>;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  std::int64_t scalar_begin = 0;
-  if constexpr (kVector) {
-    using V = Vec16<T>;
-    const std::int64_t vectors = count / V::kSize;
-    for (std::int64_t i = first; i < vectors; i += stride) {
-      const V va = reinterpret_cast<const V*>(a)[i];
-      const V vb = reinterpret_cast<const V*>(b)[i];
-      V result;
-#pragma unroll
-      for (int k = 0; k < V::kSize; ++k) result.v[k] = S::store(__fadd_rn(S::load(va.v[k]), S::load(vb.v[k])));
-      reinterpret_cast<V*>(out)[i] = result;
-    }
-    scalar_begin = vectors * V::kSize;
-  }
-  for (std::int64_t i = scalar_begin + first; i < count; i += stride) {
-    out[i] = S::store(__fadd_rn(S::load(a[i]), S::load(b[i])));
   }
 }
 

@@ -43,20 +43,6 @@ cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std:
 }
 
 template <typename T>
-cudaError_t add_as(const void* a, const void* b, void* out, std::int64_t count, cudaStream_t stream) {
-  constexpr int kVec = Vec16<T>::kSize;
-  const auto* ta = static_cast<const T*>(a);
-  const auto* tb = static_cast<const T*>(b);
-  auto* tout = static_cast<T*>(out);
-  if (aligned16(a) && aligned16(b) && aligned16(out)) {
-    add_kernel<T, true><<<blocks_for(count / kVec + 1), kThreads, 0, stream>>>(ta, tb, tout, count);
-  } else {
-    add_kernel<T, false><<<blocks_for(count), kThreads, 0, stream>>>(ta, tb, tout, count);
-  }
-  return cudaGetLastError();
-}
-
-template <typename T>
 cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64_t rows,
                         std::int64_t cols, float eps, cudaStream_t stream) {
   constexpr int kVec = Vec16<T>::kSize;
@@ -92,14 +78,9 @@ cudaError_t launch_rank_order_reduce(const void* const* inputs, int num_inputs, 
 
 cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t count, DType dtype,
                        cudaStream_t stream) {
-  if (count < 0) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::f32: return add_as<float>(a, b, out, count, stream);
-    case DType::f16: return add_as<__half>(a, b, out, count, stream);
-    case DType::bf16: return add_as<__nv_bfloat16>(a, b, out, count, stream);
-  }
-  return cudaErrorInvalidValue;
+  // round(a + b) in fp32 is the rank-order sum of two inputs.
+  const void* inputs[2] = {a, b};
+  return launch_rank_order_reduce(inputs, 2, out, count, dtype, stream);
 }
 
 cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
