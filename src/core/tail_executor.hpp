@@ -1,8 +1,10 @@
 // The interface between LatentTail and a backend: one executor per backend runs every tier.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
@@ -17,6 +19,19 @@ struct TailProblem {
   DType dtype = DType::bf16;
   int tp = 1;
 };
+
+// How the token tier splits T rows over the ranks: contiguous blocks whose sizes differ by at
+// most one, rank r owning rows [row_offsets[r], row_offsets[r + 1]). Every backend uses this one
+// split, so their token tiers agree on which rank owns which row.
+struct TokenRowSplit {
+  std::vector<std::size_t> row_offsets;    // tp + 1 entries
+  std::vector<std::size_t> latent_counts;  // elements of [rows_r, l] per rank
+  std::vector<std::size_t> model_counts;   // elements of [rows_r, d] per rank
+  std::int64_t rows(int rank) const {
+    return static_cast<std::int64_t>(row_offsets[rank + 1] - row_offsets[rank]);
+  }
+};
+TokenRowSplit split_token_rows(std::int64_t num_tokens, int tp, TailDims dims);
 
 class TailExecutor {
  public:

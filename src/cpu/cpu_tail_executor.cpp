@@ -2,7 +2,6 @@
 
 #include <vector>
 
-#include "comm/rank_order_reduce.hpp"
 #include "cpu/cpu_math.hpp"
 #include "lmoe/error.hpp"
 
@@ -91,25 +90,18 @@ class CpuTailExecutor final : public TailExecutor {
   // finished rows are all-gathered.
   void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out) {
     const std::int64_t tokens = routed.rows;
-    const auto row_offsets = even_split_offsets(static_cast<std::size_t>(tokens), comm_.size());
-    std::vector<std::size_t> latent_counts, model_counts;
-    for (int r = 0; r < comm_.size(); ++r) {
-      const std::size_t rows = row_offsets[r + 1] - row_offsets[r];
-      latent_counts.push_back(rows * static_cast<std::size_t>(dims_.d_latent));
-      model_counts.push_back(rows * static_cast<std::size_t>(dims_.d_model));
-    }
-    const auto my_rows =
-        static_cast<std::int64_t>(row_offsets[comm_.rank() + 1] - row_offsets[comm_.rank()]);
+    const TokenRowSplit split = split_token_rows(tokens, comm_.size(), dims_);
+    const std::int64_t my_rows = split.rows(comm_.rank());
     Buffer latent(dtype_, my_rows, dims_.d_latent);
-    comm_.reduce_scatter(routed.data, latent.data(), latent_counts, dtype_);
+    comm_.reduce_scatter(routed.data, latent.data(), split.latent_counts, dtype_);
     Buffer shared_rows(dtype_, my_rows, dims_.d_model);
-    comm_.reduce_scatter(shared.data, shared_rows.data(), model_counts, dtype_);
+    comm_.reduce_scatter(shared.data, shared_rows.data(), split.model_counts, dtype_);
     Buffer normed(dtype_, my_rows, dims_.d_latent);
     cpu::rms_norm(latent.cview(), gamma_, eps_, normed.view());
     Buffer rows(dtype_, my_rows, dims_.d_model);
     cpu::up_project(normed.cview(), w_up_.data(), dims_.d_model, rows.view(), false);
     cpu::add(rows.cview(), shared_rows.cview(), rows.view());
-    comm_.all_gather(rows.data(), out.data, model_counts, dtype_);
+    comm_.all_gather(rows.data(), out.data, split.model_counts, dtype_);
   }
 
   // fused: one-shot latent all-reduce + norm on every rank; the shared partials are

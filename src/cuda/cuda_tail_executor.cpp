@@ -7,7 +7,6 @@
 
 #include <vector>
 
-#include "comm/rank_order_reduce.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
@@ -181,23 +180,17 @@ class CudaTailExecutor final : public TailExecutor {
   // the reduced latent and shared rows, normalizes and up-projects only those; rows are all-gathered.
   void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
-    const auto row_offsets = even_split_offsets(static_cast<std::size_t>(tokens), comm_.size());
-    std::vector<std::size_t> latent_counts, model_counts;
-    for (int r = 0; r < comm_.size(); ++r) {
-      const std::size_t rows = row_offsets[r + 1] - row_offsets[r];
-      latent_counts.push_back(rows * static_cast<std::size_t>(dims_.d_latent));
-      model_counts.push_back(rows * static_cast<std::size_t>(dims_.d_model));
-    }
-    const auto my_rows = static_cast<std::int64_t>(row_offsets[comm_.rank() + 1] - row_offsets[comm_.rank()]);
-    comm_.reduce_scatter(routed.data, latent_.data(), latent_counts, dtype_, stream);
-    comm_.reduce_scatter(shared.data, shared_sum_.data(), model_counts, dtype_, stream);
+    const TokenRowSplit split = split_token_rows(tokens, comm_.size(), dims_);
+    const std::int64_t my_rows = split.rows(comm_.rank());
+    comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
+    comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
     check(cuda::launch_rms_norm(latent_.data(), static_cast<const float*>(gamma_.data()), normed_.data(), my_rows,
                                 dims_.d_latent, eps_, dtype_, stream),
           "launch_rms_norm");
     up_project(normed_.data(), my_rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
     check(cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * dims_.d_model, dtype_, stream),
           "launch_add");
-    comm_.all_gather(up_.data(), out.data, model_counts, dtype_, stream);
+    comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
   }
 
   // fused, as an unfused composition of the same pieces (the one-kernel decode path over a P2P
