@@ -40,6 +40,11 @@ class Communicator {
   // Rank r contributes counts[r] elements; recv receives all blocks concatenated in rank order.
   virtual void all_gather(const void* send, void* recv, std::span<const std::size_t> counts,
                           DType dtype, StreamHandle stream = nullptr) = 0;
+  // Control plane: gathers `bytes` bytes of host memory from every rank into recv (rank order),
+  // synchronously, whatever memory_space() the data collectives use. Ranks use it to agree on a
+  // call before they launch anything. The default serves host communicators; device
+  // communicators provide their own host path.
+  virtual void control_all_gather(const void* send, void* recv, std::size_t bytes);
   virtual void barrier() = 0;
   // Makes every rank's pending and future collectives fail with an error that carries `why`.
   virtual void abort(const std::string& why) = 0;

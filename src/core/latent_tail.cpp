@@ -47,7 +47,7 @@ std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash) {
   return hash;
 }
 
-// What ranks exchange to agree before they communicate; a multiple of 4 bytes (sent as f32 words).
+// What ranks exchange to agree before they communicate.
 struct RankRecord {
   std::uint64_t config_hash = 0;
   std::int64_t num_tokens = 0;
@@ -55,7 +55,6 @@ struct RankRecord {
   std::int32_t ok = 1;
   char text[240] = {};  // the error when !ok, else a description of the configuration
 };
-static_assert(sizeof(RankRecord) % 4 == 0);
 
 void set_text(RankRecord& record, const std::string& text) {
   std::memset(record.text, 0, sizeof(record.text));
@@ -64,8 +63,7 @@ void set_text(RankRecord& record, const std::string& text) {
 
 std::vector<RankRecord> exchange(Communicator& comm, const RankRecord& mine) {
   std::vector<RankRecord> all(static_cast<std::size_t>(comm.size()));
-  const std::vector<std::size_t> counts(static_cast<std::size_t>(comm.size()), sizeof(RankRecord) / 4);
-  comm.all_gather(&mine, all.data(), counts, DType::f32);
+  comm.control_all_gather(&mine, all.data(), sizeof(RankRecord));
   return all;
 }
 
@@ -107,7 +105,7 @@ struct LatentTail::Impl {
   }
 
   bool exchange_records() const {
-    return options.check_ranks_agree && comm.size() > 1 && comm.memory_space() == MemorySpace::host;
+    return options.check_ranks_agree && comm.size() > 1;
   }
 };
 
@@ -144,7 +142,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     mine.ok = 0;
     set_text(mine, *error);
   }
-  if (comm.size() > 1 && comm.memory_space() == MemorySpace::host) {
+  if (comm.size() > 1) {
     throw_if_ranks_disagree(exchange(comm, mine), "configuration");
   } else if (error) {
     throw Error(*error);

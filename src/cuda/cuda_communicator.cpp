@@ -13,12 +13,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <condition_variable>
-#include <exception>
-#include <mutex>
+#include <cstring>
 #include <numeric>
 #include <string>
-#include <thread>
 
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
@@ -47,6 +44,7 @@ class CudaThreadGroup {
   // What each rank publishes for the collective in progress.
   struct Slot {
     const void* send = nullptr;
+    const void* control = nullptr;  // host memory, for control_all_gather
     cudaEvent_t ready = nullptr;
     cudaEvent_t done = nullptr;
   };
@@ -89,27 +87,15 @@ class CudaThreadCommunicator final : public Communicator {
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType dtype,
                   StreamHandle stream_handle) override {
-    const cudaStream_t stream = enter(stream_handle);
-    const std::size_t bytes = count * dtype_size(dtype);
-    void* scratch = scratch_for(bytes, stream);
-    publish_and_wait_ready(send, stream, "all_reduce");
-    reduce_from_peers(0, count, dtype, scratch, stream);
-    signal_and_wait_done(stream, "all_reduce");
-    finish_from_scratch(scratch, recv, bytes, stream);
+    reduce_block(send, recv, 0, count, dtype, stream_handle, "all_reduce");
   }
 
   void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
                       StreamHandle stream_handle) override {
     check_counts(counts, "reduce_scatter");
-    const cudaStream_t stream = enter(stream_handle);
     const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
-    const std::size_t count = counts[static_cast<std::size_t>(rank_)];
-    const std::size_t bytes = count * dtype_size(dtype);
-    void* scratch = scratch_for(bytes, stream);
-    publish_and_wait_ready(send, stream, "reduce_scatter");
-    reduce_from_peers(first, count, dtype, scratch, stream);
-    signal_and_wait_done(stream, "reduce_scatter");
-    finish_from_scratch(scratch, recv, bytes, stream);
+    reduce_block(send, recv, first, counts[static_cast<std::size_t>(rank_)], dtype, stream_handle,
+                 "reduce_scatter");
   }
 
   void all_gather(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
@@ -132,6 +118,19 @@ class CudaThreadCommunicator final : public Communicator {
     signal_and_wait_done(stream, "all_gather");
   }
 
+  // Host records between threads: no device work, so ranks can agree before launching anything.
+  void control_all_gather(const void* send, void* recv, std::size_t bytes) override {
+    group_->slot(rank_).control = send;
+    group_->barrier(rank_, "control_all_gather");
+    for (int peer = 0; peer < size(); ++peer) {
+      if (bytes) {
+        std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(peer) * bytes,
+                    group_->slot(peer).control, bytes);
+      }
+    }
+    group_->barrier(rank_, "control_all_gather");
+  }
+
   void barrier() override { group_->barrier(rank_, "barrier"); }
   void abort(const std::string& why) override { group_->abort(rank_, why); }
 
@@ -150,6 +149,19 @@ class CudaThreadCommunicator final : public Communicator {
 
   // The scratch buffer, at least `bytes` long, free for `stream` to write (its last user, possibly
   // another of this rank's streams, has finished with it).
+  // recv = round(Σ_peer send_peer[first, first + count)) through this rank's scratch, because recv
+  // may alias send, which the peers are still reading.
+  void reduce_block(const void* send, void* recv, std::size_t first, std::size_t count, DType dtype,
+                    StreamHandle stream_handle, const char* operation) {
+    const cudaStream_t stream = enter(stream_handle);
+    const std::size_t bytes = count * dtype_size(dtype);
+    void* scratch = scratch_for(bytes, stream);
+    publish_and_wait_ready(send, stream, operation);
+    reduce_from_peers(first, count, dtype, scratch, stream);
+    signal_and_wait_done(stream, operation);
+    finish_from_scratch(scratch, recv, bytes, stream);
+  }
+
   void* scratch_for(std::size_t bytes, cudaStream_t stream) {
     if (bytes > scratch_bytes_) {
       if (scratch_) {

@@ -293,6 +293,38 @@ TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
   }
 }
 
+// A bad shape on one rank must fail every rank with the same message before anything is launched
+// (the ranks agree over the communicator's host control path, not through device collectives).
+TEST(CudaTail, BadInputOnOneRankFailsEveryRankAlike) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 4;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 31u);
+  std::vector<std::string> messages(tp);
+  lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+    lmoe::TailOptions options;
+    options.dims = kSmall;
+    options.backend = lmoe::Backend::cuda;
+    lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+    const std::int64_t out_rows = rank == 2 ? 3 : 4;
+    const lmoe::cuda::DeviceBuffer routed(4 * kSmall.d_latent * 2), shared(4 * kSmall.d_model * 2),
+        out(out_rows * kSmall.d_model * 2);
+    const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, 4, kSmall.d_latent, kSmall.d_latent,
+                                            lmoe::MemorySpace::device};
+    const lmoe::MatrixView shared_view{shared.data(), DType::bf16, 4, kSmall.d_model, kSmall.d_model,
+                                       lmoe::MemorySpace::device};
+    const lmoe::MatrixView out_view{out.data(), DType::bf16, out_rows, kSmall.d_model, kSmall.d_model,
+                                    lmoe::MemorySpace::device};
+    try {
+      tail.forward(routed_view, shared_view, out_view);
+    } catch (const lmoe::Error& error) {
+      messages[rank] = error.message();
+    }
+  });
+  for (int rank = 0; rank < tp; ++rank) {
+    EXPECT_EQ(messages[rank], "rank 2: out: expected shape [4, 384], got [3, 384]") << "rank " << rank;
+  }
+}
+
 TEST(CudaTail, DeclinesWhatItCannotRunWithAReason) {
   const lmoe::TailProblem odd{16, {100, 60}, DType::bf16, 2};
   const auto reason = lmoe::cuda_tier_limit(TailTier::overlap, odd);

@@ -792,3 +792,23 @@ TEST(ReduceInRankOrder, OutMayAliasTheFirstInput) {
 }
 
 }  // namespace
+
+// The control path gathers whole records of any byte length (not a multiple of 4 here), in rank
+// order, on every rank: LatentTail agrees on each call through it.
+TEST(ThreadsControlAllGather, GathersOddSizedRecordsInRankOrder) {
+  for (int tp : {1, 2, 3}) {
+    std::vector<std::vector<unsigned char>> gathered(static_cast<std::size_t>(tp));
+    lmoe::run_on_threads(tp, [&](int rank, lmoe::Communicator& comm) {
+      const unsigned char mine[7] = {static_cast<unsigned char>(rank), 1, 2, 3, 4, 5, static_cast<unsigned char>(200 + rank)};
+      gathered[rank].assign(7u * static_cast<std::size_t>(tp), 0xee);
+      comm.control_all_gather(mine, gathered[rank].data(), sizeof(mine));
+    });
+    for (int rank = 0; rank < tp; ++rank) {
+      for (int peer = 0; peer < tp; ++peer) {
+        EXPECT_EQ(gathered[rank][7u * peer], peer);
+        EXPECT_EQ(gathered[rank][7u * peer + 6], 200 + peer);
+      }
+    }
+  }
+}
+
