@@ -45,6 +45,9 @@ class Communicator {
   // call before they launch anything. The default serves host communicators; device
   // communicators provide their own host path.
   virtual void control_all_gather(const void* send, void* recv, std::size_t bytes);
+  // Whether the collectives can be captured into a CUDA graph: no host work per call, persistent
+  // buffers. Communicators that synchronize on the host (threads, MPI, cuda-threads) cannot.
+  virtual bool graph_capturable() const { return false; }
   virtual void barrier() = 0;
   // Makes every rank's pending and future collectives fail with an error that carries `why`.
   virtual void abort(const std::string& why) = 0;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "lmoe/communicator.hpp"
@@ -13,6 +14,7 @@ namespace lmoe {
 
 struct RunOptions {
   Backend backend = Backend::cpu;
+  std::string comm;                     // thread-group communicator (comm_group.hpp); empty: the backend's default
   PolicyConfig policy;                  // used when `tier` is empty
   std::optional<TailTier> tier;         // force a tier
   int repeats = 1;                      // timed forwards; the output of the last one is kept
@@ -38,7 +40,7 @@ struct CaseRun {
   double median_seconds = 0;            // rank 0's median over repeats
 };
 
-// All ranks on threads of this process (the `threads` communicator).
+// All ranks on threads of this process, with options.comm's communicators.
 CaseRun run_case_on_threads(const TailCase& c, const RunOptions& options);
 
 }  // namespace lmoe

@@ -5,11 +5,10 @@
 #include <cstring>
 
 #include "lmoe/error.hpp"
-#include "lmoe/threads_communicator.hpp"
+#include "lmoe/comm_group.hpp"
 
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_tail_runner.hpp"
-#include "lmoe/cuda_communicator.hpp"
 #endif
 
 namespace lmoe {
@@ -58,16 +57,7 @@ CaseRun run_case_on_threads(const TailCase& c, const RunOptions& options) {
   const auto run_rank = [&](int rank, Communicator& comm) {
     result.ranks[static_cast<std::size_t>(rank)] = run_case_rank(c, comm, options);
   };
-#ifdef LMOE_HAS_CUDA
-  // GPU ranks share device 0, each on its own thread and stream (the cuda-threads communicator).
-  if (options.backend == Backend::cuda) {
-    run_on_cuda_threads(c.tp, 0, run_rank);
-  } else {
-    run_on_threads(c.tp, run_rank);
-  }
-#else
-  run_on_threads(c.tp, run_rank);
-#endif
+  run_comm_group(options.comm.empty() ? default_comm_backend(options.backend) : options.comm, c.tp, run_rank);
   const RankRun& first = result.ranks.front();
   result.tier = first.tier;
   for (const RankRun& rank : result.ranks) {

@@ -1,0 +1,30 @@
+// Groups of ranks on threads of this process, chosen by communicator backend name: the one switch
+// the tools and tests use to pick a transport ("threads", "cuda-threads", and more as they land).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lmoe/communicator.hpp"
+#include "lmoe/latent_tail.hpp"
+
+namespace lmoe {
+
+// The thread-group communicators this build and machine can run for a compute backend, the
+// default first (cpu: "threads"; cuda: "cuda-threads", ...).
+std::vector<std::string> comm_backends(Backend backend);
+
+// The default for `backend`: comm_backends(backend).front().
+std::string default_comm_backend(Backend backend);
+
+// Runs fn(rank, comm) on `num_ranks` threads with communicators of the named backend and joins
+// them; a rank's error aborts the group and the first root-cause error is rethrown. Throws
+// lmoe::Error naming the choices when `comm_backend` is unknown or unavailable here.
+void run_comm_group(std::string_view comm_backend, int num_ranks,
+                    const std::function<void(int rank, Communicator& comm)>& fn,
+                    std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+}  // namespace lmoe

@@ -1,0 +1,59 @@
+#include "lmoe/comm_group.hpp"
+
+#include "lmoe/error.hpp"
+#include "lmoe/threads_communicator.hpp"
+
+#ifdef LMOE_HAS_CUDA
+#include "cuda/cuda_tail_executor.hpp"
+#include "lmoe/cuda_communicator.hpp"
+#endif
+
+namespace lmoe {
+
+namespace {
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> comm_backends(Backend backend) {
+  switch (backend) {
+    case Backend::cpu: return {"threads"};
+    case Backend::cuda: {
+      std::vector<std::string> names;
+#ifdef LMOE_HAS_CUDA
+      if (cuda_device_count() > 0) names.push_back("cuda-threads");
+#endif
+      return names;
+    }
+  }
+  return {};
+}
+
+std::string default_comm_backend(Backend backend) {
+  const std::vector<std::string> names = comm_backends(backend);
+  LMOE_CHECK(!names.empty(), "no communicator can run the " + std::string(backend_name(backend)) +
+                                 " backend here (no GPU, or a build without CUDA)");
+  return names.front();
+}
+
+void run_comm_group(std::string_view comm_backend, int num_ranks,
+                    const std::function<void(int, Communicator&)>& fn, std::chrono::milliseconds timeout) {
+  if (comm_backend == "threads") return run_on_threads(num_ranks, fn, timeout);
+#ifdef LMOE_HAS_CUDA
+  if (comm_backend == "cuda-threads") {
+    LMOE_CHECK(cuda_device_count() > 0, "comm backend 'cuda-threads' needs a CUDA GPU; none is visible");
+    return run_on_cuda_threads(num_ranks, 0, fn, timeout);
+  }
+#endif
+  std::vector<std::string> known = comm_backends(Backend::cpu);
+  for (const std::string& name : comm_backends(Backend::cuda)) known.push_back(name);
+  throw Error("unknown or unavailable comm backend '" + std::string(comm_backend) + "'; available here: " +
+              joined(known));
+}
+
+}  // namespace lmoe
