@@ -39,6 +39,10 @@ struct TailOptions {
   // rank fail with the same error instead of leaving its peers waiting in a collective.
   // Must be the same on every rank (it decides whether the exchange happens at all).
   bool check_ranks_agree = true;
+  // The most tokens a forward may carry. > 0: workspaces are allocated once, at construction, and
+  // never move, which CUDA-graph capture requires (a larger T is an error). 0: they grow on demand
+  // (a grow waits for the stream), and forwards cannot be captured.
+  std::int64_t max_tokens = 0;
 };
 
 class TailExecutor;

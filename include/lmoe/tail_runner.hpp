@@ -18,6 +18,10 @@ struct RunOptions {
   PolicyConfig policy;                  // used when `tier` is empty
   std::optional<TailTier> tier;         // force a tier
   int repeats = 1;                      // timed forwards; the output of the last one is kept
+  // cuda: capture one forward in a CUDA graph and replay it for every repeat, with
+  // the inputs copied in again and the output poisoned before each replay. Needs a communicator whose
+  // collectives can be captured (p2p, nccl).
+  bool graph = false;
 };
 
 struct RankRun {

@@ -6,6 +6,7 @@
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_tail_executor.hpp"
 #include "lmoe/cuda_communicator.hpp"
+#include "lmoe/p2p_communicator.hpp"
 #endif
 
 namespace lmoe {
@@ -26,7 +27,10 @@ std::vector<std::string> comm_backends(Backend backend) {
     case Backend::cuda: {
       std::vector<std::string> names;
 #ifdef LMOE_HAS_CUDA
-      if (cuda_device_count() > 0) names.push_back("cuda-threads");
+      if (cuda_device_count() > 0) {
+        names.push_back("cuda-threads");
+        names.push_back("p2p");
+      }
 #endif
       return names;
     }
@@ -48,6 +52,11 @@ void run_comm_group(std::string_view comm_backend, int num_ranks,
   if (comm_backend == "cuda-threads") {
     LMOE_CHECK(cuda_device_count() > 0, "comm backend 'cuda-threads' needs a CUDA GPU; none is visible");
     return run_on_cuda_threads(num_ranks, 0, fn, timeout);
+  }
+  if (comm_backend == "p2p") {
+    LMOE_CHECK(cuda_device_count() > 0, "comm backend 'p2p' needs a CUDA GPU; none is visible");
+    // Its own device-side bound (P2pOptions::timeout) applies, not the host barrier's.
+    return run_on_p2p_threads(num_ranks, fn);
   }
 #endif
   std::vector<std::string> known = comm_backends(Backend::cpu);

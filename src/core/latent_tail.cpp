@@ -126,13 +126,15 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     hash = fnv1a(&opts.rms_norm_eps, sizeof(opts.rms_norm_eps), hash);
     hash = fnv1a(&opts.dtype, sizeof(opts.dtype), hash);
     hash = fnv1a(&opts.backend, sizeof(opts.backend), hash);
+    hash = fnv1a(&opts.max_tokens, sizeof(opts.max_tokens), hash);
     const std::uint64_t weights = checksum(up_proj_weight, checksum(norm_weight, 1469598103934665603ull));
     hash = fnv1a(&weights, sizeof(weights), hash);
     char text[200];
-    std::snprintf(text, sizeof(text), "d_model=%lld d_latent=%lld eps=%g dtype=%s backend=%s weights=%016llx",
+    std::snprintf(text, sizeof(text),
+                  "d_model=%lld d_latent=%lld eps=%g dtype=%s backend=%s max_tokens=%lld weights=%016llx",
                   static_cast<long long>(opts.dims.d_model), static_cast<long long>(opts.dims.d_latent),
                   static_cast<double>(opts.rms_norm_eps), std::string(dtype_name(opts.dtype)).c_str(),
-                  std::string(backend_name(opts.backend)).c_str(),
+                  std::string(backend_name(opts.backend)).c_str(), static_cast<long long>(opts.max_tokens),
                   static_cast<unsigned long long>(weights));
     impl_->config_hash = hash;
     impl_->config_text = text;
@@ -154,7 +156,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   } else {
 #ifdef LMOE_HAS_CUDA
     impl_->executor = make_cuda_tail_executor(comm, opts.dims, opts.dtype, opts.rms_norm_eps,
-                                              norm_weight, up_proj_weight);
+                                              norm_weight, up_proj_weight, opts.max_tokens);
 #endif
   }
 }

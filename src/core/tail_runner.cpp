@@ -22,6 +22,9 @@ TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const 
   tail_options.dtype = c.dtype;
   tail_options.backend = options.backend;
   tail_options.policy = options.policy;
+  // GPU workspaces are allocated once, at construction: capture needs it, and a device allocation
+  // in the middle of a forward would stall ranks that share a GPU and spin on each other (p2p).
+  if (options.backend == Backend::cuda) tail_options.max_tokens = std::max<std::int64_t>(c.num_tokens, 1);
   return tail_options;
 }
 
@@ -30,6 +33,7 @@ RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& o
   // Device inputs, the rank's own stream, y copied back: see src/cuda/cuda_tail_runner.cpp.
   if (options.backend == Backend::cuda) return run_case_rank_cuda(c, comm, options);
 #endif
+  LMOE_CHECK(!options.graph, "CUDA graphs need the cuda backend");
   LatentTail tail(tail_options_for(c, comm, options), comm, c.norm_weight.matrix(),
                   c.up_proj_weight.matrix());
 

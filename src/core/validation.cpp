@@ -55,6 +55,9 @@ std::optional<std::string> validate_options(const TailOptions& options, int tp) 
   if (!(options.rms_norm_eps >= 0.0f) || !std::isfinite(options.rms_norm_eps)) {
     return expected("rms_norm_eps", "a finite value >= 0", std::to_string(options.rms_norm_eps));
   }
+  if (options.max_tokens < 0) {
+    return expected("max_tokens", "0 (grow on demand) or a positive token count", std::to_string(options.max_tokens));
+  }
   return std::nullopt;
 }
 
@@ -80,6 +83,10 @@ std::optional<std::string> validate_call(const TailOptions& options, MemorySpace
   const TailDims& dims = options.dims;
   if (routed.rows < 0) return expected("routed", "a non-negative token count", std::to_string(routed.rows));
   const std::int64_t tokens = routed.rows;
+  if (options.max_tokens > 0 && tokens > options.max_tokens) {
+    return expected("routed", "at most max_tokens=" + std::to_string(options.max_tokens) +
+                                  " rows (set at construction)", std::to_string(tokens) + " rows");
+  }
   if (auto error = check_matrix("routed", routed, options.dtype, space, tokens, dims.d_latent)) return error;
   if (auto error = check_matrix("shared", shared, options.dtype, space, tokens, dims.d_model)) return error;
   if (auto error = check_matrix("out", out, options.dtype, space, tokens, dims.d_model)) return error;

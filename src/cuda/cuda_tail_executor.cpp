@@ -51,10 +51,10 @@ using cuda::DeviceBuffer;
 class CudaTailExecutor final : public TailExecutor {
  public:
   CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, float eps, ConstMatrixView norm_weight,
-                   ConstMatrixView up_proj_weight)
-      : comm_(comm), dims_(dims), dtype_(dtype), esize_(dtype_size(dtype)), eps_(eps) {
+                   ConstMatrixView up_proj_weight, std::int64_t max_tokens)
+      : comm_(comm), dims_(dims), dtype_(dtype), esize_(dtype_size(dtype)), eps_(eps), fixed_capacity_(max_tokens > 0) {
     if (comm.memory_space() != MemorySpace::device) {
-      throw Error("the cuda backend needs a communicator of device buffers (cuda-threads), got '" +
+      throw Error("the cuda backend needs a communicator of device buffers (cuda-threads, p2p, nccl), got '" +
                   std::string(comm.backend_name()) + "'");
     }
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
@@ -76,6 +76,7 @@ class CudaTailExecutor final : public TailExecutor {
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
+    if (fixed_capacity_) allocate_workspaces(max_tokens);
   }
 
   ~CudaTailExecutor() override {
@@ -97,6 +98,15 @@ class CudaTailExecutor final : public TailExecutor {
            StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    LMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      LMOE_CHECK(fixed_capacity_, "capturing a forward in a CUDA graph needs TailOptions::max_tokens > 0 "
+                                  "(workspaces allocated once, at construction)");
+      LMOE_CHECK(comm_.graph_capturable(), "the '" + std::string(comm_.backend_name()) +
+                                               "' communicator synchronizes on the host and cannot be captured in a "
+                                               "CUDA graph; use p2p or nccl");
+    }
     reserve(routed.rows, stream);
     switch (tier) {
       case TailTier::overlap: return run_overlap(routed, shared, out, stream);
@@ -112,13 +122,18 @@ class CudaTailExecutor final : public TailExecutor {
   const void* w_up_rows(std::int64_t first_row) const { return w_up_.at(bytes(first_row * dims_.d_latent)); }
   static void* offset(void* base, std::size_t byte_offset) { return static_cast<std::byte*>(base) + byte_offset; }
 
-  // Workspaces for up to `tokens` rows. They grow on demand, which waits for the stream's earlier
-  // work; TODO(graphs): size them once for the largest T so that the tiers become capturable.
+  // Workspaces for up to `tokens` rows. Without max_tokens they grow on demand, which waits for the
+  // stream's earlier work (the old buffers may still be in use); with it they never move.
   void reserve(std::int64_t tokens, cudaStream_t stream) {
     if (tokens <= capacity_) return;
+    LMOE_CHECK(!fixed_capacity_, "T=" + std::to_string(tokens) + " exceeds max_tokens=" +
+                                     std::to_string(capacity_) + " set at construction");
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
-    const std::int64_t rows = (tokens + 63) / 64 * 64;
+    allocate_workspaces((tokens + 63) / 64 * 64);
+  }
+
+  void allocate_workspaces(std::int64_t rows) {
     latent_ = DeviceBuffer(bytes(rows * dims_.d_latent));
     normed_ = DeviceBuffer(bytes(rows * dims_.d_latent));
     up_ = DeviceBuffer(bytes(2 * rows * dims_.d_model));  // fused keeps two stripes, even at tp = 1
@@ -132,7 +147,12 @@ class CudaTailExecutor final : public TailExecutor {
     const std::int64_t tokens = routed.rows;
     comm_.all_reduce(routed.data, latent_.data(), static_cast<std::size_t>(tokens * dims_.d_latent), dtype_,
                      stream);
-    check(cuda::launch_rms_norm(latent_.data(), static_cast<const float*>(gamma_.data()), normed_.data(), tokens,
+    norm(tokens, stream);
+  }
+
+  // normed_ [rows, l] = round(rmsnorm(latent_ rows)).
+  void norm(std::int64_t rows, cudaStream_t stream) {
+    check(cuda::launch_rms_norm(latent_.data(), static_cast<const float*>(gamma_.data()), normed_.data(), rows,
                                 dims_.d_latent, eps_, dtype_, stream),
           "launch_rms_norm");
   }
@@ -144,15 +164,18 @@ class CudaTailExecutor final : public TailExecutor {
   }
 
   // overlap: Y = round(round(N · w_upᵀ) + round(Σ shared_r)), full width on every rank. The shared
-  // all-reduce runs on the side stream while the main stream does the norm and GEMM; it is issued
-  // after the latent all-reduce, whose scratch it would otherwise have to wait for.
+  // all-reduce runs on the side stream while the main stream does the norm and GEMM. It starts only
+  // after the latent all-reduce has finished: a communicator runs one collective at a time (the P2P
+  // workspace holds one round in flight; NCCL serializes a communicator's operations).
   void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
+    comm_.all_reduce(routed.data, latent_.data(), static_cast<std::size_t>(tokens * dims_.d_latent), dtype_,
+                     stream);
     LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    all_reduce_and_norm(routed, stream);
     comm_.all_reduce(shared.data, shared_sum_.data(), static_cast<std::size_t>(tokens * dims_.d_model), dtype_,
                      side_stream_);
+    norm(tokens, stream);
     up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
@@ -184,9 +207,7 @@ class CudaTailExecutor final : public TailExecutor {
     const std::int64_t my_rows = split.rows(comm_.rank());
     comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
     comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
-    check(cuda::launch_rms_norm(latent_.data(), static_cast<const float*>(gamma_.data()), normed_.data(), my_rows,
-                                dims_.d_latent, eps_, dtype_, stream),
-          "launch_rms_norm");
+    norm(my_rows, stream);
     up_project(normed_.data(), my_rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
     check(cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * dims_.d_model, dtype_, stream),
           "launch_add");
@@ -229,6 +250,7 @@ class CudaTailExecutor final : public TailExecutor {
   std::size_t esize_;
   float eps_;
   int device_ = 0;
+  const bool fixed_capacity_;  // max_tokens was given: workspaces never move (capturable)
   DeviceBuffer gamma_;  // [l] fp32
   DeviceBuffer w_up_;   // [d, l] storage dtype
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
@@ -245,8 +267,9 @@ class CudaTailExecutor final : public TailExecutor {
 }  // namespace
 
 std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype, float eps,
-                                                      ConstMatrixView norm_weight, ConstMatrixView up_proj_weight) {
-  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, eps, norm_weight, up_proj_weight);
+                                                      ConstMatrixView norm_weight, ConstMatrixView up_proj_weight,
+                                                      std::int64_t max_tokens) {
+  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, eps, norm_weight, up_proj_weight, max_tokens);
 }
 
 }  // namespace lmoe

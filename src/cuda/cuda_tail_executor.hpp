@@ -15,9 +15,11 @@ int cuda_device_count();
 // nullopt when the CUDA backend can run `tier` for `problem`; otherwise why not.
 std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem);
 
-// Copies the weights to the current device. `comm` must be a device communicator (cuda-threads).
+// Copies the weights to the current device. `comm` must be a device communicator. max_tokens > 0:
+// every workspace is allocated now, for that many tokens, so forwards can be captured in CUDA graphs
+// (when the communicator's collectives can be); 0: workspaces grow on demand.
 std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype,
                                                       float eps, ConstMatrixView norm_weight,
-                                                      ConstMatrixView up_proj_weight);
+                                                      ConstMatrixView up_proj_weight, std::int64_t max_tokens);
 
 }  // namespace lmoe

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -14,6 +15,7 @@
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/device_buffer.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/cuda_communicator.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
@@ -37,10 +39,16 @@ constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier:
 
 void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
 
-lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier) {
+// The GPU communicators that keep the contract's rank-order sums (bit for bit on every rank).
+const char* const kExactComms[] = {"cuda-threads", "p2p"};
+
+lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier, const std::string& comm, bool graph = false) {
   lmoe::RunOptions options;
   options.backend = lmoe::Backend::cuda;
+  options.comm = comm;
   options.tier = tier;
+  options.graph = graph;
+  options.repeats = graph ? 2 : 1;  // a graph is replayed twice: the second replay must not see the first's state
   return lmoe::run_case_on_threads(c, options);
 }
 
@@ -65,11 +73,11 @@ std::vector<float> collective_input(int rank, std::size_t count, bool exact, std
   return values;
 }
 
-class CudaCollectives : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+class CudaCollectives : public ::testing::TestWithParam<std::tuple<std::string, int, DType>> {};
 
 TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
   SKIP_WITHOUT_GPU();
-  const auto [tp, dtype] = GetParam();
+  const auto [comm_name, tp, dtype] = GetParam();
   const std::size_t esize = lmoe::dtype_size(dtype);
   for (bool exact : {true, false}) {
     for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4096 + 3}, std::size_t{1} << 20}) {
@@ -90,7 +98,7 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
       for (int r = 0; r < tp; ++r) counts.push_back(offsets[r + 1] - offsets[r]);
 
       std::vector<std::vector<std::byte>> all_reduced(tp), scattered(tp), gathered(tp);
-      lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+      lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
         EXPECT_EQ(comm.memory_space(), lmoe::MemorySpace::device);
         void* buffer = nullptr;
         void* other = nullptr;
@@ -99,22 +107,34 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
         cuda_ok(cudaMemcpy(buffer, inputs[rank].data(), count * esize, cudaMemcpyHostToDevice));
         cudaStream_t stream = nullptr;
         cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        // p2p ranks share the GPU and spin on each other: setup and teardown (which may wait for
+        // the whole GPU) stay outside the collectives, between barriers.
         // reduce-scatter out of place, then all-reduce in place (recv == send), then all-gather of
         // the scattered blocks in place (each rank's block already sits at its offset).
         cuda_ok(cudaMemsetAsync(other, 0xff, count * esize, stream));
         void* my_block = static_cast<std::byte*>(other) + offsets[rank] * esize;
+        // Results are copied out only after every rank's collectives have finished (the barrier):
+        // a synchronous copy waits for the GPU, which a peer's spinning round may be occupying.
+        void* scattered_copy = nullptr;
+        cuda_ok(cudaMalloc(&scattered_copy, std::max<std::size_t>(counts[rank], 1) * esize));
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();
         comm.reduce_scatter(buffer, my_block, counts, dtype, stream);
-        auto& s = scattered[rank];
-        s.resize(counts[rank] * esize);
-        cuda_ok(cudaStreamSynchronize(stream));
-        if (!s.empty()) cuda_ok(cudaMemcpy(s.data(), my_block, s.size(), cudaMemcpyDeviceToHost));
+        if (counts[rank]) {
+          cuda_ok(cudaMemcpyAsync(scattered_copy, my_block, counts[rank] * esize, cudaMemcpyDeviceToDevice, stream));
+        }
         comm.all_reduce(buffer, buffer, count, dtype, stream);
         comm.all_gather(my_block, other, counts, dtype, stream);
         cuda_ok(cudaStreamSynchronize(stream));
+        comm.barrier();
+        auto& s = scattered[rank];
+        s.resize(counts[rank] * esize);
+        if (!s.empty()) cuda_ok(cudaMemcpy(s.data(), scattered_copy, s.size(), cudaMemcpyDeviceToHost));
         all_reduced[rank].resize(count * esize);
         gathered[rank].resize(count * esize);
         cuda_ok(cudaMemcpy(all_reduced[rank].data(), buffer, count * esize, cudaMemcpyDeviceToHost));
         cuda_ok(cudaMemcpy(gathered[rank].data(), other, count * esize, cudaMemcpyDeviceToHost));
+        cuda_ok(cudaFree(scattered_copy));
         cuda_ok(cudaStreamDestroy(stream));
         cuda_ok(cudaFree(buffer));
         cuda_ok(cudaFree(other));
@@ -129,9 +149,15 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TpDtype, CudaCollectives,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
-                                            ::testing::Values(DType::bf16, DType::f16, DType::f32)));
+INSTANTIATE_TEST_SUITE_P(CommTpDtype, CudaCollectives,
+                         ::testing::Combine(::testing::Values(std::string("cuda-threads"), std::string("p2p")), ::testing::Values(1, 2, 3, 4, 8),
+                                            ::testing::Values(DType::bf16, DType::f16, DType::f32)),
+                         [](const auto& info) {
+                           std::string comm = std::get<0>(info.param);
+                           std::replace(comm.begin(), comm.end(), '-', '_');
+                           return comm + "_tp" + std::to_string(std::get<1>(info.param)) + "_" +
+                                  std::string(lmoe::dtype_name(std::get<2>(info.param)));
+                         });
 
 TEST(CudaCollectives, RejectsWrongCountsAndTooManyRanks) {
   SKIP_WITHOUT_GPU();
@@ -147,8 +173,10 @@ TEST(CudaCollectives, RejectsWrongCountsAndTooManyRanks) {
 // ---- the tail ----------------------------------------------------------------------------------
 
 struct ParityParam {
+  std::string comm;
   int tp;
   DType dtype;
+  bool graph = false;  // captured once, replayed (p2p only: cuda-threads cannot be captured)
 };
 
 class CudaTailParity : public ::testing::TestWithParam<ParityParam> {
@@ -158,7 +186,7 @@ class CudaTailParity : public ::testing::TestWithParam<ParityParam> {
 
 TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
   SKIP_WITHOUT_GPU();
-  const auto [tp, dtype] = GetParam();
+  const auto [comm, tp, dtype, graph] = GetParam();
   for (TailTier tier : kGpuTiers) {
     std::int64_t elements = 0, mismatches = 0;
     double worst = 0;
@@ -167,10 +195,10 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
       const std::uint64_t seed = 1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
       const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
       if (tier == TailTier::token && tokens < tp) {
-        EXPECT_THROW(run_gpu(c, tier), lmoe::Error);
+        EXPECT_THROW(run_gpu(c, tier, comm, graph), lmoe::Error);
         continue;
       }
-      const lmoe::CaseRun result = run_gpu(c, tier);
+      const lmoe::CaseRun result = run_gpu(c, tier, comm, graph);
       EXPECT_TRUE(result.ranks_identical);
       ASSERT_EQ(result.tier, tier);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
@@ -182,21 +210,22 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
       worst = std::max(worst, cmp.max_error_over_bound);
     }
     // Not asserted (the GEMM's order is free): how far cuBLASLt's order moves results.
-    std::printf("[ parity ] %-7s tp=%d %-4s elements=%lld bit_mismatches=%lld max_err/bound=%.3f\n",
-                std::string(lmoe::tier_name(tier)).c_str(), tp, std::string(lmoe::dtype_name(dtype)).c_str(),
+    std::printf("[ parity ] %-12s%s %-7s tp=%d %-4s elements=%lld bit_mismatches=%lld max_err/bound=%.3f\n",
+                comm.c_str(), graph ? "+graph" : "      ", std::string(lmoe::tier_name(tier)).c_str(), tp,
+                std::string(lmoe::dtype_name(dtype)).c_str(),
                 static_cast<long long>(elements), static_cast<long long>(mismatches), worst);
   }
 }
 
 TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
   SKIP_WITHOUT_GPU();
-  const auto [tp, dtype] = GetParam();
+  const auto [comm, tp, dtype, graph] = GetParam();
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
     const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : kGpuTiers) {
       if (tier == TailTier::token && tokens < tp) continue;  // declined: covered by the random test
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
-      const lmoe::CaseRun result = run_gpu(c, tier);
+      const lmoe::CaseRun result = run_gpu(c, tier, comm, graph);
       EXPECT_TRUE(result.ranks_identical);
       ASSERT_EQ(result.tier, tier);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
@@ -206,25 +235,38 @@ TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    TpDtype, CudaTailParity,
-    ::testing::Values(ParityParam{1, DType::bf16}, ParityParam{2, DType::bf16}, ParityParam{4, DType::bf16},
-                      ParityParam{8, DType::bf16}, ParityParam{2, DType::f16}, ParityParam{8, DType::f16},
-                      ParityParam{2, DType::f32}, ParityParam{8, DType::f32}),
-    [](const auto& info) {
-      return "tp" + std::to_string(info.param.tp) + "_" + std::string(lmoe::dtype_name(info.param.dtype));
-    });
+std::vector<ParityParam> parity_params() {
+  std::vector<ParityParam> params;
+  for (const char* comm : kExactComms) {
+    for (const auto& [tp, dtype] : {std::pair{1, DType::bf16}, {2, DType::bf16}, {4, DType::bf16}, {8, DType::bf16},
+                                    {2, DType::f16}, {8, DType::f16}, {2, DType::f32}, {8, DType::f32}}) {
+      params.push_back({comm, tp, dtype});
+    }
+  }
+  for (int tp : {1, 2, 4, 8}) params.push_back({"p2p", tp, DType::bf16, true});
+  params.push_back({"p2p", 8, DType::f32, true});
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(CommTpDtype, CudaTailParity, ::testing::ValuesIn(parity_params()), [](const auto& info) {
+  std::string comm = info.param.comm;
+  std::replace(comm.begin(), comm.end(), '-', '_');
+  return comm + (info.param.graph ? "_graph" : "") + "_tp" + std::to_string(info.param.tp) + "_" +
+         std::string(lmoe::dtype_name(info.param.dtype));
+});
 
 TEST(CudaTailK3, Bf16Tp8AtModelDims) {
   SKIP_WITHOUT_GPU();
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{129}}) {
     const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, 8, tokens, 4242u + static_cast<std::uint64_t>(tokens));
     const std::vector<double> exact = lmoe::exact_tail(c);
+    for (const char* comm : kExactComms) {
     for (TailTier tier : {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused}) {
       if (tier == TailTier::token && tokens < 8) continue;
-      SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
+      SCOPED_TRACE(std::string(comm) + " tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       lmoe::RunOptions options;
       options.backend = lmoe::Backend::cuda;
+      options.comm = comm;
       options.tier = tier;
       options.repeats = 5;  // the median is printed for information only (host barriers included)
       const lmoe::CaseRun result = lmoe::run_case_on_threads(c, options);
@@ -233,10 +275,11 @@ TEST(CudaTailK3, Bf16Tp8AtModelDims) {
       const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, exact);
       EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
-      std::printf("[ k3     ] %-7s T=%lld bit_mismatches=%lld/%lld max_err/bound=%.3f normwise=%.2e median_ms=%.3f\n",
-                  std::string(lmoe::tier_name(tier)).c_str(), static_cast<long long>(tokens),
+      std::printf("[ k3     ] %-12s %-7s T=%lld bit_mismatches=%lld/%lld max_err/bound=%.3f normwise=%.2e median_ms=%.3f\n",
+                  comm, std::string(lmoe::tier_name(tier)).c_str(), static_cast<long long>(tokens),
                   static_cast<long long>(cmp.bit_mismatches), static_cast<long long>(cmp.elements),
                   cmp.max_error_over_bound, cmp.normwise_error, result.median_seconds * 1e3);
+    }
     }
   }
 }
@@ -253,13 +296,17 @@ TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
     cases.back().norm_weight = cases.front().norm_weight;  // one tail, one set of weights
     cases.back().up_proj_weight = cases.front().up_proj_weight;
   }
+  for (const char* comm_name : kExactComms) {
   for (TailTier tier : kGpuTiers) {
-    SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)));
+    SCOPED_TRACE(std::string(comm_name) + " tier " + std::string(lmoe::tier_name(tier)));
     std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(), std::vector<lmoe::HostTensor>(tp));
-    lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+    lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
       lmoe::TailOptions options;
       options.dims = kSmall;
       options.backend = lmoe::Backend::cuda;
+      // p2p ranks spin on each other on one GPU, so no rank may allocate (grow a workspace) while a
+      // peer's collective is in flight: there the workspaces are sized once, and T moves within them.
+      if (std::string(comm_name) == "p2p") options.max_tokens = 300;
       lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
       for (std::size_t i = 0; i < cases.size(); ++i) {
         const lmoe::TailCase& c = cases[i];
@@ -274,8 +321,11 @@ TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
                                            lmoe::MemorySpace::device};
         const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, kSmall.d_latent, kSmall.d_latent,
                                                 lmoe::MemorySpace::device};
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();  // every rank's buffers exist before any rank's collectives spin
         EXPECT_EQ(tail.forward(routed_view, shared_view, shared_view, tier), tier);
         cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+        comm.barrier();  // and nobody frees them (a GPU-wide wait) while a peer still spins
         outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, kSmall.d_model});
         cuda_ok(cudaMemcpy(outputs[i][rank].data(), shared.data(), shared_bytes, cudaMemcpyDeviceToHost));
       }
@@ -291,6 +341,7 @@ TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
     }
   }
+  }
 }
 
 // A bad shape on one rank must fail every rank with the same message before anything is launched
@@ -299,8 +350,10 @@ TEST(CudaTail, BadInputOnOneRankFailsEveryRankAlike) {
   SKIP_WITHOUT_GPU();
   const int tp = 4;
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 31u);
+  for (const char* comm_name : kExactComms) {
+  SCOPED_TRACE(comm_name);
   std::vector<std::string> messages(tp);
-  lmoe::run_on_cuda_threads(tp, 0, [&](int rank, lmoe::Communicator& comm) {
+  lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
     lmoe::TailOptions options;
     options.dims = kSmall;
     options.backend = lmoe::Backend::cuda;
@@ -322,6 +375,7 @@ TEST(CudaTail, BadInputOnOneRankFailsEveryRankAlike) {
   });
   for (int rank = 0; rank < tp; ++rank) {
     EXPECT_EQ(messages[rank], "rank 2: out: expected shape [4, 384], got [3, 384]") << "rank " << rank;
+  }
   }
 }
 

@@ -130,10 +130,12 @@ struct CallViews {
 };
 std::vector<std::string> call_outcome(
     int tp, std::int64_t tokens, const std::function<CallViews(int rank, Call& call)>& make_views,
-    std::optional<TailTier> tier = std::nullopt) {
+    std::optional<TailTier> tier = std::nullopt, std::int64_t max_tokens = 0) {
   const Weights weights;
   return per_rank_outcome(tp, [&](int rank, Communicator& comm) {
-    LatentTail tail(options(), comm, weights.norm.matrix(), weights.up.matrix());
+    TailOptions opts = options();
+    opts.max_tokens = max_tokens;
+    LatentTail tail(opts, comm, weights.norm.matrix(), weights.up.matrix());
     Call call(tokens, rank);
     const CallViews views = make_views(rank, call);
     try {
@@ -572,7 +574,7 @@ TEST(LatentTailValidation, RanksWithDifferentEpsDisagreeOnTheConfiguration) {
   for (const std::string& message : outcome) {
     EXPECT_THAT(message,
                 StartsWith("ranks disagree on the configuration: rank 0 has d_model=96 d_latent=48 "
-                           "eps=1e-05 dtype=bf16 backend=cpu weights="));
+                           "eps=1e-05 dtype=bf16 backend=cpu max_tokens=0 weights="));
     EXPECT_THAT(message,
                 HasSubstr("; rank 1 has d_model=96 d_latent=48 eps=2e-05 dtype=bf16 backend=cpu"));
   }
@@ -814,6 +816,24 @@ TEST(ValidationFunctions, GenericTierLimits) {
   EXPECT_THAT(lmoe::generic_tier_limit(TailTier::column, problem).value_or(""),
               StartsWith("d_model=97 is not divisible by tp=4"));
   EXPECT_EQ(lmoe::generic_tier_limit(TailTier::overlap, problem), std::nullopt);
+}
+
+// max_tokens bounds T (±1 around it) and cannot be negative.
+TEST(LatentTailValidation, MaxTokensBoundsTheCall) {
+  const auto views = [](int, Call& call) { return good_views(call); };
+  expect_every_rank(call_outcome(2, 5, views, std::nullopt, 5), kOk);
+  expect_every_rank(call_outcome(2, 4, views, std::nullopt, 5), kOk);
+  expect_every_rank(call_outcome(2, 6, views, std::nullopt, 5),
+                    "rank 0: routed: expected at most max_tokens=5 rows (set at construction), got 6 rows");
+  expect_every_rank(construct_outcome(
+                        2,
+                        [](int) {
+                          TailOptions opts = options();
+                          opts.max_tokens = -1;
+                          return opts;
+                        },
+                        [](int) { return Weights(); }),
+                    "rank 0: max_tokens: expected 0 (grow on demand) or a positive token count, got -1");
 }
 
 }  // namespace

@@ -1,0 +1,56 @@
+// The `p2p` communicator: lmoe's own collectives over a symmetric device workspace, for ranks that
+// are host threads of one process, each on a GPU (several ranks may share one GPU; ranks on
+// different GPUs reach each other through peer access). Every collective is one or more rounds of
+// one small kernel per rank that stages its input into its workspace, signals its peers through
+// device flags, waits for them with a bounded spin and reads their workspaces directly
+// (docs/p2p.md). Reductions are the contract's rank-order fp32 sums, bit-identical on every rank
+// and to the host communicators. No host work per call: the collectives can be captured in CUDA
+// graphs.
+//
+// Ranks that share a GPU spin on each other, so while a collective is in flight no rank may make
+// the GPU wait for all of its work (cudaFree, cudaDeviceSynchronize, graph instantiation, ...):
+// such a call waits for a peer's round that waits for this rank. Put a barrier() between setup or
+// teardown and collectives. With one GPU per rank this hazard does not arise.
+//
+// Exists only in builds with the CUDA backend (LMOE_HAS_CUDA).
+#pragma once
+
+#ifdef LMOE_HAS_CUDA
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "lmoe/communicator.hpp"
+
+namespace lmoe {
+
+struct P2pOptions {
+  // devices[r] is rank r's GPU; empty: ranks spread round-robin over the visible GPUs.
+  std::vector<int> devices;
+  // Bytes a rank stages per round, split evenly over the blocks (at least 256 per block; two
+  // parities); larger collectives take several rounds. 0: the default (32 MiB).
+  std::size_t round_bytes = 0;
+  // Blocks per round kernel (1 … 32); 0: 32 when every rank has its own GPU, else 16 (ranks that
+  // share a GPU spin on each other, so their kernels must all be resident at once).
+  int blocks = 0;
+  // How long a round waits for a peer before it fails, on the device; also the host barrier's
+  // bound. A rank that times out aborts the group, so its peers fail at once. 0: the default,
+  // 10 s, or LMOE_P2P_TIMEOUT_MS from the environment.
+  std::chrono::milliseconds timeout{0};
+};
+
+// One communicator per rank. Throws lmoe::Error when a GPU cannot reach another's memory.
+std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num_ranks,
+                                                                         const P2pOptions& options = {});
+
+// Runs fn(rank, communicator) on `num_ranks` threads (each made current on its rank's GPU) and
+// joins them; on a rank's error the group is aborted and the first root-cause error is rethrown.
+void run_on_p2p_threads(int num_ranks, const std::function<void(int rank, Communicator& comm)>& fn,
+                        const P2pOptions& options = {});
+
+}  // namespace lmoe
+
+#endif  // LMOE_HAS_CUDA

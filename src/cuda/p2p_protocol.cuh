@@ -1,0 +1,77 @@
+// The P2P workspace's synchronization protocol, device side. Host side: src/comm/p2p_communicator.cpp;
+// the protocol is described in docs/p2p.md.
+//
+// Every collective is a sequence of *rounds*; a round is one launch of a fixed number of blocks on
+// every rank. Block b of every rank owns the same slice of the round's data, so block b only waits
+// for block b of its peers: there is no grid-wide barrier. Per block b each rank keeps
+//   epoch[b]            the number of rounds this block has completed (device memory, never host)
+//   arrive[b][peer]     the latest round that `peer`'s block b has staged (written by the peer)
+// and each round e = epoch[b] + 1:
+//   1. stages its slice into its own region b of its data buffer of parity e & 1;
+//   2. publishes arrive[b][me] = e into every peer's workspace (release, system scope);
+//   3. waits until every peer's arrive[b][peer] has reached e (acquire, system scope, bounded);
+//   4. reads its peers' slices of the same parity and writes its output.
+// A peer can be at most one round ahead (round e + 1 needs our arrival for e + 1), and it writes the
+// other parity, so the two buffers are enough; `arrive` is compared as a wrapping difference
+// (≥ e, not == e) because a peer one round ahead has already overwritten e with e + 1.
+// Spins are bounded by a wall-clock budget (%globaltimer); a timeout, or a group abort set by the
+// host or by another rank's timeout, makes the round write a status record the host turns into an
+// lmoe::Error, and raises the group abort flag so that every peer stops spinning too.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/p2p_types.hpp"
+
+namespace lmoe::cuda {
+
+__device__ inline std::uint64_t p2p_clock_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ inline void p2p_store_release(std::uint32_t* address, std::uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ inline std::uint32_t p2p_load_acquire(const std::uint32_t* address) {
+  std::uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// Records the first failure of this rank and aborts the group so that peers stop waiting.
+__device__ inline void p2p_fail(const P2pDeviceHandle& h, std::int32_t code, int peer, std::uint32_t round) {
+  if (h.status->code == kP2pOk) {
+    h.status->peer = peer;
+    h.status->block = static_cast<std::int32_t>(blockIdx.x);
+    h.status->round = static_cast<std::int32_t>(round);
+    __threadfence_system();
+    h.status->code = code;
+  }
+  *h.abort_flag = 1;
+  __threadfence_system();
+}
+
+// Waits until `peer`'s block has arrived at round `round`; false (with the status written) on
+// timeout or abort.
+__device__ inline bool p2p_wait_arrival(const P2pDeviceHandle& h, int peer, std::uint32_t round) {
+  const std::uint32_t* flag = &h.flags[h.rank]->arrive[blockIdx.x][peer];
+  const std::uint64_t start = p2p_clock_ns();
+  for (std::uint32_t spins = 0;; ++spins) {
+    if (static_cast<std::int32_t>(p2p_load_acquire(flag) - round) >= 0) return true;
+    if ((spins & 63) == 63) {
+      if (*h.abort_flag) {
+        p2p_fail(h, kP2pAborted, -1, round);
+        return false;
+      }
+      if (p2p_clock_ns() - start > h.timeout_ns) {
+        p2p_fail(h, kP2pTimeout, peer, round);
+        return false;
+      }
+    }
+  }
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,403 @@
+// The P2P communicator's protocol: collectives cut into many rounds, signed zeros and subnormals,
+// CUDA-graph replay with changing inputs, and failure (a stalled rank, two collectives at once, an
+// abort) turning into errors instead of hangs. Tail parity over p2p is in test_cuda_tail.cpp.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "comm/rank_order_reduce.hpp"
+#include "cuda/cuda_tail_executor.hpp"
+#include "cuda/device_buffer.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/p2p_communicator.hpp"
+#include "lmoe/reference.hpp"
+#include "lmoe/tail_runner.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::cuda::DeviceBuffer;
+
+#define SKIP_WITHOUT_GPU()                                              \
+  do {                                                                  \
+    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
+  } while (0)
+
+void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
+
+class Stream {
+ public:
+  Stream() { cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
+  ~Stream() {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+std::vector<std::byte> random_values(std::size_t count, DType dtype, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::byte> bytes(count * lmoe::dtype_size(dtype));
+  for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
+  return bytes;
+}
+
+std::vector<std::byte> host_sum(const std::vector<std::vector<std::byte>>& inputs, std::size_t count, DType dtype) {
+  std::vector<const void*> pointers;
+  for (const auto& input : inputs) pointers.push_back(input.data());
+  std::vector<std::byte> sum(count * lmoe::dtype_size(dtype));
+  lmoe::reduce_in_rank_order(pointers, sum.data(), count, dtype);
+  return sum;
+}
+
+// Tiny rounds (1 KiB) cut every collective into many rounds, with uneven blocks and odd counts
+// that leave partial vectors at the ends of rounds and blocks.
+TEST(P2p, CollectivesSpanningManyRoundsMatchTheHostBitForBit) {
+  SKIP_WITHOUT_GPU();
+  lmoe::P2pOptions options;
+  options.round_bytes = 1024;  // 4 blocks of 256 bytes: 512 bf16 or 256 f32 elements per round
+  options.blocks = 4;
+  for (int tp : {2, 3, 5}) {
+    for (DType dtype : {DType::bf16, DType::f32}) {
+      const std::size_t esize = lmoe::dtype_size(dtype);
+      SCOPED_TRACE("tp " + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)));
+      // Uneven blocks: rank r owns 1000 + 37 r elements; one rank owns none.
+      std::vector<std::size_t> counts;
+      for (int r = 0; r < tp; ++r) counts.push_back(r == 1 ? 0 : 1000 + 37 * static_cast<std::size_t>(r));
+      std::size_t total = 0;
+      for (std::size_t c : counts) total += c;
+      std::vector<std::vector<std::byte>> inputs;
+      for (int r = 0; r < tp; ++r) inputs.push_back(random_values(total, dtype, 77 + static_cast<std::uint64_t>(r)));
+      const std::vector<std::byte> expected = host_sum(inputs, total, dtype);
+
+      std::vector<std::vector<std::byte>> reduced(tp), scattered(tp), gathered(tp);
+      lmoe::run_on_p2p_threads(
+          tp,
+          [&](int rank, lmoe::Communicator& comm) {
+            const Stream stream;
+            const std::size_t mine = counts[rank] * esize;
+            const DeviceBuffer send(total * esize), reduced_d(total * esize), block(std::max<std::size_t>(mine, 16)),
+                gathered_d(total * esize);
+            cuda_ok(cudaMemcpy(send.data(), inputs[rank].data(), total * esize, cudaMemcpyHostToDevice));
+            cuda_ok(cudaMemset(reduced_d.data(), 0xff, total * esize));
+            cuda_ok(cudaMemset(gathered_d.data(), 0xff, total * esize));
+            // Ranks share the GPU and spin on each other: no allocation, synchronous copy or other
+            // GPU-wide wait while a collective is in flight, hence the barriers around them.
+            cuda_ok(cudaDeviceSynchronize());
+            comm.barrier();
+            comm.all_reduce(send.data(), reduced_d.data(), total, dtype, stream.get());
+            comm.reduce_scatter(send.data(), block.data(), counts, dtype, stream.get());
+            comm.all_gather(block.data(), gathered_d.data(), counts, dtype, stream.get());
+            cuda_ok(cudaStreamSynchronize(stream.get()));
+            comm.barrier();
+            reduced[rank].resize(total * esize);
+            gathered[rank].resize(total * esize);
+            scattered[rank].resize(mine);
+            cuda_ok(cudaMemcpy(reduced[rank].data(), reduced_d.data(), total * esize, cudaMemcpyDeviceToHost));
+            cuda_ok(cudaMemcpy(gathered[rank].data(), gathered_d.data(), total * esize, cudaMemcpyDeviceToHost));
+            if (mine) cuda_ok(cudaMemcpy(scattered[rank].data(), block.data(), mine, cudaMemcpyDeviceToHost));
+          },
+          options);
+      std::size_t first = 0;
+      for (int r = 0; r < tp; ++r) {
+        EXPECT_EQ(0, std::memcmp(reduced[r].data(), expected.data(), expected.size())) << "all_reduce rank " << r;
+        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size())) << "all_gather rank " << r;
+        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + first * esize, scattered[r].size()))
+            << "reduce_scatter rank " << r;
+        first += counts[r];
+      }
+    }
+  }
+}
+
+// −0 + −0 = −0 only when the sum starts from rank 0's value; subnormals must survive (no flush).
+TEST(P2p, KeepsNegativeZeroAndSubnormals) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 4;
+  const std::size_t count = 64;
+  std::vector<std::vector<std::byte>> inputs(tp);
+  for (int r = 0; r < tp; ++r) {
+    inputs[r].resize(count * 4);
+    for (std::size_t i = 0; i < count; ++i) {
+      const float value = i % 2 ? -0.0f : std::ldexp(1.0f, -140) * static_cast<float>(r + 1);  // subnormal
+      lmoe::store_from_float(inputs[r].data(), i, DType::f32, value);
+    }
+  }
+  const std::vector<std::byte> expected = host_sum(inputs, count, DType::f32);
+  std::vector<std::vector<std::byte>> got(tp);
+  lmoe::run_on_p2p_threads(tp, [&](int rank, lmoe::Communicator& comm) {
+    const DeviceBuffer buffer(count * 4);
+    cuda_ok(cudaMemcpy(buffer.data(), inputs[rank].data(), count * 4, cudaMemcpyHostToDevice));
+    const Stream stream;
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    comm.all_reduce(buffer.data(), buffer.data(), count, DType::f32, stream.get());
+    cuda_ok(cudaStreamSynchronize(stream.get()));
+    comm.barrier();
+    got[rank].resize(count * 4);
+    cuda_ok(cudaMemcpy(got[rank].data(), buffer.data(), count * 4, cudaMemcpyDeviceToHost));
+  });
+  float first_odd = 1.0f;
+  std::memcpy(&first_odd, expected.data() + 4, 4);
+  ASSERT_TRUE(std::signbit(first_odd) && first_odd == 0.0f);  // the expectation itself is −0
+  for (int r = 0; r < tp; ++r) EXPECT_EQ(0, std::memcmp(got[r].data(), expected.data(), expected.size())) << r;
+}
+
+// One capture, many replays: new inputs each time, and the workspace's rounds keep their parity
+// and epochs straight across replays.
+TEST(P2p, GraphReplaysWithNewInputsMatchTheHost) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 4;
+  const std::size_t count = 3000;
+  const int replays = 200;
+  std::vector<int> wrong(tp, 0);
+  std::vector<std::vector<std::vector<std::byte>>> inputs(replays, std::vector<std::vector<std::byte>>(tp));
+  std::vector<std::vector<std::byte>> expected(replays);
+  for (int i = 0; i < replays; ++i) {
+    for (int r = 0; r < tp; ++r) inputs[i][r] = random_values(count, DType::bf16, 1000u * i + r);
+    expected[i] = host_sum(inputs[i], count, DType::bf16);
+  }
+  lmoe::run_on_p2p_threads(tp, [&](int rank, lmoe::Communicator& comm) {
+    ASSERT_TRUE(comm.graph_capturable());
+    const Stream stream;
+    const DeviceBuffer send(count * 2), recv(count * 2);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    comm.all_reduce(send.data(), recv.data(), count, DType::bf16, stream.get());
+    cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+    cuda_ok(cudaGraphUpload(exec, stream.get()));
+    std::vector<std::byte> got(count * 2);
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    for (int i = 0; i < replays; ++i) {
+      cuda_ok(cudaMemcpyAsync(send.data(), inputs[i][rank].data(), count * 2, cudaMemcpyHostToDevice, stream.get()));
+      cuda_ok(cudaMemsetAsync(recv.data(), 0xff, count * 2, stream.get()));
+      cuda_ok(cudaGraphLaunch(exec, stream.get()));
+      cuda_ok(cudaMemcpyAsync(got.data(), recv.data(), count * 2, cudaMemcpyDeviceToHost, stream.get()));
+      cuda_ok(cudaStreamSynchronize(stream.get()));
+      if (std::memcmp(got.data(), expected[i].data(), got.size()) != 0) ++wrong[rank];
+      comm.barrier();  // peers must not stage the next inputs before every rank has read this round
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  });
+  for (int r = 0; r < tp; ++r) EXPECT_EQ(wrong[r], 0) << "rank " << r;
+}
+
+// A rank that never issues the collective: its peers' rounds time out on the device, and every
+// rank gets an error naming the stalled rank instead of hanging.
+TEST(P2p, AStalledRankFailsItsPeersWithAnError) {
+  SKIP_WITHOUT_GPU();
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(500);
+  const int tp = 4, stalled = 3;
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    lmoe::run_on_p2p_threads(
+        tp,
+        [&](int rank, lmoe::Communicator& comm) {
+          const DeviceBuffer buffer(4096 * 2);
+          comm.barrier();
+          if (rank != stalled) comm.all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
+          cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+          comm.barrier();
+        },
+        options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("[ p2p    ] stalled rank detected after %.2f s: %s\n", seconds, message.c_str());
+  EXPECT_NE(message.find("for rank 3"), std::string::npos) << message;
+}
+
+// Two collectives of one rank on unordered streams at once: an error, not a corrupted result.
+TEST(P2p, TwoCollectivesAtOnceOnOneWorkspaceAreAnError) {
+  SKIP_WITHOUT_GPU();
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(2000);
+  std::string message;
+  try {
+    lmoe::run_on_p2p_threads(
+        2,
+        [&](int rank, lmoe::Communicator& comm) {
+          const DeviceBuffer a(1024 * 4), b(1024 * 4);
+          comm.barrier();
+          if (rank == 0) {
+            const Stream first, second;
+            comm.all_reduce(a.data(), a.data(), 1024, DType::f32, first.get());   // waits for rank 1
+            comm.all_reduce(b.data(), b.data(), 1024, DType::f32, second.get());  // overlaps it
+            cuda_ok(cudaStreamSynchronize(first.get()));
+            cuda_ok(cudaStreamSynchronize(second.get()));
+          } else {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            comm.all_reduce(a.data(), a.data(), 1024, DType::f32, cudaStreamPerThread);
+            cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+          }
+          comm.barrier();
+        },
+        options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_NE(message.find("two collectives at the same time"), std::string::npos) << message;
+}
+
+// The host aborts the group while a peer's round is spinning: the round stops and reports it.
+TEST(P2p, AbortStopsASpinningPeer) {
+  SKIP_WITHOUT_GPU();
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::seconds(30);  // the abort, not the timeout, must end the wait
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> messages(2);
+  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+  std::thread spinner([&] {
+    cudaSetDevice(0);
+    try {
+      const DeviceBuffer buffer(256 * 4);
+      comms[0]->all_reduce(buffer.data(), buffer.data(), 256, DType::f32, cudaStreamPerThread);
+      cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+      comms[0]->barrier();
+    } catch (const lmoe::Error& error) {
+      messages[0] = error.message();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  comms[1]->abort("test abort");
+  spinner.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 20.0) << "the spinning round did not see the abort";
+  EXPECT_NE(messages[0].find("aborted"), std::string::npos) << messages[0];
+}
+
+// A forward captured once replays correctly with new inputs; capture is refused with a reason
+// where it cannot work (no max_tokens; a host-synchronized communicator), and T above max_tokens
+// is an input error.
+TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailDims dims{384, 192};
+  const int tp = 4;
+  const std::int64_t tokens = 33;
+  std::vector<lmoe::TailCase> cases;
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    cases.push_back(lmoe::make_random_case(dims, 1e-5f, DType::bf16, tp, tokens, seed));
+    cases.back().norm_weight = cases.front().norm_weight;
+    cases.back().up_proj_weight = cases.front().up_proj_weight;
+  }
+  for (lmoe::TailTier tier : {lmoe::TailTier::overlap, lmoe::TailTier::column, lmoe::TailTier::token,
+                              lmoe::TailTier::fused}) {
+    SCOPED_TRACE(std::string(lmoe::tier_name(tier)));
+    std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(), std::vector<lmoe::HostTensor>(tp));
+    std::vector<std::string> refusals(tp), too_many(tp);
+    lmoe::run_on_p2p_threads(tp, [&](int rank, lmoe::Communicator& comm) {
+      lmoe::TailOptions options;
+      options.dims = dims;
+      options.backend = lmoe::Backend::cuda;
+      const std::size_t routed_bytes = tokens * dims.d_latent * 2, shared_bytes = tokens * dims.d_model * 2;
+      const DeviceBuffer routed(routed_bytes + dims.d_latent * 2), shared(shared_bytes + dims.d_model * 2),
+          out(shared_bytes + dims.d_model * 2);
+      const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, dims.d_latent, dims.d_latent,
+                                              lmoe::MemorySpace::device};
+      const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, dims.d_model, dims.d_model,
+                                         lmoe::MemorySpace::device};
+      const lmoe::MatrixView out_view{out.data(), DType::bf16, tokens, dims.d_model, dims.d_model,
+                                      lmoe::MemorySpace::device};
+      const Stream stream;
+      {  // growing workspaces cannot be captured
+        lmoe::LatentTail growing(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+        cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+        try {
+          growing.forward(routed_view, shared_view, out_view, tier, stream.get());
+        } catch (const lmoe::Error& error) {
+          refusals[rank] = error.message();
+        }
+        cudaGraph_t discarded = nullptr;
+        cudaStreamEndCapture(stream.get(), &discarded);
+        if (discarded) cudaGraphDestroy(discarded);
+        cudaGetLastError();
+      }
+      options.max_tokens = tokens;
+      lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+      try {
+        const lmoe::ConstMatrixView big_routed{routed.data(), DType::bf16, tokens + 1, dims.d_latent, dims.d_latent,
+                                               lmoe::MemorySpace::device};
+        const lmoe::MatrixView big_shared{shared.data(), DType::bf16, tokens + 1, dims.d_model, dims.d_model,
+                                          lmoe::MemorySpace::device};
+        const lmoe::MatrixView big_out{out.data(), DType::bf16, tokens + 1, dims.d_model, dims.d_model,
+                                       lmoe::MemorySpace::device};
+        tail.forward(big_routed, big_shared, big_out, tier, stream.get());
+      } catch (const lmoe::Error& error) {
+        too_many[rank] = error.message();
+      }
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+      tail.forward(routed_view, shared_view, out_view, tier, stream.get());
+      cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
+      cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+      cuda_ok(cudaGraphUpload(exec, stream.get()));
+      cuda_ok(cudaDeviceSynchronize());
+      comm.barrier();
+      for (std::size_t i = 0; i < cases.size(); ++i) {
+        cuda_ok(cudaMemcpyAsync(routed.data(), cases[i].routed.slice_matrix(rank).data, routed_bytes,
+                                cudaMemcpyHostToDevice, stream.get()));
+        cuda_ok(cudaMemcpyAsync(shared.data(), cases[i].shared.slice_matrix(rank).data, shared_bytes,
+                                cudaMemcpyHostToDevice, stream.get()));
+        cuda_ok(cudaMemsetAsync(out.data(), 0xff, shared_bytes, stream.get()));
+        cuda_ok(cudaGraphLaunch(exec, stream.get()));
+        outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, dims.d_model});
+        cuda_ok(cudaMemcpyAsync(outputs[i][rank].data(), out.data(), shared_bytes, cudaMemcpyDeviceToHost, stream.get()));
+        cuda_ok(cudaStreamSynchronize(stream.get()));
+        comm.barrier();
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    });
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_NE(refusals[r].find("max_tokens"), std::string::npos) << refusals[r];
+      EXPECT_NE(too_many[r].find("at most max_tokens=33"), std::string::npos) << too_many[r];
+    }
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE("inputs " + std::to_string(i));
+      for (int r = 1; r < tp; ++r) {
+        EXPECT_EQ(0, std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes())) << "rank " << r;
+      }
+      const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(tier));
+      const lmoe::Comparison cmp = lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+    }
+  }
+}
+
+TEST(P2pTail, CaptureOverAHostSynchronizedCommunicatorIsRefused) {
+  SKIP_WITHOUT_GPU();
+  lmoe::RunOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.comm = "cuda-threads";
+  options.graph = true;
+  options.tier = lmoe::TailTier::overlap;
+  const lmoe::TailCase c = lmoe::make_random_case({384, 192}, 1e-5f, DType::bf16, 2, 8, 5u);
+  try {
+    lmoe::run_case_on_threads(c, options);
+    ADD_FAILURE() << "capture over cuda-threads did not fail";
+  } catch (const lmoe::Error& error) {
+    EXPECT_NE(std::string(error.message()).find("cannot be captured"), std::string::npos) << error.message();
+  }
+}
+
+}  // namespace
