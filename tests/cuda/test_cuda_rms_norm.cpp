@@ -116,8 +116,7 @@ std::string case_name(DType dtype, std::int64_t rows, std::int64_t cols) {
          " l=" + std::to_string(cols);
 }
 
-// ---- random rows
-// ---------------------------------------------------------------------------------
+// ---- random rows --------------------------------------------------------------------------------
 
 class CudaRmsNorm : public ::testing::TestWithParam<DType> {};
 
@@ -168,8 +167,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaRmsNorm, ::testing::ValuesIn(kDtypes),
                            return std::string(lmoe::dtype_name(info.param));
                          });
 
-// ---- special values
-// ------------------------------------------------------------------------------
+// ---- special values -----------------------------------------------------------------------------
 
 // Rows of: ±0 only; ±0 among subnormals and normals; subnormals only; a +inf; a NaN; values whose
 // squares overflow fp32 (not representable in f16: there, large normals). With eps = 1e-5 and with
@@ -226,8 +224,7 @@ TEST(CudaRmsNormSpecialValues, SignedZerosSubnormalsInfAndNanMatchTheCpu) {
   }
 }
 
-// ---- the launcher's arguments
-// ----------------------------------------------------------------------
+// ---- the launcher's arguments -------------------------------------------------------------------
 
 TEST(CudaRmsNormLauncher, RejectsEmptyRowsAndNegativeCountsAndSkipsZeroRows) {
   // No kernel is launched for any of these, so no GPU is needed.
