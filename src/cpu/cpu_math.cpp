@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -22,20 +24,40 @@ std::vector<float> to_float(ConstMatrixView matrix) {
   return values;
 }
 
+float rms_norm_sum_of_squares(std::span<const float> squares) {
+  std::array<float, kRmsNormLanes> lane_sums{};  // +0: a sum of squares is never −0
+  const std::int64_t cols = static_cast<std::int64_t>(squares.size());
+  for (std::int64_t chunk = 0; chunk * kRmsNormChunk < cols; ++chunk) {
+    const std::int64_t begin = chunk * kRmsNormChunk;
+    const std::int64_t end = std::min<std::int64_t>(begin + kRmsNormChunk, cols);
+    float& lane_sum = lane_sums[static_cast<std::size_t>(chunk % kRmsNormLanes)];
+    for (std::int64_t j = begin; j < end; ++j) lane_sum += squares[static_cast<std::size_t>(j)];
+  }
+  for (int half = kRmsNormLanes / 2; half >= 1; half /= 2) {
+    for (int i = 0; i < half; ++i) lane_sums[i] += lane_sums[i + half];
+  }
+  return lane_sums[0];
+}
+
 void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, MatrixView out) {
   LMOE_CHECK(static_cast<std::int64_t>(gamma.size()) == x.cols && out.cols == x.cols &&
                  out.rows == x.rows,
              "rms_norm: shape mismatch");
-  std::vector<float> row(static_cast<std::size_t>(x.cols));
+  const std::size_t cols = static_cast<std::size_t>(x.cols);
+  std::vector<float> row(cols), squares(cols);
   for (std::int64_t t = 0; t < x.rows; ++t) {
-    float sum_squares = 0.0f;
-    for (std::int64_t j = 0; j < x.cols; ++j) {
-      row[j] = load_as_float(x.data, x.offset(t, j), x.dtype);
-      sum_squares += row[j] * row[j];
+    for (std::size_t j = 0; j < cols; ++j) {
+      row[j] = load_as_float(x.data, x.offset(t, static_cast<std::int64_t>(j)), x.dtype);
     }
+    // The squares go through memory before they are added: the contract rounds each product, and a
+    // compiler allowed to contract (GCC's default for C++ where the target has FMA) could otherwise
+    // fuse x·x + s into one FMA.
+    for (std::size_t j = 0; j < cols; ++j) squares[j] = row[j] * row[j];
+    const float sum_squares = rms_norm_sum_of_squares(squares);
     const float rstd = 1.0f / std::sqrt(sum_squares / static_cast<float>(x.cols) + eps);
-    for (std::int64_t j = 0; j < x.cols; ++j) {
-      store_from_float(out.data, out.offset(t, j), out.dtype, (row[j] * rstd) * gamma[j]);
+    for (std::size_t j = 0; j < cols; ++j) {
+      store_from_float(out.data, out.offset(t, static_cast<std::int64_t>(j)), out.dtype,
+                       (row[j] * rstd) * gamma[j]);
     }
   }
 }

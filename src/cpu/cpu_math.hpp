@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "core/rms_norm_order.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace lmoe::cpu {
@@ -16,8 +17,12 @@ void set_blas_threads(int num_threads);
 // Exact fp32 copy of a storage-dtype matrix, row-major and contiguous.
 std::vector<float> to_float(ConstMatrixView matrix);
 
+// Σ_j squares[j] in the RMSNorm's canonical order (core/rms_norm_order.hpp); squares[j] is the
+// fp32-rounded product x_j · x_j.
+float rms_norm_sum_of_squares(std::span<const float> squares);
+
 // out[t, :] = round((x[t, :] · rstd_t) · gamma) with rstd_t = 1 / sqrt(Σ_j x[t, j]² / l + eps),
-// the sum of squares accumulated in fp32 in column order.
+// the sum of squares accumulated in fp32 in the canonical order.
 void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, MatrixView out);
 
 // a · wᵀ accumulated in fp32 and not rounded: [M, N] row-major.

@@ -1,7 +1,7 @@
 #include "cuda/cublaslt_gemm.hpp"
 
-#include <algorithm>
 #include <memory>
+#include <string>
 
 #include "cuda/cuda_check.hpp"
 
@@ -57,65 +57,93 @@ CublasLtGemm::~CublasLtGemm() {
   cublasLtDestroy(handle_);
 }
 
-void CublasLtGemm::run(const void* a, const void* w, std::int64_t ldw, void* d, std::int64_t ldd,
-                       std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, DType out_dtype,
-                       cudaStream_t stream) {
-  if (m == 0 || n == 0) return;
-  // Row-major D[m, n] is column-major Dᵀ[n, m] = W · Aᵀ: W (column-major [k, n], ld ldw) transposed,
-  // A (column-major [k, m], ld k) as is — the "TN" layout cuBLASLt serves best.
-  const cudaDataType_t type = cuda_type(dtype);
+// Everything one shape needs to enqueue its matmul: built once, reused by every later call.
+struct CublasLtGemm::Plan {
+  MatmulDesc desc;
+  Layout w_layout, a_layout, d_layout;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// A serving process sees one T per batch size; past this many shapes the cache starts over rather
+// than grow without bound (a rebuilt plan costs one heuristic query).
+constexpr std::size_t kMaxCachedPlans = 512;
+
+const CublasLtGemm::Plan& CublasLtGemm::plan_for(const PlanKey& key) {
+  if (const auto found = plans_.find(key); found != plans_.end()) return *found->second;
+  if (plans_.size() >= kMaxCachedPlans) plans_.clear();
+
+  auto plan = std::make_unique<Plan>();
+  // Row-major D[m, n] is column-major Dᵀ[n, m] = W · Aᵀ: W (column-major [k, n], ld ldw)
+  // transposed, A (column-major [k, m], ld k) as is — the "TN" layout cuBLASLt serves best.
+  const cudaDataType_t type = cuda_type(key.dtype);
   cublasLtMatmulDesc_t raw_desc = nullptr;
   // CUBLAS_COMPUTE_32F, not its TF32 variant: operands are converted exactly and products are
   // accumulated in full fp32, as the contract requires.
   LMOE_CUDA_CHECK(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  MatmulDesc desc(raw_desc);
+  plan->desc = MatmulDesc(raw_desc);
   const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
-  LMOE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
-                                                 sizeof(transpose)));
-  LMOE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)));
+  LMOE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc.get(), CUBLASLT_MATMUL_DESC_TRANSA,
+                                                 &transpose, sizeof(transpose)));
+  LMOE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(plan->desc.get(), CUBLASLT_MATMUL_DESC_TRANSB,
+                                                 &keep, sizeof(keep)));
 
-  const Layout w_layout = make_layout(type, k, n, ldw);
-  const Layout a_layout = make_layout(type, k, m, k);
-  const Layout d_layout = make_layout(cuda_type(out_dtype), n, m, ldd);
+  plan->w_layout = make_layout(type, key.k, key.n, key.ldw);
+  plan->a_layout = make_layout(type, key.k, key.m, key.k);
+  plan->d_layout = make_layout(cuda_type(key.out_dtype), key.n, key.m, key.ldd);
 
   cublasLtMatmulPreference_t raw_pref = nullptr;
   LMOE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
   Preference pref(raw_pref);
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_)));
+  LMOE_CUDA_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes_, sizeof(workspace_bytes_)));
   // A column stripe of shared starts at an arbitrary element: tell the heuristic the real alignment
-  // (it assumes 256 bytes otherwise and may pick a kernel that faults on the stripe).
-  const std::uint32_t align_a = alignment_of(w), align_b = alignment_of(a), align_d = alignment_of(d);
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                       &align_a, sizeof(align_a)));
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                       &align_b, sizeof(align_b)));
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                       &align_d, sizeof(align_d)));
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                       &align_d, sizeof(align_d)));
+  // (it assumes 256 bytes otherwise and may pick a kernel that faults on the stripe). The
+  // alignments are part of the key, so a cached algorithm never meets a less aligned pointer than
+  // it was chosen for.
+  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_w, sizeof(key.align_w)));
+  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_a, sizeof(key.align_a)));
+  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_d, sizeof(key.align_d)));
+  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_d, sizeof(key.align_d)));
 
   // Split-K partial sums must stay fp32: the in-place and output-type reduction schemes add parts
   // in the storage dtype (a bf16 rounding per part), which the contract forbids.
   const std::uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref.get(), CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction_mask, sizeof(reduction_mask)));
+  LMOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.get(),
+                                                       CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                       &reduction_mask, sizeof(reduction_mask)));
 
-  // TODO(perf): cache the heuristic's choice per (m, alignments); it is queried on every call now.
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  LMOE_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, desc.get(), w_layout.get(), a_layout.get(),
-                                                 d_layout.get(), d_layout.get(), pref.get(), 1,
-                                                 &heuristic, &found));
+  LMOE_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(
+      handle_, plan->desc.get(), plan->w_layout.get(), plan->a_layout.get(), plan->d_layout.get(),
+      plan->d_layout.get(), pref.get(), 1, &heuristic, &found));
   if (found == 0) {
-    throw Error("cuBLASLt has no algorithm for the up-projection m=" + std::to_string(m) +
-                " n=" + std::to_string(n) + " k=" + std::to_string(k) + " dtype=" +
-                std::string(dtype_name(dtype)));
+    throw Error("cuBLASLt has no algorithm for the up-projection m=" + std::to_string(key.m) +
+                " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
+                " dtype=" + std::string(dtype_name(key.dtype)));
   }
+  plan->algo = heuristic.algo;
+  return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+std::size_t CublasLtGemm::cached_plans() const { return plans_.size(); }
+
+void CublasLtGemm::run(const void* a, const void* w, std::int64_t ldw, void* d, std::int64_t ldd,
+                       std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, DType out_dtype,
+                       cudaStream_t stream) {
+  if (m == 0 || n == 0) return;
+  const Plan& plan = plan_for(PlanKey{m, n, k, ldw, ldd, dtype, out_dtype, alignment_of(w),
+                                      alignment_of(a), alignment_of(d)});
   const float alpha = 1.0f, beta = 0.0f;
-  LMOE_CUDA_CHECK(cublasLtMatmul(handle_, desc.get(), &alpha, w, w_layout.get(), a, a_layout.get(), &beta,
-                                 d, d_layout.get(), d, d_layout.get(), &heuristic.algo, workspace_,
-                                 workspace_bytes_, stream));
+  LMOE_CUDA_CHECK(cublasLtMatmul(handle_, plan.desc.get(), &alpha, w, plan.w_layout.get(), a,
+                                 plan.a_layout.get(), &beta, d, plan.d_layout.get(), d,
+                                 plan.d_layout.get(), &plan.algo, workspace_, workspace_bytes_,
+                                 stream));
 }
 
 }  // namespace lmoe::cuda

@@ -36,10 +36,6 @@ std::optional<std::string> cuda_tier_limit(TailTier, const TailProblem& problem)
     return "d_model=" + std::to_string(d) + " and d_latent=" + std::to_string(l) +
            " must be multiples of 8 (16-byte aligned rows on the GPU)";
   }
-  if (l > cuda::kMaxRmsNormCols) {
-    return "d_latent=" + std::to_string(l) + " > " + std::to_string(cuda::kMaxRmsNormCols) +
-           " (the norm kernel stages a latent row in 48 KiB of shared memory)";
-  }
   return std::nullopt;
 }
 

@@ -42,23 +42,43 @@ cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std:
   return cudaGetLastError();
 }
 
+template <typename T, int kWarpsPerRow, int kChunksPerLane>
+cudaError_t launch_register_norm(const T* x, const float* gamma, T* out, std::int64_t rows, int cols,
+                                 float eps, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = 8 / kWarpsPerRow;
+  const std::int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  rms_norm_register_kernel<T, kWarpsPerRow, kChunksPerLane>
+      <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(x, gamma, out, rows, cols, eps);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64_t rows,
                         std::int64_t cols, float eps, cudaStream_t stream) {
-  constexpr int kVec = Vec16<T>::kSize;
-  const std::size_t shared_bytes = static_cast<std::size_t>(cols) * sizeof(float);
   const auto* tx = static_cast<const T*>(x);
   auto* tout = static_cast<T*>(out);
-  const int threads = static_cast<int>(std::min<std::int64_t>(kThreads, std::max<std::int64_t>(32, cols / kVec)));
-  // Rows start cols elements apart, so a 16-byte aligned base stays aligned on every row only when
-  // cols is a multiple of the vector width.
-  if (cols % kVec == 0 && aligned16(x) && aligned16(out)) {
-    rms_norm_kernel<T, true><<<static_cast<unsigned>(rows), threads, shared_bytes, stream>>>(
-        tx, gamma, tout, static_cast<int>(cols), eps);
-  } else {
-    rms_norm_kernel<T, false><<<static_cast<unsigned>(rows), threads, shared_bytes, stream>>>(
-        tx, gamma, tout, static_cast<int>(cols), eps);
+  const int n = static_cast<int>(cols);
+  // Rows start cols elements apart, so 16-byte aligned bases keep every chunk of every row aligned
+  // when cols is a multiple of the chunk (8 elements: 16 or 32 bytes).
+  if (cols % kNormChunk != 0 || !aligned16(x) || !aligned16(out) || !aligned16(gamma)) {
+    rms_norm_rereading_kernel<T, false><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
+        tx, gamma, tout, n, eps);
+    return cudaGetLastError();
   }
+  // Short rows: as few warps per row as hold every chunk, several rows per block (the lanes beyond
+  // them are empty, see row_sum_of_squares). Long rows: 8 warps, each lane holding ≤ 8 chunks in
+  // registers (bf16: up to l = 16384); longer rows are read twice.
+  const std::int64_t chunks = cols / kNormChunk;
+  if (chunks <= 32) return launch_register_norm<T, 1, 1>(tx, gamma, tout, rows, n, eps, stream);
+  if (chunks <= 64) return launch_register_norm<T, 2, 1>(tx, gamma, tout, rows, n, eps, stream);
+  if (chunks <= 128) return launch_register_norm<T, 4, 1>(tx, gamma, tout, rows, n, eps, stream);
+  const std::int64_t per_lane = (chunks + kNormLanes - 1) / kNormLanes;
+  if (per_lane <= 1) return launch_register_norm<T, 8, 1>(tx, gamma, tout, rows, n, eps, stream);
+  if (per_lane <= 2) return launch_register_norm<T, 8, 2>(tx, gamma, tout, rows, n, eps, stream);
+  if (per_lane <= 4) return launch_register_norm<T, 8, 4>(tx, gamma, tout, rows, n, eps, stream);
+  if (per_lane <= 8) return launch_register_norm<T, 8, 8>(tx, gamma, tout, rows, n, eps, stream);
+  rms_norm_rereading_kernel<T, true><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
+      tx, gamma, tout, n, eps);
   return cudaGetLastError();
 }
 
@@ -105,7 +125,8 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream) {
-  if (rows < 0 || cols < 1 || cols > kMaxRmsNormCols || rows > 0x7fffffff) return cudaErrorInvalidValue;
+  // One block per row at most (grid.x < 2^31), and int column indices.
+  if (rows < 0 || cols < 1 || cols > 0x7fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   switch (dtype) {
     case DType::f32: return rms_norm_as<float>(x, gamma, out, rows, cols, eps, stream);

@@ -26,12 +26,10 @@ cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t cou
 cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
                                      std::int64_t cols, DType dtype, cudaStream_t stream);
 
-// out = round(rmsnorm(x; gamma, eps)) row by row; x and out are contiguous [rows, cols], gamma is
-// fp32 [cols]. cols must not exceed max_rms_norm_cols().
+// out = round(rmsnorm(x; gamma, eps)) row by row, in the contract's canonical order (bit-identical
+// to cpu::rms_norm); x and out are contiguous [rows, cols], gamma is fp32 [cols]. Any cols ≥ 1; the
+// fast path needs cols % 8 == 0 and x, out and gamma 16-byte aligned.
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream);
-
-// The widest row the norm kernel stages in shared memory without opting into more than 48 KiB.
-inline constexpr std::int64_t kMaxRmsNormCols = 12288;
 
 }  // namespace lmoe::cuda

@@ -1,0 +1,428 @@
+// lmoe_kernel_bench: the GPU's two ceilings and our kernels against them, measured in one run.
+//
+//   (a) device-to-device copy bandwidth (cudaMemcpyAsync; bytes read + written);
+//   (b) our RMSNorm (launch_rms_norm), bytes read + written, as % of (a);
+//   (c) the bf16 GEMM rate of our CublasLtGemm on a large square product;
+//   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c).
+//
+// Every operation is captured `inner` times into a CUDA graph, and the graph is timed with CUDA
+// events after warm-up: one repetition = one graph launch, time per operation = its time / inner.
+// Inputs are random (never zeros), and the norm rotates over enough buffer sets that its data do
+// not sit in L2 between launches. A benchmark is a program, not a test: it prints a table (and
+// --json FILE), checks the norm against the CPU bit for bit as information, and asserts nothing.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/fast_random.hpp"
+#include "cpu/cpu_math.hpp"
+#include "cuda/cublaslt_gemm.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/launchers.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/tensor.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::cuda::DeviceBuffer;
+using Json = nlohmann::json;
+
+struct Settings {
+  int warmup = 5;
+  int repeats = 30;
+  double copy_mib = 1024;
+  double graph_target_us = 2000;  // GPU time of one timed graph launch
+  std::string json_path;
+};
+
+struct Timing {
+  double median_us = 0, p10_us = 0, p90_us = 0;  // per operation
+  int inner = 1;                                 // operations per graph launch
+};
+
+// The q-quantile of samples (nearest rank).
+double quantile(std::vector<double> samples, double q) {
+  std::sort(samples.begin(), samples.end());
+  const auto rank =
+      static_cast<std::size_t>(std::lround(q * static_cast<double>(samples.size() - 1)));
+  return samples[rank];
+}
+
+class Timer {
+ public:
+  Timer(const Settings& settings, cudaStream_t stream) : settings_(settings), stream_(stream) {
+    LMOE_CUDA_CHECK(cudaEventCreate(&start_));
+    LMOE_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~Timer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+
+  // enqueue(i) puts the i-th operation on the stream (i selects a rotating buffer set).
+  Timing time(const std::function<void(int)>& enqueue) {
+    // Calibrate: the first calls also build cuBLASLt plans and load modules, outside any capture.
+    for (int i = 0; i < 2; ++i) enqueue(i);
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    LMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
+    enqueue(0);
+    LMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+    LMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float single_ms = 0;
+    LMOE_CUDA_CHECK(cudaEventElapsedTime(&single_ms, start_, stop_));
+    Timing timing;
+    timing.inner = static_cast<int>(std::clamp(
+        std::ceil(settings_.graph_target_us / std::max(1.0, single_ms * 1e3)), 1.0, 256.0));
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < timing.inner; ++i) enqueue(i);
+    LMOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    LMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+    for (int i = 0; i < settings_.warmup; ++i) LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(settings_.repeats));
+    for (cudaEvent_t& event : events) LMOE_CUDA_CHECK(cudaEventCreate(&event));
+    for (int r = 0; r < settings_.repeats; ++r) {
+      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r], stream_));
+      LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r + 1], stream_));
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<double> per_op_us;
+    for (int r = 0; r < settings_.repeats; ++r) {
+      float ms = 0;
+      LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, events[2 * r], events[2 * r + 1]));
+      per_op_us.push_back(ms * 1e3 / timing.inner);
+    }
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+    LMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    LMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    timing.median_us = quantile(per_op_us, 0.5);
+    timing.p10_us = quantile(per_op_us, 0.1);
+    timing.p90_us = quantile(per_op_us, 0.9);
+    return timing;
+  }
+
+ private:
+  const Settings& settings_;
+  cudaStream_t stream_;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// A [rows, cols] tensor of values in [-1, 1), rounded to the dtype.
+lmoe::HostTensor random_tensor(DType dtype, std::int64_t rows, std::int64_t cols,
+                               std::uint64_t seed) {
+  lmoe::HostTensor tensor(dtype, {rows, cols});
+  lmoe::SplitMix64 random{seed};
+  for (std::int64_t i = 0; i < tensor.numel(); ++i) tensor.set(i, 2.0f * random.uniform() - 1.0f);
+  return tensor;
+}
+
+DeviceBuffer to_device(const lmoe::HostTensor& tensor) {
+  DeviceBuffer buffer(tensor.nbytes());
+  LMOE_CUDA_CHECK(
+      cudaMemcpy(buffer.data(), tensor.data(), tensor.nbytes(), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+Json timing_json(const Timing& t) {
+  return {{"median_us", t.median_us},
+          {"p10_us", t.p10_us},
+          {"p90_us", t.p90_us},
+          {"ops_per_graph", t.inner}};
+}
+
+void print_header() {
+  std::printf("%-9s %-22s %-9s %10s %10s %10s %9s %7s %9s %7s  %s\n", "op", "shape", "dtype",
+              "median_us", "p10_us", "p90_us", "GB/s", "%copy", "TFLOP/s", "%gemm", "check");
+}
+
+void print_row(const std::string& op, const std::string& shape, const std::string& dtype,
+               const Timing& t, double gbps, double pct_copy, double tflops, double pct_gemm,
+               const std::string& check) {
+  auto number = [](double v, int precision) {
+    if (v <= 0) return std::string("-");
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.*f", precision, v);
+    return std::string(text);
+  };
+  std::printf("%-9s %-22s %-9s %10.2f %10.2f %10.2f %9s %7s %9s %7s  %s\n", op.c_str(),
+              shape.c_str(), dtype.c_str(), t.median_us, t.p10_us, t.p90_us,
+              number(gbps, 0).c_str(), number(pct_copy, 1).c_str(), number(tflops, 1).c_str(),
+              number(pct_gemm, 1).c_str(), check.c_str());
+}
+
+std::string utc_now() {
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+std::string cuda_version_string(int version) {
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
+}
+
+// The kernel module's version line (e.g. "... Kernel Module  580.159.04 ..."), where the driver
+// exposes it; the CUDA driver API reports only the CUDA version it supports.
+std::string driver_module_version() {
+  std::ifstream file("/proc/driver/nvidia/version");
+  std::string line;
+  if (!std::getline(file, line)) return "unknown";
+  const auto at = line.find("Kernel Module");
+  if (at == std::string::npos) return line;
+  std::string rest = line.substr(at + 13);
+  rest.erase(0, rest.find_first_not_of(' '));
+  return rest.substr(0, rest.find(' '));
+}
+
+// ---- (a) copy -----------------------------------------------------------------------------------
+
+Json bench_copy(const Settings& settings, Timer& timer, cudaStream_t stream, double& copy_gbps) {
+  const auto bytes = static_cast<std::size_t>(settings.copy_mib * 1024 * 1024);
+  DeviceBuffer src(bytes), dst(bytes);
+  // Random bytes: the copy does not care, but nothing here runs on untouched memory.
+  std::vector<std::uint64_t> host(bytes / 8);
+  lmoe::SplitMix64 random{1};
+  for (auto& word : host) word = random.next();
+  LMOE_CUDA_CHECK(cudaMemcpy(src.data(), host.data(), host.size() * 8, cudaMemcpyHostToDevice));
+  const Timing t = timer.time([&](int) {
+    LMOE_CUDA_CHECK(
+        cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  copy_gbps = 2.0 * static_cast<double>(bytes) / (t.median_us * 1e3);
+  print_row("copy", std::to_string(bytes) + " B", "-", t, copy_gbps, 100.0, 0, 0, "");
+  Json row = timing_json(t);
+  row["bytes"] = bytes;
+  row["bytes_moved"] = 2 * bytes;
+  row["GBps"] = copy_gbps;
+  return row;
+}
+
+// ---- (b) RMSNorm --------------------------------------------------------------------------------
+
+struct NormCase {
+  std::int64_t tokens, cols;
+  DType dtype;
+};
+
+Json bench_norm(const NormCase& c, const cudaDeviceProp& props, Timer& timer, cudaStream_t stream,
+                double copy_gbps) {
+  const std::size_t esize = lmoe::dtype_size(c.dtype);
+  const std::size_t tensor_bytes = static_cast<std::size_t>(c.tokens * c.cols) * esize;
+  // x read once, out written once (gamma, 4·l bytes, stays in cache).
+  const std::size_t moved = 2 * tensor_bytes;
+  // Enough (x, out) sets that one launch's data left L2 before its set comes round again.
+  const int sets = static_cast<int>(std::clamp<std::size_t>(
+      (4 * static_cast<std::size_t>(props.l2CacheSize) + moved - 1) / moved, 1, 64));
+  const lmoe::HostTensor x =
+      random_tensor(c.dtype, c.tokens, c.cols, 17 + static_cast<std::uint64_t>(c.cols));
+  lmoe::HostTensor gamma_host = random_tensor(DType::f32, 1, c.cols, 23);
+  std::vector<float> gamma(static_cast<std::size_t>(c.cols));
+  for (std::int64_t j = 0; j < c.cols; ++j)
+    gamma[static_cast<std::size_t>(j)] = 1.0f + 0.1f * gamma_host.get(j);
+  DeviceBuffer d_gamma(gamma.size() * sizeof(float));
+  LMOE_CUDA_CHECK(
+      cudaMemcpy(d_gamma.data(), gamma.data(), d_gamma.bytes(), cudaMemcpyHostToDevice));
+  std::vector<DeviceBuffer> xs, outs;
+  for (int s = 0; s < sets; ++s) {
+    xs.push_back(to_device(x));
+    outs.emplace_back(tensor_bytes);
+    LMOE_CUDA_CHECK(cudaMemset(outs.back().data(), 0xff, tensor_bytes));
+  }
+  const float eps = 1e-5f;
+  const Timing t = timer.time([&](int i) {
+    const int s = i % sets;
+    LMOE_CUDA_CHECK(
+        lmoe::cuda::launch_rms_norm(xs[s].data(), static_cast<const float*>(d_gamma.data()),
+                                    outs[s].data(), c.tokens, c.cols, eps, c.dtype, stream));
+  });
+
+  // Information, not an assertion: the timed kernel's output against the CPU contract.
+  lmoe::HostTensor expected(c.dtype, {c.tokens, c.cols}), actual(c.dtype, {c.tokens, c.cols});
+  lmoe::cpu::rms_norm(x.matrix(), gamma, eps, expected.matrix());
+  LMOE_CUDA_CHECK(cudaMemcpy(actual.data(), outs[0].data(), tensor_bytes, cudaMemcpyDeviceToHost));
+  std::int64_t mismatches = 0;
+  for (std::size_t i = 0; i < tensor_bytes; i += esize) {
+    mismatches += std::memcmp(expected.data() + i, actual.data() + i, esize) != 0;
+  }
+  const std::string check =
+      mismatches == 0 ? "bits=cpu" : std::to_string(mismatches) + " differ from cpu";
+
+  const double gbps = static_cast<double>(moved) / (t.median_us * 1e3);
+  const std::string shape = "T=" + std::to_string(c.tokens) + " l=" + std::to_string(c.cols);
+  const std::string dtype(lmoe::dtype_name(c.dtype));
+  print_row("rms_norm", shape, dtype, t, gbps, 100.0 * gbps / copy_gbps, 0, 0, check);
+  Json row = timing_json(t);
+  row.update({{"tokens", c.tokens},
+              {"d_latent", c.cols},
+              {"dtype", dtype},
+              {"bytes_moved", moved},
+              {"buffer_sets", sets},
+              {"GBps", gbps},
+              {"pct_of_copy", 100.0 * gbps / copy_gbps},
+              {"bit_mismatches_vs_cpu", mismatches}});
+  return row;
+}
+
+// ---- (c, d) GEMM --------------------------------------------------------------------------------
+
+struct GemmCase {
+  std::string name;
+  std::int64_t m, n, k;
+  DType out_dtype;
+};
+
+Json bench_gemm(const GemmCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer& timer,
+                cudaStream_t stream, double square_tflops, double& tflops) {
+  const DType dtype = DType::bf16;
+  const DeviceBuffer a = to_device(random_tensor(dtype, c.m, c.k, 31));
+  const DeviceBuffer w = to_device(random_tensor(dtype, c.n, c.k, 37));
+  DeviceBuffer d(static_cast<std::size_t>(c.m * c.n) * lmoe::dtype_size(c.out_dtype));
+  const Timing t = timer.time([&](int) {
+    gemm.run(a.data(), w.data(), c.k, d.data(), c.n, c.m, c.n, c.k, dtype, c.out_dtype, stream);
+  });
+  const double flops =
+      2.0 * static_cast<double>(c.m) * static_cast<double>(c.n) * static_cast<double>(c.k);
+  tflops = flops / (t.median_us * 1e6);
+  const double pct = square_tflops > 0 ? 100.0 * tflops / square_tflops : 100.0;
+  const std::string shape =
+      std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
+  const std::string dtypes = "bf16>" + std::string(lmoe::dtype_name(c.out_dtype));
+  print_row("gemm", shape, dtypes, t, 0, 0, tflops, pct, c.name);
+  Json row = timing_json(t);
+  row.update({{"name", c.name},
+              {"m", c.m},
+              {"n", c.n},
+              {"k", c.k},
+              {"dtype", "bf16"},
+              {"out_dtype", std::string(lmoe::dtype_name(c.out_dtype))},
+              {"flops", flops},
+              {"TFLOPs", tflops},
+              {"pct_of_square", pct}});
+  return row;
+}
+
+int run(const Settings& settings) {
+  int device = 0;
+  LMOE_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp props{};
+  LMOE_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+  int driver = 0, runtime = 0;
+  LMOE_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  LMOE_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  const std::string date = utc_now(), module = driver_module_version();
+  std::printf(
+      "# lmoe_kernel_bench %s\n# %s, sm_%d%d, %d SMs, L2 %d MiB, %.0f GiB; driver %s (CUDA %s), "
+      "runtime %s, "
+      "cuBLASLt %zu\n# %d warm-up and %d timed graph launches per row; times are per operation\n",
+      date.c_str(), props.name, props.major, props.minor, props.multiProcessorCount,
+      props.l2CacheSize >> 20, static_cast<double>(props.totalGlobalMem) / (1 << 30),
+      module.c_str(), cuda_version_string(driver).c_str(), cuda_version_string(runtime).c_str(),
+      cublasLtGetVersion(), settings.warmup, settings.repeats);
+
+  cudaStream_t stream = nullptr;
+  LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Json report = {
+      {"program", "lmoe_kernel_bench"},
+      {"date", date},
+      {"gpu",
+       {{"name", props.name},
+        {"compute_capability", std::to_string(props.major) + "." + std::to_string(props.minor)},
+        {"multiprocessors", props.multiProcessorCount},
+        {"l2_bytes", props.l2CacheSize},
+        {"memory_bytes", props.totalGlobalMem}}},
+      {"driver_module_version", module},
+      {"driver_cuda_version", cuda_version_string(driver)},
+      {"runtime_cuda_version", cuda_version_string(runtime)},
+      {"cublaslt_version", cublasLtGetVersion()},
+      {"settings",
+       {{"warmup", settings.warmup},
+        {"repeats", settings.repeats},
+        {"graph_target_us", settings.graph_target_us}}}};
+  {
+    Timer timer(settings, stream);
+    print_header();
+    double copy_gbps = 0;
+    report["copy"] = bench_copy(settings, timer, stream, copy_gbps);
+
+    const NormCase norms[] = {{1, 3584, DType::bf16},    {16, 3584, DType::bf16},
+                              {128, 3584, DType::bf16},  {1024, 3584, DType::bf16},
+                              {4096, 3584, DType::bf16}, {8192, 3584, DType::bf16},
+                              {8192, 1024, DType::bf16}, {8192, 3584, DType::f32}};
+    report["rms_norm"] = Json::array();
+    for (const NormCase& c : norms)
+      report["rms_norm"].push_back(bench_norm(c, props, timer, stream, copy_gbps));
+
+    lmoe::cuda::CublasLtGemm gemm;
+    const GemmCase gemms[] = {{"square", 8192, 8192, 8192, DType::bf16},
+                              {"column stripe (tp=8)", 8192, 896, 3584, DType::bf16},
+                              {"column stripe (tp=8)", 8192, 896, 3584, DType::f32},
+                              {"full width", 8192, 7168, 3584, DType::bf16}};
+    report["gemm"] = Json::array();
+    double square_tflops = 0;
+    for (const GemmCase& c : gemms) {
+      double tflops = 0;
+      report["gemm"].push_back(bench_gemm(c, gemm, timer, stream, square_tflops, tflops));
+      if (c.name == "square") square_tflops = tflops;
+    }
+  }
+  LMOE_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  if (!settings.json_path.empty()) {
+    std::ofstream file(settings.json_path);
+    if (!file) throw lmoe::Error("--json: cannot write '" + settings.json_path + "'");
+    file << report.dump(2) << "\n";
+    std::printf("# wrote %s\n", settings.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "lmoe_kernel_bench — copy bandwidth, RMSNorm and GEMM rates on this GPU (never asserts a "
+      "time)"};
+  Settings settings;
+  app.add_option("--json", settings.json_path, "write the results as JSON to this file");
+  app.add_option("--repeats", settings.repeats, "timed graph launches per row (median, p10, p90)")
+      ->check(CLI::Range(20, 100000))
+      ->capture_default_str();
+  app.add_option("--warmup", settings.warmup, "untimed graph launches per row")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--copy-mib", settings.copy_mib,
+                 "bytes of the device-to-device copy, in MiB (>= 256)")
+      ->check(CLI::Range(256.0, 65536.0))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(settings);
+  } catch (const lmoe::Error& error) {
+    std::cerr << "lmoe_kernel_bench: error: " << error.what() << "\n";
+    return 1;
+  }
+}
