@@ -12,6 +12,9 @@
 
 namespace lmoe::cli {
 
+// The tool's version, as `--version` and the JSON files say it.
+inline constexpr const char* kVersion = "0.1.0";
+
 // --preset, --d-model, --d-latent, --dtype, --eps: a preset's dims, each overridable.
 struct ModelOptions {
   std::string preset = "kimi-k3";
@@ -39,5 +42,6 @@ PolicyConfig resolve_policy(const std::string& tier_table);
 void add_run_command(CLI::App& app);
 void add_tail_command(CLI::App& app);
 void add_explain_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace lmoe::cli

@@ -48,10 +48,11 @@ PolicyConfig resolve_policy(const std::string& tier_table) {
 int main(int argc, char** argv) {
   CLI::App app{"lmoe — the latent Mixture-of-Experts tail under tensor parallelism"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "lmoe 0.1.0");
+  app.set_version_flag("--version", std::string("lmoe ") + lmoe::cli::kVersion);
   lmoe::cli::add_run_command(app);
   lmoe::cli::add_tail_command(app);
   lmoe::cli::add_explain_command(app);
+  lmoe::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

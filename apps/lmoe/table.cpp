@@ -9,20 +9,23 @@ namespace lmoe::cli {
 void Table::print(std::ostream& out) const {
   std::vector<std::size_t> widths(headers_.size(), 0);
   for (std::size_t c = 0; c < headers_.size(); ++c) widths[c] = headers_[c].size();
-  for (const auto& row : rows_) {
-    for (std::size_t c = 0; c < row.size() && c < widths.size(); ++c) {
-      widths[c] = std::max(widths[c], row[c].size());
+  for (const Row& row : rows_) {
+    for (std::size_t c = 0; c < row.cells.size() && c < widths.size(); ++c) {
+      widths[c] = std::max(widths[c], row.cells[c].size());
     }
   }
-  auto line = [&](const std::vector<std::string>& cells) {
-    for (std::size_t c = 0; c < widths.size(); ++c) {
+  auto line = [&](const std::vector<std::string>& cells, const std::string& note) {
+    // A note starts where the first empty cell would: cells up to there, then the text.
+    const std::size_t columns = note.empty() ? widths.size() : std::min(cells.size(), widths.size());
+    for (std::size_t c = 0; c < columns; ++c) {
       const std::string cell = c < cells.size() ? cells[c] : "";
       out << (c ? "  " : "") << std::string(widths[c] - std::min(widths[c], cell.size()), ' ') << cell;
     }
+    if (!note.empty()) out << (columns ? "  " : "") << note;
     out << "\n";
   };
-  line(headers_);
-  for (const auto& row : rows_) line(row);
+  line(headers_, {});
+  for (const Row& row : rows_) line(row.cells, row.note);
 }
 
 std::string format_number(double value, int precision) {

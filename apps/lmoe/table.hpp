@@ -10,12 +10,21 @@ namespace lmoe::cli {
 class Table {
  public:
   explicit Table(std::vector<std::string> headers) : headers_(std::move(headers)) {}
-  void add_row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  void add_row(std::vector<std::string> cells) { rows_.push_back({std::move(cells), {}}); }
+  // A row whose `note` follows its cells as free text, not aligned and not widening any column
+  // (e.g. why a tier was declined).
+  void add_row(std::vector<std::string> cells, std::string note) {
+    rows_.push_back({std::move(cells), std::move(note)});
+  }
   void print(std::ostream& out) const;
 
  private:
   std::vector<std::string> headers_;
-  std::vector<std::vector<std::string>> rows_;
+  struct Row {
+    std::vector<std::string> cells;
+    std::string note;
+  };
+  std::vector<Row> rows_;
 };
 
 // "12.3", "1.23e+04", "-" for a negative value (not measured).

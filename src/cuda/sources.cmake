@@ -7,6 +7,9 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_communicator.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_executor.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_runner.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_device_info.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/bench_fill.cu
 )
 target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_CUDA=1)
 target_link_libraries(lmoe_core PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)

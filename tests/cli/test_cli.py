@@ -270,6 +270,118 @@ class OtherCommands(unittest.TestCase):
         self.assertIn("unknown preset 'gpt-9'", result.stderr)
 
 
+class BenchCommand(unittest.TestCase):
+    RECORD_FIELDS = [
+        "comm", "tokens", "tier", "status", "reason", "chosen", "mode", "mode_reason", "bytes", "bus_bytes",
+        "median_us", "p10_us", "p90_us", "min_us", "max_us", "algbw_gbps", "busbw_gbps", "checked", "wrong",
+        "bit_mismatches_vs_contract", "max_error_over_bound", "normwise_error_vs_fp64", "normwise_tolerance",
+        "ranks_identical", "ok", "iterations_us",
+    ]
+    DOC_FIELDS = [
+        "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
+        "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
+        "fault_injected", "definitions", "records", "comm_errors", "ok",
+    ]
+
+    def bench(self, *args, env=None, check=True):
+        return lmoe("bench", "--backend", "cpu", "--preset", "small", *args, env=env, check=check)
+
+    def test_json_has_every_field_and_every_record_is_right(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bench.json")
+            result = self.bench("-n", "2", "-t", "1,3,64", "--iters", "2", "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            self.assertIn("busbw_GB/s", result.stdout)
+            self.assertIn("T=64", result.stderr)  # progress
+            self.assertIn("ETA", result.stderr)
+            with open(path) as f:
+                doc = json.load(f)
+        for field in self.DOC_FIELDS:
+            self.assertIn(field, doc)
+        self.assertEqual(doc["command"], "bench")
+        self.assertTrue(doc["ok"])
+        self.assertEqual((doc["tp"], doc["d_model"], doc["d_latent"], doc["dtype"]), (2, 384, 192, "bf16"))
+        self.assertEqual(doc["comms"], ["threads"])
+        self.assertEqual(doc["iters"], 2)
+        self.assertIsNone(doc["gpu"])
+        records = doc["records"]
+        keys = sorted((r["tokens"], r["tier"]) for r in records)
+        self.assertEqual(keys, sorted((t, tier) for t in (1, 3, 64) for tier in ("fused", "overlap", "column", "token")))
+        for record in records:
+            with self.subTest(tokens=record["tokens"], tier=record["tier"]):
+                for field in self.RECORD_FIELDS:
+                    self.assertIn(field, record)
+                self.assertEqual(record["comm"], "threads")
+                if record["tokens"] == 1 and record["tier"] == "token":
+                    self.assertEqual(record["status"], "declined")
+                    self.assertIn("T=1 < tp=2", record["reason"])
+                    continue
+                self.assertEqual(record["status"], "ran")
+                self.assertEqual(record["mode"], "eager")
+                self.assertTrue(record["checked"])
+                self.assertEqual(record["wrong"], 0)
+                self.assertTrue(record["ranks_identical"])
+                self.assertTrue(record["ok"])
+                self.assertEqual(len(record["iterations_us"]), 2)
+                times = sorted(record["iterations_us"])
+                self.assertAlmostEqual(record["median_us"], (times[0] + times[1]) / 2, places=6)
+                self.assertEqual(record["bytes"], record["tokens"] * (384 + 192) * 2)
+                self.assertAlmostEqual(record["algbw_gbps"], record["bytes"] / record["median_us"] * 1e-3, places=9)
+        chosen = {r["tokens"]: r["tier"] for r in records if r["chosen"]}
+        self.assertEqual(chosen, {1: "fused", 3: "fused", 64: "fused"})
+        # The declined tier has one line with its reason in the table.
+        self.assertTrue(any("declined: T=1 < tp=2" in line for line in result.stdout.splitlines()))
+
+    def test_rows_above_the_check_limit_are_unchecked_and_say_so(self):
+        result = self.bench("-n", "2", "-t", "2,40", "--tiers", "overlap", "--iters", "1", "--check-max-tokens", "8")
+        rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith(("2 ", "40 "))]
+        self.assertEqual(len(rows), 2, result.stdout)
+        self.assertEqual(rows[0][-1], "0")
+        self.assertEqual(rows[1][-1], "-")
+        self.assertIn("1 row(s) not checked: T > --check-max-tokens 8", result.stdout)
+
+    def test_a_wrong_element_makes_bench_fail(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bench.json")
+            result = self.bench("-n", "2", "-t", "4", "--tiers", "column", "--iters", "1", "--json", path,
+                                env={"LMOE_BENCH_INJECT_FAULT": "1"}, check=False)
+            self.assertNotEqual(result.returncode, 0, result.stdout)
+            self.assertIn("SOME ROWS FAILED", result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+        self.assertFalse(doc["ok"])
+        self.assertTrue(doc["fault_injected"])
+        (record,) = doc["records"]
+        self.assertGreaterEqual(record["wrong"], 1)
+        self.assertFalse(record["ok"])
+
+    def test_bad_options_name_themselves(self):
+        cases = [
+            (["-n", "0"], "-n/--ranks: expected at least 1 rank, got 0"),
+            (["--tiers", "fused,warp"], "--tiers: unknown tier 'warp'"),
+            (["--comm", "carrier-pigeon"], "--comm: unknown or unavailable comm backend 'carrier-pigeon'"),
+            (["-t", "0"], "-t/--tokens: expected token counts >= 1, got 0"),
+            (["--iters", "0"], "--iters: expected at least 1 timed iteration, got 0"),
+            (["--warmup", "-1"], "--warmup: expected >= 0"),
+            (["--check-max-tokens", "-5"], "--check-max-tokens: expected >= 0, got -5"),
+            (["--mode", "lazy"], "--mode: unknown bench mode 'lazy'"),
+        ]
+        for args, needle in cases:
+            with self.subTest(args=args):
+                result = self.bench("-n", "2", "-t", "1", *args, check=False) if args[0] != "-n" else self.bench(
+                    *args, check=False)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn(needle, result.stderr)
+        result = self.bench("-n", "2", "-t", "1", env={"LMOE_BENCH_INJECT_FAULT": "yes"}, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("LMOE_BENCH_INJECT_FAULT='yes'", result.stderr)
+
+    def test_help_defines_the_columns(self):
+        result = lmoe("bench", "--help")
+        for needle in ["busbw", "algbw", "#wrong", "LMOE_BENCH_INJECT_FAULT", "--check-max-tokens", "--comm"]:
+            self.assertIn(needle, result.stdout)
+
+
 if __name__ == "__main__":
     LMOE = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)

@@ -1,0 +1,50 @@
+// One rank's side of the tail benchmark (include/lmoe/tail_bench.hpp): its input and output
+// buffers for up to max_tokens rows, and how it runs and times forwards. The host version keeps
+// host buffers and times with steady_clock between barriers; the CUDA version
+// (src/cuda/cuda_tail_bench.cpp) keeps device buffers and its own stream, times with CUDA events
+// and can capture a forward into a CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lmoe/communicator.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/tail_bench.hpp"
+
+namespace lmoe {
+
+// Fills count elements of dst (host memory) with bench::value(seed, i), stored in dtype.
+void fill_bench_values(void* dst, std::size_t count, DType dtype, std::uint64_t seed);
+
+class BenchRank {
+ public:
+  virtual ~BenchRank() = default;
+  // Fresh inputs for T rows: routed [T, l] and shared [T, d] from their streams (a pristine copy of
+  // shared is kept, since the column tier accumulates into it); out poisoned. Synchronizes with
+  // the other ranks before and after, so no peer reads a buffer while it changes.
+  virtual void load_inputs(std::int64_t num_tokens, std::uint64_t routed_seed,
+                           std::uint64_t shared_seed) = 0;
+  // What forward() runs from now on: `tier` on the loaded rows, as a replay of one captured graph
+  // (graph) or a LatentTail::forward call (eager).
+  virtual void prepare(TailTier tier, BenchMode mode) = 0;
+  // `count` forwards, not timed.
+  virtual void warm_up(int count) = 0;
+  // `count` forwards, the seconds each took on this rank.
+  virtual std::vector<double> time(int count) = 0;
+  // Restores shared, poisons out (all bits set: NaN in every dtype), runs one forward as prepared
+  // and returns out [T, d] in host memory.
+  virtual HostTensor checked_output() = 0;
+};
+
+std::unique_ptr<BenchRank> make_host_bench_rank(LatentTail& tail, Communicator& comm,
+                                                std::int64_t max_tokens);
+
+#ifdef LMOE_HAS_CUDA
+// On the current device; `comm` must be a device communicator.
+std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
+                                                std::int64_t max_tokens);
+#endif
+
+}  // namespace lmoe

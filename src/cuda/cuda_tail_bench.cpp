@@ -1,0 +1,212 @@
+// The benchmark's rank on a GPU: device buffers for the largest T, inputs generated on the device,
+// forwards on the rank's own stream timed with CUDA events, and (graph mode) one forward per
+// (T, tier) captured into a CUDA graph and replayed.
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "core/bench_rank.hpp"
+#include "cuda/bench_fill.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_buffer.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe {
+
+namespace {
+
+using cuda::DeviceBuffer;
+
+struct StreamDeleter {
+  void operator()(cudaStream_t stream) const {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  }
+};
+struct EventDeleter {
+  void operator()(cudaEvent_t event) const { cudaEventDestroy(event); }
+};
+struct GraphExecDeleter {
+  void operator()(cudaGraphExec_t exec) const { cudaGraphExecDestroy(exec); }
+};
+using UniqueStream = std::unique_ptr<CUstream_st, StreamDeleter>;
+using UniqueEvent = std::unique_ptr<CUevent_st, EventDeleter>;
+using UniqueGraphExec = std::unique_ptr<CUgraphExec_st, GraphExecDeleter>;
+
+UniqueEvent make_timing_event() {
+  cudaEvent_t event = nullptr;
+  LMOE_CUDA_CHECK(cudaEventCreate(&event));
+  return UniqueEvent(event);
+}
+
+class CudaBenchRank final : public BenchRank {
+ public:
+  CudaBenchRank(LatentTail& tail, Communicator& comm, std::int64_t max_tokens)
+      : tail_(tail),
+        comm_(comm),
+        dims_(tail.options().dims),
+        dtype_(tail.options().dtype),
+        max_tokens_(max_tokens),
+        routed_(bytes(max_tokens * dims_.d_latent)),
+        shared_(bytes(max_tokens * dims_.d_model)),
+        pristine_shared_(bytes(max_tokens * dims_.d_model)),
+        out_(bytes(max_tokens * dims_.d_model)) {
+    LMOE_CHECK(comm.memory_space() == MemorySpace::device,
+               "bench: the cuda backend needs a device communicator, got '" +
+                   std::string(comm.backend_name()) + "'");
+    cudaStream_t stream = nullptr;
+    LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    stream_.reset(stream);
+  }
+
+  // A graph may still be running on the stream: let it finish before its exec and buffers go.
+  ~CudaBenchRank() override { cudaStreamSynchronize(stream()); }
+
+  void load_inputs(std::int64_t num_tokens, std::uint64_t routed_seed,
+                   std::uint64_t shared_seed) override {
+    LMOE_CHECK(num_tokens >= 1 && num_tokens <= max_tokens_,
+               "bench: T=" + std::to_string(num_tokens) + " outside the buffers' 1.." +
+                   std::to_string(max_tokens_));
+    quiesce();
+    graph_.reset();  // captured with the previous T
+    tokens_ = num_tokens;
+    cuda::check(cuda::launch_fill_bench_values(routed_.data(), tokens_ * dims_.d_latent, dtype_,
+                                               routed_seed, stream()),
+                "launch_fill_bench_values");
+    cuda::check(cuda::launch_fill_bench_values(pristine_shared_.data(), tokens_ * dims_.d_model,
+                                               dtype_, shared_seed, stream()),
+                "launch_fill_bench_values");
+    restore_and_poison();
+    quiesce();
+  }
+
+  void prepare(TailTier tier, BenchMode mode) override {
+    tier_ = tier;
+    graph_.reset();
+    if (mode == BenchMode::graph) capture();
+  }
+
+  void warm_up(int count) override {
+    for (int i = 0; i < count; ++i) forward();
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  }
+
+  // Iterations are issued back to back, as an engine issues layers; each is bracketed by events on
+  // the rank's stream, so its time is what the stream spent on it, including any wait for the host
+  // (eager launches) or for peers (collectives).
+  std::vector<double> time(int count) override {
+    while (static_cast<int>(starts_.size()) < count) {
+      starts_.push_back(make_timing_event());
+      stops_.push_back(make_timing_event());
+    }
+    quiesce();
+    for (int i = 0; i < count; ++i) {
+      LMOE_CUDA_CHECK(cudaEventRecord(starts_[i].get(), stream()));
+      forward();
+      LMOE_CUDA_CHECK(cudaEventRecord(stops_[i].get(), stream()));
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    std::vector<double> seconds;
+    for (int i = 0; i < count; ++i) {
+      float ms = 0;
+      LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, starts_[i].get(), stops_[i].get()));
+      seconds.push_back(static_cast<double>(ms) * 1e-3);
+    }
+    return seconds;
+  }
+
+  HostTensor checked_output() override {
+    quiesce();
+    restore_and_poison();
+    quiesce();
+    forward();
+    HostTensor y(dtype_, {tokens_, dims_.d_model});
+    LMOE_CUDA_CHECK(
+        cudaMemcpyAsync(y.data(), out_.data(), y.nbytes(), cudaMemcpyDeviceToHost, stream()));
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return y;
+  }
+
+ private:
+  std::size_t bytes(std::int64_t elements) const {
+    return static_cast<std::size_t>(elements) * dtype_size(dtype_);
+  }
+  cudaStream_t stream() const { return stream_.get(); }
+
+  // Peers read this rank's buffers inside collectives (same-GPU and P2P communicators): before they
+  // change, every rank's stream must be idle.
+  void quiesce() {
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    comm_.barrier();
+  }
+
+  void restore_and_poison() {
+    const std::size_t model_bytes = bytes(tokens_ * dims_.d_model);
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(shared_.data(), pristine_shared_.data(), model_bytes,
+                                    cudaMemcpyDeviceToDevice, stream()));
+    // All bits set is NaN in every dtype: an element the tail does not write cannot pass.
+    LMOE_CUDA_CHECK(cudaMemsetAsync(out_.data(), 0xff, model_bytes, stream()));
+  }
+
+  MatrixView view(const DeviceBuffer& buffer, std::int64_t cols) const {
+    return {buffer.data(), dtype_, tokens_, cols, cols, MemorySpace::device};
+  }
+
+  void eager_forward() {
+    tail_.forward(view(routed_, dims_.d_latent), view(shared_, dims_.d_model),
+                  view(out_, dims_.d_model), tier_, stream());
+  }
+
+  void forward() {
+    if (graph_) {
+      LMOE_CUDA_CHECK(cudaGraphLaunch(graph_.get(), stream()));
+    } else {
+      eager_forward();
+    }
+  }
+
+  // Thread-local capture: the other ranks' threads capture their own streams at the same time.
+  void capture() {
+    LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t graph = nullptr;
+    try {
+      eager_forward();
+    } catch (...) {
+      // End the capture so the stream is usable again; the forward's error is the one to report.
+      if (cudaStreamEndCapture(stream(), &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      throw;
+    }
+    LMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    LMOE_CUDA_CHECK(instantiated);
+    graph_.reset(exec);
+  }
+
+  LatentTail& tail_;
+  Communicator& comm_;
+  TailDims dims_;
+  DType dtype_;
+  std::int64_t max_tokens_;
+  DeviceBuffer routed_;           // [max T, l]
+  DeviceBuffer shared_;           // [max T, d]: the call's input, which column overwrites
+  DeviceBuffer pristine_shared_;  // [max T, d]: the loaded shared, to restore it
+  DeviceBuffer out_;              // [max T, d]
+  UniqueStream stream_;
+  std::vector<UniqueEvent> starts_, stops_;
+  UniqueGraphExec graph_;  // graph mode: one forward of tier_ at tokens_
+  std::int64_t tokens_ = 0;
+  TailTier tier_ = TailTier::overlap;
+};
+
+}  // namespace
+
+std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
+                                                std::int64_t max_tokens) {
+  return std::make_unique<CudaBenchRank>(tail, comm, max_tokens);
+}
+
+}  // namespace lmoe

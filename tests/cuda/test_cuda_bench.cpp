@@ -1,0 +1,108 @@
+// The tail benchmark on a GPU: the device input generator against the host's, bit for bit, and a
+// small sweep whose every checked record meets the contract. Every test skips without a GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/bench_rank.hpp"
+#include "cuda/bench_fill.hpp"
+#include "cuda/cuda_tail_executor.hpp"
+#include "cuda/device_buffer.hpp"
+#include "lmoe/comm_group.hpp"
+#include "lmoe/tail_bench.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::TailTier;
+
+#define SKIP_WITHOUT_GPU()                                             \
+  do {                                                                 \
+    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
+  } while (0)
+
+TEST(CudaBench, DeviceInputsEqualTheHostsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+    SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)));
+    const std::size_t count = (1u << 20) + 3, bytes = count * lmoe::dtype_size(dtype);
+    const lmoe::cuda::DeviceBuffer device(bytes);
+    ASSERT_EQ(lmoe::cuda::launch_fill_bench_values(device.data(), static_cast<std::int64_t>(count),
+                                                   dtype, 99, nullptr),
+              cudaSuccess);
+    std::vector<std::byte> from_device(bytes), from_host(bytes);
+    ASSERT_EQ(cudaMemcpy(from_device.data(), device.data(), bytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    lmoe::fill_bench_values(from_host.data(), count, dtype, 99);
+    EXPECT_EQ(std::memcmp(from_device.data(), from_host.data(), bytes), 0);
+  }
+}
+
+// Small dims, 2 ranks sharing the GPU, every comm this machine lists.
+lmoe::BenchOptions small_options(std::vector<std::int64_t> tokens) {
+  lmoe::BenchOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.dims = {384, 192};
+  options.tp = 2;
+  options.tokens = std::move(tokens);
+  options.warmup = 1;
+  options.iters = 3;
+  return options;
+}
+
+TEST(CudaBench, SweepMeetsTheContractOnEveryComm) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::BenchOptions options = small_options({1, 3, 130});
+  std::size_t progress_calls = 0;
+  const lmoe::BenchResult result =
+      lmoe::run_tail_bench(options, [&](const lmoe::BenchProgress&) { ++progress_calls; });
+  for (const lmoe::BenchCommError& error : result.comm_errors)
+    ADD_FAILURE() << error.comm << ": " << error.error;
+  const std::size_t comms = lmoe::comm_backends(lmoe::Backend::cuda).size();
+  ASSERT_EQ(result.records.size(), comms * 3 * 4);
+  EXPECT_GT(progress_calls, 0u);
+  for (const lmoe::BenchRecord& record : result.records) {
+    SCOPED_TRACE(record.comm + " T=" + std::to_string(record.tokens) + " " +
+                 std::string(lmoe::tier_name(record.tier)));
+    if (record.tokens == 1 && record.tier == TailTier::token) {
+      EXPECT_TRUE(record.declined.has_value());
+      continue;
+    }
+    ASSERT_FALSE(record.declined.has_value()) << *record.declined;
+    EXPECT_TRUE(record.checked);
+    EXPECT_EQ(record.wrong(), 0);
+    EXPECT_TRUE(record.ranks_identical);
+    EXPECT_TRUE(record.ok());
+    ASSERT_EQ(record.seconds.size(), 3u);
+    EXPECT_GT(record.stats.median, 0);
+    if (record.comm == "cuda-threads") {
+      EXPECT_EQ(record.mode, lmoe::BenchMode::eager);  // it synchronizes on the host
+    }
+  }
+}
+
+TEST(CudaBench, AWrongElementIsCaughtOnTheGpuToo) {
+  SKIP_WITHOUT_GPU();
+  lmoe::BenchOptions options = small_options({4});
+  options.tiers = {TailTier::column};
+  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
+  options.inject_fault = true;
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  ASSERT_EQ(result.records.size(), 1u);
+  EXPECT_GE(result.records[0].wrong(), 1);
+  EXPECT_FALSE(result.ok());
+}
+
+TEST(CudaBench, EnvironmentNamesTheGpu) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::BenchEnvironment environment = lmoe::bench_environment(lmoe::Backend::cuda);
+  ASSERT_TRUE(environment.gpu.has_value());
+  EXPECT_FALSE(environment.gpu->name.empty());
+  EXPECT_GT(environment.gpu->driver_version, 0);
+  EXPECT_GT(environment.gpu->runtime_version, 0);
+  EXPECT_NE(environment.gpu->compute_capability, "0.0");
+}
+
+}  // namespace

@@ -1,0 +1,280 @@
+// The tail benchmark's library parts: statistics, byte counts, the input generator, and the CPU
+// sweep end to end (records, declines, checks, a fault that must be caught, bad options).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "core/bench_rank.hpp"
+#include "core/bench_values.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/tail_bench.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::TailTier;
+using ::testing::HasSubstr;
+
+const lmoe::TailDims kSmall{384, 192};
+const lmoe::TailDims kK3{7168, 3584};
+
+// ---- statistics --------------------------------------------------------------------------------
+
+TEST(BenchStats, QuantilesInterpolateBetweenSortedSamples) {
+  const std::vector<double> odd = {5, 1, 3};  // sorted 1 3 5
+  EXPECT_DOUBLE_EQ(lmoe::quantile(odd, 0.5), 3);
+  EXPECT_DOUBLE_EQ(lmoe::quantile(odd, 0.1), 1.4);  // position 0.2
+  EXPECT_DOUBLE_EQ(lmoe::quantile(odd, 0.9), 4.6);  // position 1.8
+  EXPECT_DOUBLE_EQ(lmoe::quantile(odd, 0.0), 1);
+  EXPECT_DOUBLE_EQ(lmoe::quantile(odd, 1.0), 5);
+
+  const std::vector<double> even = {4, 2, 1, 3};
+  EXPECT_DOUBLE_EQ(lmoe::quantile(even, 0.5), 2.5);
+
+  std::vector<double> hundred_and_one;
+  for (int i = 100; i >= 0; --i) hundred_and_one.push_back(i);
+  const lmoe::TimeStats stats = lmoe::time_stats(hundred_and_one);
+  EXPECT_DOUBLE_EQ(stats.median, 50);
+  EXPECT_DOUBLE_EQ(stats.p10, 10);
+  EXPECT_DOUBLE_EQ(stats.p90, 90);
+  EXPECT_DOUBLE_EQ(stats.min, 0);
+  EXPECT_DOUBLE_EQ(stats.max, 100);
+}
+
+TEST(BenchStats, OneSampleIsEveryQuantile) {
+  const lmoe::TimeStats stats = lmoe::time_stats(std::vector<double>{7.5});
+  EXPECT_EQ(stats.median, 7.5);
+  EXPECT_EQ(stats.p10, 7.5);
+  EXPECT_EQ(stats.p90, 7.5);
+}
+
+TEST(BenchStats, NoSamplesOrBadQuantileIsAnError) {
+  try {
+    lmoe::time_stats(std::vector<double>{});
+    FAIL() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("at least one sample"));
+  }
+  const std::vector<double> one = {1};
+  EXPECT_THROW(lmoe::quantile(one, 1.5), lmoe::Error);
+  EXPECT_THROW(lmoe::quantile(one, -0.1), lmoe::Error);
+}
+
+// ---- byte counts -------------------------------------------------------------------------------
+
+TEST(BenchBytes, InputBytesAreBothPartials) {
+  EXPECT_DOUBLE_EQ(lmoe::tail_input_bytes(1, kK3, DType::bf16), (7168 + 3584) * 2.0);
+  EXPECT_DOUBLE_EQ(lmoe::tail_input_bytes(3, kSmall, DType::f32), 3 * (384 + 192) * 4.0);
+}
+
+TEST(BenchBytes, BusBytesFollowEachTiersCollectives) {
+  const double esize = 2, t = 5, d = 7168, l = 3584, tp = 8;
+  // AR(x) = 2(tp−1)/tp·T·x·esize, RS = AG = (tp−1)/tp·T·x·esize.
+  const double ar_l = 2 * (tp - 1) / tp * t * l * esize, ar_d = 2 * (tp - 1) / tp * t * d * esize;
+  const double rs_l = (tp - 1) / tp * t * l * esize, rs_d = (tp - 1) / tp * t * d * esize;
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::overlap, 5, kK3, DType::bf16, 8), ar_l + ar_d);
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::column, 5, kK3, DType::bf16, 8), ar_l + ar_d);
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::token, 5, kK3, DType::bf16, 8), rs_l + 2 * rs_d);
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::fused, 5, kK3, DType::bf16, 8),
+                   (tp - 1) * t * l * esize + 2 * rs_d);
+  // DESIGN.md §2: at K3 dims token sends 2.5/3 of column's bytes.
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::token, 5, kK3, DType::bf16, 8) /
+                       lmoe::tier_bus_bytes(TailTier::column, 5, kK3, DType::bf16, 8),
+                   2.5 / 3.0);
+  // One rank sends nothing.
+  for (TailTier tier : lmoe::kAllTiers)
+    EXPECT_EQ(lmoe::tier_bus_bytes(tier, 64, kK3, DType::bf16, 1), 0.0);
+  // Concrete: overlap at T = 1, tp = 2, small dims: 2·½·(192 + 384)·2 bytes.
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::overlap, 1, kSmall, DType::bf16, 2), 1152.0);
+}
+
+// ---- inputs ------------------------------------------------------------------------------------
+
+TEST(BenchValues, ExactInEveryDtypeAndFreshPerStream) {
+  std::set<float> seen;
+  double sum = 0;
+  constexpr int kCount = 4096;
+  for (int i = 0; i < kCount; ++i) {
+    const float v = lmoe::bench::value(11, static_cast<std::uint64_t>(i));
+    ASSERT_GE(v, -2.0f);
+    ASSERT_LT(v, 2.0f);
+    ASSERT_EQ(v * 64.0f, std::round(v * 64.0f)) << "not a multiple of 1/64: " << v;
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32})
+      ASSERT_EQ(lmoe::round_to(dtype, v), v);
+    seen.insert(v);
+    sum += v;
+  }
+  EXPECT_GT(seen.size(), 200u);             // most of the 256 values occur
+  EXPECT_LT(std::fabs(sum / kCount), 0.1);  // centred near 0
+  // Different (T, tier, rank, tensor) give different streams; the same gives the same.
+  const std::uint64_t a = lmoe::bench::input_seed(1, 64, 0, 0, 0);
+  EXPECT_EQ(a, lmoe::bench::input_seed(1, 64, 0, 0, 0));
+  std::set<std::uint64_t> seeds = {a,
+                                   lmoe::bench::input_seed(1, 65, 0, 0, 0),
+                                   lmoe::bench::input_seed(1, 64, 1, 0, 0),
+                                   lmoe::bench::input_seed(1, 64, 0, 1, 0),
+                                   lmoe::bench::input_seed(1, 64, 0, 0, 1),
+                                   lmoe::bench::input_seed(2, 64, 0, 0, 0)};
+  EXPECT_EQ(seeds.size(), 6u);
+
+  std::vector<std::uint16_t> bf16(8);
+  lmoe::fill_bench_values(bf16.data(), bf16.size(), DType::bf16, a);
+  for (std::size_t i = 0; i < bf16.size(); ++i) {
+    EXPECT_EQ(lmoe::bf16_bits_to_float(bf16[i]), lmoe::bench::value(a, i));
+  }
+}
+
+// ---- the sweep on the cpu backend --------------------------------------------------------------
+
+lmoe::BenchOptions small_options(int tp, std::vector<std::int64_t> tokens) {
+  lmoe::BenchOptions options;
+  options.backend = lmoe::Backend::cpu;
+  options.dims = kSmall;
+  options.tp = tp;
+  options.tokens = std::move(tokens);
+  options.warmup = 1;
+  options.iters = 3;
+  return options;
+}
+
+const lmoe::BenchRecord& find(const lmoe::BenchResult& result, std::int64_t tokens, TailTier tier) {
+  for (const lmoe::BenchRecord& record : result.records) {
+    if (record.tokens == tokens && record.tier == tier) return record;
+  }
+  throw std::runtime_error("no record");
+}
+
+TEST(TailBench, CpuSweepTimesAndChecksEveryTier) {
+  lmoe::BenchOptions options = small_options(2, {1, 3, 130});
+  options.check_max_tokens = 3;
+  std::vector<std::int64_t> progress_tokens;
+  const lmoe::BenchResult result = lmoe::run_tail_bench(
+      options, [&](const lmoe::BenchProgress& p) { progress_tokens.push_back(p.tokens); });
+  ASSERT_TRUE(result.comm_errors.empty());
+  ASSERT_EQ(result.records.size(), 3u * 4u);
+  EXPECT_TRUE(result.ok());
+  EXPECT_FALSE(progress_tokens.empty());
+
+  const lmoe::BenchRecord& token_at_1 = find(result, 1, TailTier::token);
+  ASSERT_TRUE(token_at_1.declined.has_value());
+  EXPECT_THAT(*token_at_1.declined, HasSubstr("T=1 < tp=2"));
+  EXPECT_TRUE(token_at_1.seconds.empty());
+
+  for (const lmoe::BenchRecord& record : result.records) {
+    SCOPED_TRACE("T=" + std::to_string(record.tokens) + " " +
+                 std::string(lmoe::tier_name(record.tier)));
+    EXPECT_EQ(record.comm, "threads");
+    if (record.declined) continue;
+    EXPECT_EQ(record.mode, lmoe::BenchMode::eager);
+    ASSERT_EQ(record.seconds.size(), 3u);
+    EXPECT_GT(record.stats.median, 0);
+    EXPECT_LE(record.stats.p10, record.stats.median);
+    EXPECT_LE(record.stats.median, record.stats.p90);
+    EXPECT_DOUBLE_EQ(record.algbw_gbps, record.bytes / record.stats.median * 1e-9);
+    EXPECT_DOUBLE_EQ(record.busbw_gbps, record.bus_bytes / record.stats.median * 1e-9);
+    if (record.tokens <= 3) {
+      EXPECT_TRUE(record.checked);
+      EXPECT_EQ(record.wrong(), 0);
+      EXPECT_EQ(record.comparison.elements, record.tokens * kSmall.d_model);
+      EXPECT_TRUE(record.ranks_identical);
+    } else {
+      EXPECT_FALSE(record.checked);
+      EXPECT_EQ(record.wrong(), -1);
+    }
+  }
+  // The policy's pick at each T: fused up to 128, overlap up to 256.
+  for (std::int64_t t : {1, 3, 130}) {
+    int chosen = 0;
+    for (TailTier tier : lmoe::kAllTiers) chosen += find(result, t, tier).chosen ? 1 : 0;
+    EXPECT_EQ(chosen, 1) << "T=" << t;
+  }
+  EXPECT_TRUE(find(result, 3, TailTier::fused).chosen);
+  EXPECT_TRUE(find(result, 130, TailTier::overlap).chosen);
+}
+
+TEST(TailBench, AWrongElementIsCaught) {
+  lmoe::BenchOptions options = small_options(2, {4});
+  options.tiers = {TailTier::column, TailTier::token};
+  options.inject_fault = true;
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  ASSERT_EQ(result.records.size(), 2u);
+  for (const lmoe::BenchRecord& record : result.records) {
+    EXPECT_TRUE(record.checked);
+    EXPECT_GE(record.wrong(), 1);
+    EXPECT_FALSE(record.ok());
+  }
+  EXPECT_FALSE(result.ok());
+}
+
+TEST(TailBench, NoCheckLeavesEveryRecordUnchecked) {
+  lmoe::BenchOptions options = small_options(3, {5});
+  options.check_max_tokens = 0;
+  options.inject_fault = true;  // nothing is compared, so nothing can be found wrong
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  ASSERT_EQ(result.records.size(), 4u);
+  for (const lmoe::BenchRecord& record : result.records) EXPECT_FALSE(record.checked);
+  EXPECT_TRUE(result.ok());
+}
+
+TEST(TailBench, BadOptionsNameTheOption) {
+  const auto message_of = [](const lmoe::BenchOptions& options) {
+    try {
+      lmoe::validate_bench_options(options);
+    } catch (const lmoe::Error& error) {
+      return error.message();
+    }
+    return std::string("no error");
+  };
+  lmoe::BenchOptions options = small_options(0, {1});
+  EXPECT_THAT(message_of(options), HasSubstr("tp: expected at least 1 rank, got 0"));
+  options = small_options(2, {1, 0});
+  EXPECT_THAT(message_of(options), HasSubstr("tokens: expected token counts >= 1, got 0"));
+  options = small_options(2, {});
+  EXPECT_THAT(message_of(options), HasSubstr("tokens: expected at least one"));
+  options = small_options(2, {1});
+  options.comms = {"carrier-pigeon"};
+  EXPECT_THAT(message_of(options), HasSubstr("comm backend 'carrier-pigeon'"));
+  EXPECT_THAT(message_of(options), HasSubstr("available here: threads"));
+  options = small_options(2, {1});
+  options.iters = 0;
+  EXPECT_THAT(message_of(options), HasSubstr("iters: expected >= 1"));
+  options = small_options(2, {1});
+  options.mode = lmoe::BenchMode::graph;
+  EXPECT_THAT(message_of(options), HasSubstr("graph needs the cuda backend"));
+  EXPECT_THROW(lmoe::run_tail_bench(options), lmoe::Error);
+}
+
+TEST(TailBench, TiersThatCannotSplitTheHiddenSizeAreDeclined) {
+  // d_model 384 is not divisible by tp = 5: fused and column decline with their reason, the others
+  // run, and nothing fails.
+  lmoe::BenchOptions options = small_options(5, {5});
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  EXPECT_TRUE(result.comm_errors.empty());
+  EXPECT_TRUE(find(result, 5, TailTier::fused).declined.has_value());
+  EXPECT_TRUE(find(result, 5, TailTier::column).declined.has_value());
+  EXPECT_FALSE(find(result, 5, TailTier::token).declined.has_value());
+  EXPECT_TRUE(result.ok());
+}
+
+TEST(BenchMode, NamesRoundTrip) {
+  EXPECT_EQ(lmoe::parse_bench_mode("graph"), lmoe::BenchMode::graph);
+  EXPECT_EQ(lmoe::parse_bench_mode("eager"), lmoe::BenchMode::eager);
+  EXPECT_EQ(lmoe::bench_mode_name(lmoe::BenchMode::graph), "graph");
+  EXPECT_THROW(lmoe::parse_bench_mode("lazy"), lmoe::Error);
+}
+
+TEST(BenchTokens, CudaDefaultsCoverDecodeToPrefillWithMidpoints) {
+  const std::vector<std::int64_t> tokens = lmoe::default_bench_tokens(lmoe::Backend::cuda);
+  EXPECT_EQ(tokens.front(), 1);
+  EXPECT_EQ(tokens.back(), 32768);
+  for (std::int64_t t : {96, 128, 192, 256, 384, 3072}) {
+    EXPECT_NE(std::find(tokens.begin(), tokens.end(), t), tokens.end()) << t;
+  }
+  EXPECT_TRUE(std::is_sorted(tokens.begin(), tokens.end()));
+}
+
+}  // namespace
