@@ -7,6 +7,9 @@
 #include "cuda/cuda_tail_executor.hpp"
 #include "lmoe/cuda_communicator.hpp"
 #endif
+#ifdef LMOE_HAS_NCCL
+#include "lmoe/nccl_communicator.hpp"
+#endif
 
 namespace lmoe {
 
@@ -28,10 +31,17 @@ std::vector<std::string> comm_backends(Backend backend) {
 #ifdef LMOE_HAS_CUDA
       if (cuda_device_count() > 0) names.push_back("cuda-threads");
 #endif
+#ifdef LMOE_HAS_NCCL
+      if (cuda_device_count() > 0) names.push_back("nccl");
+#endif
       return names;
     }
   }
   return {};
+}
+
+ReductionOrder comm_reduction_order(std::string_view comm_backend) {
+  return comm_backend == "nccl" ? ReductionOrder::unspecified : ReductionOrder::rank_order;
 }
 
 std::string default_comm_backend(Backend backend) {
@@ -49,6 +59,10 @@ void run_comm_group(std::string_view comm_backend, int num_ranks,
     LMOE_CHECK(cuda_device_count() > 0, "comm backend 'cuda-threads' needs a CUDA GPU; none is visible");
     return run_on_cuda_threads(num_ranks, 0, fn, timeout);
   }
+#endif
+#ifdef LMOE_HAS_NCCL
+  // One rank per GPU: make_nccl_thread_communicators says so when there are too few.
+  if (comm_backend == "nccl") return run_on_nccl_threads(num_ranks, {}, fn, timeout);
 #endif
   std::vector<std::string> known = comm_backends(Backend::cpu);
   for (const std::string& name : comm_backends(Backend::cuda)) known.push_back(name);
