@@ -18,11 +18,5 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 # Warnings for device code and for the host compiler behind nvcc.
 add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>")
 
-# NCCL is optional for now (the cuda-threads communicator needs none); found here for later tiers.
-find_path(LMOE_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
-find_library(LMOE_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
-if(LMOE_NCCL_INCLUDE_DIR AND LMOE_NCCL_LIBRARY)
-  message(STATUS "lmoe: NCCL found at ${LMOE_NCCL_LIBRARY} (not used yet)")
-else()
-  message(STATUS "lmoe: NCCL not found; the cuda backend uses its own same-GPU collectives only")
-endif()
+# NCCL (optional: the cuda-threads communicator needs none) for the nccl communicator.
+include(${CMAKE_CURRENT_LIST_DIR}/nccl.cmake)

@@ -8,6 +8,7 @@
 
 #include "common.hpp"
 #include "cpu/cpu_math.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/tail_runner.hpp"
@@ -22,6 +23,7 @@ struct RunCommand {
   int ranks = 4;
   std::vector<std::int64_t> tokens = {1, 8, 64, 128, 256, 512, 2048};
   std::string backend = "auto";
+  std::string comm;  // empty: the backend's default
   std::string tier_table;
   int repeats = 1;
   std::uint64_t seed = 2026;
@@ -67,12 +69,15 @@ void RunCommand::execute() const {
     LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
   }
   const Backend chosen_backend = resolve_backend(backend);
+  const std::string chosen_comm = resolve_comm(comm, chosen_backend);
+  // NCCL sums in its own order: its results are judged by the reordered-sum bound (docs/numerics.md).
+  const ReductionOrder reductions = comm_reduction_order(chosen_comm);
   const PolicyConfig policy = resolve_policy(tier_table);
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   std::cerr << "lmoe run: " << resolved.name << " d=" << resolved.dims.d_model
             << " l=" << resolved.dims.d_latent << " dtype=" << dtype_name(resolved.dtype)
-            << " tp=" << ranks << " backend=" << backend_name(chosen_backend) << " comm=threads\n";
+            << " tp=" << ranks << " backend=" << backend_name(chosen_backend) << " comm=" << chosen_comm << "\n";
 
   Table table({"T", "chosen", "fused_us", "overlap_us", "column_us", "token_us", "max_err/bound",
                "fp64_err", "ok"});
@@ -96,9 +101,10 @@ void RunCommand::execute() const {
       if (!result.declined) {
         std::cerr << "    " << tier_name(tier) << "\n";
         auto& reference = references[static_cast<int>(contract_of(tier))];
-        if (!reference) reference = std::make_unique<ContractReference>(reference_tail(c, contract_of(tier)));
+        if (!reference) reference = std::make_unique<ContractReference>(reference_tail(c, contract_of(tier), reductions));
         RunOptions options;
         options.backend = chosen_backend;
+        options.comm = chosen_comm;
         options.policy = policy;
         options.tier = tier;
         options.repeats = repeats;
@@ -140,9 +146,11 @@ void RunCommand::execute() const {
 
   std::cout << "# lmoe run: " << resolved.name << ", d_model " << resolved.dims.d_model << ", d_latent "
             << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << ranks
-            << ", backend " << backend_name(chosen_backend) << ", comm threads\n"
+            << ", backend " << backend_name(chosen_backend) << ", comm " << chosen_comm << "\n"
             << "# times: median per forward over " << repeats << " run(s), all ranks, microseconds; "
-            << "max_err/bound: worst |Y - contract| / allowed bound over tiers (<= 1 passes); "
+            << "max_err/bound: worst |Y - contract| / allowed bound over tiers (<= 1 passes"
+            << (reductions == ReductionOrder::unspecified ? "; the bound of reductions in NCCL's own order" : "")
+            << "); "
             << "fp64_err: worst normwise error against fp64 math (tolerance "
             << format_number(fp64_tolerance(resolved.dtype)) << ")\n";
   table.print(std::cout);
@@ -158,7 +166,7 @@ void RunCommand::execute() const {
                           {"eps", resolved.eps},
                           {"tp", ranks},
                           {"backend", backend_name(chosen_backend)},
-                          {"comm", "threads"},
+                          {"comm", chosen_comm},
                           {"repeats", repeats},
                           {"seed", seed},
                           {"rows", rows},
@@ -181,6 +189,8 @@ void add_run_command(CLI::App& app) {
   sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")->capture_default_str();
   sub->add_option("-t,--tokens", command->tokens, "token counts T to run")->delimiter(',')->capture_default_str();
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
+  sub->add_option("--comm", command->comm,
+                  "communicator: threads (cpu); cuda-threads or nccl (cuda, nccl: one GPU per rank) (default: the backend's)");
   sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
   sub->add_option("--repeats", command->repeats, "timed forwards per tier and T")->check(CLI::PositiveNumber)->capture_default_str();
   sub->add_option("--seed", command->seed, "seed of the random inputs")->capture_default_str();

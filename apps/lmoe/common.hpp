@@ -36,6 +36,9 @@ struct ModelOptions {
 // --backend: "auto" picks cuda when it is available, else cpu.
 Backend resolve_backend(const std::string& name);
 
+// --comm: empty picks the backend's default communicator; otherwise one that comm_backends lists.
+std::string resolve_comm(const std::string& name, Backend backend);
+
 // The policy from the environment and an optional --tier-table.
 PolicyConfig resolve_policy(const std::string& tier_table);
 

@@ -1,9 +1,11 @@
 // lmoe: the latent MoE tail under tensor parallelism, from the command line.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <iostream>
 
 #include "common.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe::cli {
@@ -36,6 +38,16 @@ Backend resolve_backend(const std::string& name) {
     throw Error("backend " + name + " is not available (not built, or no GPU on this machine)");
   }
   return backend;
+}
+
+std::string resolve_comm(const std::string& name, Backend backend) {
+  if (name.empty()) return default_comm_backend(backend);
+  const std::vector<std::string> names = comm_backends(backend);
+  if (std::find(names.begin(), names.end(), name) != names.end()) return name;
+  std::string choices;
+  for (const std::string& known : names) choices += (choices.empty() ? "" : ", ") + known;
+  throw Error("--comm " + name + ": not available for the " + std::string(backend_name(backend)) +
+              " backend here (choices: " + (choices.empty() ? "none" : choices) + ")");
 }
 
 PolicyConfig resolve_policy(const std::string& tier_table) {

@@ -1,5 +1,5 @@
 // Groups of ranks on threads of this process, chosen by communicator backend name: the one switch
-// the tools and tests use to pick a transport ("threads", "cuda-threads", and more as they land).
+// the tools and tests use to pick a transport ("threads", "cuda-threads", "nccl").
 #pragma once
 
 #include <chrono>
@@ -10,19 +10,25 @@
 
 #include "lmoe/communicator.hpp"
 #include "lmoe/latent_tail.hpp"
+#include "lmoe/reference.hpp"
 
 namespace lmoe {
 
 // The thread-group communicators this build and machine can run for a compute backend, the
-// default first (cpu: "threads"; cuda: "cuda-threads", ...).
+// default first (cpu: "threads"; cuda: "cuda-threads", then "nccl" in builds with NCCL).
 std::vector<std::string> comm_backends(Backend backend);
 
 // The default for `backend`: comm_backends(backend).front().
 std::string default_comm_backend(Backend backend);
 
+// How the named backend sums across ranks, for judging its results (reference_tail): "nccl" in
+// NCCL's own order, every other one in the contract's rank order.
+ReductionOrder comm_reduction_order(std::string_view comm_backend);
+
 // Runs fn(rank, comm) on `num_ranks` threads with communicators of the named backend and joins
 // them; a rank's error aborts the group and the first root-cause error is rethrown. Throws
-// lmoe::Error naming the choices when `comm_backend` is unknown or unavailable here.
+// lmoe::Error naming the choices when `comm_backend` is unknown or unavailable here, and for
+// "nccl" when num_ranks exceeds the visible GPUs (one rank per GPU).
 void run_comm_group(std::string_view comm_backend, int num_ranks,
                     const std::function<void(int rank, Communicator& comm)>& fn,
                     std::chrono::milliseconds timeout = std::chrono::seconds(120));

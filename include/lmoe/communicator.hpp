@@ -2,7 +2,9 @@
 //
 // Reductions follow the numerics contract (DESIGN.md §3): each element is summed in fp32 in rank
 // order 0 … size−1, starting from rank 0's value, and rounded once to the storage dtype, so every
-// rank receives bit-identical results whatever the transport.
+// rank receives bit-identical results whatever the transport. The exception is the nccl
+// communicator: NCCL sums in its own order with intermediate roundings (still identical on every
+// rank), judged by the bound of docs/numerics.md, "Reductions in an unspecified order".
 #pragma once
 
 #include <cstddef>

@@ -38,11 +38,21 @@ TailCase make_exact_case(TailDims dims, DType dtype, int tp, std::int64_t num_to
 enum class Contract : std::uint8_t { reduce_then_add, column };
 Contract contract_of(TailTier tier);
 
+// How the implementation under test sums across ranks (docs/numerics.md).
+enum class ReductionOrder : std::uint8_t {
+  // The contract's rank sum: fp32 in rank order, rounded once (threads, mpi, cuda-threads).
+  rank_order,
+  // Any order, each partial sum rounded to the storage dtype (NCCL): the bound widens by what tp − 1
+  // such roundings of the latent and of `shared` can change, carried through the norm and the GEMM.
+  unspecified,
+};
+
 struct ContractReference {
   HostTensor y;                // [T, d]: the contract's result (the CPU's fp32 GEMM order)
-  std::vector<double> bound;   // [T, d]: the largest difference another fp32 summation order allows
+  std::vector<double> bound;   // [T, d]: the largest difference a correct implementation may show
 };
-ContractReference reference_tail(const TailCase& c, Contract contract);
+ContractReference reference_tail(const TailCase& c, Contract contract,
+                                 ReductionOrder reductions = ReductionOrder::rank_order);
 
 // Y in fp64 from the same storage-dtype inputs, with no intermediate rounding: [T, d].
 std::vector<double> exact_tail(const TailCase& c);

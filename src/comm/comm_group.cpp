@@ -8,6 +8,9 @@
 #include "lmoe/cuda_communicator.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #endif
+#ifdef LMOE_HAS_NCCL
+#include "lmoe/nccl_communicator.hpp"
+#endif
 
 namespace lmoe {
 
@@ -32,10 +35,17 @@ std::vector<std::string> comm_backends(Backend backend) {
         names.push_back("p2p");
       }
 #endif
+#ifdef LMOE_HAS_NCCL
+      if (cuda_device_count() > 0) names.push_back("nccl");
+#endif
       return names;
     }
   }
   return {};
+}
+
+ReductionOrder comm_reduction_order(std::string_view comm_backend) {
+  return comm_backend == "nccl" ? ReductionOrder::unspecified : ReductionOrder::rank_order;
 }
 
 std::string default_comm_backend(Backend backend) {
@@ -58,6 +68,10 @@ void run_comm_group(std::string_view comm_backend, int num_ranks,
     // Its own device-side bound (P2pOptions::timeout) applies, not the host barrier's.
     return run_on_p2p_threads(num_ranks, fn);
   }
+#endif
+#ifdef LMOE_HAS_NCCL
+  // One rank per GPU: make_nccl_thread_communicators says so when there are too few.
+  if (comm_backend == "nccl") return run_on_nccl_threads(num_ranks, {}, fn, timeout);
 #endif
   std::vector<std::string> known = comm_backends(Backend::cpu);
   for (const std::string& name : comm_backends(Backend::cuda)) known.push_back(name);

@@ -10,20 +10,13 @@
 #include <cstring>
 #include <vector>
 
+#include "comm/mpi_check.hpp"
 #include "comm/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
 
 namespace {
-
-void check_mpi(int code, const char* call) {
-  if (code == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  throw Error(std::string(call) + " failed: " + std::string(text, static_cast<std::size_t>(length)));
-}
 
 int as_int_bytes(std::size_t bytes, const char* operation) {
   if (bytes > static_cast<std::size_t>(INT_MAX)) {

@@ -52,6 +52,81 @@ std::vector<const void*> rank_slices(const HostTensor& stacked) {
   return slices;
 }
 
+// The unit roundoff u of round-to-nearest in the storage dtype: |round(x) − x| <= u·|x| (also for
+// sums that land among the subnormals, which are exact).
+double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return std::ldexp(1.0, -24);
+    case DType::f16: return std::ldexp(1.0, -11);
+    case DType::bf16: return std::ldexp(1.0, -8);
+  }
+  return 0;
+}
+
+// γ_k = k·u / (1 − k·u): a sum of k + 1 terms, in any order, with each partial sum rounded, is off
+// by at most γ_k · Σ|terms| (Higham, Accuracy and Stability of Numerical Algorithms, §4.2).
+double gamma_of(double k, double unit) { return k * unit / (1.0 - k * unit); }
+
+// How far a rank sum in an unspecified order with intermediate roundings (NCCL) can be from the
+// contract's: for each element of the reduced tensor, with A = Σ_r |x_r| and c the contract's value,
+//   |ĉ − c| <= |ĉ − Σ x_r| + |Σ x_r − c| <= γ_{tp−1}(u) A + γ_{tp−1}(2⁻²⁴) A + ulp(|c|) / 2,
+// the first term for the tree NCCL builds (any tree of tp leaves has at most tp − 1 roundings on a
+// path), the others for the contract's fp32 rank-order sum and its one rounding.
+std::vector<double> reduction_slack(const HostTensor& stacked, const HostTensor& reduced, int tp) {
+  const DType dtype = reduced.dtype();
+  const std::int64_t count = reduced.numel();
+  const double per_magnitude = gamma_of(tp - 1, unit_roundoff(dtype)) + gamma_of(tp - 1, std::ldexp(1.0, -24));
+  std::vector<double> slack(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) {
+    double magnitude = 0;
+    for (int r = 0; r < tp; ++r) magnitude += std::fabs(stacked.get(r * count + i));
+    slack[static_cast<std::size_t>(i)] =
+        per_magnitude * magnitude + 0.5 * ulp_of(dtype, std::fabs(static_cast<double>(reduced.get(i))));
+  }
+  return slack;
+}
+
+// A bound on |N̂ − N| per element of the normalized latent [T, l] when the reduced latent L̂ differs
+// from the contract's L by at most `latent_slack` per element. For a row with ρ = sqrt(Σ L²/l + eps)
+// and τ = ‖latent_slack‖₂ / √l (so |ρ̂ − ρ| <= τ by the triangle inequality):
+//   n̂_j − n_j = γ_j (δ_j / ρ̂ + L_j (ρ − ρ̂) / (ρ ρ̂))  ⇒  |n̂_j − n_j| <= |γ_j| (Δ_j + |L_j| τ / ρ) / (ρ − τ).
+// Both sides are evaluated in fp32 (relative error at most ε = γ_{l+2}/2 + γ_6 in 2⁻²⁴: the sum of
+// squares, the mean and eps, the square root, its reciprocal and two products) and rounded once.
+// Rows where τ >= ρ / 2 (a latent about as small as its own rounding) get a slack so large that
+// nothing is judged there (finite, so that the GEMM with |W| never forms ∞ · 0).
+std::vector<float> norm_slack(const HostTensor& latent, const HostTensor& normed, const HostTensor& gamma,
+                              const std::vector<double>& latent_slack, float eps) {
+  const DType dtype = latent.dtype();
+  const std::int64_t tokens = latent.shape()[0], l = latent.shape()[1];
+  const double f32_unit = std::ldexp(1.0, -24);
+  const double eval = 0.5 * gamma_of(static_cast<double>(l + 2), f32_unit) + gamma_of(6, f32_unit);
+  std::vector<float> slack(static_cast<std::size_t>(tokens * l));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    double squares = 0, slack_squares = 0;
+    for (std::int64_t j = 0; j < l; ++j) {
+      const double x = latent.get(t * l + j);
+      squares += x * x;
+      slack_squares += latent_slack[static_cast<std::size_t>(t * l + j)] * latent_slack[static_cast<std::size_t>(t * l + j)];
+    }
+    const double rho = std::sqrt(squares / static_cast<double>(l) + eps);
+    const double tau = std::sqrt(slack_squares / static_cast<double>(l));
+    for (std::int64_t j = 0; j < l; ++j) {
+      const std::size_t i = static_cast<std::size_t>(t * l + j);
+      if (!(tau < 0.5 * rho)) {
+        slack[i] = 1e30f;
+        continue;
+      }
+      const double x = latent.get(t * l + j), g = std::fabs(static_cast<double>(gamma.get(j)));
+      const double ideal = std::fabs(x) * g / rho;
+      const double moved = g * (latent_slack[i] + std::fabs(x) * tau / rho) / (rho - tau);
+      const double evaluated = moved + eval * (2 * ideal + moved);
+      const double stored = std::fabs(static_cast<double>(normed.get(t * l + j)));
+      slack[i] = static_cast<float>(1.01 * (evaluated + ulp_of(dtype, 2 * stored + evaluated)));
+    }
+  }
+  return slack;
+}
+
 }  // namespace
 
 TailCase make_random_case(TailDims dims, float eps, DType dtype, int tp, std::int64_t tokens,
@@ -98,13 +173,15 @@ Contract contract_of(TailTier tier) {
   return tier == TailTier::column ? Contract::column : Contract::reduce_then_add;
 }
 
-ContractReference reference_tail(const TailCase& c, Contract contract) {
+ContractReference reference_tail(const TailCase& c, Contract contract, ReductionOrder reductions) {
   const std::int64_t tokens = c.num_tokens, d = c.dims.d_model, l = c.dims.d_latent;
   const std::size_t td = static_cast<std::size_t>(tokens * d);
   ContractReference ref;
   ref.y = HostTensor(c.dtype, {tokens, d});
   ref.bound.assign(td, 0.0);
   if (tokens == 0) return ref;
+  // With one rank nothing is summed, so every order is the contract's.
+  const bool reordered = reductions == ReductionOrder::unspecified && c.tp > 1;
 
   // N = round(rmsnorm(round(Σ routed_r)))
   HostTensor latent(c.dtype, {tokens, l});
@@ -118,24 +195,41 @@ ContractReference reference_tail(const TailCase& c, Contract contract) {
   std::vector<float> abs_n = cpu::to_float(normed.matrix()), abs_w = w;
   for (float& v : abs_n) v = std::fabs(v);
   for (float& v : abs_w) v = std::fabs(v);
-  std::vector<float> magnitude(td);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens), static_cast<int>(d),
-              static_cast<int>(l), 1.0f, abs_n.data(), static_cast<int>(l), abs_w.data(),
-              static_cast<int>(l), 0.0f, magnitude.data(), static_cast<int>(d));
+  const auto abs_product = [&](const std::vector<float>& a) {  // a [T, l] · |W|ᵀ → [T, d]
+    std::vector<float> product(td);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens), static_cast<int>(d),
+                static_cast<int>(l), 1.0f, a.data(), static_cast<int>(l), abs_w.data(), static_cast<int>(l), 0.0f,
+                product.data(), static_cast<int>(d));
+    return product;
+  };
+  const std::vector<float> magnitude = abs_product(abs_n);
   const double unit = std::ldexp(1.0, -24);
   const double gamma_k = static_cast<double>(l) * unit / (1.0 - static_cast<double>(l) * unit);
   const double f32_unit = std::ldexp(1.0, -23);
+
+  // Δ_U: how far another implementation's unrounded U may be from ours. In rank order it differs
+  // only by the GEMM's order, e = 2 γ_l |N|·|W|ᵀ; a reordered latent moves N by up to Δ_N, which
+  // the GEMM carries as (1 + γ_l) Δ_N · |W|ᵀ.
+  std::vector<float> moved_u;
+  if (reordered) moved_u = abs_product(norm_slack(latent, normed, c.norm_weight, reduction_slack(c.routed, latent, c.tp), c.eps));
+  const auto u_slack = [&](std::size_t i) {
+    const double e = 2.0 * gamma_k * magnitude[i] * 1.01;
+    return reordered ? e + (1.0 + gamma_k) * 1.01 * moved_u[i] : e;
+  };
+  const double reorder_gamma = reordered ? gamma_of(c.tp - 1, unit_roundoff(c.dtype)) : 0.0;
 
   if (contract == Contract::reduce_then_add) {
     // Y = round(round(U) + round(Σ shared_r))
     HostTensor shared_sum(c.dtype, {tokens, d});
     reduce_in_rank_order(rank_slices(c.shared), shared_sum.data(), td, c.dtype);
+    const std::vector<double> shared_slack =
+        reordered ? reduction_slack(c.shared, shared_sum, c.tp) : std::vector<double>(td, 0.0);
     for (std::size_t i = 0; i < td; ++i) {
       const float rounded_u = round_to(c.dtype, u[i]);
       const float y = rounded_u + shared_sum.get(static_cast<std::int64_t>(i));
       ref.y.set(static_cast<std::int64_t>(i), y);
-      const double e = 2.0 * gamma_k * magnitude[i] * 1.01;
-      const double du = e + ulp_of(c.dtype, std::fabs(u[i]) + e);
+      const double e = u_slack(i);
+      const double du = e + ulp_of(c.dtype, std::fabs(u[i]) + e) + shared_slack[i];
       ref.bound[i] = du + ulp_of(c.dtype, std::fabs(static_cast<double>(y)) + du);
     }
     return ref;
@@ -163,9 +257,12 @@ ContractReference reference_tail(const TailCase& c, Contract contract) {
       }
       const float y = round_to(c.dtype, acc);
       ref.y.set(static_cast<std::int64_t>(i), y);
-      const double e = 2.0 * gamma_k * magnitude[i] * 1.01;
+      const double e = u_slack(i);
       const double d_owner = e + ulp_of(c.dtype, std::fabs(owner_value) + e);
-      const double d_sum = d_owner + c.tp * f32_unit * (magnitude_sum + d_owner);
+      // The sum of the partials: the contract's fp32 rank order, plus, when reordered, what tp − 1
+      // roundings in the storage dtype can add to the (perturbed) partials' magnitude.
+      const double d_sum = d_owner + c.tp * f32_unit * (magnitude_sum + d_owner) +
+                           reorder_gamma * (magnitude_sum + d_owner);
       ref.bound[i] = d_sum + ulp_of(c.dtype, std::fabs(static_cast<double>(y)) + d_sum);
     }
   }

@@ -13,3 +13,13 @@ target_sources(lmoe_core PRIVATE
 )
 target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_CUDA=1)
 target_link_libraries(lmoe_core PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)
+
+# The nccl communicator (cmake/nccl.cmake found NCCL).
+if(LMOE_HAS_NCCL)
+  target_sources(lmoe_core PRIVATE
+    ${PROJECT_SOURCE_DIR}/src/comm/nccl_group.cpp
+    ${PROJECT_SOURCE_DIR}/src/comm/nccl_communicator.cpp
+  )
+  target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_NCCL=1)
+  target_link_libraries(lmoe_core PRIVATE lmoe::nccl)
+endif()

@@ -259,10 +259,19 @@ class OtherCommands(unittest.TestCase):
             with open(path) as f:
                 doc = json.load(f)
             self.assertTrue(doc["ok"])
+            self.assertEqual(doc["comm"], "threads")
+            self.assertIn("comm threads", result.stdout)
             self.assertEqual([row["tokens"] for row in doc["rows"]], [0, 1, 2, 3, 129])
             self.assertEqual(doc["rows"][2]["tiers"]["token"]["status"], "declined")
             self.assertEqual(doc["rows"][3]["tiers"]["token"]["status"], "ran")
             self.assertEqual(doc["rows"][4]["chosen"], "overlap")
+
+    def test_comm_must_serve_the_backend(self):
+        result = lmoe("run", "--preset", "small", "-n", "2", "-t", "1", "--backend", "cpu", "--comm", "nccl", check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("--comm nccl: not available for the cpu backend here (choices: threads)", result.stderr)
+        result = lmoe("run", "--preset", "small", "-n", "2", "-t", "1", "--backend", "cpu", "--comm", "threads")
+        self.assertIn("all rows ok", result.stdout)
 
     def test_unknown_preset(self):
         result = lmoe("run", "--preset", "gpt-9", check=False)
