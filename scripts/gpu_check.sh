@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine: configures the `cuda` preset, builds, runs the whole test suite with CTest (CPU,
-# MPI, CLI and CUDA tests) and prints a summary. Logs go to $OUT when it is set (the device tool's
-# output folder), else to build/cuda/gpu_check/. Usage: bash scripts/gpu_check.sh [extra ctest args]
+# On a GPU machine, in one call: configure the `cuda` preset, build, run the GPU test binaries
+# (CUDA kernels and tiers over every communicator, NCCL, MPI), the kernel benchmark and `lmoe bench`,
+# and print a summary. Logs and JSON go to $OUT when it is set (the device tool's output folder),
+# else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
+#
+#   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p nccl kernels bench run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,45 +15,91 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 logs="${OUT:-build/cuda/gpu_check}"
 mkdir -p "$logs"
+stages="${LMOE_CHECK_STAGES:-build tests p2p nccl kernels bench}"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
+wants() { [[ " $stages " == *" $1 "* ]]; }
+declare -A rc
 
-stage "machine"
-{ nvidia-smi -L; nvcc --version | tail -1; cmake --version | head -1; g++ --version | head -1; } 2>&1 | tee "$logs/machine.log"
+stage "machine: $gpus GPU(s)"
+{ nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1; nvcc --version | tail -1
+  cmake --version | head -1; g++ --version | head -1; } 2>&1 | tee "$logs/machine.log"
 
-stage "configure"
-if ! cmake --preset cuda >"$logs/configure.log" 2>&1; then
-  tail -40 "$logs/configure.log"; echo "gpu_check: configure FAILED"; exit 1
+if wants build; then
+  stage "configure + build"
+  if ! cmake --preset cuda >"$logs/configure.log" 2>&1; then
+    tail -40 "$logs/configure.log"; echo "gpu_check: configure FAILED"; exit 1
+  fi
+  grep -E "lmoe:" "$logs/configure.log"
+  # -k 0: a target that fails to build must not keep the others (and their tests) from running.
+  cmake --build --preset cuda -j16 -- -k 0 >"$logs/build.log" 2>&1
+  rc[build]=$?
+  [ "${rc[build]}" -ne 0 ] && { grep -E "error|FAILED" -A5 "$logs/build.log" | head -60; echo "gpu_check: build FAILED"; }
+  grep -E "warning" "$logs/build.log" | sort -u | head -20
 fi
 
-stage "build"
-# -k 0: a target that fails to build must not keep the others (and their tests) from running.
-cmake --build --preset cuda -j16 -- -k 0 >"$logs/build.log" 2>&1
-build_rc=$?
-if [ "$build_rc" -ne 0 ]; then
-  grep -E "error|FAILED" -A5 "$logs/build.log" | head -60; echo "gpu_check: build FAILED (continuing with what was built)"
+gtest() {  # name, limit in seconds, binary, gtest filter
+  local name=$1 limit=$2 binary=$3 filter=$4
+  stage "$name"
+  timeout "$limit" "$binary" --gtest_filter="$filter" >"$logs/$name.log" 2>&1
+  rc[$name]=$?
+  grep -E "^\[ (parity|k3|nccl|p2p|norm) " "$logs/$name.log" | head -80
+  grep -E "^\[  FAILED  \]|exception with|PASSED|SKIPPED \]" "$logs/$name.log" | sort -u | head -30
+  [ "${rc[$name]}" -eq 124 ] && echo "gpu_check: $name stopped at $limit s"
+}
+
+if wants tests; then
+  # Everything except the p2p communicator over ranks sharing a GPU (its own stage below).
+  gtest cuda_tests 300 build/cuda/tests/lmoe_cuda_tests '-P2p*:*p2p*'
 fi
-grep -E "warning" "$logs/build.log" | sort -u | head -20
 
-stage "ctest"
-# GPU test processes share the GPU; a per-test limit keeps a hang from eating the whole lease.
-timeout 480 ctest --preset cuda -j8 --timeout 300 "$@" >"$logs/ctest.log" 2>&1
-ctest_rc=$?
-cp build/cuda/Testing/Temporary/LastTest.log "$logs/LastTest.log" 2>/dev/null
+if wants p2p; then
+  gtest p2p_tests 240 build/cuda/tests/lmoe_cuda_tests 'P2p*:*p2p*'
+fi
 
-stage "lmoe run on the GPU (Kimi-K3 dims, 8 ranks sharing the GPU)"
-# Every tier at every T, checked against the contract and fp64 on the CPU. The times include the
-# host barriers of the cuda-threads communicator: they show correctness, not the tiers' speed.
-timeout 240 build/cuda/lmoe run --backend cuda -n 8 -t 1,8,64,128,256,512,2048 --repeats 3 \
-  --json "$logs/run_cuda_k3_tp8.json" >"$logs/run_cuda.log" 2>"$logs/run_cuda.err"
-run_rc=$?
-cat "$logs/run_cuda.log"
+if wants nccl && [ -x build/cuda/tests/lmoe_nccl_tests ]; then
+  gtest nccl_tests 240 build/cuda/tests/lmoe_nccl_tests '*'
+  if [ "$gpus" -ge 2 ] && [ -x build/cuda/tests/lmoe_nccl_mpi_tests ]; then
+    stage "nccl, one process per GPU (mpirun -n 2)"
+    timeout 120 mpirun -n 2 --allow-run-as-root build/cuda/tests/lmoe_nccl_mpi_tests >"$logs/nccl_mpi.log" 2>&1
+    rc[nccl_mpi]=$?
+    grep -E "PASSED|FAILED|SKIPPED" "$logs/nccl_mpi.log" | sort -u | head
+  fi
+fi
+
+if wants kernels && [ -x build/cuda/benchmarks/lmoe_kernel_bench ]; then
+  stage "kernel benchmark (copy bandwidth, RMSNorm, GEMMs)"
+  timeout 180 build/cuda/benchmarks/lmoe_kernel_bench --json "$logs/kernels.json" >"$logs/kernels.log" 2>&1
+  rc[kernels]=$?
+  cat "$logs/kernels.log"
+fi
+
+if wants bench; then
+  # Kimi-K3 dims, bf16; one GPU: 8 ranks share it; several: one rank per GPU plus nccl.
+  ranks=8; comms="cuda-threads,p2p"
+  if [ "$gpus" -ge 2 ]; then ranks=$gpus; comms="nccl,p2p,cuda-threads"; fi
+  stage "lmoe bench: K3, tp $ranks, comms $comms"
+  timeout 300 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comms" \
+    -t "${LMOE_BENCH_TOKENS:-1,16,128,256,1024,4096,8192}" --check-max-tokens "${LMOE_BENCH_CHECK:-256}" \
+    --json "$logs/bench_k3_tp$ranks.json" >"$logs/bench.log" 2>"$logs/bench.err"
+  rc[bench]=$?
+  cat "$logs/bench.log"; tail -5 "$logs/bench.err"
+fi
+
+if wants run; then
+  stage "lmoe run (K3, 8 ranks, every tier against the contract)"
+  timeout 240 build/cuda/lmoe run --backend cuda -n 8 -t 1,8,64,128,256,512,2048 --repeats 3 \
+    --json "$logs/run_cuda_k3_tp8.json" >"$logs/run_cuda.log" 2>"$logs/run_cuda.err"
+  rc[run]=$?
+  cat "$logs/run_cuda.log"
+fi
 
 stage "summary"
-grep -hE "^\[ (parity|k3) " "$logs/LastTest.log" | sort -u
-grep -E "tests passed|tests failed|Total Test time" "$logs/ctest.log"
-sed -n '/The following tests FAILED/,$p' "$logs/ctest.log" | head -40
-[ "$ctest_rc" -eq 124 ] && echo "gpu_check: ctest was stopped at 480 s"
-echo "gpu_check: build exit code $build_rc, ctest exit code $ctest_rc, lmoe run exit code $run_rc, logs in $logs"
-[ "$build_rc" -eq 0 ] && [ "$run_rc" -eq 0 ] && exit "$ctest_rc"
-exit 1
+failed=0
+for name in "${!rc[@]}"; do
+  echo "gpu_check: $name exit code ${rc[$name]}"
+  [ "${rc[$name]}" -ne 0 ] && failed=1
+done
+echo "gpu_check: logs in $logs"
+exit $failed

@@ -130,20 +130,6 @@ bool BenchResult::ok() const {
 
 namespace {
 
-// TODO(max_tokens): TailOptions::max_tokens (the lead's change) sizes the tail's workspaces once
-// for the largest T, so a forward never allocates or synchronizes and can be captured into a graph.
-// Until the field exists this returns false and the bench times eager forwards; once it lands, it
-// is set here with no change needed.
-template <typename Options>
-bool reserve_workspaces(Options& options, std::int64_t max_tokens) {
-  if constexpr (requires { options.max_tokens = max_tokens; }) {
-    options.max_tokens = max_tokens;
-    return true;
-  } else {
-    return false;
-  }
-}
-
 struct Job {
   std::int64_t tokens;
   TailTier tier;
@@ -172,16 +158,13 @@ struct ModeChoice {
   std::string reason;
 };
 
-ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, bool persistent,
-                       std::int64_t max_tokens) {
+ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, std::int64_t max_tokens) {
   if (options.backend == Backend::cpu)
     return {BenchMode::eager, "the cpu backend runs on the host"};
   const std::string comm_name(comm.backend_name());
   std::optional<std::string> why_not;
   if (!comm.graph_capturable()) {
     why_not = "comm '" + comm_name + "' cannot be captured (it synchronizes on the host)";
-  } else if (!persistent) {
-    why_not = "this build's TailOptions has no max_tokens: the tail's workspaces grow on demand";
   }
   if (options.mode == BenchMode::eager) return {BenchMode::eager, "eager mode requested"};
   if (!why_not) {
@@ -260,12 +243,14 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
     run_options.backend = options.backend;
     run_options.policy = options.policy;
     TailOptions tail_options = tail_options_for(weights, comm, run_options);
-    const bool persistent = reserve_workspaces(tail_options, max_tokens);
+    // Workspaces sized once for the largest T: no forward allocates (which would stall ranks that
+    // share a GPU and spin on each other) and every forward can be captured.
+    tail_options.max_tokens = max_tokens;
     LatentTail tail(tail_options, comm, weights.norm_weight.matrix(),
                     weights.up_proj_weight.matrix());
     const std::unique_ptr<BenchRank> bench_rank =
         make_bench_rank(options.backend, tail, comm, max_tokens);
-    const ModeChoice mode = choose_mode(options, comm, persistent, max_tokens);
+    const ModeChoice mode = choose_mode(options, comm, max_tokens);
     const std::size_t r = static_cast<std::size_t>(rank);
 
     for (std::size_t j = 0; j < jobs.size(); ++j) {
