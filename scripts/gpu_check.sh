@@ -77,7 +77,7 @@ fi
 
 if wants bench; then
   # Kimi-K3 dims, bf16; one GPU: 8 ranks share it; several: one rank per GPU plus nccl.
-  ranks=8; comms="cuda-threads,p2p"
+  ranks=8; comms="cuda-threads"  # p2p ranks sharing a GPU: opt-in (docs/p2p.md)
   if [ "$gpus" -ge 2 ]; then ranks=$gpus; comms="nccl,p2p,cuda-threads"; fi
   stage "lmoe bench: K3, tp $ranks, comms $comms"
   timeout 300 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comms" \

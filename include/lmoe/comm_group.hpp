@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,6 +18,15 @@ namespace lmoe {
 // The thread-group communicators this build and machine can run for a compute backend, the
 // default first (cpu: "threads"; cuda: "cuda-threads", then "nccl" in builds with NCCL).
 std::vector<std::string> comm_backends(Backend backend);
+
+// Those of comm_backends(backend) that can host `num_ranks` ranks here (nccl: one GPU per rank).
+std::vector<std::string> comm_backends(Backend backend, int num_ranks);
+
+// Why the named communicator cannot host `num_ranks` ranks here, or nullopt. nccl: one GPU per
+// rank. p2p: ranks may share a GPU only with LMOE_P2P_SHARED_GPU=1, because on a shared GPU a
+// rank's spinning round can hold SM resources that a peer's queued work needs, and the round then
+// fails at its timeout (docs/p2p.md).
+std::optional<std::string> comm_group_limit(std::string_view comm_backend, int num_ranks);
 
 // The default for `backend`: comm_backends(backend).front().
 std::string default_comm_backend(Backend backend);

@@ -1,5 +1,7 @@
 #include "lmoe/comm_group.hpp"
 
+#include <cstdlib>
+
 #include "lmoe/error.hpp"
 #include "lmoe/threads_communicator.hpp"
 
@@ -15,6 +17,13 @@
 namespace lmoe {
 
 namespace {
+
+#ifdef LMOE_HAS_CUDA
+bool p2p_shared_gpu_allowed() {
+  const char* value = std::getenv("LMOE_P2P_SHARED_GPU");
+  return value && std::string_view(value) == "1";
+}
+#endif
 
 std::string joined(const std::vector<std::string>& names) {
   std::string out;
@@ -44,6 +53,29 @@ std::vector<std::string> comm_backends(Backend backend) {
   return {};
 }
 
+std::vector<std::string> comm_backends(Backend backend, int num_ranks) {
+  std::vector<std::string> names = comm_backends(backend);
+  std::erase_if(names, [&](const std::string& name) { return comm_group_limit(name, num_ranks).has_value(); });
+  return names;
+}
+
+std::optional<std::string> comm_group_limit(std::string_view comm_backend, int num_ranks) {
+  (void)comm_backend;  // only GPU communicators have limits
+  (void)num_ranks;
+#ifdef LMOE_HAS_CUDA
+  const int gpus = cuda_device_count();
+  if (comm_backend == "nccl" && num_ranks > gpus) {
+    return "nccl needs one GPU per rank (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
+           " GPU(s) visible)";
+  }
+  if (comm_backend == "p2p" && num_ranks > gpus && !p2p_shared_gpu_allowed()) {
+    return "p2p ranks would share a GPU (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
+           " GPU(s)), where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 to run it anyway";
+  }
+#endif
+  return std::nullopt;
+}
+
 ReductionOrder comm_reduction_order(std::string_view comm_backend) {
   return comm_backend == "nccl" ? ReductionOrder::unspecified : ReductionOrder::rank_order;
 }
@@ -65,6 +97,7 @@ void run_comm_group(std::string_view comm_backend, int num_ranks,
   }
   if (comm_backend == "p2p") {
     LMOE_CHECK(cuda_device_count() > 0, "comm backend 'p2p' needs a CUDA GPU; none is visible");
+    if (auto limit = comm_group_limit(comm_backend, num_ranks)) throw Error(*limit);
     // Its own device-side bound (P2pOptions::timeout) applies, not the host barrier's.
     return run_on_p2p_threads(num_ranks, fn);
   }

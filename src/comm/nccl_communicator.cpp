@@ -495,9 +495,10 @@ std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(int nu
                                                                           std::chrono::milliseconds timeout) {
   LMOE_CHECK(num_ranks >= 1, "nccl: number of ranks must be >= 1, got " + std::to_string(num_ranks));
   const int visible = cuda_device_count();
+  // Too few GPUs is the root cause to report, before any per-rank device problem it implies.
+  if (num_ranks > visible) throw Error(many_gpus_message(num_ranks, visible));
   std::vector<int> chosen(devices.begin(), devices.end());
   if (chosen.empty()) {
-    if (num_ranks > visible) throw Error(many_gpus_message(num_ranks, visible));
     chosen.resize(static_cast<std::size_t>(num_ranks));
     std::iota(chosen.begin(), chosen.end(), 0);
   }

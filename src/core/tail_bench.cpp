@@ -343,7 +343,7 @@ double job_weight(std::int64_t tokens, double fixed) { return static_cast<double
 BenchResult run_tail_bench(const BenchOptions& options_in, const BenchProgressFn& progress) {
   validate_bench_options(options_in);
   BenchOptions options = options_in;
-  if (options.comms.empty()) options.comms = comm_backends(options.backend);
+  if (options.comms.empty()) options.comms = comm_backends(options.backend, options.tp);
 
   std::vector<Job> jobs;
   std::vector<double> time_weights;

@@ -115,6 +115,8 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
   if (graph) graph.upload(stream.get());
   // Every rank's setup has finished on the GPU before any rank's collectives start: ranks that
   // share a GPU and spin on each other (p2p) must not wait behind a peer's unfinished setup work.
+  // The first barrier keeps a peer's capture from being cut short by this device-wide wait.
+  comm.barrier();
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   for (int repeat = 0; repeat < std::max(1, options.repeats); ++repeat) {
     refresh();

@@ -60,7 +60,7 @@ TEST(CudaBench, SweepMeetsTheContractOnEveryComm) {
       lmoe::run_tail_bench(options, [&](const lmoe::BenchProgress&) { ++progress_calls; });
   for (const lmoe::BenchCommError& error : result.comm_errors)
     ADD_FAILURE() << error.comm << ": " << error.error;
-  const std::size_t comms = lmoe::comm_backends(lmoe::Backend::cuda).size();
+  const std::size_t comms = lmoe::comm_backends(lmoe::Backend::cuda, options.tp).size();
   ASSERT_EQ(result.records.size(), comms * 3 * 4);
   EXPECT_GT(progress_calls, 0u);
   for (const lmoe::BenchRecord& record : result.records) {

@@ -506,7 +506,7 @@ TEST(NcclGroups, ADeviceListedTwiceOrNotVisibleIsAnError) {
 TEST(NcclGroups, IsListedForTheCudaBackendAndJudgedInItsOwnOrder) {
   SKIP_WITHOUT_GPUS(1);
   const std::vector<std::string> names = lmoe::comm_backends(lmoe::Backend::cuda);
-  EXPECT_THAT(names, ::testing::ElementsAre("cuda-threads", "nccl"));
+  EXPECT_THAT(names, ::testing::ElementsAre("cuda-threads", "p2p", "nccl"));
   EXPECT_EQ(lmoe::default_comm_backend(lmoe::Backend::cuda), "cuda-threads");
   EXPECT_EQ(lmoe::comm_reduction_order("nccl"), lmoe::ReductionOrder::unspecified);
   EXPECT_EQ(lmoe::comm_reduction_order("cuda-threads"), lmoe::ReductionOrder::rank_order);
