@@ -1,6 +1,5 @@
 // `lmoe bench`: the tail benchmark (tiers × T × comm backend), printed as an nccl-tests table and
 // optionally written as JSON. The sweep itself is the library's (include/lmoe/tail_bench.hpp).
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tail_bench.hpp"
+#include "progress.hpp"
 #include "table.hpp"
 
 namespace lmoe::cli {
@@ -51,6 +51,7 @@ struct BenchCommand {
   std::optional<int> iters;
   std::string mode = "auto";
   std::string tier_table;
+  std::string check_table_path;  // --check-table FILE; --check-table alone checks the loaded policy
   std::uint64_t seed = 2026;
   std::int64_t check_max_tokens = 2048;
   bool no_check = false;
@@ -58,12 +59,6 @@ struct BenchCommand {
 
   void execute();
 };
-
-std::string fixed(double value, int decimals) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.*f", decimals, value);
-  return text;
-}
 
 std::string joined(const std::vector<std::string>& names) {
   std::string out;
@@ -78,41 +73,6 @@ bool inject_fault_from_environment() {
   if (std::string(value) == "1") return true;
   throw Error("LMOE_BENCH_INJECT_FAULT='" + std::string(value) + "': expected 0 or 1");
 }
-
-std::string format_duration(double seconds) {
-  if (seconds < 0) return "?";
-  if (seconds < 90) return fixed(seconds, seconds < 10 ? 1 : 0) + " s";
-  return fixed(seconds / 60, 1) + " min";
-}
-
-// One line per job on stderr; on a terminal each replaces the last.
-class ProgressPrinter {
- public:
-  ProgressPrinter() : terminal_(isatty(STDERR_FILENO) != 0) {}
-  ~ProgressPrinter() {
-    if (terminal_ && printed_) std::cerr << "\n";
-  }
-  void operator()(const BenchProgress& progress) {
-    const bool timing = progress.phase == BenchProgress::Phase::time;
-    std::string line = std::string("lmoe bench: [") + (timing ? "time " : "check ") +
-                       std::to_string(progress.done + 1) + "/" + std::to_string(progress.total) +
-                       "] " + (timing ? progress.comm + " " : "") +
-                       "T=" + std::to_string(progress.tokens) + " " +
-                       std::string(tier_name(progress.tier)) + "  elapsed " +
-                       format_duration(progress.elapsed_seconds) + ", ETA " +
-                       format_duration(progress.eta_seconds);
-    if (terminal_) {
-      std::cerr << "\r" << line << "\033[K" << std::flush;
-    } else {
-      std::cerr << line << "\n";
-    }
-    printed_ = true;
-  }
-
- private:
-  bool terminal_;
-  bool printed_ = false;
-};
 
 nlohmann::json optional_json(const std::optional<std::string>& value) {
   return value ? nlohmann::json(*value) : nlohmann::json();
@@ -170,6 +130,72 @@ std::string failure_note(const BenchRecord& record) {
   return note;
 }
 
+constexpr double kCheckTolerance = 0.03;
+
+std::string check_rule() {
+  return "a choice is ok when its median is within " + fixed(kCheckTolerance * 100, 0) +
+         "% of the fastest tier's median, or at most the fastest tier's p90 (the sweep's own "
+         "spread)";
+}
+
+void print_policy_check(const std::vector<ChoiceCheck>& checks, const PolicyConfig& policy,
+                        std::ostream& out) {
+  Table table({"T", "comm", "chosen", "chosen_us", "fastest", "fastest_us", "fastest_p90_us",
+               "ratio", "verdict"});
+  std::size_t failures = 0, judged = 0;
+  for (const ChoiceCheck& check : checks) {
+    std::vector<std::string> cells = {std::to_string(check.tokens), check.comm};
+    if (check.verdict == ChoiceCheck::Verdict::nothing_ran) {
+      table.add_row(cells, "no tier ran");
+      continue;
+    }
+    ++judged;
+    if (!check.ok()) ++failures;
+    cells.insert(cells.end(),
+                 {check.chosen ? std::string(tier_name(*check.chosen)) : "-",
+                  check.chosen ? fixed(check.chosen_median_us, 1) : "-",
+                  std::string(tier_name(*check.fastest)), fixed(check.fastest_median_us, 1),
+                  fixed(check.fastest_p90_us, 1), check.chosen ? fixed(check.ratio, 3) : "-",
+                  std::string(verdict_name(check.verdict))});
+    table.add_row(cells);
+  }
+  out << "# policy check: " << (policy.table_path ? "tier table " + *policy.table_path
+                                                  : std::string("no tier table (defaults and "
+                                                                "environment)"))
+      << " against this sweep; " << check_rule() << "\n";
+  table.print(out);
+  if (failures == 0) {
+    out << "policy check ok (" << judged << " choice(s) judged)\n";
+  } else {
+    out << "POLICY CHECK FAILED (" << failures << " of " << judged
+        << " choice(s) slower than the rule allows)\n";
+  }
+}
+
+nlohmann::json checks_json(const std::vector<ChoiceCheck>& checks) {
+  nlohmann::json array = nlohmann::json::array();
+  const auto tier_or_null = [](std::optional<TailTier> tier) {
+    return tier ? nlohmann::json(tier_name(*tier)) : nlohmann::json();
+  };
+  for (const ChoiceCheck& check : checks) {
+    const bool judged = check.chosen && check.fastest;
+    const auto if_set = [](bool set, double value) {
+      return set ? nlohmann::json(value) : nlohmann::json();
+    };
+    array.push_back({{"comm", check.comm},
+                     {"tokens", check.tokens},
+                     {"chosen", tier_or_null(check.chosen)},
+                     {"fastest", tier_or_null(check.fastest)},
+                     {"chosen_median_us", if_set(judged, check.chosen_median_us)},
+                     {"fastest_median_us", if_set(check.fastest.has_value(), check.fastest_median_us)},
+                     {"fastest_p90_us", if_set(check.fastest.has_value(), check.fastest_p90_us)},
+                     {"ratio", if_set(judged, check.ratio)},
+                     {"verdict", verdict_name(check.verdict)},
+                     {"ok", check.ok()}});
+  }
+  return array;
+}
+
 void BenchCommand::execute() {
   const Backend chosen_backend = resolve_backend(backend);
   const bool cuda = chosen_backend == Backend::cuda;
@@ -199,6 +225,26 @@ void BenchCommand::execute() {
       }
     }
   }
+  const bool check_table = app->count("--check-table") > 0;
+  if (check_table && !check_table_path.empty()) {
+    if (!tier_table.empty() && tier_table != check_table_path) {
+      throw Error("--check-table " + check_table_path + " and --tier-table " + tier_table +
+                  " name different tables; give one");
+    }
+    tier_table = check_table_path;
+  }
+  if (check_table && options.tiers.size() != kAllTiers.size()) {
+    throw Error("--check-table: compares the policy's choice with every tier, so it times all four; "
+                "leave out --tiers");
+  }
+  options.policy = resolve_policy(tier_table);
+  const std::shared_ptr<const TierTable> measured = options.policy.table;
+  // A measured table holds for one comm and its grid: by default, sweep those.
+  if (measured && comms.empty()) comms = {measured->provenance.comm};
+  if (measured && check_table && tokens.empty()) {
+    options.tokens.clear();
+    for (const GridPoint& point : measured->grid) options.tokens.push_back(point.tokens);
+  }
   const std::vector<std::string> available = comm_backends(chosen_backend);
   options.comms = comms.empty() ? available : comms;
   for (const std::string& name : options.comms) {
@@ -223,7 +269,10 @@ void BenchCommand::execute() {
       throw Error("--mode: " + error.message() + " (or auto)");
     }
   }
-  options.policy = resolve_policy(tier_table);
+  for (const std::string& comm : options.comms) {
+    check_table_fits(options.policy, running_config(chosen_backend, options.tp, options.dims,
+                                                    options.dtype, comm));
+  }
   options.seed = seed;
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
   options.inject_fault = inject_fault_from_environment();
@@ -247,7 +296,7 @@ void BenchCommand::execute() {
 
   BenchResult result;
   {
-    ProgressPrinter printer;
+    ProgressPrinter printer("lmoe bench");
     result =
         run_tail_bench(options, [&printer](const BenchProgress& progress) { printer(progress); });
   }
@@ -303,6 +352,15 @@ void BenchCommand::execute() {
               << " comm error(s))\n";
   }
 
+  std::vector<ChoiceCheck> checks;
+  bool policy_ok = true;
+  if (check_table) {
+    checks = check_choices(result.records, kCheckTolerance);
+    print_policy_check(checks, options.policy, std::cout);
+    policy_ok = std::all_of(checks.begin(), checks.end(),
+                            [](const ChoiceCheck& check) { return check.ok(); });
+  }
+
   if (!json_path.empty()) {
     nlohmann::json records = nlohmann::json::array();
     for (const BenchRecord& record : result.records) records.push_back(record_json(record));
@@ -349,13 +407,15 @@ void BenchCommand::execute() {
                                   {"wrong", kWrongDefinition}}},
                                 {"records", records},
                                 {"comm_errors", comm_errors},
-                                {"ok", ok}};
+                                {"tier_table", optional_json(options.policy.table_path)},
+                                {"policy_check", check_table ? checks_json(checks) : nlohmann::json()},
+                                {"ok", ok && policy_ok}};
     std::ofstream out(json_path);
     if (!out) throw Error("--json: cannot write '" + json_path + "'");
     out << doc.dump(2) << "\n";
     if (!out) throw Error("--json: writing '" + json_path + "' failed");
   }
-  if (!ok) throw CLI::RuntimeError(1);
+  if (!ok || !policy_ok) throw CLI::RuntimeError(1);
 }
 
 }  // namespace
@@ -400,7 +460,14 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--no-check", command->no_check, "check nothing (#wrong is '-')");
   sub->add_option("--tier-table", command->tier_table,
-                  "tier table JSON for `chosen` (default: $LMOE_TIER_TABLE)");
+                  "tier table JSON for `chosen` (default: $LMOE_TIER_TABLE); a measured table also "
+                  "sets the default --comm");
+  sub->add_option("--check-table", command->check_table_path,
+                  "after the sweep, judge the policy's choice at every T against the fastest tier "
+                  "measured; exit 1 when a choice is slower than allowed. FILE (optional) is the "
+                  "tier table to check, else the one loaded; with a measured table the default T "
+                  "are its grid's")
+      ->expected(0, 1);
   sub->add_option("--seed", command->seed, "seed of the weights and inputs")->capture_default_str();
   sub->add_option("--json", command->json_path,
                   "also write the results (with every iteration's time) to this file");
@@ -410,9 +477,9 @@ void add_bench_command(CLI::App& app) {
               "LatentTail::forward "
               "per iteration\n  chosen: * marks the tier the policy picks at this T\n  " +
               kWrongDefinition +
-              "\nExits non-zero when an element is wrong, ranks' outputs differ or a comm fails, "
-              "after printing "
-              "everything.\nLMOE_BENCH_INJECT_FAULT=1 (for testing only) makes one element of "
+              "\nExits non-zero when an element is wrong, ranks' outputs differ, a comm fails or "
+              "(--check-table) a choice is slower than allowed, after printing everything.\n"
+              "--check-table: " + check_rule() + ".\nLMOE_BENCH_INJECT_FAULT=1 (for testing only) makes one element of "
               "every checked output "
               "wrong.\nSee docs/bench.md.");
   sub->callback([command] { command->execute(); });

@@ -14,6 +14,7 @@ struct ExplainCommand {
   std::int64_t tokens = 1;
   int tp = 8;
   std::string backend = "auto";
+  std::string comm;  // empty: not known, so a table's comm is not compared
   std::string tier_table;
 
   void execute() const {
@@ -21,6 +22,9 @@ struct ExplainCommand {
     LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
     const Backend chosen = resolve_backend(backend);
     const PolicyConfig policy = resolve_policy(tier_table);
+    check_table_fits(policy, running_config(chosen, tp, resolved.dims, resolved.dtype,
+                                            comm.empty() ? std::nullopt
+                                                         : std::optional(resolve_comm(comm, chosen))));
     std::cout << resolved.name << ": d_model " << resolved.dims.d_model << ", d_latent "
               << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
               << ", backend " << backend_name(chosen) << "\n";
@@ -37,6 +41,9 @@ void add_explain_command(CLI::App& app) {
   sub->add_option("-t,--tokens", command->tokens, "token count T")->required()->check(CLI::NonNegativeNumber);
   sub->add_option("--tp", command->tp, "tensor-parallel ranks")->capture_default_str();
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
+  sub->add_option("--comm", command->comm,
+                  "the communicator the tail would use, for matching a measured tier table "
+                  "(default: not compared)");
   sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
   sub->callback([command] { command->execute(); });
 }

@@ -100,6 +100,7 @@ void TailCommand::execute() const {
   options.comm = resolve_comm(comm, options.backend);
   options.policy = resolve_policy(tier_table);
   options.tier = parse_tier_or_auto(tier);
+  check_table_fits(options.policy, running_config(options.backend, c.tp, c.dims, c.dtype, options.comm));
   if (options.backend == Backend::cpu) cpu::set_blas_threads(1);
 
   const TierSupport support = tier_support(options.backend, c.num_tokens, c.dims, c.dtype, c.tp);

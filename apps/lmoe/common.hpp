@@ -9,11 +9,13 @@
 #include "lmoe/dims.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/tier_policy.hpp"
+#include "lmoe/tier_tuning.hpp"
+#include "lmoe/version.hpp"
 
 namespace lmoe::cli {
 
 // The tool's version, as `--version` and the JSON files say it.
-inline constexpr const char* kVersion = "0.1.0";
+inline constexpr const char* kVersion = lmoe::kVersion;
 
 // --preset, --d-model, --d-latent, --dtype, --eps: a preset's dims, each overridable.
 struct ModelOptions {
@@ -42,9 +44,14 @@ std::string resolve_comm(const std::string& name, Backend backend);
 // The policy from the environment and an optional --tier-table.
 PolicyConfig resolve_policy(const std::string& tier_table);
 
+// A measured table in `policy` must fit `running`: lmoe::Error when it does not (match_tier_table);
+// its warnings go to stderr, once.
+void check_table_fits(const PolicyConfig& policy, const RunningConfig& running);
+
 void add_run_command(CLI::App& app);
 void add_tail_command(CLI::App& app);
 void add_explain_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_tune_command(CLI::App& app);
 
 }  // namespace lmoe::cli

@@ -55,6 +55,14 @@ PolicyConfig resolve_policy(const std::string& tier_table) {
                             tier_table.empty() ? std::nullopt : std::optional<std::string>(tier_table));
 }
 
+void check_table_fits(const PolicyConfig& policy, const RunningConfig& running) {
+  if (!policy.table) return;
+  for (const std::string& warning :
+       match_tier_table(policy.table->provenance, running, policy.table_path.value_or("(unnamed)"))) {
+    std::cerr << "lmoe: warning: " << warning << "\n";
+  }
+}
+
 }  // namespace lmoe::cli
 
 int main(int argc, char** argv) {
@@ -65,6 +73,7 @@ int main(int argc, char** argv) {
   lmoe::cli::add_tail_command(app);
   lmoe::cli::add_explain_command(app);
   lmoe::cli::add_bench_command(app);
+  lmoe::cli::add_tune_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
@@ -33,6 +34,9 @@ struct TailOptions {
   DType dtype = DType::bf16;
   Backend backend = Backend::cpu;
   // Built-in defaults; load_policy_config(process_environment()) adds a table and the environment.
+  // A measured table (policy.table) must fit this tail: construction throws lmoe::Error when it was
+  // measured on another GPU or for other dims, dtype, tp, backend or comm (match_tier_table), and
+  // records a warning when only software versions differ (table_warnings()).
   PolicyConfig policy;
   // Before each forward, ranks exchange a fingerprint of the call (T, tier, configuration, local
   // validation result) so that a rank with bad input or a different configuration makes every
@@ -66,6 +70,9 @@ class LatentTail {
   TierSupport support(std::int64_t num_tokens) const;
   TierDecision decide(std::int64_t num_tokens) const;
   std::string explain(std::int64_t num_tokens) const;
+  // Why the policy's measured table may not hold here (e.g. another driver); empty when it does or
+  // there is no measured table. explain() lists them too.
+  const std::vector<std::string>& table_warnings() const;
 
   // routed: [T, l], this rank's partial; shared: [T, d], this rank's partial, which the call may
   // overwrite (the column tier accumulates into it, as the reference system does); out: [T, d]

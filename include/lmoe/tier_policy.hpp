@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@
 #include "lmoe/tier.hpp"
 
 namespace lmoe {
+
+struct TierTable;  // tier_tuning.hpp
 
 // Where a setting's value came from.
 enum class SettingSource : std::uint8_t { built_in, table, environment, caller };
@@ -40,6 +43,10 @@ struct PolicyConfig {
   Setting<bool> overlap_disabled{false, SettingSource::built_in, "default"};
   Setting<std::optional<TailTier>> forced_tier{std::nullopt, SettingSource::built_in, "default"};
   std::optional<std::string> table_path;  // the tier table these settings were read from, if any
+  // A measured table (version 2): its provenance and grid, for explain() to cite and for users of
+  // the policy to match against their configuration (match_tier_table). Null for no table and for
+  // version 1, which holds breakpoints only.
+  std::shared_ptr<const TierTable> table;
 };
 
 // Reads a variable of the environment; nullopt when unset. Tests pass their own.
@@ -52,7 +59,8 @@ EnvLookup process_environment();
 PolicyConfig load_policy_config(const EnvLookup& env,
                                 const std::optional<std::string>& table_path = std::nullopt);
 
-// Applies a tier table (JSON text) on top of `config`; `origin` names it in explanations.
+// Applies a tier table (JSON text, version 1 or 2) on top of `config`; `origin` names it in
+// explanations. A version-2 table also sets config.table.
 void apply_tier_table(PolicyConfig& config, const std::string& json_text, const std::string& origin);
 
 // For one T: which tiers the backend can run, with the reason for each it cannot.
@@ -79,7 +87,8 @@ TailTier preferred_tier(std::int64_t num_tokens, const PolicyConfig& config);
 TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
 // decide() that throws lmoe::Error (with the explanation) when no tier can run.
 TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
-// Multi-line human-readable account: the settings and their sources, then every tier considered.
+// Multi-line human-readable account: the settings and their sources, then every tier considered;
+// with a measured table, its medians at the grid point nearest to T.
 std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
 
 }  // namespace lmoe

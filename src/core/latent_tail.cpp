@@ -9,6 +9,7 @@
 #include "core/validation.hpp"
 #include "cpu/cpu_tail_executor.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/tier_tuning.hpp"
 
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_tail_executor.hpp"
@@ -97,6 +98,7 @@ struct LatentTail::Impl {
   std::unique_ptr<TailExecutor> executor;
   std::uint64_t config_hash = 0;
   std::string config_text;
+  std::vector<std::string> table_warnings;
 
   Impl(TailOptions opts, Communicator& communicator) : options(std::move(opts)), comm(communicator) {}
 
@@ -118,6 +120,19 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   if (!error && !backend_available(opts.backend)) {
     error = "backend " + std::string(backend_name(opts.backend)) +
             " is not available in this build or on this machine";
+  }
+
+  if (!error && opts.policy.table) {
+    // A table measured elsewhere would choose tiers by times that do not hold here.
+    try {
+      impl_->table_warnings = match_tier_table(
+          opts.policy.table->provenance,
+          running_config(opts.backend, comm.size(), opts.dims, opts.dtype,
+                         std::string(comm.backend_name())),
+          opts.policy.table_path.value_or("(unnamed)"));
+    } catch (const Error& mismatch) {
+      error = mismatch.message();
+    }
   }
 
   RankRecord mine;
@@ -198,8 +213,12 @@ TierDecision LatentTail::decide(std::int64_t num_tokens) const {
 }
 
 std::string LatentTail::explain(std::int64_t num_tokens) const {
-  return lmoe::explain(num_tokens, impl_->options.policy, support(num_tokens));
+  std::string text = lmoe::explain(num_tokens, impl_->options.policy, support(num_tokens));
+  for (const std::string& warning : impl_->table_warnings) text += "warning: " + warning + "\n";
+  return text;
 }
+
+const std::vector<std::string>& LatentTail::table_warnings() const { return impl_->table_warnings; }
 
 std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
                                             std::optional<TailTier> tier, StreamHandle stream) {

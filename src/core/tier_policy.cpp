@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "lmoe/error.hpp"
+#include "lmoe/tier_tuning.hpp"
 
 namespace lmoe {
 
@@ -244,6 +245,12 @@ std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const T
   std::ostringstream out;
   const TierDecision decision = decide(num_tokens, config, support);
   out << "decision: " << decision.summary << "\n";
+  if (config.table) {
+    const std::string name = config.table_path.value_or("(unnamed)");
+    if (auto measured = describe_measurement(*config.table, num_tokens, decision.tier, name)) {
+      out << "evidence: " << *measured << "\n";
+    }
+  }
   out << "settings (precedence: default < table < environment; a forced tier wins):\n";
   auto row = [&](const std::string& name, const std::string& value, const std::string& origin) {
     out << "  " << name << std::string(20 - std::min<std::size_t>(20, name.size()), ' ') << value
@@ -257,7 +264,14 @@ std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const T
   row("forced_tier",
       config.forced_tier.value ? std::string(tier_name(*config.forced_tier.value)) : "none",
       origin_of(config.forced_tier));
-  row("tier_table", config.table_path.value_or("none"), "");
+  std::string table_note;
+  if (config.table) {
+    const TableProvenance& p = config.table->provenance;
+    table_note = "measured " + p.date_utc + " on " +
+                 (p.gpu ? p.gpu->name : std::string(backend_name(p.backend))) + ", tp " +
+                 std::to_string(p.tp) + ", comm " + p.comm;
+  }
+  row("tier_table", config.table_path.value_or("none"), table_note);
   out << "tiers:\n";
   for (const TierVerdict& verdict : decision.considered) {
     const std::string name(tier_name(verdict.tier));

@@ -1,49 +1,317 @@
-// Tier tables: JSON files that set the policy's breakpoints (written by hand or, later, by
-// `lmoe tune`). Schema, version 1:
+// Tier tables: JSON files that set the policy's breakpoints.
+//
+// Version 1 (written by hand):
 //   {"format": "lmoe-tier-table", "version": 1,
-//    "breakpoints": {"fused_max_tokens": 128, "overlap_max_tokens": 256, "column_max_tokens": null},
-//    "overlap_disabled": false, ... any further keys (measurements, hardware) are kept for tools}
-// Every breakpoint is optional; an unknown breakpoint name is an error (it is most likely a typo).
+//    "breakpoints": {"fused_max_tokens": 128, "overlap_max_tokens": 256, "column_max_tokens":
+//    null}, "overlap_disabled": false, ... any further keys (measurements, hardware) are kept for
+//    tools}
+//   Every breakpoint is optional; an unknown breakpoint name is an error (it is most likely a
+//   typo).
+//
+// Version 2 (written by `lmoe tune`; docs/tuning.md): all three breakpoints, plus "provenance"
+// (where and for what the grid was measured) and "grid" (per T, each tier's median, p10 and p90 in
+// microseconds or why it was declined, and the fit's choice and regret for readers, which loading
+// ignores). "overlap_disabled" is read as in version 1.
 #include <nlohmann/json.hpp>
+
+#include <cmath>
 
 #include "lmoe/error.hpp"
 #include "lmoe/tier_policy.hpp"
+#include "lmoe/tier_tuning.hpp"
 
 namespace lmoe {
 
 namespace {
 
-std::int64_t token_count(const nlohmann::json& value, const std::string& where) {
+using nlohmann::json;
+// Written tables keep their keys in a reading order (format and version first).
+using ordered = nlohmann::ordered_json;
+
+// Microseconds to the nanosecond: the file stays readable and loses nothing a timer resolves.
+double to_ns(double us) { return std::round(us * 1000) / 1000; }
+
+std::int64_t token_count(const json& value, const std::string& where) {
   if (!value.is_number_integer() || value.get<std::int64_t>() < 0) {
     throw Error(where + ": expected a non-negative integer, got " + value.dump());
   }
   return value.get<std::int64_t>();
 }
 
-}  // namespace
+const json& field(const json& object, const std::string& key, const std::string& where) {
+  if (!object.is_object()) throw Error(where + ": expected an object");
+  const auto found = object.find(key);
+  if (found == object.end()) throw Error(where + ": missing \"" + key + "\"");
+  return *found;
+}
 
-void apply_tier_table(PolicyConfig& config, const std::string& json_text, const std::string& origin) {
-  nlohmann::json table;
+std::string text_field(const json& object, const std::string& key, const std::string& where) {
+  const json& value = field(object, key, where);
+  if (!value.is_string())
+    throw Error(where + "." + key + ": expected a string, got " + value.dump());
+  return value.get<std::string>();
+}
+
+std::optional<std::string> optional_text(const json& object, const std::string& key,
+                                         const std::string& where) {
+  const json& value = field(object, key, where);
+  if (value.is_null()) return std::nullopt;
+  return text_field(object, key, where);
+}
+
+std::int64_t integer_field(const json& object, const std::string& key, const std::string& where,
+                           std::int64_t min) {
+  const json& value = field(object, key, where);
+  if (!value.is_number_integer() || value.get<std::int64_t>() < min ||
+      (value.is_number_unsigned() && value.get<std::uint64_t>() > INT64_MAX)) {
+    throw Error(where + "." + key + ": expected an integer >= " + std::to_string(min) + ", got " +
+                value.dump());
+  }
+  return value.get<std::int64_t>();
+}
+
+int int_field(const json& object, const std::string& key, const std::string& where, int min) {
+  const std::int64_t value = integer_field(object, key, where, min);
+  if (value > INT32_MAX) {
+    throw Error(where + "." + key + ": expected at most " + std::to_string(INT32_MAX) + ", got " +
+                std::to_string(value));
+  }
+  return static_cast<int>(value);
+}
+
+double microseconds_field(const json& object, const std::string& key, const std::string& where) {
+  const json& value = field(object, key, where);
+  if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0) {
+    throw Error(where + "." + key + ": expected a finite number >= 0, got " + value.dump());
+  }
+  return value.get<double>();
+}
+
+template <typename Parse>
+auto parsed(const std::string& where, Parse parse) {
   try {
-    table = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& error) {
+    return parse();
+  } catch (const Error& error) {
+    throw Error(where + ": " + error.message());
+  }
+}
+
+ordered optional_json(const std::optional<std::string>& value) {
+  return value ? ordered(*value) : ordered();
+}
+
+// ---- version 2
+// -----------------------------------------------------------------------------------
+
+ordered provenance_json(const TableProvenance& p) {
+  ordered gpu;
+  if (p.gpu) {
+    gpu = {{"name", p.gpu->name},
+           {"compute_capability", p.gpu->compute_capability},
+           {"cuda_driver_version", p.gpu->cuda_driver_version},
+           {"cuda_runtime_version", p.gpu->cuda_runtime_version}};
+  }
+  return {{"lmoe_version", p.lmoe_version},
+          {"backend", backend_name(p.backend)},
+          {"gpu", gpu},
+          {"driver_version", optional_json(p.driver_version)},
+          {"nccl_version", optional_json(p.nccl_version)},
+          {"tp", p.tp},
+          {"dims", {{"d_model", p.dims.d_model}, {"d_latent", p.dims.d_latent}}},
+          {"dtype", dtype_name(p.dtype)},
+          {"comm", p.comm},
+          {"date", p.date_utc},
+          {"hostname", p.hostname},
+          {"preset", p.preset},
+          {"mode", p.mode},
+          {"warmup", p.warmup},
+          {"iters", p.iters}};
+}
+
+TableProvenance read_provenance(const json& object, const std::string& where) {
+  TableProvenance p;
+  p.lmoe_version = text_field(object, "lmoe_version", where);
+  p.backend = parsed(where + ".backend",
+                     [&] { return parse_backend(text_field(object, "backend", where)); });
+  const json& gpu = field(object, "gpu", where);
+  if (!gpu.is_null()) {
+    const std::string at = where + ".gpu";
+    p.gpu = TableGpu{text_field(gpu, "name", at), text_field(gpu, "compute_capability", at),
+                     int_field(gpu, "cuda_driver_version", at, 0),
+                     int_field(gpu, "cuda_runtime_version", at, 0)};
+  }
+  p.driver_version = optional_text(object, "driver_version", where);
+  p.nccl_version = optional_text(object, "nccl_version", where);
+  p.tp = int_field(object, "tp", where, 1);
+  const json& dims = field(object, "dims", where);
+  p.dims.d_model = integer_field(dims, "d_model", where + ".dims", 1);
+  p.dims.d_latent = integer_field(dims, "d_latent", where + ".dims", 1);
+  p.dtype =
+      parsed(where + ".dtype", [&] { return parse_dtype(text_field(object, "dtype", where)); });
+  p.comm = text_field(object, "comm", where);
+  p.date_utc = text_field(object, "date", where);
+  p.hostname = text_field(object, "hostname", where);
+  p.preset = text_field(object, "preset", where);
+  p.mode = text_field(object, "mode", where);
+  p.warmup = int_field(object, "warmup", where, 0);
+  p.iters = int_field(object, "iters", where, 0);
+  return p;
+}
+
+ordered timing_json(const TierTiming& timing) {
+  if (timing.status == TierTiming::Status::declined) return {{"declined", timing.reason}};
+  return {{"median_us", to_ns(timing.median_us)},
+          {"p10_us", to_ns(timing.p10_us)},
+          {"p90_us", to_ns(timing.p90_us)}};
+}
+
+TierTiming read_timing(const json& object, const std::string& where) {
+  if (!object.is_object()) throw Error(where + ": expected an object");
+  if (object.contains("declined"))
+    return TierTiming::declined_because(text_field(object, "declined", where));
+  return TierTiming::measured(microseconds_field(object, "median_us", where),
+                              microseconds_field(object, "p10_us", where),
+                              microseconds_field(object, "p90_us", where));
+}
+
+ordered tier_or_null(std::optional<TailTier> tier) {
+  return tier ? ordered(tier_name(*tier)) : ordered();
+}
+
+std::vector<GridPoint> read_grid(const json& array, const std::string& where) {
+  if (!array.is_array() || array.empty()) {
+    throw Error(where + ": expected a non-empty array of grid points");
+  }
+  std::vector<GridPoint> grid;
+  for (std::size_t i = 0; i < array.size(); ++i) {
+    const std::string at = where + "[" + std::to_string(i) + "]";
+    GridPoint point;
+    point.tokens = integer_field(array[i], "tokens", at, 1);
+    if (!grid.empty() && point.tokens <= grid.back().tokens) {
+      throw Error(at + ".tokens: expected T to rise strictly, got " +
+                  std::to_string(grid.back().tokens) + " then " + std::to_string(point.tokens));
+    }
+    const json& tiers = field(array[i], "tiers", at);
+    if (!tiers.is_object()) throw Error(at + ".tiers: expected an object");
+    for (const auto& [name, value] : tiers.items()) {
+      const TailTier tier = parsed(at + ".tiers", [&] { return parse_tier(name); });
+      point[tier] = read_timing(value, at + ".tiers." + name);
+    }
+    grid.push_back(std::move(point));
+  }
+  return grid;
+}
+
+Breakpoints read_breakpoints(const json& object, const std::string& where) {
+  if (!object.is_object()) throw Error(where + ": expected an object");
+  for (const auto& [key, value] : object.items()) {
+    if (key != "fused_max_tokens" && key != "overlap_max_tokens" && key != "column_max_tokens") {
+      throw Error(where + "." + key +
+                  ": unknown breakpoint (expected fused_max_tokens, overlap_max_tokens or "
+                  "column_max_tokens)");
+    }
+    (void)value;
+  }
+  Breakpoints breakpoints;
+  breakpoints.fused_max_tokens = integer_field(object, "fused_max_tokens", where, 0);
+  breakpoints.overlap_max_tokens = integer_field(object, "overlap_max_tokens", where, 0);
+  if (!field(object, "column_max_tokens", where).is_null()) {
+    breakpoints.column_max_tokens = integer_field(object, "column_max_tokens", where, 0);
+  }
+  return breakpoints;
+}
+
+json parse_json(const std::string& json_text, const std::string& origin) {
+  json table;
+  try {
+    table = json::parse(json_text);
+  } catch (const json::exception& error) {
     throw Error(origin + ": not valid JSON: " + error.what());
   }
   if (!table.is_object()) throw Error(origin + ": expected a JSON object at the top level");
   if (table.value("format", std::string()) != "lmoe-tier-table") {
     throw Error(origin + ": \"format\" must be \"lmoe-tier-table\"");
   }
-  if (!table.contains("version") || table["version"] != 1) {
-    throw Error(origin + ": unsupported \"version\" " + table.value("version", nlohmann::json()).dump() +
-                " (this lmoe reads version 1)");
+  return table;
+}
+
+TierTable read_version_2(const json& table, const std::string& origin) {
+  TierTable result;
+  result.breakpoints =
+      read_breakpoints(field(table, "breakpoints", origin), origin + ": breakpoints");
+  result.provenance = read_provenance(field(table, "provenance", origin), origin + ": provenance");
+  result.grid = read_grid(field(table, "grid", origin), origin + ": grid");
+  return result;
+}
+
+}  // namespace
+
+std::string write_tier_table(const TierTable& table) {
+  const BreakpointFit fit = evaluate_policy(table.grid, policy_from(table.breakpoints, "table"));
+  ordered grid = ordered::array();
+  for (std::size_t i = 0; i < table.grid.size(); ++i) {
+    const GridPoint& point = table.grid[i];
+    ordered tiers = ordered::object();
+    for (TailTier tier : kAllTiers) {
+      if (point[tier].status != TierTiming::Status::not_measured) {
+        tiers[std::string(tier_name(tier))] = timing_json(point[tier]);
+      }
+    }
+    grid.push_back({{"tokens", point.tokens},
+                    {"tiers", tiers},
+                    {"fastest", tier_or_null(fit.points[i].fastest)},
+                    {"chosen", tier_or_null(fit.points[i].chosen)},
+                    {"regret", std::round(fit.points[i].regret * 1e6) / 1e6}});
+  }
+  const Breakpoints& b = table.breakpoints;
+  const ordered doc = {
+      {"format", "lmoe-tier-table"},
+      {"version", 2},
+      {"breakpoints",
+       {{"fused_max_tokens", b.fused_max_tokens},
+        {"overlap_max_tokens", b.overlap_max_tokens},
+        {"column_max_tokens", b.column_max_tokens ? ordered(*b.column_max_tokens) : ordered()}}},
+      {"provenance", provenance_json(table.provenance)},
+      {"fit",
+       {{"total_regret", std::round(fit.total_regret * 1e6) / 1e6},
+        {"max_regret", std::round(fit.max_regret * 1e6) / 1e6},
+        {"rule",
+         "least total regret sum_T (median(chosen)/median(fastest) - 1) over the grid among the "
+         "breakpoints the policy can express (docs/tuning.md)"}}},
+      {"grid", grid}};
+  return doc.dump(2) + "\n";
+}
+
+TierTable read_tier_table(const std::string& json_text, const std::string& origin) {
+  const json table = parse_json(json_text, origin);
+  if (!table.contains("version") || table["version"] != 2) {
+    throw Error(origin + ": expected \"version\" 2 (a measured table), got " +
+                table.value("version", json()).dump());
+  }
+  return read_version_2(table, origin);
+}
+
+void apply_tier_table(PolicyConfig& config, const std::string& json_text,
+                      const std::string& origin) {
+  const json table = parse_json(json_text, origin);
+  const json version = table.value("version", json());
+  if (version != 1 && version != 2) {
+    throw Error(origin + ": unsupported \"version\" " + version.dump() +
+                " (this lmoe reads versions 1 and 2)");
   }
   auto set = [&](auto& setting, auto value, const std::string& key) {
     setting.value = value;
     setting.source = SettingSource::table;
     setting.origin = origin + " " + key;
   };
-  if (table.contains("breakpoints")) {
-    const nlohmann::json& breakpoints = table["breakpoints"];
+  if (version == 2) {
+    auto measured = std::make_shared<TierTable>(read_version_2(table, origin));
+    set(config.fused_max_tokens, measured->breakpoints.fused_max_tokens, "fused_max_tokens");
+    set(config.overlap_max_tokens, measured->breakpoints.overlap_max_tokens, "overlap_max_tokens");
+    set(config.column_max_tokens, measured->breakpoints.column_max_tokens, "column_max_tokens");
+    config.table = std::move(measured);
+  } else if (table.contains("breakpoints")) {
+    const json& breakpoints = table["breakpoints"];
     if (!breakpoints.is_object()) throw Error(origin + ": \"breakpoints\" must be an object");
     for (const auto& [key, value] : breakpoints.items()) {
       const std::string where = origin + ": breakpoints." + key;
@@ -53,10 +321,12 @@ void apply_tier_table(PolicyConfig& config, const std::string& json_text, const 
         set(config.overlap_max_tokens, token_count(value, where), key);
       } else if (key == "column_max_tokens") {
         set(config.column_max_tokens,
-            value.is_null() ? std::optional<std::int64_t>() : std::optional(token_count(value, where)),
+            value.is_null() ? std::optional<std::int64_t>()
+                            : std::optional(token_count(value, where)),
             key);
       } else {
-        throw Error(where + ": unknown breakpoint (expected fused_max_tokens, overlap_max_tokens or "
+        throw Error(where +
+                    ": unknown breakpoint (expected fused_max_tokens, overlap_max_tokens or "
                     "column_max_tokens)");
       }
     }

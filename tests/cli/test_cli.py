@@ -1,6 +1,7 @@
 """End-to-end tests of the `lmoe` tool: `tail` on safetensors files (checked against an
-independent numpy implementation of the tail), malformed files, `explain`, `run --json` and bad
-environment variables. Usage: test_cli.py PATH_TO_LMOE"""
+independent numpy implementation of the tail), malformed files, `explain`, `run --json`, bad
+environment variables, `bench`, `tune` and its tier tables, and scripts/plot_bench.py's data
+preparation. Usage: test_cli.py PATH_TO_LMOE"""
 
 import json
 import os
@@ -389,6 +390,316 @@ class BenchCommand(unittest.TestCase):
         result = lmoe("bench", "--help")
         for needle in ["busbw", "algbw", "#wrong", "LMOE_BENCH_INJECT_FAULT", "--check-max-tokens", "--comm"]:
             self.assertIn(needle, result.stdout)
+
+
+def preferred_tier(tokens, breakpoints):
+    """The policy's preference (include/lmoe/tier_policy.hpp), written again to check tables."""
+    if tokens <= breakpoints["fused_max_tokens"]:
+        return "fused"
+    if tokens <= breakpoints["overlap_max_tokens"]:
+        return "overlap"
+    column = breakpoints["column_max_tokens"]
+    return "column" if column is None or tokens <= column else "token"
+
+
+FALLBACKS = {"fused": ["overlap", "column", "token"], "overlap": ["column", "token", "fused"],
+             "column": ["token", "overlap", "fused"], "token": ["column", "overlap", "fused"]}
+NO_LIMIT = 2**63 - 1
+
+
+def decided_tier(tokens, breakpoints, ran):
+    first = preferred_tier(tokens, breakpoints)
+    return next((tier for tier in [first] + FALLBACKS[first] if tier in ran), None)
+
+
+def grid_regret(grid, breakpoints):
+    """Per point: median(chosen) / median(fastest) - 1."""
+    regrets = []
+    for point in grid:
+        ran = {tier: t["median_us"] for tier, t in point["tiers"].items() if "median_us" in t}
+        chosen = decided_tier(point["tokens"], breakpoints, ran)
+        regrets.append(ran[chosen] / min(ran.values()) - 1 if chosen else 0.0)
+    return regrets
+
+
+class TuneCommand(unittest.TestCase):
+    """`lmoe tune` on the cpu backend at small dims, the table it writes, and how the other commands
+    load it. Nothing here depends on which tier is faster: the checks are against the table's own
+    measurements."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.table = os.path.join(cls.dir.name, "tiers.json")
+        cls.result = lmoe("tune", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,4,16,64",
+                          "--warmup", "0", "--iters", "3", "--output", cls.table)
+        with open(cls.table) as f:
+            cls.doc = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def edited_table(self, name, edit):
+        doc = json.loads(json.dumps(self.doc))
+        edit(doc)
+        path = os.path.join(self.dir.name, name)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+    def test_table_has_provenance_grid_and_breakpoints(self):
+        doc = self.doc
+        self.assertEqual((doc["format"], doc["version"]), ("lmoe-tier-table", 2))
+        p = doc["provenance"]
+        self.assertEqual((p["backend"], p["tp"], p["dtype"], p["comm"], p["preset"]), ("cpu", 2, "bf16", "threads", "small"))
+        self.assertEqual(p["dims"], {"d_model": 384, "d_latent": 192})
+        self.assertIsNone(p["gpu"])
+        self.assertIsNone(p["nccl_version"])
+        self.assertEqual((p["warmup"], p["iters"], p["mode"]), (0, 3, "eager"))
+        for field in ["lmoe_version", "date", "hostname", "driver_version"]:
+            self.assertIn(field, p)
+        self.assertEqual([point["tokens"] for point in doc["grid"]], [1, 4, 16, 64])
+        self.assertIn("T=1 < tp=2", doc["grid"][0]["tiers"]["token"]["declined"])
+        for point in doc["grid"]:
+            for tier, timing in point["tiers"].items():
+                if "median_us" in timing:
+                    self.assertLessEqual(timing["p10_us"], timing["median_us"])
+                    self.assertLessEqual(timing["median_us"], timing["p90_us"])
+        self.assertEqual(set(doc["breakpoints"]), {"fused_max_tokens", "overlap_max_tokens", "column_max_tokens"})
+        # The printed grid and the breakpoints; progress on stderr.
+        self.assertIn("breakpoints: fused_max_tokens", self.result.stdout)
+        self.assertIn("regret", self.result.stdout)
+        self.assertIn("lmoe tune: [time", self.result.stderr)
+
+    def test_breakpoints_have_the_least_regret_the_policy_can_express(self):
+        grid, breakpoints = self.doc["grid"], self.doc["breakpoints"]
+        regrets = grid_regret(grid, breakpoints)
+        for point, regret in zip(grid, regrets):
+            ran = {tier for tier, t in point["tiers"].items() if "median_us" in t}
+            self.assertEqual(point["chosen"], decided_tier(point["tokens"], breakpoints, ran))
+            self.assertAlmostEqual(point["regret"], regret, places=5)
+        self.assertAlmostEqual(self.doc["fit"]["total_regret"], sum(regrets), places=5)
+        # Brute force over every assignment the breakpoints can express on this grid.
+        limits = [0, NO_LIMIT] + [point["tokens"] for point in grid]
+        least = min(
+            sum(grid_regret(grid, {"fused_max_tokens": f, "overlap_max_tokens": o, "column_max_tokens": c}))
+            for f in limits for o in limits for c in limits + [None])
+        self.assertAlmostEqual(sum(regrets), least, places=9)
+
+    def test_explain_cites_the_table(self):
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "50", "--comm", "threads",
+                      "--tier-table", self.table)
+        self.assertIn(f"evidence: table {self.table} measured at T=64 (nearest to T=50):", result.stdout)
+        self.assertIn("(chosen)", result.stdout)
+        self.assertIn(f"table {self.table} fused_max_tokens", result.stdout)
+        self.assertIn("on cpu, tp 2, comm threads", result.stdout)
+
+    def test_a_table_for_other_dims_or_tp_is_refused(self):
+        cases = [
+            (["explain", "--backend", "cpu", "--preset", "small", "--tp", "4", "-t", "8"], "tp is 2 in the table, 4 here"),
+            (["explain", "--backend", "cpu", "--preset", "kimi-k3", "--tp", "2", "-t", "8"],
+             "d_model is 384 in the table, 7168 here; d_latent is 192 in the table, 3584 here"),
+            (["explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8", "--dtype", "f32"],
+             "dtype is bf16 in the table, f32 here"),
+            (["run", "--backend", "cpu", "--preset", "small", "-n", "3", "-t", "1"], "tp is 2 in the table, 3 here"),
+            (["bench", "--backend", "cpu", "--preset", "small", "-n", "4", "-t", "1", "--iters", "1"], "tp is 2 in the table, 4 here"),
+        ]
+        for args, needle in cases:
+            for how in ["flag", "env"]:
+                with self.subTest(args=args, how=how):
+                    if how == "flag":
+                        result = lmoe(*args, "--tier-table", self.table, check=False)
+                    else:
+                        result = lmoe(*args, env={"LMOE_TIER_TABLE": self.table}, check=False)
+                    self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+                    self.assertIn(f"tier table {self.table} was measured for another configuration", result.stderr)
+                    self.assertIn(needle, result.stderr)
+        # Another GPU: the table claims one; this run has none (the cpu backend), so the backend differs.
+        on_gpu = self.edited_table("gpu.json", lambda d: d["provenance"].update(
+            backend="cuda", gpu={"name": "NVIDIA H200", "compute_capability": "9.0",
+                                 "cuda_driver_version": 13000, "cuda_runtime_version": 13000}))
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8", "--tier-table", on_gpu,
+                      check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("backend is cuda in the table, cpu here", result.stderr)
+
+    def test_another_lmoe_version_only_warns(self):
+        path = self.edited_table("old.json", lambda d: d["provenance"].update(lmoe_version="0.0.1"))
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8", "--tier-table", path)
+        self.assertIn(f"lmoe: warning: tier table {path}: lmoe_version is '0.0.1' in the table", result.stderr)
+        self.assertIn("decision: T=8", result.stdout)
+
+    def test_environment_overrides_the_table_and_the_flag_overrides_the_variable(self):
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8",
+                      env={"LMOE_TIER_TABLE": self.table, "LMOE_FUSED_MAX_TOKENS": "3"})
+        self.assertIn("fused_max_tokens    3       LMOE_FUSED_MAX_TOKENS=3", result.stdout)
+        self.assertIn(f"table {self.table} overlap_max_tokens", result.stdout)
+        # --tier-table wins over LMOE_TIER_TABLE (which names a file that does not exist).
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8", "--tier-table", self.table,
+                      env={"LMOE_TIER_TABLE": os.path.join(self.dir.name, "missing.json")})
+        self.assertIn(f"tier_table          {self.table}", result.stdout)
+
+    def test_run_uses_the_table(self):
+        result = lmoe("run", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,64", "--tier-table", self.table)
+        self.assertIn("all rows ok", result.stdout)
+        chosen = {int(line.split()[0]): line.split()[1] for line in result.stdout.splitlines()
+                  if line.strip() and line.split()[0] in ("1", "64")}
+        self.assertEqual(set(chosen), {1, 64}, result.stdout)
+        for point in self.doc["grid"]:
+            if point["tokens"] in chosen:
+                self.assertEqual(chosen[point["tokens"]], point["chosen"], result.stdout)
+
+    def test_tail_uses_a_fitting_table_and_refuses_another(self):
+        for d, l, ok in [(384, 192, True), (32, 16, False)]:
+            with self.subTest(d=d, l=l):
+                routed, shared, gamma, w_up = make_case(2, 16, d, l, seed=5)
+                path = os.path.join(self.dir.name, f"case_{d}.safetensors")
+                write_safetensors(path, {
+                    "routed": ("BF16", routed.shape, routed.tobytes()),
+                    "shared": ("BF16", shared.shape, shared.tobytes()),
+                    "norm.weight": ("BF16", gamma.shape, gamma.tobytes()),
+                    "up_proj.weight": ("BF16", w_up.shape, w_up.tobytes()),
+                })
+                out = os.path.join(self.dir.name, f"out_{d}.safetensors")
+                result = lmoe("tail", "--input", path, "--output", out, "--backend", "cpu", "--tier-table", self.table,
+                              check=False)
+                if ok:
+                    self.assertEqual(result.returncode, 0, result.stderr)
+                    chosen = next(p["chosen"] for p in self.doc["grid"] if p["tokens"] == 16)
+                    self.assertIn(f"tier: {chosen}", result.stdout)
+                    self.assertIn(f"evidence: table {self.table} measured at T=16:", result.stderr)
+                else:
+                    self.assertEqual(result.returncode, 2)
+                    self.assertIn("d_model is 384 in the table, 32 here", result.stderr)
+                    self.assertFalse(os.path.exists(out))
+
+    def test_check_table_judges_every_choice_by_the_rule(self):
+        path = os.path.join(self.dir.name, "check.json")
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "--warmup", "0", "--iters", "3",
+                      "--check-table", self.table, "--json", path, check=False)
+        self.assertIn(result.returncode, (0, 1), result.stderr)
+        self.assertIn("# policy check: tier table", result.stdout)
+        with open(path) as f:
+            doc = json.load(f)
+        self.assertEqual(doc["tier_table"], self.table)
+        self.assertEqual(doc["tokens"], [1, 4, 16, 64])  # the table's grid by default
+        self.assertEqual(doc["comms"], ["threads"])
+        checks = doc["policy_check"]
+        self.assertEqual([c["tokens"] for c in checks], [1, 4, 16, 64])
+        # The verdicts follow the rule, recomputed here from the records.
+        for check in checks:
+            with self.subTest(tokens=check["tokens"]):
+                ran = [r for r in doc["records"] if r["tokens"] == check["tokens"] and r["status"] == "ran"]
+                fastest = min(ran, key=lambda r: r["median_us"])
+                (chosen,) = [r for r in ran if r["chosen"]]
+                self.assertEqual((check["chosen"], check["fastest"]), (chosen["tier"], fastest["tier"]))
+                ok = chosen["median_us"] <= 1.03 * fastest["median_us"] or chosen["median_us"] <= fastest["p90_us"]
+                self.assertEqual(check["ok"], ok)
+        failed = not all(c["ok"] for c in checks)
+        self.assertEqual(result.returncode == 1, failed or not all(r["ok"] for r in doc["records"]))
+        self.assertEqual("POLICY CHECK FAILED" in result.stdout, failed)
+
+    def test_check_table_needs_every_tier_and_one_table(self):
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "--tiers", "fused", "--check-table",
+                      self.table, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("--check-table: compares the policy's choice with every tier", result.stderr)
+        other = self.edited_table("other.json", lambda d: None)
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "--check-table", self.table,
+                      "--tier-table", other, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("name different tables", result.stderr)
+
+    def test_tune_bad_options(self):
+        cases = [
+            (["--output", os.path.join(self.dir.name, "no", "such", "dir.json")], "--output: cannot write"),
+            (["--output", "x.json", "-n", "0"], "-n/--ranks/--tp: expected at least 1 rank, got 0"),
+            (["--output", "x.json", "--comm", "nccl"], "--comm nccl: not available for the cpu backend"),
+            (["--output", "x.json", "-t", "0"], "-t/--tokens: expected token counts >= 1, got 0"),
+        ]
+        for args, needle in cases:
+            with self.subTest(args=args):
+                result = lmoe("tune", "--backend", "cpu", *args, check=False)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn(needle, result.stderr)
+        self.assertFalse(os.path.exists("x.json"))
+        result = lmoe("tune", "--help")
+        for needle in ["--output", "--tp", "--comm", "docs/tuning.md"]:
+            self.assertIn(needle, result.stdout)
+
+
+def load_plot_script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "plot_bench.py")
+    spec = importlib.util.spec_from_file_location("plot_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+class PlotScript(unittest.TestCase):
+    """scripts/plot_bench.py without matplotlib: its help and the data it would draw."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.bench = os.path.join(cls.dir.name, "bench.json")
+        lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,8,64", "--iters", "2", "--json", cls.bench)
+        with open(cls.bench) as f:
+            cls.doc = json.load(f)
+        cls.path, cls.plot = load_plot_script()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def test_help_says_how_to_install_matplotlib(self):
+        result = subprocess.run([sys.executable, self.path, "--help"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("pip install matplotlib", result.stdout)
+
+    def test_bus_bytes_agree_with_lmoe(self):
+        for r in self.doc["records"]:
+            expected = self.plot.bus_bytes(r["tier"], r["tokens"], 384, 192, "bf16", 2)
+            self.assertAlmostEqual(r["bus_bytes"], expected, places=6)
+
+    def test_prepared_series_and_floors(self):
+        data = self.plot.prepare(self.doc)
+        self.assertEqual(data["comm"], "threads")
+        self.assertEqual(set(data["tiers"]), {"fused", "overlap", "column", "token"})
+        self.assertEqual(data["tiers"]["token"]["tokens"], [8, 64])  # declined at T=1 < tp
+        self.assertEqual(data["tiers"]["fused"]["tokens"], [1, 8, 64])
+        chosen = {(r["tokens"], r["tier"]) for r in self.doc["records"] if r["chosen"]}
+        self.assertEqual(set(zip(data["chosen"]["tokens"], data["chosen"]["tier"])), chosen)
+        floors = data["floors"]
+        self.assertEqual(floors["link_source"], "best busbw in this sweep")
+        self.assertGreater(floors["link_gbps"], 0)
+        # No measured median lies below either floor, and the best run touches each floor's rate.
+        for tier, series in data["tiers"].items():
+            for t, median in zip(series["tokens"], series["median_us"]):
+                i = floors["tokens"].index(t)
+                self.assertGreaterEqual(median * (1 + 1e-9), floors["comm_us"][i], (tier, t))
+                self.assertGreaterEqual(median * (1 + 1e-9), floors["gemm_us"][i], (tier, t))
+        given = self.plot.prepare(self.doc, link_gbps=100.0, gemm_tflops=1.0)
+        self.assertEqual((given["floors"]["link_gbps"], given["floors"]["link_source"]), (100.0, "given"))
+        t = given["floors"]["tokens"][-1]
+        fewest_bytes = t * 2 * (0.5 * 192 + 2 * 0.5 * 384)  # token: RS(l) + RS(d) + AG(d) at tp 2
+        self.assertAlmostEqual(given["floors"]["comm_us"][-1], fewest_bytes / 100e9 * 1e6, places=9)
+        self.assertAlmostEqual(given["floors"]["gemm_us"][-1], 2 * t * 384 * 192 / 2 / 1e12 * 1e6, places=9)
+
+    def test_a_tier_table_plots_too_and_bad_input_is_refused(self):
+        table = os.path.join(self.dir.name, "t.json")
+        lmoe("tune", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,8", "--iters", "2", "--output", table)
+        result = subprocess.run([sys.executable, self.path, table, "--print"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        data = json.loads(result.stdout)
+        self.assertEqual(data["tiers"]["fused"]["tokens"], [1, 8])
+        self.assertIn("tp 2, comm threads", data["title"])
+        result = subprocess.run([sys.executable, self.path, self.bench, "--comm", "nccl", "--print"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("comm 'nccl' is not in this file", result.stderr)
 
 
 if __name__ == "__main__":

@@ -318,14 +318,17 @@ TEST(TierTable, WrongOrMissingFormat) {
 }
 
 TEST(TierTable, WrongOrMissingVersion) {
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 3})"),
+            "t.json: unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
+  // Version 2 is read, and must carry its measurements (test_tier_tuning.cpp has the rest).
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 2})"),
-            "t.json: unsupported \"version\" 2 (this lmoe reads version 1)");
+            "t.json: missing \"breakpoints\"");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 0})"),
-            "t.json: unsupported \"version\" 0 (this lmoe reads version 1)");
+            "t.json: unsupported \"version\" 0 (this lmoe reads versions 1 and 2)");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": "1"})"),
-            "t.json: unsupported \"version\" \"1\" (this lmoe reads version 1)");
+            "t.json: unsupported \"version\" \"1\" (this lmoe reads versions 1 and 2)");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table"})"),
-            "t.json: unsupported \"version\" null (this lmoe reads version 1)");
+            "t.json: unsupported \"version\" null (this lmoe reads versions 1 and 2)");
 }
 
 TEST(TierTable, UnknownBreakpointIsAnError) {
@@ -379,9 +382,9 @@ TEST(TierTable, NullColumnLimitMeansNoLimitFromTheTable) {
 TEST_F(TierTableFiles, MalformedTableFileFailsTheLoadWithItsPath) {
   const std::string path = write("bad.json", R"({"format": "lmoe-tier-table", "version": 3})");
   EXPECT_EQ(load_error({}, path),
-            "table " + path + ": unsupported \"version\" 3 (this lmoe reads version 1)");
+            "table " + path + ": unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
   EXPECT_EQ(load_error({{"LMOE_TIER_TABLE", path}}),
-            "table " + path + ": unsupported \"version\" 3 (this lmoe reads version 1)");
+            "table " + path + ": unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
 }
 
 TEST_F(TierTableFiles, MissingTableFileThrows) {

@@ -1,0 +1,237 @@
+// Tier selection by measurement: a grid of measured tier times over T, the breakpoints that serve
+// it best, tier tables (version 2) that carry both with where they were measured, the check that a
+// table fits the configuration that loads it, and the check of a policy against a fresh sweep.
+//
+// The policy can express one order only (tier_policy.hpp): fused for T <= fused_max_tokens,
+// overlap up to overlap_max_tokens, column up to column_max_tokens, token above; any of the four
+// ranges may be empty. find_breakpoints picks, among every such assignment of the grid's T, the one
+// with the least total regret, where the regret at T is median(chosen)/median(fastest) − 1 and
+// `chosen` is what decide() picks (fallbacks from declined tiers included). docs/tuning.md has the
+// whole rule, the file format and the matching rules.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lmoe/dims.hpp"
+#include "lmoe/dtype.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/tail_bench.hpp"
+#include "lmoe/tier.hpp"
+#include "lmoe/tier_policy.hpp"
+
+namespace lmoe {
+
+// ---- the measured grid -------------------------------------------------------------------------
+
+// One tier at one T: its time over the sweep's iterations, or why it could not run.
+struct TierTiming {
+  enum class Status : std::uint8_t { not_measured, ran, declined };
+  Status status = Status::not_measured;
+  double median_us = 0, p10_us = 0, p90_us = 0;  // when ran
+  std::string reason;                            // when declined
+
+  static TierTiming measured(double median_us, double p10_us, double p90_us);
+  static TierTiming declined_because(std::string reason);
+  bool ran() const { return status == Status::ran; }
+};
+
+struct GridPoint {
+  std::int64_t tokens = 0;
+  std::array<TierTiming, 4> tiers;  // indexed by TailTier
+
+  TierTiming& operator[](TailTier tier) { return tiers[static_cast<std::size_t>(tier)]; }
+  const TierTiming& operator[](TailTier tier) const {
+    return tiers[static_cast<std::size_t>(tier)];
+  }
+};
+
+// The tier with the least median at this point (a tie goes to the earlier tier); nullopt when
+// none ran.
+std::optional<TailTier> fastest_tier(const GridPoint& point);
+
+// The tiers that cannot be chosen at this point: declined (with the sweep's reason) or not
+// measured.
+TierSupport grid_support(const GridPoint& point);
+
+// One comm's records of a sweep as a grid, sorted by T (records of other comms are ignored).
+// Throws lmoe::Error when the comm has no records.
+std::vector<GridPoint> grid_from_records(std::span<const BenchRecord> records,
+                                         std::string_view comm);
+
+// The grid point nearest to T on a log scale (ties: the smaller T); nullptr for an empty grid.
+const GridPoint* nearest_grid_point(std::span<const GridPoint> grid, std::int64_t tokens);
+
+// ---- breakpoints
+// ---------------------------------------------------------------------------------
+
+// fused_max_tokens or overlap_max_tokens when the tier's range has no upper end.
+inline constexpr std::int64_t kNoTokenLimit = std::numeric_limits<std::int64_t>::max();
+
+struct Breakpoints {
+  std::int64_t fused_max_tokens = 0;
+  std::int64_t overlap_max_tokens = 0;
+  std::optional<std::int64_t> column_max_tokens;  // nullopt: no limit (token is never preferred)
+  bool operator==(const Breakpoints&) const = default;
+};
+
+// The built-in policy with these three breakpoints, each from SettingSource::table and `origin`.
+PolicyConfig policy_from(const Breakpoints& breakpoints, const std::string& origin);
+
+struct PointFit {
+  std::int64_t tokens = 0;
+  std::optional<TailTier> fastest;  // nullopt: no tier ran at this T
+  std::optional<TailTier> chosen;   // decide()'s pick; nullopt: no tier can run
+  bool fallback = false;            // the preferred tier was declined and `chosen` stood in
+  double regret = 0;                // median(chosen) / median(fastest) − 1; 0 where nothing ran
+};
+
+struct BreakpointFit {
+  Breakpoints breakpoints;
+  std::vector<PointFit> points;  // in the grid's order
+  double total_regret = 0;       // the sum over points
+  double max_regret = 0;
+};
+
+// The breakpoints with the least total regret over the grid (sorted by T, each T once, T >= 1;
+// lmoe::Error otherwise). Ties go to the assignment that runs the fastest tier at the most points,
+// then to the fewest fallbacks, then to the smallest breakpoints. Between two grid points a
+// breakpoint sits where the two tiers' medians, interpolated linearly in T, cross (when both ran
+// at both points and each is at least as fast at its own end), else at the geometric mean of the
+// two T; rounded down. The tier that runs at the largest T keeps running above it.
+BreakpointFit find_breakpoints(std::span<const GridPoint> grid);
+
+// How `policy` does on the grid: what it chooses at every point, and the regret.
+BreakpointFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy);
+
+// ---- tier tables, version 2 --------------------------------------------------------------------
+
+struct TableGpu {
+  std::string name;                // "NVIDIA H200"
+  std::string compute_capability;  // "9.0"
+  int cuda_driver_version = 0;     // cudaDriverGetVersion: the CUDA version the driver supports
+  int cuda_runtime_version = 0;    // cudaRuntimeGetVersion
+  bool operator==(const TableGpu&) const = default;
+};
+
+// What a table's measurements hold for. Matched against the running configuration: the hardware,
+// dims, dtype, tp, backend and comm must be equal; versions of software may differ with a warning.
+struct TableProvenance {
+  std::string lmoe_version;
+  Backend backend = Backend::cpu;
+  std::optional<TableGpu> gpu;                // cuda: device 0
+  std::optional<std::string> driver_version;  // the NVIDIA kernel driver, "580.159.04"
+  std::optional<std::string> nccl_version;    // builds with NCCL
+  int tp = 1;
+  TailDims dims;
+  DType dtype = DType::bf16;
+  std::string comm;
+  // For the record only (not matched).
+  std::string date_utc, hostname, preset, mode;
+  int warmup = 0, iters = 0;
+  bool operator==(const TableProvenance& other) const;  // every field
+};
+
+struct TierTable {
+  TableProvenance provenance;
+  std::vector<GridPoint> grid;  // sorted by T
+  Breakpoints breakpoints;
+};
+
+// JSON text of format "lmoe-tier-table", version 2, with each grid point's fit for readers.
+std::string write_tier_table(const TierTable& table);
+// Reads a version-2 table; lmoe::Error naming `origin` and the bad field otherwise.
+TierTable read_tier_table(const std::string& json_text, const std::string& origin);
+
+// The configuration a table is matched against. Fields left unset are not compared.
+struct RunningConfig {
+  Backend backend = Backend::cpu;
+  std::optional<TableGpu> gpu;
+  std::optional<std::string> driver_version;
+  std::optional<std::string> nccl_version;
+  int tp = 1;
+  TailDims dims;
+  DType dtype = DType::bf16;
+  std::optional<std::string> comm;
+  std::string lmoe_version;
+};
+
+// This process's configuration: the GPU, driver and NCCL of this machine and build (cuda: device
+// 0), lmoe's version, and the given rest.
+RunningConfig running_config(Backend backend, int tp, TailDims dims, DType dtype,
+                             std::optional<std::string> comm);
+
+// The NVIDIA kernel driver's version from /proc/driver/nvidia/version; nullopt where there is none.
+std::optional<std::string> nvidia_driver_version();
+
+// Throws lmoe::Error listing every field in which the table and the running configuration differ
+// (GPU name, compute capability, backend, tp, d_model, d_latent, dtype, comm), each with both
+// values. Returns one warning per software version that differs (driver, CUDA driver and runtime,
+// NCCL, lmoe): the table is used, but its measurements may no longer hold.
+std::vector<std::string> match_tier_table(const TableProvenance& table,
+                                          const RunningConfig& running,
+                                          const std::string& table_name);
+
+// One line citing the table's measurements at the grid point nearest to T, fastest first:
+// "table t.json measured at T=256 (nearest to T=300): token 812.0 us (chosen), column 901.0 us,
+// ...". nullopt when the table has no grid.
+std::optional<std::string> describe_measurement(const TierTable& table, std::int64_t tokens,
+                                                std::optional<TailTier> chosen,
+                                                const std::string& table_name);
+
+// ---- tuning
+// --------------------------------------------------------------------------------------
+
+// The default grid of `lmoe tune`: cuda powers of two from 1 to 32768 and the midpoints 3·2^k
+// between them (where crossovers fall between powers of two); cpu a short list for small dims.
+std::vector<std::int64_t> default_tune_tokens(Backend backend);
+
+struct TuneResult {
+  BenchResult bench;  // the sweep
+  TierTable table;    // its grid and the breakpoints find_breakpoints chose
+  BreakpointFit fit;
+  // The sweep had no comm error and every checked output met the contract.
+  bool ok() const { return bench.ok(); }
+};
+
+// Sweeps every tier of options.tiers over options.tokens with the one comm in options.comms
+// (empty: the backend's default), then finds the breakpoints. `preset` is recorded only.
+TuneResult tune_tiers(const BenchOptions& options, const std::string& preset,
+                      const BenchProgressFn& progress = {});
+
+// ---- checking a policy against a sweep
+// -----------------------------------------------------------
+
+// At one (comm, T) of a sweep: the policy's choice against the fastest tier measured.
+struct ChoiceCheck {
+  std::string comm;
+  std::int64_t tokens = 0;
+  std::optional<TailTier> chosen;   // nullopt: the policy chose a tier the sweep did not time
+  std::optional<TailTier> fastest;  // nullopt: no tier ran
+  double chosen_median_us = 0, fastest_median_us = 0, fastest_p90_us = 0;
+  double ratio = 1;  // chosen / fastest median
+  enum class Verdict : std::uint8_t {
+    fastest,         // the choice is the fastest tier
+    within_percent,  // median <= (1 + tolerance) · the fastest's median
+    within_spread,   // median <= the fastest's p90
+    slower,          // worse than both: a failure
+    not_timed,       // the choice was not timed: a failure
+    nothing_ran,     // no tier ran at this T: nothing to judge
+  } verdict = Verdict::nothing_ran;
+  bool ok() const { return verdict != Verdict::slower && verdict != Verdict::not_timed; }
+};
+std::string_view verdict_name(ChoiceCheck::Verdict verdict);
+
+// One check per (comm, T) of the records, in their order. The `chosen` flag of the records is the
+// policy's choice.
+std::vector<ChoiceCheck> check_choices(std::span<const BenchRecord> records,
+                                       double tolerance = 0.03);
+
+}  // namespace lmoe

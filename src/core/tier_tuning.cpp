@@ -1,0 +1,590 @@
+#include "lmoe/tier_tuning.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include "lmoe/comm_group.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/version.hpp"
+
+namespace lmoe {
+
+// ---- the measured grid -------------------------------------------------------------------------
+
+TierTiming TierTiming::measured(double median_us, double p10_us, double p90_us) {
+  TierTiming timing;
+  timing.status = Status::ran;
+  timing.median_us = median_us;
+  timing.p10_us = p10_us;
+  timing.p90_us = p90_us;
+  return timing;
+}
+
+TierTiming TierTiming::declined_because(std::string reason) {
+  TierTiming timing;
+  timing.status = Status::declined;
+  timing.reason = std::move(reason);
+  return timing;
+}
+
+std::optional<TailTier> fastest_tier(const GridPoint& point) {
+  std::optional<TailTier> fastest;
+  for (TailTier tier : kAllTiers) {
+    if (!point[tier].ran()) continue;
+    if (!fastest || point[tier].median_us < point[*fastest].median_us) fastest = tier;
+  }
+  return fastest;
+}
+
+TierSupport grid_support(const GridPoint& point) {
+  TierSupport support;
+  for (TailTier tier : kAllTiers) {
+    const TierTiming& timing = point[tier];
+    auto& declined = support.declined[static_cast<std::size_t>(tier)];
+    if (timing.status == TierTiming::Status::declined) declined = timing.reason;
+    if (timing.status == TierTiming::Status::not_measured) declined = "not measured";
+  }
+  return support;
+}
+
+std::vector<GridPoint> grid_from_records(std::span<const BenchRecord> records,
+                                         std::string_view comm) {
+  std::map<std::int64_t, GridPoint> by_tokens;
+  for (const BenchRecord& record : records) {
+    if (record.comm != comm) continue;
+    GridPoint& point = by_tokens[record.tokens];
+    point.tokens = record.tokens;
+    point[record.tier] = record.declined
+                             ? TierTiming::declined_because(*record.declined)
+                             : TierTiming::measured(record.stats.median * 1e6,
+                                                    record.stats.p10 * 1e6, record.stats.p90 * 1e6);
+  }
+  LMOE_CHECK(!by_tokens.empty(),
+             "grid_from_records: no records of comm '" + std::string(comm) + "'");
+  std::vector<GridPoint> grid;
+  for (auto& [tokens, point] : by_tokens) grid.push_back(std::move(point));
+  return grid;
+}
+
+const GridPoint* nearest_grid_point(std::span<const GridPoint> grid, std::int64_t tokens) {
+  const GridPoint* nearest = nullptr;
+  double best = 0;
+  const std::int64_t t = std::max<std::int64_t>(tokens, 1);
+  for (const GridPoint& point : grid) {
+    const double distance =
+        std::abs(std::log(static_cast<double>(point.tokens) / static_cast<double>(t)));
+    if (!nearest || distance < best || (distance == best && point.tokens < nearest->tokens)) {
+      nearest = &point;
+      best = distance;
+    }
+  }
+  return nearest;
+}
+
+// ---- breakpoints
+// ---------------------------------------------------------------------------------
+
+PolicyConfig policy_from(const Breakpoints& breakpoints, const std::string& origin) {
+  PolicyConfig config;
+  config.fused_max_tokens = {breakpoints.fused_max_tokens, SettingSource::table,
+                             origin + " fused_max_tokens"};
+  config.overlap_max_tokens = {breakpoints.overlap_max_tokens, SettingSource::table,
+                               origin + " overlap_max_tokens"};
+  config.column_max_tokens = {breakpoints.column_max_tokens, SettingSource::table,
+                              origin + " column_max_tokens"};
+  return config;
+}
+
+namespace {
+
+void validate_grid(std::span<const GridPoint> grid, const char* who) {
+  LMOE_CHECK(!grid.empty(), std::string(who) + ": expected at least one grid point, got none");
+  for (std::size_t i = 0; i < grid.size(); ++i) {
+    LMOE_CHECK(grid[i].tokens >= 1,
+               std::string(who) + ": grid T must be >= 1, got " + std::to_string(grid[i].tokens));
+    LMOE_CHECK(i == 0 || grid[i].tokens > grid[i - 1].tokens,
+               std::string(who) + ": grid T must rise strictly, got " +
+                   std::to_string(grid[i - 1].tokens) + " then " + std::to_string(grid[i].tokens));
+    for (TailTier tier : kAllTiers) {
+      const TierTiming& timing = grid[i][tier];
+      if (!timing.ran()) continue;
+      LMOE_CHECK(std::isfinite(timing.median_us) && timing.median_us >= 0,
+                 std::string(who) + ": T=" + std::to_string(grid[i].tokens) + " " +
+                     std::string(tier_name(tier)) + ": expected a finite median >= 0, got " +
+                     std::to_string(timing.median_us));
+    }
+  }
+}
+
+// median(chosen) / median(fastest) − 1, finite even for a zero median.
+double regret_of(const GridPoint& point, TailTier chosen, TailTier fastest) {
+  const double best = point[fastest].median_us, mine = point[chosen].median_us;
+  if (mine <= best) return 0;
+  if (best <= 0) return 1e6;  // a tier that takes no measurable time beats any that does
+  return mine / best - 1;
+}
+
+// The tier decide() runs at `point` when `preferred` is the tier the breakpoints prefer there.
+// decide() depends on the breakpoints only through the preferred tier, so this is computed once
+// per (point, tier) with breakpoints that make `preferred` the preference at that T.
+std::optional<TailTier> decided_when_preferring(const GridPoint& point, TailTier preferred) {
+  Breakpoints breakpoints;
+  const std::int64_t t = point.tokens;
+  switch (preferred) {
+    case TailTier::fused:
+      breakpoints = {t, t, std::nullopt};
+      break;
+    case TailTier::overlap:
+      breakpoints = {t - 1, t, std::nullopt};
+      break;
+    case TailTier::column:
+      breakpoints = {t - 1, t - 1, std::nullopt};
+      break;
+    case TailTier::token:
+      breakpoints = {t - 1, t - 1, t - 1};
+      break;
+  }
+  const PolicyConfig config = policy_from(breakpoints, "candidate");
+  return decide(t, config, grid_support(point)).tier;
+}
+
+// Where a breakpoint between grid points `lower` and `upper` (the last T of one range and the first
+// of the next) goes: the crossing of the two tiers' medians, interpolated linearly in T, when both
+// tiers ran at both points and each is the faster one at its own end; else the geometric mean.
+std::int64_t place_breakpoint(const GridPoint& lower, const GridPoint& upper,
+                              std::optional<TailTier> lower_tier,
+                              std::optional<TailTier> upper_tier) {
+  const double lo = static_cast<double>(lower.tokens), hi = static_cast<double>(upper.tokens);
+  double crossing = std::sqrt(lo * hi);
+  if (lower_tier && upper_tier && *lower_tier != *upper_tier && lower[*lower_tier].ran() &&
+      lower[*upper_tier].ran() && upper[*lower_tier].ran() && upper[*upper_tier].ran()) {
+    // Each tier at least as fast at its own end, and one of them strictly: they cross in between
+    // (at an end where they tie).
+    const double margin_lo = lower[*upper_tier].median_us - lower[*lower_tier].median_us;
+    const double margin_hi = upper[*lower_tier].median_us - upper[*upper_tier].median_us;
+    if (margin_lo >= 0 && margin_hi >= 0 && margin_lo + margin_hi > 0) {
+      crossing = lo + (hi - lo) * margin_lo / (margin_lo + margin_hi);
+    }
+  }
+  const auto at = static_cast<std::int64_t>(std::floor(crossing));
+  return std::clamp(at, lower.tokens, upper.tokens - 1);
+}
+
+}  // namespace
+
+BreakpointFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy) {
+  validate_grid(grid, "evaluate_policy");
+  BreakpointFit fit;
+  fit.breakpoints = {policy.fused_max_tokens.value, policy.overlap_max_tokens.value,
+                     policy.column_max_tokens.value};
+  for (const GridPoint& point : grid) {
+    PointFit result;
+    result.tokens = point.tokens;
+    result.fastest = fastest_tier(point);
+    const TierDecision decision = decide(point.tokens, policy, grid_support(point));
+    result.chosen = decision.tier;
+    result.fallback = decision.tier && !policy.forced_tier.value &&
+                      *decision.tier != preferred_tier(point.tokens, policy);
+    if (result.chosen && result.fastest) {
+      result.regret = regret_of(point, *result.chosen, *result.fastest);
+    }
+    fit.total_regret += result.regret;
+    fit.max_regret = std::max(fit.max_regret, result.regret);
+    fit.points.push_back(result);
+  }
+  return fit;
+}
+
+BreakpointFit find_breakpoints(std::span<const GridPoint> grid) {
+  validate_grid(grid, "find_breakpoints");
+  const std::size_t n = grid.size();
+
+  // For every point and preferred tier: the regret of what then runs, and whether it falls back.
+  struct Outcome {
+    double regret = 0;
+    bool not_fastest = false;  // something else is the fastest (a tie at zero regret)
+    bool fallback = false;
+  };
+  std::vector<std::array<Outcome, 4>> outcome(n);
+  for (std::size_t p = 0; p < n; ++p) {
+    const std::optional<TailTier> fastest = fastest_tier(grid[p]);
+    for (TailTier preferred : kAllTiers) {
+      const std::optional<TailTier> runs = decided_when_preferring(grid[p], preferred);
+      Outcome& o = outcome[p][static_cast<std::size_t>(preferred)];
+      o.fallback = runs && *runs != preferred;
+      o.not_fastest = runs != fastest;
+      if (runs && fastest) o.regret = regret_of(grid[p], *runs, *fastest);
+    }
+  }
+
+  // Every assignment the breakpoints can express: points [0, i) fused, [i, j) overlap, [j, k)
+  // column, [k, n) token. The sums are taken in point order for every candidate, so equal
+  // assignments give bit-equal totals and ties are exact.
+  struct Candidate {
+    double regret = 0;
+    std::size_t not_fastest = 0, fallbacks = 0;
+    std::size_t i = 0, j = 0, k = 0;
+    auto key() const { return std::tie(regret, not_fastest, fallbacks, i, j, k); }
+  };
+  std::optional<Candidate> best;
+  for (std::size_t i = 0; i <= n; ++i) {
+    for (std::size_t j = i; j <= n; ++j) {
+      for (std::size_t k = j; k <= n; ++k) {
+        Candidate c{0, 0, 0, i, j, k};
+        for (std::size_t p = 0; p < n; ++p) {
+          const TailTier preferred = p < i   ? TailTier::fused
+                                     : p < j ? TailTier::overlap
+                                     : p < k ? TailTier::column
+                                             : TailTier::token;
+          const Outcome& o = outcome[p][static_cast<std::size_t>(preferred)];
+          c.regret += o.regret;
+          c.not_fastest += o.not_fastest ? 1 : 0;
+          c.fallbacks += o.fallback ? 1 : 0;
+        }
+        if (!best || c.key() < best->key()) best = c;
+      }
+    }
+  }
+
+  // What runs at each point under the winning assignment, to place each breakpoint between the
+  // tiers that actually meet there.
+  std::vector<std::optional<TailTier>> runs(n);
+  for (std::size_t p = 0; p < n; ++p) {
+    const TailTier preferred = p < best->i   ? TailTier::fused
+                               : p < best->j ? TailTier::overlap
+                               : p < best->k ? TailTier::column
+                                             : TailTier::token;
+    runs[p] = decided_when_preferring(grid[p], preferred);
+  }
+  // The breakpoint after the first `count` points: 0 before all of them, no limit after all.
+  const auto breakpoint_after = [&](std::size_t count) -> std::optional<std::int64_t> {
+    if (count == 0) return 0;
+    if (count == n) return std::nullopt;
+    return place_breakpoint(grid[count - 1], grid[count], runs[count - 1], runs[count]);
+  };
+  Breakpoints breakpoints;
+  breakpoints.fused_max_tokens = breakpoint_after(best->i).value_or(kNoTokenLimit);
+  breakpoints.overlap_max_tokens = breakpoint_after(best->j).value_or(kNoTokenLimit);
+  breakpoints.column_max_tokens = breakpoint_after(best->k);
+
+  BreakpointFit fit = evaluate_policy(grid, policy_from(breakpoints, "fit"));
+  fit.breakpoints = breakpoints;
+  // The placed breakpoints must reproduce the assignment they were placed for.
+  for (std::size_t p = 0; p < n; ++p) {
+    LMOE_CHECK(fit.points[p].chosen == runs[p],
+               "find_breakpoints: internal error: the placed breakpoints change T=" +
+                   std::to_string(grid[p].tokens));
+  }
+  return fit;
+}
+
+// ---- matching ----------------------------------------------------------------------------------
+
+bool TableProvenance::operator==(const TableProvenance& o) const {
+  return lmoe_version == o.lmoe_version && backend == o.backend && gpu == o.gpu &&
+         driver_version == o.driver_version && nccl_version == o.nccl_version && tp == o.tp &&
+         dims.d_model == o.dims.d_model && dims.d_latent == o.dims.d_latent && dtype == o.dtype &&
+         comm == o.comm && date_utc == o.date_utc && hostname == o.hostname && preset == o.preset &&
+         mode == o.mode && warmup == o.warmup && iters == o.iters;
+}
+
+std::optional<std::string> nvidia_driver_version() {
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu ..." (open and proprietary
+  // modules alike): the first token after "Kernel Module" that starts with a digit.
+  std::ifstream file("/proc/driver/nvidia/version");
+  std::string line;
+  if (!file || !std::getline(file, line)) return std::nullopt;
+  const std::size_t at = line.find("Kernel Module");
+  if (at == std::string::npos) return std::nullopt;
+  std::istringstream words(line.substr(at + 13));
+  std::string word;
+  while (words >> word) {
+    if (!word.empty() && word[0] >= '0' && word[0] <= '9') return word;
+  }
+  return std::nullopt;
+}
+
+RunningConfig running_config(Backend backend, int tp, TailDims dims, DType dtype,
+                             std::optional<std::string> comm) {
+  RunningConfig running;
+  running.backend = backend;
+  running.tp = tp;
+  running.dims = dims;
+  running.dtype = dtype;
+  running.comm = std::move(comm);
+  running.lmoe_version = kVersion;
+  if (backend == Backend::cuda) {
+    const BenchEnvironment environment = bench_environment(backend);
+    if (environment.gpu) {
+      running.gpu = TableGpu{environment.gpu->name, environment.gpu->compute_capability,
+                             environment.gpu->driver_version, environment.gpu->runtime_version};
+    }
+    running.nccl_version = environment.nccl_version;
+    running.driver_version = nvidia_driver_version();
+  }
+  return running;
+}
+
+namespace {
+
+std::string quoted(const std::optional<std::string>& value) {
+  return value ? "'" + *value + "'" : std::string("none");
+}
+
+std::string cuda_version_text(int version) {
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
+}
+
+}  // namespace
+
+std::vector<std::string> match_tier_table(const TableProvenance& table,
+                                          const RunningConfig& running,
+                                          const std::string& table_name) {
+  std::vector<std::string> differences;
+  const auto refuse_if = [&](bool differ, const std::string& field, const std::string& in_table,
+                             const std::string& here) {
+    if (differ)
+      differences.push_back(field + " is " + in_table + " in the table, " + here + " here");
+  };
+  refuse_if(table.backend != running.backend, "backend", std::string(backend_name(table.backend)),
+            std::string(backend_name(running.backend)));
+  if (table.gpu && running.gpu) {
+    refuse_if(table.gpu->name != running.gpu->name, "gpu.name", "'" + table.gpu->name + "'",
+              "'" + running.gpu->name + "'");
+    refuse_if(table.gpu->compute_capability != running.gpu->compute_capability,
+              "gpu.compute_capability", table.gpu->compute_capability,
+              running.gpu->compute_capability);
+  }
+  refuse_if(table.tp != running.tp, "tp", std::to_string(table.tp), std::to_string(running.tp));
+  refuse_if(table.dims.d_model != running.dims.d_model, "d_model",
+            std::to_string(table.dims.d_model), std::to_string(running.dims.d_model));
+  refuse_if(table.dims.d_latent != running.dims.d_latent, "d_latent",
+            std::to_string(table.dims.d_latent), std::to_string(running.dims.d_latent));
+  refuse_if(table.dtype != running.dtype, "dtype", std::string(dtype_name(table.dtype)),
+            std::string(dtype_name(running.dtype)));
+  if (running.comm) {
+    refuse_if(table.comm != *running.comm, "comm", "'" + table.comm + "'",
+              "'" + *running.comm + "'");
+  }
+  if (!differences.empty()) {
+    std::string message = "tier table " + table_name + " was measured for another configuration: ";
+    for (std::size_t i = 0; i < differences.size(); ++i) {
+      message += (i == 0 ? "" : "; ") + differences[i];
+    }
+    throw Error(message + " (measure this one with `lmoe tune`, or leave the table out)");
+  }
+
+  std::vector<std::string> warnings;
+  const auto warn_if = [&](bool differ, const std::string& field, const std::string& in_table,
+                           const std::string& here) {
+    if (differ) {
+      warnings.push_back("tier table " + table_name + ": " + field + " is " + in_table +
+                         " in the table, " + here +
+                         " here; the table is used, but its measurements may not hold");
+    }
+  };
+  if (table.gpu && running.gpu) {
+    warn_if(table.gpu->cuda_driver_version != running.gpu->cuda_driver_version,
+            "gpu.cuda_driver_version", cuda_version_text(table.gpu->cuda_driver_version),
+            cuda_version_text(running.gpu->cuda_driver_version));
+    warn_if(table.gpu->cuda_runtime_version != running.gpu->cuda_runtime_version,
+            "gpu.cuda_runtime_version", cuda_version_text(table.gpu->cuda_runtime_version),
+            cuda_version_text(running.gpu->cuda_runtime_version));
+  }
+  if (table.backend == Backend::cuda) {
+    warn_if(table.driver_version != running.driver_version, "driver_version",
+            quoted(table.driver_version), quoted(running.driver_version));
+    warn_if(table.nccl_version != running.nccl_version, "nccl_version", quoted(table.nccl_version),
+            quoted(running.nccl_version));
+  }
+  if (!running.lmoe_version.empty()) {
+    warn_if(table.lmoe_version != running.lmoe_version, "lmoe_version",
+            "'" + table.lmoe_version + "'", "'" + running.lmoe_version + "'");
+  }
+  return warnings;
+}
+
+// ---- evidence
+// --------------------------------------------------------------------------------------
+
+namespace {
+
+std::string microseconds(double us) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f us", us);
+  return text;
+}
+
+}  // namespace
+
+std::optional<std::string> describe_measurement(const TierTable& table, std::int64_t tokens,
+                                                std::optional<TailTier> chosen,
+                                                const std::string& table_name) {
+  const GridPoint* point = nearest_grid_point(table.grid, tokens);
+  if (point == nullptr) return std::nullopt;
+  std::string line = "table " + table_name + " measured at T=" + std::to_string(point->tokens);
+  if (point->tokens != tokens) line += " (nearest to T=" + std::to_string(tokens) + ")";
+  line += ":";
+  std::vector<TailTier> ran, other;
+  for (TailTier tier : kAllTiers) ((*point)[tier].ran() ? ran : other).push_back(tier);
+  std::stable_sort(ran.begin(), ran.end(), [&](TailTier a, TailTier b) {
+    return (*point)[a].median_us < (*point)[b].median_us;
+  });
+  std::string sep = " ";
+  for (TailTier tier : ran) {
+    line += sep + std::string(tier_name(tier)) + " " + microseconds((*point)[tier].median_us) +
+            (chosen == tier ? " (chosen)" : "");
+    sep = ", ";
+  }
+  for (TailTier tier : other) {
+    const TierTiming& timing = (*point)[tier];
+    line += sep + std::string(tier_name(tier)) +
+            (timing.status == TierTiming::Status::declined ? " declined (" + timing.reason + ")"
+                                                           : std::string(" not measured"));
+    sep = ", ";
+  }
+  return line;
+}
+
+// ---- tuning
+// --------------------------------------------------------------------------------------
+
+std::vector<std::int64_t> default_tune_tokens(Backend backend) {
+  if (backend == Backend::cpu) return {1, 2, 4, 8, 16, 32, 64, 128, 256};
+  std::set<std::int64_t> tokens;
+  for (std::int64_t t = 1; t <= 32768; t *= 2) {
+    tokens.insert(t);
+    if (t >= 2 && t < 32768) tokens.insert(3 * t / 2);
+  }
+  return {tokens.begin(), tokens.end()};
+}
+
+TuneResult tune_tiers(const BenchOptions& options_in, const std::string& preset,
+                      const BenchProgressFn& progress) {
+  BenchOptions options = options_in;
+  if (options.comms.empty()) options.comms = {default_comm_backend(options.backend)};
+  LMOE_CHECK(options.comms.size() == 1,
+             "tune: expected one comm backend (a table holds for one), got " +
+                 std::to_string(options.comms.size()));
+  TuneResult result;
+  result.bench = run_tail_bench(options, progress);
+  if (!result.bench.comm_errors.empty()) {
+    throw Error("tune: comm " + result.bench.comm_errors.front().comm +
+                " failed: " + result.bench.comm_errors.front().error);
+  }
+  const std::string& comm = options.comms.front();
+
+  TierTable& table = result.table;
+  const BenchEnvironment environment = bench_environment(options.backend);
+  const RunningConfig running =
+      running_config(options.backend, options.tp, options.dims, options.dtype, comm);
+  TableProvenance& p = table.provenance;
+  p.lmoe_version = kVersion;
+  p.backend = options.backend;
+  p.gpu = running.gpu;
+  p.driver_version = running.driver_version;
+  p.nccl_version = running.nccl_version;
+  p.tp = options.tp;
+  p.dims = options.dims;
+  p.dtype = options.dtype;
+  p.comm = comm;
+  p.date_utc = environment.date_utc;
+  p.hostname = environment.hostname;
+  p.preset = preset;
+  p.warmup = options.warmup;
+  p.iters = options.iters;
+  for (const BenchRecord& record : result.bench.records) {
+    if (!record.declined) {
+      p.mode = std::string(bench_mode_name(record.mode));
+      break;
+    }
+  }
+  table.grid = grid_from_records(result.bench.records, comm);
+  result.fit = find_breakpoints(table.grid);
+  table.breakpoints = result.fit.breakpoints;
+  return result;
+}
+
+// ---- checking a policy against a sweep
+// -----------------------------------------------------------
+
+std::string_view verdict_name(ChoiceCheck::Verdict verdict) {
+  switch (verdict) {
+    case ChoiceCheck::Verdict::fastest:
+      return "fastest";
+    case ChoiceCheck::Verdict::within_percent:
+      return "within tolerance";
+    case ChoiceCheck::Verdict::within_spread:
+      return "within spread";
+    case ChoiceCheck::Verdict::slower:
+      return "SLOWER";
+    case ChoiceCheck::Verdict::not_timed:
+      return "NOT TIMED";
+    case ChoiceCheck::Verdict::nothing_ran:
+      return "nothing ran";
+  }
+  return "?";
+}
+
+std::vector<ChoiceCheck> check_choices(std::span<const BenchRecord> records, double tolerance) {
+  LMOE_CHECK(tolerance >= 0,
+             "check_choices: tolerance: expected >= 0, got " + std::to_string(tolerance));
+  // (comm, T) in the order they first appear.
+  std::vector<std::pair<std::string, std::int64_t>> keys;
+  std::map<std::pair<std::string, std::int64_t>, std::vector<const BenchRecord*>> groups;
+  for (const BenchRecord& record : records) {
+    auto key = std::make_pair(record.comm, record.tokens);
+    if (!groups.count(key)) keys.push_back(key);
+    groups[key].push_back(&record);
+  }
+  std::vector<ChoiceCheck> checks;
+  for (const auto& key : keys) {
+    ChoiceCheck check;
+    check.comm = key.first;
+    check.tokens = key.second;
+    const BenchRecord* fastest = nullptr;
+    const BenchRecord* chosen = nullptr;
+    for (const BenchRecord* record : groups[key]) {
+      if (record->declined) continue;
+      if (!fastest || record->stats.median < fastest->stats.median) fastest = record;
+      if (record->chosen) chosen = record;
+    }
+    if (fastest == nullptr) {
+      check.verdict = ChoiceCheck::Verdict::nothing_ran;
+      checks.push_back(check);
+      continue;
+    }
+    check.fastest = fastest->tier;
+    check.fastest_median_us = fastest->stats.median * 1e6;
+    check.fastest_p90_us = fastest->stats.p90 * 1e6;
+    if (chosen == nullptr) {
+      check.verdict = ChoiceCheck::Verdict::not_timed;
+      checks.push_back(check);
+      continue;
+    }
+    check.chosen = chosen->tier;
+    check.chosen_median_us = chosen->stats.median * 1e6;
+    check.ratio = fastest->stats.median > 0  ? chosen->stats.median / fastest->stats.median
+                  : chosen->stats.median > 0 ? std::numeric_limits<double>::infinity()
+                                             : 1.0;
+    if (chosen == fastest || chosen->stats.median <= fastest->stats.median) {
+      check.verdict = ChoiceCheck::Verdict::fastest;
+    } else if (chosen->stats.median <= (1 + tolerance) * fastest->stats.median) {
+      check.verdict = ChoiceCheck::Verdict::within_percent;
+    } else if (chosen->stats.median <= fastest->stats.p90) {
+      check.verdict = ChoiceCheck::Verdict::within_spread;
+    } else {
+      check.verdict = ChoiceCheck::Verdict::slower;
+    }
+    checks.push_back(check);
+  }
+  return checks;
+}
+
+}  // namespace lmoe
