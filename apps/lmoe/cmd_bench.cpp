@@ -16,6 +16,7 @@
 #include "lmoe/error.hpp"
 #include "lmoe/tail_bench.hpp"
 #include "progress.hpp"
+#include "sweep_options.hpp"
 #include "table.hpp"
 
 namespace lmoe::cli {
@@ -41,18 +42,11 @@ constexpr const char* kWrongDefinition =
 
 struct BenchCommand {
   CLI::App* app = nullptr;
-  ModelOptions model;
-  std::string backend = "auto";
-  std::optional<int> ranks;
-  std::vector<std::int64_t> tokens;
+  SweepOptions sweep;
   std::vector<std::string> tiers;
   std::vector<std::string> comms;
-  std::optional<int> warmup;
-  std::optional<int> iters;
-  std::string mode = "auto";
   std::string tier_table;
   std::string check_table_path;  // --check-table FILE; --check-table alone checks the loaded policy
-  std::uint64_t seed = 2026;
   std::int64_t check_max_tokens = 2048;
   bool no_check = false;
   std::string json_path;
@@ -197,24 +191,10 @@ nlohmann::json checks_json(const std::vector<ChoiceCheck>& checks) {
 }
 
 void BenchCommand::execute() {
-  const Backend chosen_backend = resolve_backend(backend);
+  const SweepOptions::Resolved resolved = sweep.resolve(*app, default_bench_tokens);
+  BenchOptions options = resolved.options;
+  const Backend chosen_backend = options.backend;
   const bool cuda = chosen_backend == Backend::cuda;
-  ModelOptions dims = model;
-  if (app->count("--preset") == 0 && !cuda) dims.preset = "small";
-  const ModelOptions::Resolved resolved = dims.resolve();
-
-  BenchOptions options;
-  options.backend = chosen_backend;
-  options.dims = resolved.dims;
-  options.eps = resolved.eps;
-  options.dtype = resolved.dtype;
-  options.tp = ranks.value_or(cuda ? 8 : 4);
-  LMOE_CHECK(options.tp >= 1,
-             "-n/--ranks: expected at least 1 rank, got " + std::to_string(options.tp));
-  options.tokens = tokens.empty() ? default_bench_tokens(chosen_backend) : tokens;
-  for (std::int64_t t : options.tokens) {
-    LMOE_CHECK(t >= 1, "-t/--tokens: expected token counts >= 1, got " + std::to_string(t));
-  }
   if (!tiers.empty()) {
     options.tiers.clear();
     for (const std::string& name : tiers) {
@@ -241,7 +221,7 @@ void BenchCommand::execute() {
   const std::shared_ptr<const TierTable> measured = options.policy.table;
   // A measured table holds for one comm and its grid: by default, sweep those.
   if (measured && comms.empty()) comms = {measured->provenance.comm};
-  if (measured && check_table && tokens.empty()) {
+  if (measured && check_table && sweep.tokens.empty()) {
     options.tokens.clear();
     for (const GridPoint& point : measured->grid) options.tokens.push_back(point.tokens);
   }
@@ -254,33 +234,19 @@ void BenchCommand::execute() {
                   " backend; available here: " + (available.empty() ? "none" : joined(available)));
     }
   }
-  options.warmup = warmup.value_or(cuda ? 5 : 2);
-  LMOE_CHECK(options.warmup >= 0,
-             "--warmup: expected >= 0 iterations, got " + std::to_string(options.warmup));
-  options.iters = iters.value_or(cuda ? 50 : 10);
-  LMOE_CHECK(options.iters >= 1,
-             "--iters: expected at least 1 timed iteration, got " + std::to_string(options.iters));
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
-  if (mode != "auto") {
-    try {
-      options.mode = parse_bench_mode(mode);
-    } catch (const Error& error) {
-      throw Error("--mode: " + error.message() + " (or auto)");
-    }
-  }
   for (const std::string& comm : options.comms) {
     check_table_fits(options.policy, running_config(chosen_backend, options.tp, options.dims,
                                                     options.dtype, comm));
   }
-  options.seed = seed;
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
   options.inject_fault = inject_fault_from_environment();
   validate_bench_options(options);
   if (!cuda) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   const BenchEnvironment environment = bench_environment(chosen_backend);
-  std::string setting = resolved.name + ", d_model " + std::to_string(options.dims.d_model) +
+  std::string setting = resolved.preset + ", d_model " + std::to_string(options.dims.d_model) +
                         ", d_latent " + std::to_string(options.dims.d_latent) + ", " +
                         std::string(dtype_name(options.dtype)) + ", tp " +
                         std::to_string(options.tp) + ", backend " +
@@ -386,7 +352,7 @@ void BenchCommand::execute() {
                                 {"backend", backend_name(chosen_backend)},
                                 {"gpu", gpu},
                                 {"nccl_version", optional_json(environment.nccl_version)},
-                                {"preset", resolved.name},
+                                {"preset", resolved.preset},
                                 {"d_model", options.dims.d_model},
                                 {"d_latent", options.dims.d_latent},
                                 {"dtype", dtype_name(options.dtype)},
@@ -428,32 +394,14 @@ void add_bench_command(CLI::App& app) {
       "an "
       "nccl-tests table (default: cuda at kimi-k3 dims on 8 ranks; cpu at small dims on 4)");
   command->app = sub;
-  command->model.add_to(*sub);
-  std::vector<std::string> presets;
-  for (const ModelPreset& preset : model_presets()) presets.push_back(preset.name);
-  sub->get_option("--preset")
-      ->default_str("")
-      ->description("model dims: " + joined(presets) + " (default: kimi-k3 on cuda, small on cpu)");
-  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
-  sub->add_option("-n,--ranks", command->ranks,
-                  "tensor-parallel ranks (default: 8 on cuda, 4 on cpu)");
-  sub->add_option("-t,--tokens", command->tokens,
-                  "token counts T (default cuda: 1, 2, 4, ..., 32768 and 96, 192, ..., 3072; cpu: "
-                  "1, 4, 16, ..., 512)")
-      ->delimiter(',');
+  command->sweep.add_to(*sub, "-n,--ranks",
+                        "cuda: 1, 2, 4, ..., 32768 and 96, 192, ..., 3072; cpu: 1, 4, 16, ..., "
+                        "512; with --check-table and a measured table: its grid");
   sub->add_option("--tiers", command->tiers, "tiers to time (default: fused,overlap,column,token)")
       ->delimiter(',');
   sub->add_option("--comm", command->comms,
                   "comm backends (default: every one this build and machine can run)")
       ->delimiter(',');
-  sub->add_option("--warmup", command->warmup,
-                  "untimed forwards per T and tier (default: 5 on cuda, 2 on cpu)");
-  sub->add_option("--iters", command->iters,
-                  "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
-  sub->add_option(
-         "--mode", command->mode,
-         "auto (graph where the comm is capturable and the workspaces persistent), graph or eager")
-      ->capture_default_str();
   sub->add_option(
          "--check-max-tokens", command->check_max_tokens,
          "check every T up to this against the contract (the CPU reference costs 2*T*d*l FLOPs)")
@@ -468,7 +416,6 @@ void add_bench_command(CLI::App& app) {
                   "tier table to check, else the one loaded; with a measured table the default T "
                   "are its grid's")
       ->expected(0, 1);
-  sub->add_option("--seed", command->seed, "seed of the weights and inputs")->capture_default_str();
   sub->add_option("--json", command->json_path,
                   "also write the results (with every iteration's time) to this file");
   sub->footer(std::string("Columns:\n  ") + kBytesDefinition + "\n  " + kBusDefinition + "\n  " +

@@ -14,6 +14,7 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "progress.hpp"
+#include "sweep_options.hpp"
 #include "table.hpp"
 
 namespace lmoe::cli {
@@ -22,15 +23,8 @@ namespace {
 
 struct TuneCommand {
   CLI::App* app = nullptr;
-  ModelOptions model;
-  std::string backend = "auto";
-  std::optional<int> ranks;
+  SweepOptions sweep;
   std::string comm;
-  std::vector<std::int64_t> tokens;
-  std::optional<int> warmup;
-  std::optional<int> iters;
-  std::string mode = "auto";
-  std::uint64_t seed = 2026;
   std::int64_t check_max_tokens = 64;
   std::string output;
 
@@ -49,24 +43,10 @@ std::string describe(const Breakpoints& b) {
 }
 
 void TuneCommand::execute() {
-  const Backend chosen_backend = resolve_backend(backend);
-  const bool cuda = chosen_backend == Backend::cuda;
-  ModelOptions dims = model;
-  if (app->count("--preset") == 0 && !cuda) dims.preset = "small";
-  const ModelOptions::Resolved resolved = dims.resolve();
-
-  BenchOptions options;
-  options.backend = chosen_backend;
-  options.dims = resolved.dims;
-  options.eps = resolved.eps;
-  options.dtype = resolved.dtype;
-  options.tp = ranks.value_or(cuda ? 8 : 4);
-  LMOE_CHECK(options.tp >= 1,
-             "-n/--ranks/--tp: expected at least 1 rank, got " + std::to_string(options.tp));
-  options.tokens = tokens.empty() ? default_tune_tokens(chosen_backend) : tokens;
-  for (std::int64_t t : options.tokens) {
-    LMOE_CHECK(t >= 1, "-t/--tokens: expected token counts >= 1, got " + std::to_string(t));
-  }
+  const SweepOptions::Resolved resolved = sweep.resolve(*app, default_tune_tokens);
+  BenchOptions options = resolved.options;
+  const Backend chosen_backend = options.backend;
+  // The grid is sorted: the breakpoints lie between neighbours.
   std::sort(options.tokens.begin(), options.tokens.end());
   options.tokens.erase(std::unique(options.tokens.begin(), options.tokens.end()),
                        options.tokens.end());
@@ -74,23 +54,9 @@ void TuneCommand::execute() {
   if (auto limit = comm_group_limit(chosen_comm, options.tp))
     throw Error("--comm " + chosen_comm + ": " + *limit);
   options.comms = {chosen_comm};
-  options.warmup = warmup.value_or(cuda ? 5 : 2);
-  LMOE_CHECK(options.warmup >= 0,
-             "--warmup: expected >= 0 iterations, got " + std::to_string(options.warmup));
-  options.iters = iters.value_or(cuda ? 50 : 10);
-  LMOE_CHECK(options.iters >= 1,
-             "--iters: expected at least 1 timed iteration, got " + std::to_string(options.iters));
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
   options.check_max_tokens = check_max_tokens;
-  if (mode != "auto") {
-    try {
-      options.mode = parse_bench_mode(mode);
-    } catch (const Error& error) {
-      throw Error("--mode: " + error.message() + " (or auto)");
-    }
-  }
-  options.seed = seed;
   validate_bench_options(options);
   // Fail before the sweep, not after it (and leave no empty file behind).
   {
@@ -100,10 +66,10 @@ void TuneCommand::execute() {
     probe.close();
     if (!existed) std::filesystem::remove(output);
   }
-  if (!cuda) cpu::set_blas_threads(1);  // ranks are the parallelism
+  if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   const std::string setting =
-      resolved.name + ", d_model " + std::to_string(options.dims.d_model) + ", d_latent " +
+      resolved.preset + ", d_model " + std::to_string(options.dims.d_model) + ", d_latent " +
       std::to_string(options.dims.d_latent) + ", " + std::string(dtype_name(options.dtype)) +
       ", tp " + std::to_string(options.tp) + ", backend " +
       std::string(backend_name(chosen_backend)) + ", comm " + chosen_comm + ", " +
@@ -114,7 +80,7 @@ void TuneCommand::execute() {
   TuneResult result;
   {
     ProgressPrinter printer("lmoe tune");
-    result = tune_tiers(options, resolved.name,
+    result = tune_tiers(options, resolved.preset,
                         [&printer](const BenchProgress& progress) { printer(progress); });
   }
   const TierTable& table = result.table;
@@ -187,31 +153,15 @@ void add_tune_command(CLI::App& app) {
       "least regret, write a tier table (default: cuda at kimi-k3 dims on 8 ranks; cpu at small "
       "dims on 4)");
   command->app = sub;
-  command->model.add_to(*sub);
-  sub->get_option("--preset")
-      ->default_str("")
-      ->description("model dims (default: kimi-k3 on cuda, small on cpu)");
-  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
-  sub->add_option("-n,--ranks,--tp", command->ranks,
-                  "tensor-parallel ranks (default: 8 on cuda, 4 on cpu)");
+  command->sweep.add_to(*sub, "-n,--ranks,--tp",
+                        "cuda: 1, 2, 3, 4, 6, 8, 12, ..., 24576, 32768; cpu: 1, 2, 4, ..., 256");
   sub->add_option("--comm", command->comm,
                   "the one comm backend to measure (a table holds for one; default: the "
                   "backend's)");
-  sub->add_option("-t,--tokens", command->tokens,
-                  "token counts T (default cuda: 1, 2, 3, 4, 6, 8, 12, ..., 24576, 32768; cpu: 1, "
-                  "2, 4, ..., 256)")
-      ->delimiter(',');
-  sub->add_option("--warmup", command->warmup,
-                  "untimed forwards per T and tier (default: 5 on cuda, 2 on cpu)");
-  sub->add_option("--iters", command->iters,
-                  "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
-  sub->add_option("--mode", command->mode, "auto, graph or eager (as in lmoe bench)")
-      ->capture_default_str();
   sub->add_option("--check-max-tokens", command->check_max_tokens,
                   "check every T up to this against the contract; no table is written when a "
                   "tier is wrong")
       ->capture_default_str();
-  sub->add_option("--seed", command->seed, "seed of the weights and inputs")->capture_default_str();
   sub->add_option("-o,--output", command->output, "the tier table to write (JSON, version 2)")
       ->required();
   sub->footer(

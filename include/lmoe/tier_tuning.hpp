@@ -29,7 +29,7 @@
 
 namespace lmoe {
 
-// ---- the measured grid -------------------------------------------------------------------------
+// ---- the measured grid --------------------------------------------------------------------------
 
 // One tier at one T: its time over the sweep's iterations, or why it could not run.
 struct TierTiming {
@@ -69,8 +69,7 @@ std::vector<GridPoint> grid_from_records(std::span<const BenchRecord> records,
 // The grid point nearest to T on a log scale (ties: the smaller T); nullptr for an empty grid.
 const GridPoint* nearest_grid_point(std::span<const GridPoint> grid, std::int64_t tokens);
 
-// ---- breakpoints
-// ---------------------------------------------------------------------------------
+// ---- breakpoints --------------------------------------------------------------------------------
 
 // fused_max_tokens or overlap_max_tokens when the tier's range has no upper end.
 inline constexpr std::int64_t kNoTokenLimit = std::numeric_limits<std::int64_t>::max();
@@ -111,7 +110,7 @@ BreakpointFit find_breakpoints(std::span<const GridPoint> grid);
 // How `policy` does on the grid: what it chooses at every point, and the regret.
 BreakpointFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy);
 
-// ---- tier tables, version 2 --------------------------------------------------------------------
+// ---- tier tables, version 2 ---------------------------------------------------------------------
 
 struct TableGpu {
   std::string name;                // "NVIDIA H200"
@@ -186,8 +185,7 @@ std::optional<std::string> describe_measurement(const TierTable& table, std::int
                                                 std::optional<TailTier> chosen,
                                                 const std::string& table_name);
 
-// ---- tuning
-// --------------------------------------------------------------------------------------
+// ---- tuning -------------------------------------------------------------------------------------
 
 // The default grid of `lmoe tune`: cuda powers of two from 1 to 32768 and the midpoints 3·2^k
 // between them (where crossovers fall between powers of two); cpu a short list for small dims.
@@ -206,8 +204,7 @@ struct TuneResult {
 TuneResult tune_tiers(const BenchOptions& options, const std::string& preset,
                       const BenchProgressFn& progress = {});
 
-// ---- checking a policy against a sweep
-// -----------------------------------------------------------
+// ---- checking a policy against a sweep ----------------------------------------------------------
 
 // At one (comm, T) of a sweep: the policy's choice against the fastest tier measured.
 struct ChoiceCheck {

@@ -15,7 +15,7 @@
 
 namespace lmoe {
 
-// ---- the measured grid -------------------------------------------------------------------------
+// ---- the measured grid --------------------------------------------------------------------------
 
 TierTiming TierTiming::measured(double median_us, double p10_us, double p90_us) {
   TierTiming timing;
@@ -87,8 +87,7 @@ const GridPoint* nearest_grid_point(std::span<const GridPoint> grid, std::int64_
   return nearest;
 }
 
-// ---- breakpoints
-// ---------------------------------------------------------------------------------
+// ---- breakpoints --------------------------------------------------------------------------------
 
 PolicyConfig policy_from(const Breakpoints& breakpoints, const std::string& origin) {
   PolicyConfig config;
@@ -284,7 +283,7 @@ BreakpointFit find_breakpoints(std::span<const GridPoint> grid) {
   return fit;
 }
 
-// ---- matching ----------------------------------------------------------------------------------
+// ---- matching -----------------------------------------------------------------------------------
 
 bool TableProvenance::operator==(const TableProvenance& o) const {
   return lmoe_version == o.lmoe_version && backend == o.backend && gpu == o.gpu &&
@@ -410,8 +409,7 @@ std::vector<std::string> match_tier_table(const TableProvenance& table,
   return warnings;
 }
 
-// ---- evidence
-// --------------------------------------------------------------------------------------
+// ---- evidence -----------------------------------------------------------------------------------
 
 namespace {
 
@@ -452,8 +450,7 @@ std::optional<std::string> describe_measurement(const TierTable& table, std::int
   return line;
 }
 
-// ---- tuning
-// --------------------------------------------------------------------------------------
+// ---- tuning -------------------------------------------------------------------------------------
 
 std::vector<std::int64_t> default_tune_tokens(Backend backend) {
   if (backend == Backend::cpu) return {1, 2, 4, 8, 16, 32, 64, 128, 256};
@@ -511,8 +508,7 @@ TuneResult tune_tiers(const BenchOptions& options_in, const std::string& preset,
   return result;
 }
 
-// ---- checking a policy against a sweep
-// -----------------------------------------------------------
+// ---- checking a policy against a sweep ----------------------------------------------------------
 
 std::string_view verdict_name(ChoiceCheck::Verdict verdict) {
   switch (verdict) {

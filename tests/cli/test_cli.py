@@ -290,7 +290,7 @@ class BenchCommand(unittest.TestCase):
     DOC_FIELDS = [
         "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
         "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
-        "fault_injected", "definitions", "records", "comm_errors", "ok",
+        "fault_injected", "definitions", "records", "comm_errors", "tier_table", "policy_check", "ok",
     ]
 
     def bench(self, *args, env=None, check=True):

@@ -5,7 +5,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "lmoe/error.hpp"
+#include "tier_table_files.hpp"
 
 namespace {
 
@@ -29,13 +29,7 @@ using ::testing::StartsWith;
 
 using Env = std::map<std::string, std::string>;
 
-lmoe::EnvLookup fake_env(Env values) {
-  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
-    auto it = values.find(name);
-    if (it == values.end()) return std::nullopt;
-    return it->second;
-  };
-}
+using lmoe_test::fake_env;
 
 PolicyConfig load(const Env& env, const std::optional<std::string>& table_path = std::nullopt) {
   return lmoe::load_policy_config(fake_env(env), table_path);
@@ -88,25 +82,7 @@ std::string select_error(std::int64_t tokens, const PolicyConfig& config,
   return "<no error>";
 }
 
-// Writes tier tables into a directory of its own and removes it afterwards.
-class TierTableFiles : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("lmoe_tier_policy_" + std::to_string(::getpid()) + "_" + info->name());
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-
-  std::string write(const std::string& name, const std::string& text) {
-    const std::filesystem::path path = dir_ / name;
-    std::ofstream(path, std::ios::binary) << text;
-    return path.string();
-  }
-
-  std::filesystem::path dir_;
-};
+using lmoe_test::TierTableFiles;
 
 const char* kFullTable = R"({"format": "lmoe-tier-table", "version": 1,
   "breakpoints": {"fused_max_tokens": 64, "overlap_max_tokens": 512, "column_max_tokens": 4096},

@@ -7,7 +7,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -22,6 +21,7 @@
 #include "lmoe/reference.hpp"
 #include "lmoe/threads_communicator.hpp"
 #include "lmoe/version.hpp"
+#include "tier_table_files.hpp"
 
 namespace {
 
@@ -87,8 +87,7 @@ std::string find_error(const std::vector<GridPoint>& grid) {
   return "<no error>";
 }
 
-// ---- breakpoints on synthetic grids
-// --------------------------------------------------------------
+// ---- breakpoints on synthetic grids -------------------------------------------------------------
 
 TEST(FindBreakpoints, CleanCrossoversLandWhereTheLinesCross) {
   // fused 10 + T, overlap 20 + T/2 (crosses fused at T = 20), column 60 + T/4 (crosses overlap at
@@ -385,8 +384,7 @@ TEST(GridHelpers, GridFromRecordsTakesOneCommSortedByT) {
   }
 }
 
-// ---- tables
-// --------------------------------------------------------------------------------------
+// ---- tables -------------------------------------------------------------------------------------
 
 lmoe::TierTable sample_table() {
   lmoe::TierTable table;
@@ -556,8 +554,7 @@ TEST(TierTableV2, AppliedToAPolicyItSetsAllThreeBreakpointsAndTheTable) {
   EXPECT_FALSE(v1.table);
 }
 
-// ---- matching
-// ------------------------------------------------------------------------------------
+// ---- matching -----------------------------------------------------------------------------------
 
 TEST(MatchTierTable, TheSameConfigurationMatchesWithoutWarnings) {
   const lmoe::TableProvenance p = sample_table().provenance;
@@ -641,40 +638,17 @@ TEST(MatchTierTable, RunningConfigOfTheCpuBackend) {
   EXPECT_EQ(running.lmoe_version, lmoe::kVersion);
 }
 
-// ---- loading: files, the environment and explain()
-// -----------------------------------------------
+// ---- loading: files, the environment and explain() ----------------------------------------------
 
-class TableFiles : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("lmoe_tier_tuning_" + std::to_string(::getpid()) + "_" + info->name());
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string write(const std::string& name, const std::string& text) {
-    const std::filesystem::path path = dir_ / name;
-    std::ofstream(path, std::ios::binary) << text;
-    return path.string();
-  }
-  std::filesystem::path dir_;
-};
-
-lmoe::EnvLookup env_of(std::map<std::string, std::string> values) {
-  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
-    auto it = values.find(name);
-    if (it == values.end()) return std::nullopt;
-    return it->second;
-  };
-}
+// The tier policy tests' fixture, under a test suite name of this file's own.
+class TableFiles : public lmoe_test::TierTableFiles {};
 
 TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   lmoe::TierTable table = sample_table();
   table.breakpoints = {10, 20, 30};
   const std::string path = write("tiers.json", lmoe::write_tier_table(table));
 
-  PolicyConfig config = lmoe::load_policy_config(env_of({{"LMOE_TIER_TABLE", path}}));
+  PolicyConfig config = lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER_TABLE", path}}));
   EXPECT_EQ(config.fused_max_tokens.value, 10);
   EXPECT_EQ(config.overlap_max_tokens.value, 20);
   EXPECT_EQ(config.column_max_tokens.value, std::optional<std::int64_t>(30));
@@ -682,7 +656,7 @@ TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   EXPECT_EQ(config.table_path, std::optional<std::string>(path));
 
   config = lmoe::load_policy_config(
-      env_of({{"LMOE_FUSED_MAX_TOKENS", "5"}, {"LMOE_COLUMN_MAX_TOKENS", "none"}}), path);
+      lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", "5"}, {"LMOE_COLUMN_MAX_TOKENS", "none"}}), path);
   EXPECT_EQ(config.fused_max_tokens.value, 5);
   EXPECT_EQ(config.fused_max_tokens.source, lmoe::SettingSource::environment);
   EXPECT_EQ(config.overlap_max_tokens.value, 20);
@@ -695,11 +669,11 @@ TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   const std::string other = write("other.json", R"({"format": "lmoe-tier-table", "version": 1,
       "breakpoints": {"fused_max_tokens": 99}})");
   config =
-      lmoe::load_policy_config(env_of({{"LMOE_TIER_TABLE", other}, {"LMOE_TIER", "token"}}), path);
+      lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER_TABLE", other}, {"LMOE_TIER", "token"}}), path);
   EXPECT_EQ(config.fused_max_tokens.value, 10);
   EXPECT_EQ(lmoe::select(3, config, lmoe::TierSupport{}), TailTier::token);
   // And the version-1 file through the variable alone.
-  config = lmoe::load_policy_config(env_of({{"LMOE_TIER_TABLE", other}}));
+  config = lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER_TABLE", other}}));
   EXPECT_EQ(config.fused_max_tokens.value, 99);
   EXPECT_FALSE(config.table);
 }
@@ -708,7 +682,7 @@ TEST_F(TableFiles, ExplainCitesTheMeasurementNearestToT) {
   lmoe::TierTable table = sample_table();
   table.breakpoints = {16, 64, 128};
   const std::string path = write("tiers.json", lmoe::write_tier_table(table));
-  const PolicyConfig config = lmoe::load_policy_config(env_of({}), path);
+  const PolicyConfig config = lmoe::load_policy_config(lmoe_test::fake_env({}), path);
   const std::string text = lmoe::explain(300, config, lmoe::TierSupport{});
   EXPECT_THAT(text, StartsWith("decision: T=300 → token"));
   EXPECT_THAT(text, HasSubstr("evidence: table " + path +
@@ -729,8 +703,7 @@ TEST_F(TableFiles, ExplainCitesTheMeasurementNearestToT) {
               ::testing::Not(HasSubstr("evidence")));
 }
 
-// ---- LatentTail with a table
-// ---------------------------------------------------------------------
+// ---- LatentTail with a table --------------------------------------------------------------------
 
 lmoe::TierTable cpu_table(int tp, lmoe::TailDims dims) {
   lmoe::TierTable table = sample_table();
@@ -832,8 +805,7 @@ TEST(CheckChoices, VerdictsAtTheirEdges) {
   EXPECT_EQ(lmoe::check_choices(records, 0.05)[2].verdict, V::within_percent);
 }
 
-// ---- tune on the CPU backend
-// ----------------------------------------------------------------------
+// ---- tune on the CPU backend --------------------------------------------------------------------
 
 TEST(TuneTiers, CpuSweepGivesATableThatMatchesItsOwnConfiguration) {
   lmoe::BenchOptions options;

@@ -1,0 +1,73 @@
+#include "sweep_options.hpp"
+
+#include <algorithm>
+
+#include "lmoe/error.hpp"
+
+namespace lmoe::cli {
+
+void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
+                          const std::string& tokens_default) {
+  model.add_to(app);
+  std::string presets;
+  for (const ModelPreset& preset : model_presets()) {
+    presets += (presets.empty() ? "" : ", ") + preset.name;
+  }
+  app.get_option("--preset")
+      ->default_str("")
+      ->description("model dims: " + presets + " (default: kimi-k3 on cuda, small on cpu)");
+  app.add_option("--backend", backend, "auto, cpu or cuda")->capture_default_str();
+  app.add_option(ranks_names, ranks, "tensor-parallel ranks (default: 8 on cuda, 4 on cpu)");
+  ranks_flag_ = ranks_names;
+  std::replace(ranks_flag_.begin(), ranks_flag_.end(), ',', '/');
+  app.add_option("-t,--tokens", tokens, "token counts T (default " + tokens_default + ")")
+      ->delimiter(',');
+  app.add_option("--warmup", warmup,
+                 "untimed forwards per T and tier (default: 5 on cuda, 2 on cpu)");
+  app.add_option("--iters", iters,
+                 "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
+  app.add_option(
+         "--mode", mode,
+         "auto (graph where the comm is capturable and the workspaces persistent), graph or eager")
+      ->capture_default_str();
+  app.add_option("--seed", seed, "seed of the weights and inputs")->capture_default_str();
+}
+
+SweepOptions::Resolved SweepOptions::resolve(
+    const CLI::App& app, std::vector<std::int64_t> (*default_tokens)(Backend backend)) const {
+  Resolved resolved;
+  BenchOptions& options = resolved.options;
+  options.backend = resolve_backend(backend);
+  const bool cuda = options.backend == Backend::cuda;
+  ModelOptions dims = model;
+  if (app.count("--preset") == 0 && !cuda) dims.preset = "small";
+  const ModelOptions::Resolved chosen = dims.resolve();
+  resolved.preset = chosen.name;
+  options.dims = chosen.dims;
+  options.eps = chosen.eps;
+  options.dtype = chosen.dtype;
+  options.tp = ranks.value_or(cuda ? 8 : 4);
+  LMOE_CHECK(options.tp >= 1,
+             ranks_flag_ + ": expected at least 1 rank, got " + std::to_string(options.tp));
+  options.tokens = tokens.empty() ? default_tokens(options.backend) : tokens;
+  for (std::int64_t t : options.tokens) {
+    LMOE_CHECK(t >= 1, "-t/--tokens: expected token counts >= 1, got " + std::to_string(t));
+  }
+  options.warmup = warmup.value_or(cuda ? 5 : 2);
+  LMOE_CHECK(options.warmup >= 0,
+             "--warmup: expected >= 0 iterations, got " + std::to_string(options.warmup));
+  options.iters = iters.value_or(cuda ? 50 : 10);
+  LMOE_CHECK(options.iters >= 1,
+             "--iters: expected at least 1 timed iteration, got " + std::to_string(options.iters));
+  if (mode != "auto") {
+    try {
+      options.mode = parse_bench_mode(mode);
+    } catch (const Error& error) {
+      throw Error("--mode: " + error.message() + " (or auto)");
+    }
+  }
+  options.seed = seed;
+  return resolved;
+}
+
+}  // namespace lmoe::cli

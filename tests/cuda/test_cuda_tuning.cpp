@@ -1,0 +1,104 @@
+// Tier tables on a GPU: the running configuration names this GPU, `tune` on the cuda backend writes
+// a table that fits this machine and reads back equal, LatentTail accepts it, and refuses it once
+// its GPU name or compute capability is another's. Every test skips without a GPU.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <regex>
+
+#include "cuda/cuda_tail_executor.hpp"
+#include "lmoe/comm_group.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/reference.hpp"
+#include "lmoe/tier_tuning.hpp"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+#define SKIP_WITHOUT_GPU()                                             \
+  do {                                                                 \
+    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
+  } while (0)
+
+const lmoe::TailDims kSmall{384, 192};
+
+TEST(CudaTuning, RunningConfigNamesThisGpu) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::RunningConfig running =
+      lmoe::running_config(lmoe::Backend::cuda, 2, kSmall, lmoe::DType::bf16, "cuda-threads");
+  ASSERT_TRUE(running.gpu);
+  EXPECT_FALSE(running.gpu->name.empty());
+  EXPECT_TRUE(std::regex_match(running.gpu->compute_capability, std::regex("[0-9]+\\.[0-9]+")))
+      << running.gpu->compute_capability;
+  EXPECT_GT(running.gpu->cuda_driver_version, 0);
+  EXPECT_GT(running.gpu->cuda_runtime_version, 0);
+  if (running.driver_version) {
+    EXPECT_TRUE(std::regex_match(*running.driver_version, std::regex("[0-9][0-9.]*")))
+        << *running.driver_version;
+  }
+}
+
+// Builds one LatentTail per rank on the default comm with `table` in its policy.
+void build_tails(const lmoe::TierTable& table, int tp) {
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, lmoe::DType::bf16, tp, 1, 3u);
+  lmoe::run_comm_group(table.provenance.comm, tp, [&](int, lmoe::Communicator& comm) {
+    lmoe::TailOptions options;
+    options.dims = kSmall;
+    options.backend = lmoe::Backend::cuda;
+    options.policy = lmoe::policy_from(table.breakpoints, "table t.json");
+    options.policy.table = std::make_shared<lmoe::TierTable>(table);
+    options.policy.table_path = "t.json";
+    lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+    EXPECT_TRUE(tail.table_warnings().empty());
+  });
+}
+
+TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
+  SKIP_WITHOUT_GPU();
+  lmoe::BenchOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.dims = kSmall;
+  options.tp = 2;
+  options.tokens = {1, 8, 64};
+  options.warmup = 1;
+  options.iters = 3;
+  const lmoe::TuneResult tuned = lmoe::tune_tiers(options, "small");
+  ASSERT_TRUE(tuned.ok());
+  const lmoe::TierTable& table = tuned.table;
+  ASSERT_TRUE(table.provenance.gpu);
+  EXPECT_EQ(table.provenance.comm, lmoe::default_comm_backend(lmoe::Backend::cuda));
+  EXPECT_EQ(table.grid.size(), 3u);
+  for (const lmoe::GridPoint& point : table.grid) {
+    for (lmoe::TailTier tier : lmoe::kAllTiers) {
+      if (point[tier].ran()) {
+        EXPECT_GT(point[tier].median_us, 0) << point.tokens;
+      }
+    }
+  }
+  const lmoe::TierTable back = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
+  EXPECT_EQ(back.provenance, table.provenance);
+  EXPECT_EQ(back.breakpoints, table.breakpoints);
+
+  build_tails(back, 2);
+
+  lmoe::TierTable other = back;
+  other.provenance.gpu->name = "Some Other GPU";
+  try {
+    build_tails(other, 2);
+    FAIL() << "a table from another GPU was accepted";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("gpu.name is 'Some Other GPU' in the table, '" +
+                                           table.provenance.gpu->name + "' here"));
+  }
+  other = back;
+  other.provenance.gpu->compute_capability = "1.0";
+  try {
+    build_tails(other, 2);
+    FAIL() << "a table from another compute capability was accepted";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("gpu.compute_capability is 1.0 in the table"));
+  }
+}
+
+}  // namespace
