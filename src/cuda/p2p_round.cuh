@@ -107,6 +107,7 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   if (threadIdx.x == 0) {
     failed = 0;
     epoch = own->epoch[block] + 1;
+    own->entered[block] = epoch;
     if (*h.abort_flag) {
       p2p_fail(h, kP2pAborted, -1, epoch);
       failed = 1;
