@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p nccl kernels bench bench1 run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared nccl kernels bench bench1 run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,6 +56,16 @@ fi
 
 if wants p2p; then
   gtest p2p_tests 240 build/cuda/tests/lmoe_cuda_tests 'P2p*:*p2p*'
+fi
+
+if wants p2pshared; then
+  # Opt-in: p2p ranks sharing one GPU, which can stall (docs/p2p.md), with per-block progress in
+  # every failure message.
+  stage "p2p ranks sharing a GPU (diagnostics)"
+  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 timeout 120 build/cuda/tests/lmoe_cuda_tests \
+    --gtest_filter='P2p.Collectives*:P2p.Keeps*:P2p.GraphReplays*:*CudaTailParity*p2p_tp2_bf16' >"$logs/p2pshared.log" 2>&1
+  rc[p2pshared]=$?
+  grep -E "waited|OK \]|FAILED  \]" "$logs/p2pshared.log" | head -20
 fi
 
 if wants nccl && [ -x build/cuda/tests/lmoe_nccl_tests ]; then
