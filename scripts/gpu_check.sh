@@ -62,7 +62,7 @@ if wants p2pshared; then
   # Opt-in: p2p ranks sharing one GPU, which can stall (docs/p2p.md), with per-block progress in
   # every failure message.
   stage "p2p ranks sharing a GPU (diagnostics)"
-  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 timeout 120 build/cuda/tests/lmoe_cuda_tests \
+  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 90 build/cuda/tests/lmoe_cuda_tests \
     --gtest_filter='P2p.Collectives*:P2p.Keeps*:P2p.GraphReplays*:*CudaTailParity*p2p_tp2_bf16' >"$logs/p2pshared.log" 2>&1
   rc[p2pshared]=$?
   grep -E "waited|OK \]|FAILED  \]" "$logs/p2pshared.log" | head -20
