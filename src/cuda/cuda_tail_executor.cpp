@@ -10,7 +10,6 @@
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
-#include "cuda/fused_tail.hpp"
 #include "cuda/launchers.hpp"
 #include "lmoe/error.hpp"
 
@@ -73,7 +72,6 @@ class CudaTailExecutor final : public TailExecutor {
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
-    check(cuda::prepare_fused_tail_small_t(), "prepare_fused_tail_small_t");
     if (fixed_capacity_) allocate_workspaces(max_tokens);
   }
 
@@ -230,19 +228,12 @@ class CudaTailExecutor final : public TailExecutor {
   // fused, as an unfused composition of the same pieces (the one-kernel decode path over a P2P
   // workspace is not built yet): latent all-reduce + norm; shared packed by column stripes
   // [tp][T][s] and reduce-scattered; own stripe up-projected and added; stripes all-gathered.
-  // With one rank the stripe is the whole width and fused's contract is overlap's: for a few tokens
-  // one launch does the norm, the product and the add (fused_tail_small_t.cuh); otherwise overlap's
-  // dataflow, which has no collectives at tp = 1.
+  // With one rank the stripe is the whole width and fused's contract is overlap's: overlap's
+  // dataflow, which has no collectives at tp = 1. (A first one-launch kernel for this case, CUDA
+  // cores with the normalized rows in shared memory, measured no faster at T = 1 and 4.4× slower at
+  // T = 16 than this path on an H200, and was not kept: docs/perf.md.)
   void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
-    if (comm_.size() == 1) {
-      const std::int64_t tokens = routed.rows, d = dims_.d_model, l = dims_.d_latent;
-      // Not supported (T > 16, a row too long for shared memory, unaligned rows): the unfused path.
-      const cudaError_t status =
-          cuda::launch_fused_tail_small_t(routed.data, static_cast<const float*>(gamma_.data()), w_up_.data(), l,
-                                          shared.data, d, out.data, d, tokens, l, d, eps_, dtype_, stream);
-      if (status != cudaErrorNotSupported) return check(status, "launch_fused_tail_small_t");
-      return run_overlap(routed, shared, out, stream);
-    }
+    if (comm_.size() == 1) return run_overlap(routed, shared, out, stream);
     const std::int64_t tokens = routed.rows;
     const std::int64_t width = stripe_width();
     const int tp = comm_.size();

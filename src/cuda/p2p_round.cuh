@@ -107,7 +107,6 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   if (threadIdx.x == 0) {
     failed = 0;
     epoch = own->epoch[block] + 1;
-    own->entered[block] = epoch;
     if (*h.abort_flag) {
       p2p_fail(h, kP2pAborted, -1, epoch);
       failed = 1;
@@ -115,6 +114,8 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
       // Another round of this rank holds the block: two collectives overlap on one workspace.
       p2p_fail(h, kP2pConcurrentUse, -1, epoch);
       failed = 1;
+    } else {
+      own->entered[block] = epoch;  // after the abort check: a round that starts after a failure is not counted
     }
   }
   __syncthreads();

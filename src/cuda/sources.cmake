@@ -1,7 +1,6 @@
 # The CUDA backend's sources, added to lmoe_core (included from src/CMakeLists.txt).
 target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/launchers.cu
-  ${CMAKE_CURRENT_LIST_DIR}/fused_tail.cu
   ${CMAKE_CURRENT_LIST_DIR}/cublaslt_gemm.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_communicator.cpp
   ${CMAKE_CURRENT_LIST_DIR}/p2p_launch.cu

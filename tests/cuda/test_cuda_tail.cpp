@@ -297,10 +297,9 @@ TEST(CudaTailK3, Bf16Tp8AtModelDims) {
   }
 }
 
-// tp = 1, fused: up to 16 tokens one launch does the norm, the product and the add
-// (fused_tail_small_t.cuh); above, the unfused path. Both sides of T = 16, every dtype, against the
-// contract (random inputs) and bit for bit (crafted exact inputs), at small and Kimi-K3 dims (where
-// f32 rows of 16 tokens no longer fit the kernel's shared memory: the fallback runs).
+// tp = 1, fused: no collectives at all (the reductions are the identity), so the tier is the norm,
+// the product and the add; every dtype, T around 16 (where a one-launch kernel will take over),
+// against the contract (random inputs) and bit for bit (crafted exact inputs), small and K3 dims.
 TEST(CudaTailTp1, FusedOneLaunchPathMeetsTheContract) {
   SKIP_WITHOUT_GPU();
   for (const lmoe::TailDims dims : {kSmall, kK3}) {
