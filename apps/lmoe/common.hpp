@@ -46,5 +46,6 @@ void add_run_command(CLI::App& app);
 void add_tail_command(CLI::App& app);
 void add_explain_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_layer_command(CLI::App& app);
 
 }  // namespace lmoe::cli

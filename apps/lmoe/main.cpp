@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
   lmoe::cli::add_tail_command(app);
   lmoe::cli::add_explain_command(app);
   lmoe::cli::add_bench_command(app);
+  lmoe::cli::add_layer_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

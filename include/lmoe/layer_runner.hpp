@@ -15,6 +15,7 @@ namespace lmoe {
 struct LayerRunOptions {
   std::string comm;                  // thread-group communicator (comm_group.hpp); empty: the backend's default
   std::optional<TailTier> tier;      // force the tail's tier
+  int warmup = 0;                    // untimed forwards per input before the timed ones
   int repeats = 1;                   // timed forwards per input; the output of the last one is kept
   bool keep_partials = false;        // also run forward_partials and keep routed/shared
 };

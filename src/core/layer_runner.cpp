@@ -30,6 +30,7 @@ std::vector<LayerInputRun> run_layer_on_threads(const LayerOptions& options, int
         layer.forward_partials(x.matrix(), mine.routed.matrix(), mine.shared.matrix());
       }
       mine.y = HostTensor(options.dtype, {tokens, config.d_model});
+      for (int warmup = 0; warmup < run.warmup; ++warmup) layer.forward(x.matrix(), mine.y.matrix(), run.tier);
       for (int repeat = 0; repeat < std::max(1, run.repeats); ++repeat) {
         mine.y.fill_bytes(std::byte{0xff});  // NaN in every dtype: an unwritten element cannot pass
         comm.barrier();

@@ -279,6 +279,53 @@ class OtherCommands(unittest.TestCase):
         self.assertIn("unknown preset 'gpt-9'", result.stderr)
 
 
+class LayerCommand(unittest.TestCase):
+    def test_small_layer_writes_json_with_every_row_ok(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "layer.json")
+            result = lmoe("layer", "--preset", "small", "--scale", "1", "-n", "2", "-t", "0,1,7", "--repeats", "2",
+                          "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            for column in ["router_us", "down_us", "experts_us", "shared_us", "tail_us", "fp64_err", "row_err"]:
+                self.assertIn(column, result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+        self.assertTrue(doc["ok"])
+        self.assertEqual(doc["command"], "layer")
+        self.assertEqual((doc["d_model"], doc["d_latent"], doc["num_experts"], doc["top_k"]), (384, 192, 16, 4))
+        self.assertEqual((doc["n_group"], doc["topk_group"], doc["tp"]), (4, 2, 2))
+        self.assertEqual([row["tokens"] for row in doc["rows"]], [0, 1, 7])
+        self.assertIsNone(doc["rows"][0]["tier"])
+        self.assertFalse(doc["rows"][0]["checked"])
+        for row in doc["rows"][1:]:
+            self.assertTrue(row["checked"] and row["ok"] and row["ranks_identical"])
+            self.assertLessEqual(row["normwise_error_vs_fp64"], row["normwise_tolerance"])
+            self.assertLessEqual(row["max_row_error_vs_fp64"], row["row_tolerance"])
+            for stage in ["router_us", "down_projection_us", "experts_us", "shared_us", "tail_us", "total_us"]:
+                self.assertGreaterEqual(row[stage], 0)
+
+    def test_kimi_k3_scaled_down_runs(self):
+        result = lmoe("layer", "--scale", "32", "-n", "2", "-t", "3", "--repeats", "1", "--tier", "overlap")
+        self.assertIn("kimi-k3 scaled down 32x: d 224, l 112", result.stdout)
+        self.assertIn("situ_glu", result.stdout)
+        self.assertIn("overlap", result.stdout)
+        self.assertIn("all rows ok", result.stdout)
+
+    def test_bad_requests_name_the_cause(self):
+        cases = [
+            (["--preset", "nemotron-3-ultra"], "--preset nemotron-3-ultra: no layer description"),
+            (["--preset", "nemotron-3-super", "--scale", "16", "-t", "1"], "latent_norm is false"),
+            (["--weights", "/tmp", "--layer", "3"], "--weights/--layer: loading a layer from a checkpoint is not implemented yet"),
+            (["--scale", "0"], "--scale: expected a divisor"),
+            (["--preset", "small", "--scale", "1", "-n", "3"], "expert_intermediate: expected a multiple of tp = 3, got 64"),
+        ]
+        for args, needle in cases:
+            with self.subTest(args=args):
+                result = lmoe("layer", *args, check=False)
+                self.assertEqual(result.returncode, 2, result.stderr)
+                self.assertIn(needle, result.stderr)
+
+
 class BenchCommand(unittest.TestCase):
     RECORD_FIELDS = [
         "comm", "tokens", "tier", "status", "reason", "chosen", "mode", "mode_reason", "bytes", "bus_bytes",
