@@ -1,6 +1,7 @@
 // `lmoe layer`: the whole latent MoE layer (router, latent down-projection, routed experts, shared
 // experts, tail) on random weights at a preset's dims, scaled down by default so that it runs on
-// the CPU in seconds. Prints the time of each stage per T and checks every T against fp64 math.
+// the CPU in seconds, or on one layer of a checkpoint (--weights DIR --layer N). Prints the time of
+// each stage per T and checks every T against fp64 math.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -54,10 +55,8 @@ double median_total_us(const std::vector<LayerStageTimes>& times) {
 }
 
 void LayerCommand::execute() const {
-  if (!weights_dir.empty() || layer_index >= 0) {
-    throw Error("--weights/--layer: loading a layer from a checkpoint is not implemented yet; "
-                "run on random weights (omit both)");
-  }
+  const bool load = !weights_dir.empty();
+  if (load != (layer_index >= 0)) throw Error("--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
   LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
   LMOE_CHECK(scale >= 1, "--scale: expected a divisor ≥ 1, got " + std::to_string(scale));
   for (std::int64_t t : tokens) {
@@ -75,10 +74,16 @@ void LayerCommand::execute() const {
                   return names;
                 }());
   }
+  if (load && !preset.tensor_names) throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  if (load && (model.d_model > 0 || model.d_latent > 0)) {
+    throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
+  }
   LayerConfig full = *preset.layer;
   full.d_model = resolved.dims.d_model;
   full.d_latent = resolved.dims.d_latent;
-  const LayerConfig config = scale_down(full, scale);
+  // A checkpoint is loaded at the model's own dims; random weights are scaled down by --scale.
+  const int divisor = load ? 1 : scale;
+  const LayerConfig config = scale_down(full, divisor);
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
 
   const Backend chosen_backend = resolve_backend(backend);
@@ -96,7 +101,8 @@ void LayerCommand::execute() const {
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   const std::string setting =
-      resolved.name + (scale > 1 ? " scaled down " + std::to_string(scale) + "x" : "") + ": d " +
+      resolved.name + (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
+      (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
       std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
       std::to_string(config.router.num_experts) + " experts top-" + std::to_string(config.router.top_k) +
       " (groups " + std::to_string(config.router.topk_group) + "/" + std::to_string(config.router.n_group) +
@@ -111,14 +117,18 @@ void LayerCommand::execute() const {
   for (std::int64_t t : tokens) {
     inputs.push_back(make_random_layer_input(config.d_model, t, resolved.dtype, seed + 1 + static_cast<std::uint64_t>(t)));
   }
-  const std::vector<LayerInputRun> results = run_layer_on_threads(
-      options, ranks,
-      [&](int rank) { return make_random_layer_weights(config, resolved.dtype, ranks, rank, seed); }, inputs, run);
+  // Rank `rank` of tp's weights: loaded from the checkpoint, or random (the same values for any tp).
+  const auto weights_of = [&](int tp, int rank) {
+    return load ? load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config, resolved.dtype, tp, rank)
+                : make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
+  };
+  const std::vector<LayerInputRun> results =
+      run_layer_on_threads(options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
   std::unique_ptr<LayerWeights> reference_weights;
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
-    reference_weights = std::make_unique<LayerWeights>(make_random_layer_weights(config, resolved.dtype, 1, 0, seed));
+    reference_weights = std::make_unique<LayerWeights>(weights_of(1, 0));
   }
 
   Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us", "total_us",
@@ -180,7 +190,9 @@ void LayerCommand::execute() const {
     nlohmann::json doc = {{"command", "layer"},
                           {"lmoe_version", kVersion},
                           {"preset", preset.name},
-                          {"scale", scale},
+                          {"scale", divisor},
+                          {"weights", load ? nlohmann::json(weights_dir) : nlohmann::json()},
+                          {"layer", load ? nlohmann::json(layer_index) : nlohmann::json()},
                           {"d_model", config.d_model},
                           {"d_latent", config.d_latent},
                           {"num_experts", config.router.num_experts},
@@ -230,8 +242,10 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("--repeats", command->repeats, "timed forwards per T")->check(CLI::PositiveNumber)->capture_default_str();
   sub->add_option("--seed", command->seed, "seed of the random weights and inputs")->capture_default_str();
   sub->add_flag("--no-check", command->no_check, "skip the fp64 check (it dominates the run time at large dims)");
-  sub->add_option("--weights", command->weights_dir, "checkpoint directory (not implemented yet)");
-  sub->add_option("--layer", command->layer_index, "layer index in --weights (not implemented yet)");
+  sub->add_option("--weights", command->weights_dir,
+                  "load the layer from this checkpoint directory (safetensors shards, by the preset's tensor "
+                  "names; the preset's own dims, --scale ignored) instead of random weights");
+  sub->add_option("--layer", command->layer_index, "the layer index to load from --weights");
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
   sub->callback([command] { command->execute(); });
 }

@@ -53,4 +53,18 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, i
 HostTensor make_random_layer_input(std::int64_t d_model, std::int64_t num_tokens, DType dtype,
                                    std::uint64_t seed);
 
+// Loads layer `layer` of the checkpoint in directory `dir` by the model's tensor names (its
+// *.safetensors files, found through model.safetensors.index.json when there is one), converted
+// to `dtype` (f32 for the router and its bias) and sliced for rank `rank` of tp. Dense weights may
+// be BF16, F16 or F32; with names.experts_mxfp4 the routed experts are MXFP4 blocks, dequantized
+// exactly (e2m1 value · 2^(scale − 127)) before the conversion to `dtype`. Only the bytes this rank
+// needs are read where they are contiguous (row slices). Throws lmoe::Error naming the tensor
+// when one is missing or has the wrong shape or dtype.
+LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& names, int layer,
+                                const LayerConfig& config, DType dtype, int tp, int rank);
+
+// The value of one MXFP4 element: `nibble` (the low 4 bits: sign, 2 exponent bits, 1 mantissa
+// bit; e2m1) scaled by the E8M0 `scale` byte (2^(scale − 127); 255 is NaN).
+float mxfp4_value(std::uint8_t nibble, std::uint8_t scale);
+
 }  // namespace lmoe

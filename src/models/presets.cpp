@@ -46,7 +46,21 @@ std::vector<ModelPreset> small_presets() {
   layer.num_shared_experts = 2;
   layer.shared_intermediate = 48;
   layer.activation = ExpertActivation::silu_glu;
-  return {{"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16, layer}};
+  // A plain naming of its own, so that loading can be tried on small checkpoints.
+  const std::string moe = "layers.{layer}.moe.";
+  LayerTensorNames names;
+  names.router_weight = moe + "router.weight";
+  names.router_bias = moe + "router.bias";
+  names.latent_down = moe + "latent_down.weight";
+  names.latent_norm = moe + "latent_norm.weight";
+  names.latent_up = moe + "latent_up.weight";
+  names.expert_gate = moe + "experts.{expert}.gate.weight";
+  names.expert_up = moe + "experts.{expert}.up.weight";
+  names.expert_down = moe + "experts.{expert}.down.weight";
+  names.shared_gate = moe + "shared.gate.weight";
+  names.shared_up = moe + "shared.up.weight";
+  names.shared_down = moe + "shared.down.weight";
+  return {{"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16, layer, names}};
 }
 }  // namespace models
 

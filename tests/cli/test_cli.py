@@ -311,11 +311,65 @@ class LayerCommand(unittest.TestCase):
         self.assertIn("overlap", result.stdout)
         self.assertIn("all rows ok", result.stdout)
 
+    @staticmethod
+    def write_small_checkpoint(path, layer, skip=()):
+        """The small preset's layer (d 384, l 192, 16 experts, I 64, shared 2 x 48) by its tensor names."""
+        rng = np.random.default_rng(3)
+        d, l, experts, inter, shared = 384, 192, 16, 64, 96
+        moe = f"layers.{layer}.moe."
+
+        def bf16(shape, fan_in, center=0.0):
+            values = center + rng.uniform(-1, 1, size=shape) * np.sqrt(3.0 / fan_in)
+            return ("BF16", shape, to_bf16_bits(values).tobytes())
+
+        tensors = {
+            moe + "router.weight": ("F32", (experts, d),
+                                    (rng.uniform(-1, 1, (experts, d)) * np.sqrt(3.0 / d)).astype(np.float32).tobytes()),
+            moe + "router.bias": ("F32", (experts,), rng.uniform(-0.05, 0.05, experts).astype(np.float32).tobytes()),
+            moe + "latent_down.weight": bf16((l, d), d),
+            moe + "latent_norm.weight": bf16((l,), 300, center=1.0),
+            moe + "latent_up.weight": bf16((d, l), l),
+            moe + "shared.gate.weight": bf16((shared, d), d),
+            moe + "shared.up.weight": bf16((shared, d), d),
+            moe + "shared.down.weight": bf16((d, shared), shared),
+        }
+        for e in range(experts):
+            tensors[moe + f"experts.{e}.gate.weight"] = bf16((inter, l), l)
+            tensors[moe + f"experts.{e}.up.weight"] = bf16((inter, l), l)
+            tensors[moe + f"experts.{e}.down.weight"] = bf16((l, inter), inter)
+        for name in skip:
+            del tensors[name]
+        write_safetensors(path, tensors)
+
+    def test_loads_a_layer_from_a_checkpoint(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.write_small_checkpoint(os.path.join(tmp, "model.safetensors"), layer=2)
+            path = os.path.join(tmp, "layer.json")
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "2", "-n", "2", "-t", "1,7",
+                          "--repeats", "1", "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            self.assertIn(f"small from {tmp} layer 2: d 384, l 192", result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+            self.assertEqual((doc["weights"], doc["layer"], doc["scale"]), (tmp, 2, 1))
+            self.assertTrue(all(row["checked"] and row["ok"] for row in doc["rows"]))
+
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "3", "-t", "1", check=False)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn(f"tensor 'layers.3.moe.router.weight': not found in {tmp}", result.stderr)
+            self.write_small_checkpoint(os.path.join(tmp, "model.safetensors"), layer=2,
+                                        skip=["layers.2.moe.experts.9.down.weight"])
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "2", "-t", "1", check=False)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn("tensor 'layers.2.moe.experts.9.down.weight': not found", result.stderr)
+
     def test_bad_requests_name_the_cause(self):
         cases = [
             (["--preset", "nemotron-3-ultra"], "--preset nemotron-3-ultra: no layer description"),
             (["--preset", "nemotron-3-super", "--scale", "16", "-t", "1"], "latent_norm is false"),
-            (["--weights", "/tmp", "--layer", "3"], "--weights/--layer: loading a layer from a checkpoint is not implemented yet"),
+            (["--weights", "/tmp"], "--weights and --layer: give both"),
+            (["--preset", "nemotron-3-ultra", "--weights", "/tmp", "--layer", "0"], "no layer description"),
+            (["--preset", "small", "--weights", "/nonexistent", "--layer", "0"], "/nonexistent: not a directory"),
             (["--scale", "0"], "--scale: expected a divisor"),
             (["--preset", "small", "--scale", "1", "-n", "3"], "expert_intermediate: expected a multiple of tp = 3, got 64"),
         ]
