@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -125,10 +124,10 @@ void LayerCommand::execute() const {
   const std::vector<LayerInputRun> results =
       run_layer_on_threads(options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
-  std::unique_ptr<LayerWeights> reference_weights;
+  std::unique_ptr<LayerReference> reference;
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
-    reference_weights = std::make_unique<LayerWeights>(weights_of(1, 0));
+    reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
   }
 
   Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us", "total_us",
@@ -139,8 +138,8 @@ void LayerCommand::execute() const {
     const LayerRankResult& first = results[i].ranks.front();
     const std::vector<LayerStageTimes>& times = first.times;
     std::optional<LayerComparison> comparison;
-    if (reference_weights && tokens[i] > 0) {
-      const ExactLayer exact = exact_layer(config, resolved.eps, *reference_weights, inputs[i].matrix(), first.routing);
+    if (reference && tokens[i] > 0) {
+      const ExactLayer exact = reference->run(inputs[i].matrix(), first.routing);
       comparison = compare_layer(first.y.matrix(), exact.y);
     }
     const bool ok = results[i].ranks_identical && (!comparison || comparison->ok());
@@ -213,9 +212,7 @@ void LayerCommand::execute() const {
                           {"seed", seed},
                           {"rows", rows},
                           {"ok", all_ok}};
-    std::ofstream out(json_path);
-    if (!out) throw Error("--json: cannot write '" + json_path + "'");
-    out << doc.dump(2) << "\n";
+    write_json_file(json_path, doc);
   }
   if (!all_ok) throw CLI::RuntimeError(1);
 }

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <iostream>
 
 #include "common.hpp"
@@ -48,6 +49,13 @@ std::string resolve_comm(const std::string& name, Backend backend) {
   for (const std::string& known : names) choices += (choices.empty() ? "" : ", ") + known;
   throw Error("--comm " + name + ": not available for the " + std::string(backend_name(backend)) +
               " backend here (choices: " + (choices.empty() ? "none" : choices) + ")");
+}
+
+void write_json_file(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  if (!out) throw Error("--json: cannot write '" + path + "'");
+  out << doc.dump(2) << "\n";
+  if (!out) throw Error("--json: writing '" + path + "' failed");
 }
 
 PolicyConfig resolve_policy(const std::string& tier_table) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "lmoe/dims.hpp"
@@ -23,6 +24,19 @@ struct ExactLayer {
 // fp64 routers break differently does not change which experts the two sides sum.
 ExactLayer exact_layer(const LayerConfig& config, float eps, const LayerWeights& weights,
                        ConstMatrixView x, const Routing& routing);
+
+// The same for many inputs: the weights are converted to fp64 once.
+class LayerReference {
+ public:
+  LayerReference(const LayerConfig& config, float eps, const LayerWeights& weights);
+  ExactLayer run(ConstMatrixView x, const Routing& routing) const;
+
+ private:
+  struct Weights;
+  LayerConfig config_;
+  float eps_;
+  std::shared_ptr<const Weights> weights_;
+};
 
 // The router in fp64 from x and the tp = 1 weights: logits, scores and weights in fp64, selection
 // by the rules of select_experts.

@@ -1,5 +1,7 @@
 #include "lmoe/layer_reference.hpp"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -28,24 +30,29 @@ std::vector<double> to_double(ConstMatrixView view) {
   return values;
 }
 
-// out [n] = w [n, k] · a [k]
-void matvec(const double* w, const double* a, std::int64_t n, std::int64_t k, double* out) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double* row = w + i * k;
-    double sum = 0;
-    for (std::int64_t j = 0; j < k; ++j) sum += row[j] * a[j];
-    out[i] = sum;
+// c [m, n] = a [m, k] · w [n, k]ᵀ in fp64.
+void gemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const double* a, const double* w, double* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(c, c + m * n, 0.0);
+    return;
   }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n),
+              static_cast<int>(k), 1.0, a, static_cast<int>(k), w, static_cast<int>(k), 0.0, c,
+              static_cast<int>(n));
 }
 
-// down [out, width] · act(gate [width, in] · a, up [width, in] · a)
-void mlp(const LayerConfig& config, const double* gate, const double* up, const double* down,
-         std::int64_t width, std::int64_t in, std::int64_t out_size, const double* a, double* out) {
-  std::vector<double> g(static_cast<std::size_t>(width), 0.0), u(static_cast<std::size_t>(width));
-  if (gate != nullptr) matvec(gate, a, width, in, g.data());
-  matvec(up, a, width, in, u.data());
-  for (std::int64_t i = 0; i < width; ++i) u[i] = activate<double>(config, g[i], u[i]);
-  matvec(down, u.data(), out_size, width, out);
+// out [rows, out_size] = act(a · gateᵀ, a · upᵀ) · downᵀ for a [rows, in], gate and up
+// [width, in], down [out_size, width].
+void mlp(const LayerConfig& config, std::int64_t rows, std::int64_t in, std::int64_t width,
+         std::int64_t out_size, const double* a, const double* gate, const double* up, const double* down,
+         std::vector<double>& out) {
+  std::vector<double> g(static_cast<std::size_t>(rows * width), 0.0), u(g.size());
+  if (gate != nullptr) gemm_nt(rows, width, in, a, gate, g.data());
+  gemm_nt(rows, width, in, a, up, u.data());
+  for (std::size_t i = 0; i < u.size(); ++i) u[i] = activate<double>(config, g[i], u[i]);
+  out.resize(static_cast<std::size_t>(rows * out_size));
+  gemm_nt(rows, out_size, width, u.data(), down, out.data());
 }
 
 bool ranks_before(double a, std::int32_t ia, double b, std::int32_t ib) {
@@ -61,9 +68,7 @@ std::vector<double> exact_router_logits(const LayerWeights& weights, ConstMatrix
   const std::vector<double> w = to_double(weights.router_weight);
   const std::int64_t experts = weights.router_weight.shape()[0];
   std::vector<double> logits(static_cast<std::size_t>(x.rows * experts));
-  for (std::int64_t t = 0; t < x.rows; ++t) {
-    matvec(w.data(), x64.data() + t * x.cols, experts, x.cols, logits.data() + t * experts);
-  }
+  gemm_nt(x.rows, experts, x.cols, x64.data(), w.data(), logits.data());
   return logits;
 }
 
@@ -125,54 +130,88 @@ ExactRouting exact_router(const RouterConfig& config, std::span<const double> lo
   return result;
 }
 
+struct LayerReference::Weights {
+  std::vector<double> latent_down, gate, up, down, shared_gate, shared_up, shared_down, gamma, latent_up;
+};
+
+LayerReference::LayerReference(const LayerConfig& config, float eps, const LayerWeights& weights)
+    : config_(config), eps_(eps) {
+  auto converted = std::make_shared<Weights>();
+  Weights& w = *converted;
+  w.latent_down = to_double(weights.latent_down);
+  w.gate = to_double(weights.expert_gate);
+  w.up = to_double(weights.expert_up);
+  w.down = to_double(weights.expert_down);
+  w.shared_gate = to_double(weights.shared_gate);
+  w.shared_up = to_double(weights.shared_up);
+  w.shared_down = to_double(weights.shared_down);
+  w.gamma = to_double(weights.latent_norm);
+  w.latent_up = to_double(weights.latent_up);
+  weights_ = std::move(converted);
+}
+
 ExactLayer exact_layer(const LayerConfig& config, float eps, const LayerWeights& weights,
                        ConstMatrixView x, const Routing& routing) {
+  return LayerReference(config, eps, weights).run(x, routing);
+}
+
+ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const {
+  const LayerConfig& config = config_;
+  const Weights& w = *weights_;
   LMOE_CHECK(routing.num_tokens == x.rows, "exact_layer: the routing is for " +
                                                std::to_string(routing.num_tokens) + " tokens, x has " +
                                                std::to_string(x.rows));
-  const std::int64_t tokens = x.rows, d = config.d_model, l = config.d_latent;
+  const std::int64_t tokens = x.rows, d = config.d_model, l = config.d_latent, k = routing.top_k;
   const std::int64_t inter = config.expert_intermediate, shared_width = config.shared_width();
-  const std::vector<double> x64 = to_double(x);
-  const std::vector<double> down_proj = to_double(weights.latent_down);
-  const std::vector<double> gate = to_double(weights.expert_gate), up = to_double(weights.expert_up);
-  const std::vector<double> down = to_double(weights.expert_down);
-  const std::vector<double> shared_gate = to_double(weights.shared_gate);
-  const std::vector<double> shared_up = to_double(weights.shared_up);
-  const std::vector<double> shared_down = to_double(weights.shared_down);
-  const std::vector<double> gamma = to_double(weights.latent_norm), w_up = to_double(weights.latent_up);
   const bool gated = is_gated(config.activation);
+  const std::vector<double> x64 = to_double(x);
 
   ExactLayer result;
   result.routed.assign(static_cast<std::size_t>(tokens * l), 0.0);
   result.shared.assign(static_cast<std::size_t>(tokens * d), 0.0);
   result.y.assign(static_cast<std::size_t>(tokens * d), 0.0);
-  std::vector<double> z(static_cast<std::size_t>(l)), expert_out(static_cast<std::size_t>(l));
-  std::vector<double> normed(static_cast<std::size_t>(l));
+  if (tokens == 0) return result;
+
+  std::vector<double> z(static_cast<std::size_t>(tokens * l));
+  gemm_nt(tokens, l, d, x64.data(), w.latent_down.data(), z.data());
+
+  // Routed experts: each expert's tokens at once; o · w added to the token's row.
+  std::vector<std::vector<std::int64_t>> slots(static_cast<std::size_t>(config.router.num_experts));
+  for (std::int64_t s = 0; s < tokens * k; ++s) slots[routing.expert_ids[s]].push_back(s);
+  std::vector<double> rows, out;
+  for (std::size_t e = 0; e < slots.size(); ++e) {
+    const std::int64_t count = static_cast<std::int64_t>(slots[e].size());
+    if (count == 0) continue;
+    rows.resize(static_cast<std::size_t>(count * l));
+    for (std::int64_t i = 0; i < count; ++i) {
+      std::copy_n(z.data() + slots[e][i] / k * l, l, rows.data() + i * l);
+    }
+    const std::size_t matrix = e * static_cast<std::size_t>(inter * l);
+    mlp(config, count, l, inter, l, rows.data(), gated ? w.gate.data() + matrix : nullptr, w.up.data() + matrix,
+        w.down.data() + matrix, out);
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::int64_t slot = slots[e][i];
+      const double weight = routing.weights[static_cast<std::size_t>(slot)];
+      double* routed = result.routed.data() + slot / k * l;
+      for (std::int64_t c = 0; c < l; ++c) routed[c] += weight * out[static_cast<std::size_t>(i * l + c)];
+    }
+  }
+
+  if (shared_width > 0) {
+    mlp(config, tokens, d, shared_width, d, x64.data(), gated ? w.shared_gate.data() : nullptr,
+        w.shared_up.data(), w.shared_down.data(), result.shared);
+  }
+
+  std::vector<double> normed(static_cast<std::size_t>(tokens * l));
   for (std::int64_t t = 0; t < tokens; ++t) {
-    const double* xt = x64.data() + t * d;
-    matvec(down_proj.data(), xt, l, d, z.data());
-    double* routed = result.routed.data() + t * l;
-    for (std::int64_t j = 0; j < routing.top_k; ++j) {
-      const std::int64_t e = routing.ids_of(t)[j];
-      const std::size_t matrix = static_cast<std::size_t>(e * inter * l);
-      mlp(config, gated ? gate.data() + matrix : nullptr, up.data() + matrix, down.data() + matrix,
-          inter, l, l, z.data(), expert_out.data());
-      const double weight = routing.weights_of(t)[j];
-      for (std::int64_t c = 0; c < l; ++c) routed[c] += weight * expert_out[c];
-    }
-    double* shared = result.shared.data() + t * d;
-    if (shared_width > 0) {
-      mlp(config, gated ? shared_gate.data() : nullptr, shared_up.data(), shared_down.data(),
-          shared_width, d, d, xt, shared);
-    }
+    const double* routed = result.routed.data() + t * l;
     double squares = 0;
     for (std::int64_t c = 0; c < l; ++c) squares += routed[c] * routed[c];
-    const double rstd = 1.0 / std::sqrt(squares / static_cast<double>(l) + eps);
-    for (std::int64_t c = 0; c < l; ++c) normed[c] = routed[c] * rstd * gamma[c];
-    double* y = result.y.data() + t * d;
-    matvec(w_up.data(), normed.data(), d, l, y);
-    for (std::int64_t c = 0; c < d; ++c) y[c] += shared[c];
+    const double rstd = 1.0 / std::sqrt(squares / static_cast<double>(l) + eps_);
+    for (std::int64_t c = 0; c < l; ++c) normed[t * l + c] = routed[c] * rstd * w.gamma[c];
   }
+  gemm_nt(tokens, d, l, normed.data(), w.latent_up.data(), result.y.data());
+  for (std::size_t i = 0; i < result.y.size(); ++i) result.y[i] += result.shared[i];
   return result;
 }
 
