@@ -52,12 +52,14 @@ class CpuLayerExecutor final : public LayerExecutor {
     times.router = seconds_since(start);
 
     start = Clock::now();
-    HostTensor latent(dtype_, {tokens, config_.d_latent});  // z = round(x · W_downᵀ)
-    cpu::up_project(x, latent_down_.data(), config_.d_latent, latent.matrix(), false);
+    // z = round(x · W_downᵀ) [T, l], kept as the fp32 values of the storage dtype.
+    std::vector<float> latent(static_cast<std::size_t>(tokens * config_.d_latent));
+    cpu::sgemm_nt(tokens, config_.d_latent, config_.d_model, x32.data(), latent_down_.data(), latent.data());
+    for (float& value : latent) value = round_to(dtype_, value);
     times.down_projection = seconds_since(start);
 
     start = Clock::now();
-    run_routed_experts(cpu::to_float(latent.matrix()), routed);
+    run_routed_experts(latent, routed);
     times.experts = seconds_since(start);
 
     start = Clock::now();
