@@ -376,10 +376,19 @@ TEST(LayerErrors, BadInputFailsOnEveryRank) {
     } catch (const lmoe::Error& error) {
       messages[rank] += " | " + error.message();
     }
+    // Then another x on each rank: the ranks route differently and must not sum their partials.
+    HostTensor other = lmoe::make_random_layer_input(384, 5, DType::bf16, 10u + static_cast<std::uint64_t>(rank));
+    try {
+      layer.forward(other.matrix(), y.matrix());
+      messages[rank] += " | no error";
+    } catch (const lmoe::Error& error) {
+      messages[rank] += " | " + error.message();
+    }
   });
   for (const std::string& message : messages) {
     EXPECT_THAT(message, HasSubstr("rank 1: x: expected shape [5, 384], got [5, 383]"));
     EXPECT_THAT(message, HasSubstr("| rank 0: y: expected dtype bf16, got f32"));
+    EXPECT_THAT(message, HasSubstr("| ranks disagree on the routing: rank 0 has routing hash"));
   }
 }
 
