@@ -55,7 +55,9 @@ double median_total_us(const std::vector<LayerStageTimes>& times) {
 
 void LayerCommand::execute() const {
   const bool load = !weights_dir.empty();
-  if (load != (layer_index >= 0)) throw Error("--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
+  if (load != (layer_index >= 0))
+    throw Error(
+        "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
   LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
   LMOE_CHECK(scale >= 1, "--scale: expected a divisor ≥ 1, got " + std::to_string(scale));
   for (std::int64_t t : tokens) {
@@ -64,8 +66,8 @@ void LayerCommand::execute() const {
   const ModelOptions::Resolved resolved = model.resolve();
   const ModelPreset& preset = find_preset(model.preset);
   if (!preset.layer) {
-    throw Error("--preset " + preset.name + ": no layer description (expert sizes unknown); presets with one: " +
-                [] {
+    throw Error("--preset " + preset.name +
+                ": no layer description (expert sizes unknown); presets with one: " + [] {
                   std::string names;
                   for (const ModelPreset& p : model_presets()) {
                     if (p.layer) names += (names.empty() ? "" : ", ") + p.name;
@@ -73,7 +75,8 @@ void LayerCommand::execute() const {
                   return names;
                 }());
   }
-  if (load && !preset.tensor_names) throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  if (load && !preset.tensor_names)
+    throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
   if (load && (model.d_model > 0 || model.d_latent > 0)) {
     throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
   }
@@ -100,29 +103,35 @@ void LayerCommand::execute() const {
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   const std::string setting =
-      resolved.name + (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
+      resolved.name +
+      (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
       (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
       std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
-      std::to_string(config.router.num_experts) + " experts top-" + std::to_string(config.router.top_k) +
-      " (groups " + std::to_string(config.router.topk_group) + "/" + std::to_string(config.router.n_group) +
-      "), expert I " + std::to_string(config.expert_intermediate) + ", shared " +
-      std::to_string(config.num_shared_experts) + " x " + std::to_string(config.shared_intermediate) + ", " +
-      std::string(activation_name(config.activation)) + ", " + std::string(dtype_name(resolved.dtype)) +
-      ", tp " + std::to_string(ranks) + ", backend " + std::string(backend_name(chosen_backend)) + ", comm " +
-      run.comm;
+      std::to_string(config.router.num_experts) + " experts top-" +
+      std::to_string(config.router.top_k) + " (groups " + std::to_string(config.router.topk_group) +
+      "/" + std::to_string(config.router.n_group) + "), expert I " +
+      std::to_string(config.expert_intermediate) + ", shared " +
+      std::to_string(config.num_shared_experts) + " x " +
+      std::to_string(config.shared_intermediate) + ", " +
+      std::string(activation_name(config.activation)) + ", " +
+      std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) + ", backend " +
+      std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
   std::cerr << "lmoe layer: " << setting << "\n";
 
   std::vector<HostTensor> inputs;
   for (std::int64_t t : tokens) {
-    inputs.push_back(make_random_layer_input(config.d_model, t, resolved.dtype, seed + 1 + static_cast<std::uint64_t>(t)));
+    inputs.push_back(make_random_layer_input(config.d_model, t, resolved.dtype,
+                                             seed + 1 + static_cast<std::uint64_t>(t)));
   }
-  // Rank `rank` of tp's weights: loaded from the checkpoint, or random (the same values for any tp).
+  // Rank `rank` of tp's weights: loaded from the checkpoint, or random (the same values for any
+  // tp).
   const auto weights_of = [&](int tp, int rank) {
-    return load ? load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config, resolved.dtype, tp, rank)
+    return load ? load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config,
+                                     resolved.dtype, tp, rank)
                 : make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
   };
-  const std::vector<LayerInputRun> results =
-      run_layer_on_threads(options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
+  const std::vector<LayerInputRun> results = run_layer_on_threads(
+      options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
   std::unique_ptr<LayerReference> reference;
   if (!no_check) {
@@ -130,8 +139,8 @@ void LayerCommand::execute() const {
     reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
   }
 
-  Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us", "total_us",
-               "fp64_err", "row_err", "ok"});
+  Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
+               "total_us", "fp64_err", "row_err", "ok"});
   nlohmann::json rows = nlohmann::json::array();
   bool all_ok = true;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
@@ -147,7 +156,8 @@ void LayerCommand::execute() const {
     const double stage_us[] = {median_us(times, &LayerStageTimes::router),
                                median_us(times, &LayerStageTimes::down_projection),
                                median_us(times, &LayerStageTimes::experts),
-                               median_us(times, &LayerStageTimes::shared), median_us(times, &LayerStageTimes::tail)};
+                               median_us(times, &LayerStageTimes::shared),
+                               median_us(times, &LayerStageTimes::tail)};
     std::vector<std::string> cells = {std::to_string(tokens[i]),
                                       first.tier ? std::string(tier_name(*first.tier)) : "-"};
     for (double us : stage_us) cells.push_back(format_number(us));
@@ -156,17 +166,18 @@ void LayerCommand::execute() const {
     cells.push_back(comparison ? format_number(comparison->max_row_error) : "-");
     cells.push_back(ok ? "ok" : "FAIL");
     table.add_row(cells);
-    nlohmann::json row = {{"tokens", tokens[i]},
-                          {"tier", first.tier ? nlohmann::json(tier_name(*first.tier)) : nlohmann::json()},
-                          {"router_us", stage_us[0]},
-                          {"down_projection_us", stage_us[1]},
-                          {"experts_us", stage_us[2]},
-                          {"shared_us", stage_us[3]},
-                          {"tail_us", stage_us[4]},
-                          {"total_us", median_total_us(times)},
-                          {"ranks_identical", results[i].ranks_identical},
-                          {"checked", comparison.has_value()},
-                          {"ok", ok}};
+    nlohmann::json row = {
+        {"tokens", tokens[i]},
+        {"tier", first.tier ? nlohmann::json(tier_name(*first.tier)) : nlohmann::json()},
+        {"router_us", stage_us[0]},
+        {"down_projection_us", stage_us[1]},
+        {"experts_us", stage_us[2]},
+        {"shared_us", stage_us[3]},
+        {"tail_us", stage_us[4]},
+        {"total_us", median_total_us(times)},
+        {"ranks_identical", results[i].ranks_identical},
+        {"checked", comparison.has_value()},
+        {"ok", ok}};
     if (comparison) {
       row["normwise_error_vs_fp64"] = comparison->normwise_error;
       row["normwise_tolerance"] = comparison->normwise_tolerance;
@@ -177,11 +188,14 @@ void LayerCommand::execute() const {
   }
 
   std::cout << "# lmoe layer: " << setting << "\n"
-            << "# times: median over " << repeats << " forward(s) (after one warm-up) of rank 0's stages, "
+            << "# times: median over " << repeats
+            << " forward(s) (after one warm-up) of rank 0's stages, "
             << "microseconds (total_us: median of the per-forward sums); "
             << "fp64_err: normwise error of y against fp64 math (tolerance "
-            << format_number(layer_normwise_tolerance(resolved.dtype)) << "); row_err: worst |y - fp64| over "
-            << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype)) << ")\n";
+            << format_number(layer_normwise_tolerance(resolved.dtype))
+            << "); row_err: worst |y - fp64| over "
+            << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
+            << ")\n";
   table.print(std::cout);
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
@@ -222,26 +236,37 @@ void LayerCommand::execute() const {
 void add_layer_command(CLI::App& app) {
   auto command = std::make_shared<LayerCommand>();
   CLI::App* sub = app.add_subcommand(
-      "layer", "run the whole latent MoE layer (router, down-projection, experts, shared experts, tail) on "
-               "random weights at a preset's dims (scaled down by --scale), time each stage per T and check "
-               "y against fp64 math");
+      "layer",
+      "run the whole latent MoE layer (router, down-projection, experts, shared experts, tail) on "
+      "random weights at a preset's dims (scaled down by --scale), time each stage per T and check "
+      "y against fp64 math");
   command->model.add_to(*sub);
-  sub->add_option("--scale", command->scale,
-                  "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")
+  sub->add_option(
+         "--scale", command->scale,
+         "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")
       ->capture_default_str();
-  sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")->capture_default_str();
-  sub->add_option("-t,--tokens", command->tokens, "token counts T to run")->delimiter(',')->capture_default_str();
+  sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")
+      ->capture_default_str();
+  sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
+      ->delimiter(',')
+      ->capture_default_str();
   sub->add_option("--backend", command->backend, "cpu (cuda: later)")->capture_default_str();
   sub->add_option("--comm", command->comm, "communicator (default: the backend's)");
   sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
       ->capture_default_str();
-  sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
-  sub->add_option("--repeats", command->repeats, "timed forwards per T")->check(CLI::PositiveNumber)->capture_default_str();
-  sub->add_option("--seed", command->seed, "seed of the random weights and inputs")->capture_default_str();
-  sub->add_flag("--no-check", command->no_check, "skip the fp64 check (it dominates the run time at large dims)");
-  sub->add_option("--weights", command->weights_dir,
-                  "load the layer from this checkpoint directory (safetensors shards, by the preset's tensor "
-                  "names; the preset's own dims, --scale ignored) instead of random weights");
+  sub->add_option("--tier-table", command->tier_table,
+                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--repeats", command->repeats, "timed forwards per T")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seed", command->seed, "seed of the random weights and inputs")
+      ->capture_default_str();
+  sub->add_flag("--no-check", command->no_check,
+                "skip the fp64 check (it dominates the run time at large dims)");
+  sub->add_option(
+      "--weights", command->weights_dir,
+      "load the layer from this checkpoint directory (safetensors shards, by the preset's tensor "
+      "names; the preset's own dims, --scale ignored) instead of random weights");
   sub->add_option("--layer", command->layer_index, "the layer index to load from --weights");
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
   sub->callback([command] { command->execute(); });

@@ -4,7 +4,8 @@
 //   router on x [T, d] (replicated) → latent z = x · W_downᵀ [T, l] (replicated)
 //   → routed experts in latent space, intermediate dim sliced over tp → routed_r [T, l]
 //   → shared experts at d, intermediate dim sliced over tp → shared_r [T, d]
-//   → LatentTail: Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r   [T, d], identical on all ranks
+//   → LatentTail: Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r   [T, d], identical
+//   on all ranks
 #pragma once
 
 #include <cstdint>

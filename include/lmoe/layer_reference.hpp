@@ -49,8 +49,8 @@ ExactRouting exact_router(const RouterConfig& config, std::span<const double> lo
 std::vector<double> exact_router_logits(const LayerWeights& weights, ConstMatrixView x);
 
 struct LayerComparison {
-  double normwise_error = 0;    // ‖y − exact‖ / ‖exact‖
-  double max_row_error = 0;     // max over elements of |y − exact| / rms(exact row)
+  double normwise_error = 0;  // ‖y − exact‖ / ‖exact‖
+  double max_row_error = 0;   // max over elements of |y − exact| / rms(exact row)
   double normwise_tolerance = 0;
   double row_tolerance = 0;
   bool ok() const { return normwise_error <= normwise_tolerance && max_row_error <= row_tolerance; }

@@ -21,8 +21,8 @@ struct Routing {
   std::vector<float> weights;
 
   std::span<const std::int32_t> ids_of(std::int64_t token) const {
-    return std::span(expert_ids).subspan(static_cast<std::size_t>(token * top_k),
-                                         static_cast<std::size_t>(top_k));
+    return std::span(expert_ids)
+        .subspan(static_cast<std::size_t>(token * top_k), static_cast<std::size_t>(top_k));
   }
   std::span<const float> weights_of(std::int64_t token) const {
     return std::span(weights).subspan(static_cast<std::size_t>(token * top_k),

@@ -18,24 +18,26 @@ namespace {
 std::string describe(const LayerOptions& options, const LayerWeights& weights) {
   const LayerConfig& c = options.config;
   std::uint64_t hash = kFnvOffsetBasis;
-  for (const HostTensor* tensor : {&weights.router_weight, &weights.router_bias, &weights.latent_down}) {
+  for (const HostTensor* tensor :
+       {&weights.router_weight, &weights.router_bias, &weights.latent_down}) {
     hash = fnv1a(tensor->data(), tensor->nbytes(), hash);
   }
   char text[240];
-  std::snprintf(text, sizeof(text),
-                "d=%lld l=%lld E=%lld k=%lld groups=%lld/%lld score=%d bias=%d renorm=%d scale=%g "
-                "I=%lld shared=%lldx%lld act=%s(%g,%g) norm=%d dtype=%s eps=%g backend=%s weights=%016llx",
-                static_cast<long long>(c.d_model), static_cast<long long>(c.d_latent),
-                static_cast<long long>(c.router.num_experts), static_cast<long long>(c.router.top_k),
-                static_cast<long long>(c.router.topk_group), static_cast<long long>(c.router.n_group),
-                static_cast<int>(c.router.score), static_cast<int>(c.router.correction_bias),
-                static_cast<int>(c.router.renormalize), static_cast<double>(c.router.routed_scaling_factor),
-                static_cast<long long>(c.expert_intermediate), static_cast<long long>(c.num_shared_experts),
-                static_cast<long long>(c.shared_intermediate),
-                std::string(activation_name(c.activation)).c_str(), static_cast<double>(c.activation_beta),
-                static_cast<double>(c.activation_linear_beta), static_cast<int>(c.latent_norm),
-                std::string(dtype_name(options.dtype)).c_str(), static_cast<double>(options.rms_norm_eps),
-                std::string(backend_name(options.backend)).c_str(), static_cast<unsigned long long>(hash));
+  std::snprintf(
+      text, sizeof(text),
+      "d=%lld l=%lld E=%lld k=%lld groups=%lld/%lld score=%d bias=%d renorm=%d scale=%g "
+      "I=%lld shared=%lldx%lld act=%s(%g,%g) norm=%d dtype=%s eps=%g backend=%s weights=%016llx",
+      static_cast<long long>(c.d_model), static_cast<long long>(c.d_latent),
+      static_cast<long long>(c.router.num_experts), static_cast<long long>(c.router.top_k),
+      static_cast<long long>(c.router.topk_group), static_cast<long long>(c.router.n_group),
+      static_cast<int>(c.router.score), static_cast<int>(c.router.correction_bias),
+      static_cast<int>(c.router.renormalize), static_cast<double>(c.router.routed_scaling_factor),
+      static_cast<long long>(c.expert_intermediate), static_cast<long long>(c.num_shared_experts),
+      static_cast<long long>(c.shared_intermediate),
+      std::string(activation_name(c.activation)).c_str(), static_cast<double>(c.activation_beta),
+      static_cast<double>(c.activation_linear_beta), static_cast<int>(c.latent_norm),
+      std::string(dtype_name(options.dtype)).c_str(), static_cast<double>(options.rms_norm_eps),
+      std::string(backend_name(options.backend)).c_str(), static_cast<unsigned long long>(hash));
   return text;
 }
 
@@ -43,8 +45,9 @@ std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
                                           const LayerWeights& weights) {
   if (auto error = validate_layer_config(options.config, tp)) return "layer config: " + *error;
   if (!options.config.latent_norm) {
-    return std::string("layer config: latent_norm is false (the model has no RMSNorm before the "
-                       "up-projection), but LatentTail always applies one; this layer cannot run yet");
+    return std::string(
+        "layer config: latent_norm is false (the model has no RMSNorm before the "
+        "up-projection), but LatentTail always applies one; this layer cannot run yet");
   }
   if (auto error = validate_layer_weights(options.config, options.dtype, tp, weights)) return error;
   if (options.backend != Backend::cpu) {
@@ -69,7 +72,8 @@ struct LatentMoELayer::Impl {
   HostTensor routed;  // [T, l] this rank's partial
   HostTensor shared;  // [T, d] this rank's partial
 
-  Impl(LayerOptions opts, Communicator& communicator) : options(std::move(opts)), comm(communicator) {}
+  Impl(LayerOptions opts, Communicator& communicator)
+      : options(std::move(opts)), comm(communicator) {}
 
   bool exchange_records() const { return options.check_ranks_agree && comm.size() > 1; }
 
@@ -92,11 +96,14 @@ struct LatentMoELayer::Impl {
     const Routing* routing = executor->host_routing();
     if (!exchange_records() || routing == nullptr) return;
     RankRecord mine;
-    mine.config_hash = fnv1a(routing->expert_ids.data(), routing->expert_ids.size() * sizeof(std::int32_t));
-    mine.config_hash = fnv1a(routing->weights.data(), routing->weights.size() * sizeof(float), mine.config_hash);
+    mine.config_hash =
+        fnv1a(routing->expert_ids.data(), routing->expert_ids.size() * sizeof(std::int32_t));
+    mine.config_hash =
+        fnv1a(routing->weights.data(), routing->weights.size() * sizeof(float), mine.config_hash);
     mine.num_tokens = tokens;
     char text[64];
-    std::snprintf(text, sizeof(text), "routing hash %016llx", static_cast<unsigned long long>(mine.config_hash));
+    std::snprintf(text, sizeof(text), "routing hash %016llx",
+                  static_cast<unsigned long long>(mine.config_hash));
     set_text(mine, text);
     throw_if_ranks_disagree(exchange(comm, mine), "routing");
   }
@@ -106,10 +113,14 @@ struct LatentMoELayer::Impl {
     const LayerConfig& c = options.config;
     const MemorySpace space = executor->memory_space();
     const std::int64_t tokens = x.rows;
-    if (!error && tokens < 0) error = "x: expected a non-negative token count, got " + std::to_string(tokens);
+    if (!error && tokens < 0)
+      error = "x: expected a non-negative token count, got " + std::to_string(tokens);
     if (!error) error = check_matrix("x", x, options.dtype, space, tokens, c.d_model);
-    if (!error) error = check_matrix("routed", as_const(routed_out), options.dtype, space, tokens, c.d_latent);
-    if (!error) error = check_matrix("shared", as_const(shared_out), options.dtype, space, tokens, c.d_model);
+    if (!error)
+      error =
+          check_matrix("routed", as_const(routed_out), options.dtype, space, tokens, c.d_latent);
+    if (!error)
+      error = check_matrix("shared", as_const(shared_out), options.dtype, space, tokens, c.d_model);
     agree_on_call(tokens, error);
     times = {};
     executor->run(x, routed_out, shared_out, times, stream);
@@ -169,8 +180,8 @@ std::optional<TailTier> LatentMoELayer::forward(ConstMatrixView x, MatrixView y,
   Impl& impl = *impl_;
   const LayerConfig& c = impl.options.config;
   const std::int64_t tokens = std::max<std::int64_t>(x.rows, 0);
-  std::optional<std::string> error =
-      check_matrix("y", as_const(y), impl.options.dtype, impl.executor->memory_space(), x.rows, c.d_model);
+  std::optional<std::string> error = check_matrix("y", as_const(y), impl.options.dtype,
+                                                  impl.executor->memory_space(), x.rows, c.d_model);
   if (impl.routed.shape() != std::vector<std::int64_t>{tokens, c.d_latent}) {
     impl.routed = HostTensor(impl.options.dtype, {tokens, c.d_latent});
     impl.shared = HostTensor(impl.options.dtype, {tokens, c.d_model});
@@ -178,7 +189,8 @@ std::optional<TailTier> LatentMoELayer::forward(ConstMatrixView x, MatrixView y,
   impl.run_partials(x, impl.routed.matrix(), impl.shared.matrix(), error, stream);
   const auto start = Clock::now();
   // The shared partial is scratch here, so the column tier may accumulate into it.
-  const std::optional<TailTier> ran = impl.tail->forward(impl.routed.matrix(), impl.shared.matrix(), y, tier, stream);
+  const std::optional<TailTier> ran =
+      impl.tail->forward(impl.routed.matrix(), impl.shared.matrix(), y, tier, stream);
   impl.times.tail = std::chrono::duration<double>(Clock::now() - start).count();
   return ran;
 }

@@ -9,9 +9,12 @@ namespace lmoe {
 
 std::string_view activation_name(ExpertActivation activation) {
   switch (activation) {
-    case ExpertActivation::silu_glu: return "silu_glu";
-    case ExpertActivation::situ_glu: return "situ_glu";
-    case ExpertActivation::relu2: return "relu2";
+    case ExpertActivation::silu_glu:
+      return "silu_glu";
+    case ExpertActivation::situ_glu:
+      return "situ_glu";
+    case ExpertActivation::relu2:
+      return "relu2";
   }
   return "?";
 }
@@ -44,8 +47,8 @@ std::optional<std::string> validate_layer_config(const LayerConfig& config, int 
   const std::int64_t eligible = router.topk_group * (router.num_experts / router.n_group);
   if (eligible < router.top_k) {
     return "topk_group: its " + num(router.topk_group) + " group(s) of " +
-           num(router.num_experts / router.n_group) + " experts hold fewer than top_k = " +
-           num(router.top_k) + " experts";
+           num(router.num_experts / router.n_group) +
+           " experts hold fewer than top_k = " + num(router.top_k) + " experts";
   }
   if (!std::isfinite(router.routed_scaling_factor) || router.routed_scaling_factor <= 0.0f) {
     return "routed_scaling_factor: expected a finite value > 0, got " +
@@ -90,13 +93,15 @@ LayerConfig scale_down(const LayerConfig& config, int divisor) {
   small.d_model = shrink(config.d_model);
   small.d_latent = shrink(config.d_latent);
   small.expert_intermediate = shrink(config.expert_intermediate);
-  if (config.shared_intermediate > 0) small.shared_intermediate = shrink(config.shared_intermediate);
+  if (config.shared_intermediate > 0)
+    small.shared_intermediate = shrink(config.shared_intermediate);
 
   RouterConfig& router = small.router;
   const std::int64_t groups = router.n_group;
   // Enough experts that top-k still chooses (≥ 2k) and the eligible groups still hold k.
-  std::int64_t experts = std::max({config.router.num_experts / divisor, 2 * router.top_k,
-                                   (router.top_k * groups + router.topk_group - 1) / router.topk_group});
+  std::int64_t experts =
+      std::max({config.router.num_experts / divisor, 2 * router.top_k,
+                (router.top_k * groups + router.topk_group - 1) / router.topk_group});
   experts = (experts + groups - 1) / groups * groups;
   router.num_experts = std::min(experts, config.router.num_experts);
   return small;

@@ -16,7 +16,8 @@ namespace {
 
 std::vector<double> to_double(const HostTensor& tensor) {
   std::vector<double> values(static_cast<std::size_t>(tensor.numel()));
-  for (std::int64_t i = 0; i < tensor.numel(); ++i) values[static_cast<std::size_t>(i)] = tensor.get(i);
+  for (std::int64_t i = 0; i < tensor.numel(); ++i)
+    values[static_cast<std::size_t>(i)] = tensor.get(i);
   return values;
 }
 
@@ -24,14 +25,16 @@ std::vector<double> to_double(ConstMatrixView view) {
   std::vector<double> values(static_cast<std::size_t>(view.rows * view.cols));
   for (std::int64_t r = 0; r < view.rows; ++r) {
     for (std::int64_t c = 0; c < view.cols; ++c) {
-      values[static_cast<std::size_t>(r * view.cols + c)] = load_as_float(view.data, view.offset(r, c), view.dtype);
+      values[static_cast<std::size_t>(r * view.cols + c)] =
+          load_as_float(view.data, view.offset(r, c), view.dtype);
     }
   }
   return values;
 }
 
 // c [m, n] = a [m, k] · w [n, k]ᵀ in fp64.
-void gemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const double* a, const double* w, double* c) {
+void gemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const double* a, const double* w,
+             double* c) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
     std::fill(c, c + m * n, 0.0);
@@ -45,8 +48,8 @@ void gemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const double* a, co
 // out [rows, out_size] = act(a · gateᵀ, a · upᵀ) · downᵀ for a [rows, in], gate and up
 // [width, in], down [out_size, width].
 void mlp(const LayerConfig& config, std::int64_t rows, std::int64_t in, std::int64_t width,
-         std::int64_t out_size, const double* a, const double* gate, const double* up, const double* down,
-         std::vector<double>& out) {
+         std::int64_t out_size, const double* a, const double* gate, const double* up,
+         const double* down, std::vector<double>& out) {
   std::vector<double> g(static_cast<std::size_t>(rows * width), 0.0), u(g.size());
   if (gate != nullptr) gemm_nt(rows, width, in, a, gate, g.data());
   gemm_nt(rows, width, in, a, up, u.data());
@@ -93,12 +96,15 @@ ExactRouting exact_router(const RouterConfig& config, std::span<const double> lo
     }
     std::vector<std::int32_t> order(static_cast<std::size_t>(experts));
     std::iota(order.begin(), order.end(), 0);
-    auto by_bias = [&](std::int32_t a, std::int32_t b) { return ranks_before(biased[a], a, biased[b], b); };
+    auto by_bias = [&](std::int32_t a, std::int32_t b) {
+      return ranks_before(biased[a], a, biased[b], b);
+    };
     std::vector<bool> eligible(static_cast<std::size_t>(experts), true);
     if (config.n_group > 1) {
       std::vector<double> group_score(static_cast<std::size_t>(config.n_group));
       for (std::int64_t g = 0; g < config.n_group; ++g) {
-        std::vector<std::int32_t> members(order.begin() + g * group_size, order.begin() + (g + 1) * group_size);
+        std::vector<std::int32_t> members(order.begin() + g * group_size,
+                                          order.begin() + (g + 1) * group_size);
         std::sort(members.begin(), members.end(), by_bias);
         group_score[g] = biased[members[0]];
         if (config.correction_bias && members.size() > 1) group_score[g] += biased[members[1]];
@@ -110,7 +116,8 @@ ExactRouting exact_router(const RouterConfig& config, std::span<const double> lo
       });
       std::fill(eligible.begin(), eligible.end(), false);
       for (std::int64_t i = 0; i < config.topk_group; ++i) {
-        for (std::int64_t e = groups[i] * group_size; e < (groups[i] + 1) * group_size; ++e) eligible[e] = true;
+        for (std::int64_t e = groups[i] * group_size; e < (groups[i] + 1) * group_size; ++e)
+          eligible[e] = true;
       }
     }
     std::vector<std::int32_t> candidates;
@@ -131,7 +138,8 @@ ExactRouting exact_router(const RouterConfig& config, std::span<const double> lo
 }
 
 struct LayerReference::Weights {
-  std::vector<double> latent_down, gate, up, down, shared_gate, shared_up, shared_down, gamma, latent_up;
+  std::vector<double> latent_down, gate, up, down, shared_gate, shared_up, shared_down, gamma,
+      latent_up;
 };
 
 LayerReference::LayerReference(const LayerConfig& config, float eps, const LayerWeights& weights)
@@ -159,8 +167,8 @@ ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const 
   const LayerConfig& config = config_;
   const Weights& w = *weights_;
   LMOE_CHECK(routing.num_tokens == x.rows, "exact_layer: the routing is for " +
-                                               std::to_string(routing.num_tokens) + " tokens, x has " +
-                                               std::to_string(x.rows));
+                                               std::to_string(routing.num_tokens) +
+                                               " tokens, x has " + std::to_string(x.rows));
   const std::int64_t tokens = x.rows, d = config.d_model, l = config.d_latent, k = routing.top_k;
   const std::int64_t inter = config.expert_intermediate, shared_width = config.shared_width();
   const bool gated = is_gated(config.activation);
@@ -187,13 +195,14 @@ ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const 
       std::copy_n(z.data() + slots[e][i] / k * l, l, rows.data() + i * l);
     }
     const std::size_t matrix = e * static_cast<std::size_t>(inter * l);
-    mlp(config, count, l, inter, l, rows.data(), gated ? w.gate.data() + matrix : nullptr, w.up.data() + matrix,
-        w.down.data() + matrix, out);
+    mlp(config, count, l, inter, l, rows.data(), gated ? w.gate.data() + matrix : nullptr,
+        w.up.data() + matrix, w.down.data() + matrix, out);
     for (std::int64_t i = 0; i < count; ++i) {
       const std::int64_t slot = slots[e][i];
       const double weight = routing.weights[static_cast<std::size_t>(slot)];
       double* routed = result.routed.data() + slot / k * l;
-      for (std::int64_t c = 0; c < l; ++c) routed[c] += weight * out[static_cast<std::size_t>(i * l + c)];
+      for (std::int64_t c = 0; c < l; ++c)
+        routed[c] += weight * out[static_cast<std::size_t>(i * l + c)];
     }
   }
 
@@ -220,18 +229,24 @@ ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const 
 // The tolerances leave a factor of 2 to 6 (docs/numerics.md, "The layer").
 double layer_normwise_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16: return 1e-2;
-    case DType::f16: return 1.5e-3;
-    case DType::f32: return 3e-6;
+    case DType::bf16:
+      return 1e-2;
+    case DType::f16:
+      return 1.5e-3;
+    case DType::f32:
+      return 3e-6;
   }
   return 0;
 }
 
 double layer_row_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16: return 0.06;
-    case DType::f16: return 8e-3;
-    case DType::f32: return 1.5e-5;
+    case DType::bf16:
+      return 0.06;
+    case DType::f16:
+      return 8e-3;
+    case DType::f32:
+      return 1.5e-5;
   }
   return 0;
 }
@@ -246,7 +261,8 @@ LayerComparison compare_layer(const std::vector<double>& y, const std::vector<do
   const std::int64_t rows = static_cast<std::int64_t>(y.size()) / cols;
   for (std::int64_t r = 0; r < rows; ++r) {
     double row_squares = 0;
-    for (std::int64_t c = 0; c < cols; ++c) row_squares += exact[r * cols + c] * exact[r * cols + c];
+    for (std::int64_t c = 0; c < cols; ++c)
+      row_squares += exact[r * cols + c] * exact[r * cols + c];
     const double rms = std::sqrt(row_squares / static_cast<double>(cols));
     exact_squares += row_squares;
     for (std::int64_t c = 0; c < cols; ++c) {
@@ -257,8 +273,10 @@ LayerComparison compare_layer(const std::vector<double>& y, const std::vector<do
       result.max_row_error = std::max(result.max_row_error, relative);
     }
   }
-  result.normwise_error = exact_squares > 0 ? std::sqrt(diff_squares / exact_squares) : std::sqrt(diff_squares);
-  if (std::isnan(result.normwise_error)) result.normwise_error = std::numeric_limits<double>::infinity();
+  result.normwise_error =
+      exact_squares > 0 ? std::sqrt(diff_squares / exact_squares) : std::sqrt(diff_squares);
+  if (std::isnan(result.normwise_error))
+    result.normwise_error = std::numeric_limits<double>::infinity();
   return result;
 }
 

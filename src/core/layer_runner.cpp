@@ -7,10 +7,9 @@
 
 namespace lmoe {
 
-std::vector<LayerInputRun> run_layer_on_threads(const LayerOptions& options, int tp,
-                                                const std::function<LayerWeights(int rank)>& weights,
-                                                std::span<const HostTensor> inputs,
-                                                const LayerRunOptions& run) {
+std::vector<LayerInputRun> run_layer_on_threads(
+    const LayerOptions& options, int tp, const std::function<LayerWeights(int rank)>& weights,
+    std::span<const HostTensor> inputs, const LayerRunOptions& run) {
   LMOE_CHECK(tp >= 1, "tp: expected at least 1 rank, got " + std::to_string(tp));
   std::vector<LayerInputRun> results(inputs.size());
   for (LayerInputRun& result : results) result.ranks.resize(static_cast<std::size_t>(tp));
@@ -30,7 +29,8 @@ std::vector<LayerInputRun> run_layer_on_threads(const LayerOptions& options, int
         layer.forward_partials(x.matrix(), mine.routed.matrix(), mine.shared.matrix());
       }
       mine.y = HostTensor(options.dtype, {tokens, config.d_model});
-      for (int warmup = 0; warmup < run.warmup; ++warmup) layer.forward(x.matrix(), mine.y.matrix(), run.tier);
+      for (int warmup = 0; warmup < run.warmup; ++warmup)
+        layer.forward(x.matrix(), mine.y.matrix(), run.tier);
       for (int repeat = 0; repeat < std::max(1, run.repeats); ++repeat) {
         mine.y.fill_bytes(std::byte{0xff});  // NaN in every dtype: an unwritten element cannot pass
         comm.barrier();

@@ -46,7 +46,8 @@ std::vector<WeightSlot> layer_weight_slots(const LayerConfig& config, DType dtyp
       {"router_bias", &LayerWeights::router_bias,
        config.router.correction_bias ? Shape{experts} : Shape{}, DType::f32},
       {"latent_down", &LayerWeights::latent_down, {l, d}, dtype},
-      {"expert_gate", &LayerWeights::expert_gate, gated ? Shape{experts, inter, l} : Shape{}, dtype},
+      {"expert_gate", &LayerWeights::expert_gate, gated ? Shape{experts, inter, l} : Shape{},
+       dtype},
       {"expert_up", &LayerWeights::expert_up, {experts, inter, l}, dtype},
       {"expert_down", &LayerWeights::expert_down, {experts, l, inter}, dtype},
       {"shared_gate", &LayerWeights::shared_gate, gated ? Shape{shared, d} : Shape{}, dtype},
@@ -81,8 +82,8 @@ std::optional<std::string> validate_layer_weights(const LayerConfig& config, DTy
 LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, int tp, int rank,
                                        std::uint64_t seed) {
   if (auto error = validate_layer_config(config, tp)) throw Error(*error);
-  LMOE_CHECK(rank >= 0 && rank < tp, "rank: expected 0 … " + std::to_string(tp - 1) + ", got " +
-                                         std::to_string(rank));
+  LMOE_CHECK(rank >= 0 && rank < tp,
+             "rank: expected 0 … " + std::to_string(tp - 1) + ", got " + std::to_string(rank));
   LayerWeights weights;
   for (const WeightSlot& slot : layer_weight_slots(config, dtype, tp)) {
     if (!slot.shape.empty()) weights.*slot.member = HostTensor(slot.dtype, slot.shape);
@@ -94,7 +95,8 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, i
   auto same = [](std::int64_t i) { return static_cast<std::uint64_t>(i); };
 
   fill(weights.router_weight, stream_of(seed, 1), 0.0f, fan_in_amplitude(d), same);
-  if (config.router.correction_bias) fill(weights.router_bias, stream_of(seed, 2), 0.0f, 0.05f, same);
+  if (config.router.correction_bias)
+    fill(weights.router_bias, stream_of(seed, 2), 0.0f, 0.05f, same);
   fill(weights.latent_down, stream_of(seed, 3), 0.0f, fan_in_amplitude(d), same);
 
   // [E, I/tp, l] slice of [E, I, l]: rows first_inter … of every expert.
@@ -114,15 +116,18 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, i
 
   if (shared_r > 0) {
     // [S/tp, d] slice of [S, d]; [d, S/tp] slice of [d, S].
-    auto shared_rows = [&](std::int64_t i) { return static_cast<std::uint64_t>(first_shared * d + i); };
+    auto shared_rows = [&](std::int64_t i) {
+      return static_cast<std::uint64_t>(first_shared * d + i);
+    };
     if (is_gated(config.activation)) {
       fill(weights.shared_gate, stream_of(seed, 7), 0.0f, fan_in_amplitude(d), shared_rows);
     }
     fill(weights.shared_up, stream_of(seed, 8), 0.0f, fan_in_amplitude(d), shared_rows);
-    fill(weights.shared_down, stream_of(seed, 9), 0.0f, fan_in_amplitude(shared), [&](std::int64_t i) {
-      const std::int64_t col = i % shared_r, row = i / shared_r;
-      return static_cast<std::uint64_t>(row * shared + first_shared + col);
-    });
+    fill(weights.shared_down, stream_of(seed, 9), 0.0f, fan_in_amplitude(shared),
+         [&](std::int64_t i) {
+           const std::int64_t col = i % shared_r, row = i / shared_r;
+           return static_cast<std::uint64_t>(row * shared + first_shared + col);
+         });
   }
   fill(weights.latent_norm, stream_of(seed, 10), 1.0f, 0.1f, same);
   fill(weights.latent_up, stream_of(seed, 11), 0.0f, fan_in_amplitude(l), same);
@@ -132,7 +137,8 @@ LayerWeights make_random_layer_weights(const LayerConfig& config, DType dtype, i
 HostTensor make_random_layer_input(std::int64_t d_model, std::int64_t num_tokens, DType dtype,
                                    std::uint64_t seed) {
   HostTensor x(dtype, {num_tokens, d_model});
-  fill(x, stream_of(seed, 100), 0.0f, std::sqrt(3.0f), [](std::int64_t i) { return static_cast<std::uint64_t>(i); });
+  fill(x, stream_of(seed, 100), 0.0f, std::sqrt(3.0f),
+       [](std::int64_t i) { return static_cast<std::uint64_t>(i); });
   return x;
 }
 

@@ -16,7 +16,8 @@ std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash) {
 
 std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash) {
   const std::size_t row_bytes = static_cast<std::size_t>(view.cols) * view.element_size();
-  for (std::int64_t row = 0; row < view.rows; ++row) hash = fnv1a(view.row_ptr(row), row_bytes, hash);
+  for (std::int64_t row = 0; row < view.rows; ++row)
+    hash = fnv1a(view.row_ptr(row), row_bytes, hash);
   return hash;
 }
 

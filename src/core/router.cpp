@@ -50,8 +50,9 @@ Routing select_experts(std::span<const float> logits, std::int64_t num_tokens,
              "router: logits hold " + std::to_string(logits.size()) + " values, expected T × E = " +
                  std::to_string(num_tokens) + " × " + std::to_string(experts));
   const std::size_t bias_size = config.correction_bias ? static_cast<std::size_t>(experts) : 0;
-  LMOE_CHECK(bias.size() == bias_size, "router: correction bias holds " + std::to_string(bias.size()) +
-                                           " values, expected " + std::to_string(bias_size));
+  LMOE_CHECK(bias.size() == bias_size, "router: correction bias holds " +
+                                           std::to_string(bias.size()) + " values, expected " +
+                                           std::to_string(bias_size));
 
   Routing routing;
   routing.num_tokens = num_tokens;
@@ -73,7 +74,8 @@ Routing select_experts(std::span<const float> logits, std::int64_t num_tokens,
   for (std::int64_t t = 0; t < num_tokens; ++t) {
     scores_of_row(logits.data() + t * experts, experts, config.score, scores.data());
     for (std::int64_t e = 0; e < experts; ++e) {
-      biased[e] = config.correction_bias ? scores[e] + bias[static_cast<std::size_t>(e)] : scores[e];
+      biased[e] =
+          config.correction_bias ? scores[e] + bias[static_cast<std::size_t>(e)] : scores[e];
     }
 
     candidates.clear();
@@ -110,7 +112,8 @@ Routing select_experts(std::span<const float> logits, std::int64_t num_tokens,
     } else {
       for (std::int64_t e = 0; e < experts; ++e) candidates.push_back(static_cast<std::int32_t>(e));
     }
-    std::partial_sort(candidates.begin(), candidates.begin() + config.top_k, candidates.end(), by_bias);
+    std::partial_sort(candidates.begin(), candidates.begin() + config.top_k, candidates.end(),
+                      by_bias);
 
     std::int32_t* ids = routing.expert_ids.data() + t * config.top_k;
     float* weights = routing.weights.data() + t * config.top_k;

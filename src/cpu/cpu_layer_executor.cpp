@@ -19,19 +19,27 @@ double seconds_since(Clock::time_point start) {
 
 std::vector<float> to_float(const HostTensor& tensor) {
   std::vector<float> values(static_cast<std::size_t>(tensor.numel()));
-  for (std::int64_t i = 0; i < tensor.numel(); ++i) values[static_cast<std::size_t>(i)] = tensor.get(i);
+  for (std::int64_t i = 0; i < tensor.numel(); ++i)
+    values[static_cast<std::size_t>(i)] = tensor.get(i);
   return values;
 }
 
 class CpuLayerExecutor final : public LayerExecutor {
  public:
   CpuLayerExecutor(const LayerConfig& config, DType dtype, int tp, const LayerWeights& weights)
-      : config_(config), dtype_(dtype), inter_(config.expert_intermediate / tp),
-        shared_(config.shared_width() / tp), router_weight_(to_float(weights.router_weight)),
-        router_bias_(to_float(weights.router_bias)), latent_down_(to_float(weights.latent_down)),
-        expert_gate_(to_float(weights.expert_gate)), expert_up_(to_float(weights.expert_up)),
-        expert_down_(to_float(weights.expert_down)), shared_gate_(to_float(weights.shared_gate)),
-        shared_up_(to_float(weights.shared_up)), shared_down_(to_float(weights.shared_down)) {
+      : config_(config),
+        dtype_(dtype),
+        inter_(config.expert_intermediate / tp),
+        shared_(config.shared_width() / tp),
+        router_weight_(to_float(weights.router_weight)),
+        router_bias_(to_float(weights.router_bias)),
+        latent_down_(to_float(weights.latent_down)),
+        expert_gate_(to_float(weights.expert_gate)),
+        expert_up_(to_float(weights.expert_up)),
+        expert_down_(to_float(weights.expert_down)),
+        shared_gate_(to_float(weights.shared_gate)),
+        shared_up_(to_float(weights.shared_up)),
+        shared_down_(to_float(weights.shared_down)) {
     if (!config.router.correction_bias) router_bias_.clear();
   }
 
@@ -54,7 +62,8 @@ class CpuLayerExecutor final : public LayerExecutor {
     start = Clock::now();
     // z = round(x · W_downᵀ) [T, l], kept as the fp32 values of the storage dtype.
     std::vector<float> latent(static_cast<std::size_t>(tokens * config_.d_latent));
-    cpu::sgemm_nt(tokens, config_.d_latent, config_.d_model, x32.data(), latent_down_.data(), latent.data());
+    cpu::sgemm_nt(tokens, config_.d_latent, config_.d_model, x32.data(), latent_down_.data(),
+                  latent.data());
     for (float& value : latent) value = round_to(dtype_, value);
     times.down_projection = seconds_since(start);
 
@@ -114,7 +123,8 @@ class CpuLayerExecutor final : public LayerExecutor {
         std::copy_n(latent.data() + token * l, l, gathered.data() + i * l);
       }
       const std::size_t matrix = static_cast<std::size_t>(e * inter_ * l);
-      hidden(gathered.data(), count, l, expert_gate_.empty() ? nullptr : expert_gate_.data() + matrix,
+      hidden(gathered.data(), count, l,
+             expert_gate_.empty() ? nullptr : expert_gate_.data() + matrix,
              expert_up_.data() + matrix, inter_, gate, act);
       out.resize(static_cast<std::size_t>(count * l));
       cpu::sgemm_nt(count, l, inter_, act.data(), expert_down_.data() + matrix, out.data());

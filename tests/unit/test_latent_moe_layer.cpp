@@ -10,8 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <map>
 
@@ -60,7 +60,9 @@ std::vector<lmoe::LayerInputRun> run(const LayerConfig& config, DType dtype, int
   options.tier = tier;
   return lmoe::run_layer_on_threads(
       options_of(config, dtype), tp,
-      [&](int rank) { return lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed); },
+      [&](int rank) {
+        return lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed);
+      },
       inputs, options);
 }
 
@@ -79,11 +81,13 @@ void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor&
   // The router against fp64 (logits from x and the router weight in fp64).
   const std::vector<double> logits = lmoe::exact_router_logits(full, x.matrix());
   std::vector<float> bias;
-  for (std::int64_t e = 0; e < full.router_bias.numel(); ++e) bias.push_back(full.router_bias.get(e));
+  for (std::int64_t e = 0; e < full.router_bias.numel(); ++e)
+    bias.push_back(full.router_bias.get(e));
   const lmoe::ExactRouting exact_routing = lmoe::exact_router(config.router, logits, tokens, bias);
   EXPECT_EQ(routing.expert_ids, exact_routing.expert_ids);
   for (std::size_t i = 0; i < exact_routing.weights.size(); ++i) {
-    EXPECT_NEAR(routing.weights[i], exact_routing.weights[i], 1e-5 * config.router.routed_scaling_factor);
+    EXPECT_NEAR(routing.weights[i], exact_routing.weights[i],
+                1e-5 * config.router.routed_scaling_factor);
   }
 
   // The partials, summed over ranks in fp64, against fp64 math.
@@ -94,10 +98,12 @@ void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor&
     for (std::size_t i = 0; i < r.size(); ++i) routed_sum[i] += r[i];
     for (std::size_t i = 0; i < s.size(); ++i) shared_sum[i] += s[i];
   }
-  const lmoe::LayerComparison routed_cmp = lmoe::compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
+  const lmoe::LayerComparison routed_cmp =
+      lmoe::compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
   EXPECT_TRUE(routed_cmp.ok()) << "routed: normwise " << routed_cmp.normwise_error << " row "
                                << routed_cmp.max_row_error;
-  const lmoe::LayerComparison shared_cmp = lmoe::compare_layer(shared_sum, exact.shared, config.d_model, dtype);
+  const lmoe::LayerComparison shared_cmp =
+      lmoe::compare_layer(shared_sum, exact.shared, config.d_model, dtype);
   EXPECT_TRUE(shared_cmp.ok()) << "shared: normwise " << shared_cmp.normwise_error << " row "
                                << shared_cmp.max_row_error;
 
@@ -127,8 +133,8 @@ void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor&
   if (std::getenv("LMOE_PRINT_ERRORS")) {
     std::cerr << "MEASURE dtype=" << lmoe::dtype_name(dtype) << " tp=" << tp << " T=" << tokens
               << " routed " << routed_cmp.normwise_error << " " << routed_cmp.max_row_error
-              << " shared " << shared_cmp.normwise_error << " " << shared_cmp.max_row_error
-              << " y " << y_cmp.normwise_error << " " << y_cmp.max_row_error << "\n";
+              << " shared " << shared_cmp.normwise_error << " " << shared_cmp.max_row_error << " y "
+              << y_cmp.normwise_error << " " << y_cmp.max_row_error << "\n";
   }
   EXPECT_TRUE(y_cmp.ok()) << "y: normwise " << y_cmp.normwise_error << " (tolerance "
                           << y_cmp.normwise_tolerance << "), row " << y_cmp.max_row_error
@@ -146,7 +152,8 @@ TEST_P(CpuLayerParity, MatchesFp64AndTpOne) {
   const DType dtype = DType::bf16;
   std::vector<HostTensor> inputs;
   for (std::int64_t tokens : {1, 7, 64, 300}) {
-    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, dtype, 100u + static_cast<std::uint64_t>(tokens)));
+    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, dtype,
+                                                   100u + static_cast<std::uint64_t>(tokens)));
   }
   const lmoe::LayerWeights full = lmoe::make_random_layer_weights(config, dtype, 1, 0, kWeightSeed);
   const std::vector<lmoe::LayerInputRun> results = run(config, dtype, tp, inputs);
@@ -160,7 +167,8 @@ TEST_P(CpuLayerParity, MatchesFp64AndTpOne) {
     EXPECT_EQ(results[i].ranks[0].routing.weights, single[i].ranks[0].routing.weights);
     const lmoe::LayerComparison vs_tp1 =
         lmoe::compare_layer(results[i].ranks[0].y.matrix(), to_double(single[i].ranks[0].y));
-    EXPECT_TRUE(vs_tp1.ok()) << "vs tp=1: normwise " << vs_tp1.normwise_error << " row " << vs_tp1.max_row_error;
+    EXPECT_TRUE(vs_tp1.ok()) << "vs tp=1: normwise " << vs_tp1.normwise_error << " row "
+                             << vs_tp1.max_row_error;
   }
 }
 
@@ -186,10 +194,13 @@ class CpuLayerVariant : public ::testing::TestWithParam<VariantParam> {
 TEST_P(CpuLayerVariant, MatchesFp64) {
   const VariantParam& param = GetParam();
   const int tp = 2;
-  std::vector<HostTensor> inputs = {lmoe::make_random_layer_input(param.config.d_model, 64, param.dtype, 5),
-                                    lmoe::make_random_layer_input(param.config.d_model, 0, param.dtype, 6)};
-  const lmoe::LayerWeights full = lmoe::make_random_layer_weights(param.config, param.dtype, 1, 0, kWeightSeed);
-  const std::vector<lmoe::LayerInputRun> results = run(param.config, param.dtype, tp, inputs, param.tier);
+  std::vector<HostTensor> inputs = {
+      lmoe::make_random_layer_input(param.config.d_model, 64, param.dtype, 5),
+      lmoe::make_random_layer_input(param.config.d_model, 0, param.dtype, 6)};
+  const lmoe::LayerWeights full =
+      lmoe::make_random_layer_weights(param.config, param.dtype, 1, 0, kWeightSeed);
+  const std::vector<lmoe::LayerInputRun> results =
+      run(param.config, param.dtype, tp, inputs, param.tier);
   check_run(param.config, param.dtype, tp, inputs[0], results[0], full);
   if (param.tier) {
     EXPECT_EQ(results[0].ranks[0].tier, param.tier);
@@ -230,12 +241,15 @@ LayerConfig no_shared_no_bias() {
 INSTANTIATE_TEST_SUITE_P(
     Variants, CpuLayerVariant,
     ::testing::Values(
-        VariantParam{"situ_glu", with(small_config(), lmoe::ExpertActivation::situ_glu), DType::bf16, std::nullopt},
+        VariantParam{"situ_glu", with(small_config(), lmoe::ExpertActivation::situ_glu),
+                     DType::bf16, std::nullopt},
         VariantParam{"relu2_scale5", relu2_ungrouped(), DType::bf16, std::nullopt},
         VariantParam{"no_shared_no_bias", no_shared_no_bias(), DType::bf16, lmoe::TailTier::column},
         VariantParam{"f32_token_tier", small_config(), DType::f32, lmoe::TailTier::token},
         VariantParam{"f16_fused_tier", small_config(), DType::f16, lmoe::TailTier::fused}),
-    [](const ::testing::TestParamInfo<VariantParam>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<VariantParam>& info) {
+      return std::string(info.param.name);
+    });
 
 TEST(LayerWeights, RandomSlicesOfEveryTpAreTheTpOneWeights) {
   const LayerConfig config = small_config();
@@ -244,7 +258,8 @@ TEST(LayerWeights, RandomSlicesOfEveryTpAreTheTpOneWeights) {
   const std::int64_t shared = config.shared_width();
   for (int tp : {2, 4}) {
     for (int rank = 0; rank < tp; ++rank) {
-      const lmoe::LayerWeights part = lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 3);
+      const lmoe::LayerWeights part =
+          lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 3);
       EXPECT_FALSE(lmoe::validate_layer_weights(config, DType::bf16, tp, part).has_value());
       EXPECT_TRUE(same_bits(part.router_weight, full.router_weight));
       EXPECT_TRUE(same_bits(part.latent_up, full.latent_up));
@@ -252,22 +267,27 @@ TEST(LayerWeights, RandomSlicesOfEveryTpAreTheTpOneWeights) {
       for (std::int64_t e = 0; e < config.router.num_experts; e += 5) {
         for (std::int64_t i = 0; i < ir; ++i) {
           for (std::int64_t j = 0; j < l; j += 7) {
-            ASSERT_EQ(part.expert_up.get((e * ir + i) * l + j), full.expert_up.get((e * inter + rank * ir + i) * l + j));
-            ASSERT_EQ(part.expert_gate.get((e * ir + i) * l + j), full.expert_gate.get((e * inter + rank * ir + i) * l + j));
-            ASSERT_EQ(part.expert_down.get((e * l + j) * ir + i), full.expert_down.get((e * l + j) * inter + rank * ir + i));
+            ASSERT_EQ(part.expert_up.get((e * ir + i) * l + j),
+                      full.expert_up.get((e * inter + rank * ir + i) * l + j));
+            ASSERT_EQ(part.expert_gate.get((e * ir + i) * l + j),
+                      full.expert_gate.get((e * inter + rank * ir + i) * l + j));
+            ASSERT_EQ(part.expert_down.get((e * l + j) * ir + i),
+                      full.expert_down.get((e * l + j) * inter + rank * ir + i));
           }
         }
       }
       for (std::int64_t i = 0; i < sr; ++i) {
         for (std::int64_t j = 0; j < d; j += 11) {
           ASSERT_EQ(part.shared_up.get(i * d + j), full.shared_up.get((rank * sr + i) * d + j));
-          ASSERT_EQ(part.shared_down.get(j * sr + i), full.shared_down.get(j * shared + rank * sr + i));
+          ASSERT_EQ(part.shared_down.get(j * sr + i),
+                    full.shared_down.get(j * shared + rank * sr + i));
         }
       }
     }
   }
   // Another seed gives other weights.
-  EXPECT_FALSE(same_bits(lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 4).expert_up, full.expert_up));
+  EXPECT_FALSE(same_bits(lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 4).expert_up,
+                         full.expert_up));
 }
 
 TEST(LayerConfig, PresetsAndScaledDownConfigsAreValid) {
@@ -297,7 +317,8 @@ TEST(LayerConfig, PresetsAndScaledDownConfigsAreValid) {
 }
 
 // Builds a layer on every rank with per-rank changes; returns each rank's error message.
-std::vector<std::string> construct_errors(int tp, const std::function<void(int, LayerConfig&, lmoe::LayerWeights&)>& change) {
+std::vector<std::string> construct_errors(
+    int tp, const std::function<void(int, LayerConfig&, lmoe::LayerWeights&)>& change) {
   std::vector<std::string> messages(static_cast<std::size_t>(tp));
   lmoe::run_on_threads(tp, [&](int rank, lmoe::Communicator& comm) {
     LayerConfig config = small_config();
@@ -319,14 +340,17 @@ TEST(LayerErrors, BadConstructionFailsOnEveryRankNamingTheCause) {
     if (rank == 1) weights.expert_up = HostTensor(DType::bf16, {16, 31, 192});
   });
   for (const std::string& message : messages) {
-    EXPECT_THAT(message, HasSubstr("rank 1: layer weight expert_up: expected [16, 32, 192] bf16 (tp 2), got [16, 31, 192] bf16"));
+    EXPECT_THAT(message, HasSubstr("rank 1: layer weight expert_up: expected [16, 32, 192] bf16 "
+                                   "(tp 2), got [16, 31, 192] bf16"));
   }
   // A missing bias, on rank 0.
   messages = construct_errors(2, [](int rank, LayerConfig&, lmoe::LayerWeights& weights) {
     if (rank == 0) weights.router_bias = HostTensor();
   });
   for (const std::string& message : messages) {
-    EXPECT_THAT(message, HasSubstr("rank 0: layer weight router_bias: expected [16] f32 (tp 2), got absent"));
+    EXPECT_THAT(
+        message,
+        HasSubstr("rank 0: layer weight router_bias: expected [16] f32 (tp 2), got absent"));
   }
   // Different replicated weights on two ranks.
   messages = construct_errors(2, [](int rank, LayerConfig&, lmoe::LayerWeights& weights) {
@@ -336,18 +360,23 @@ TEST(LayerErrors, BadConstructionFailsOnEveryRankNamingTheCause) {
     EXPECT_THAT(message, HasSubstr("ranks disagree on the layer configuration"));
   }
   // An intermediate size tp does not divide; a model without the latent norm.
-  messages = construct_errors(2, [](int, LayerConfig& config, lmoe::LayerWeights&) { config.expert_intermediate = 63; });
+  messages = construct_errors(
+      2, [](int, LayerConfig& config, lmoe::LayerWeights&) { config.expert_intermediate = 63; });
   for (const std::string& message : messages) {
-    EXPECT_THAT(message, HasSubstr("layer config: expert_intermediate: expected a multiple of tp = 2, got 63"));
+    EXPECT_THAT(
+        message,
+        HasSubstr("layer config: expert_intermediate: expected a multiple of tp = 2, got 63"));
   }
   messages = construct_errors(4, [](int, LayerConfig& config, lmoe::LayerWeights&) {
     config.num_shared_experts = 3;
     config.shared_intermediate = 50;
   });
   for (const std::string& message : messages) {
-    EXPECT_THAT(message, HasSubstr("shared experts: width 3 × 50 = 150 is not a multiple of tp = 4"));
+    EXPECT_THAT(message,
+                HasSubstr("shared experts: width 3 × 50 = 150 is not a multiple of tp = 4"));
   }
-  messages = construct_errors(1, [](int, LayerConfig& config, lmoe::LayerWeights&) { config.latent_norm = false; });
+  messages = construct_errors(
+      1, [](int, LayerConfig& config, lmoe::LayerWeights&) { config.latent_norm = false; });
   EXPECT_THAT(messages[0], HasSubstr("latent_norm is false"));
 }
 
@@ -377,7 +406,8 @@ TEST(LayerErrors, BadInputFailsOnEveryRank) {
       messages[rank] += " | " + error.message();
     }
     // Then another x on each rank: the ranks route differently and must not sum their partials.
-    HostTensor other = lmoe::make_random_layer_input(384, 5, DType::bf16, 10u + static_cast<std::uint64_t>(rank));
+    HostTensor other =
+        lmoe::make_random_layer_input(384, 5, DType::bf16, 10u + static_cast<std::uint64_t>(rank));
     try {
       layer.forward(other.matrix(), y.matrix());
       messages[rank] += " | no error";

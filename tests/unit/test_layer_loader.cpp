@@ -45,7 +45,9 @@ void write_raw(const fs::path& path, const RawFile& tensors) {
   nlohmann::json header = nlohmann::json::object();
   std::uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    header[name] = {{"dtype", tensor.dtype}, {"shape", tensor.shape}, {"data_offsets", {offset, offset + tensor.bytes.size()}}};
+    header[name] = {{"dtype", tensor.dtype},
+                    {"shape", tensor.shape},
+                    {"data_offsets", {offset, offset + tensor.bytes.size()}}};
     offset += tensor.bytes.size();
   }
   std::string text = header.dump();
@@ -54,11 +56,13 @@ void write_raw(const fs::path& path, const RawFile& tensors) {
   const std::uint64_t length = text.size();
   for (int i = 0; i < 8; ++i) out.put(static_cast<char>((length >> (8 * i)) & 0xff));
   out << text;
-  for (const auto& entry : tensors) out.write(reinterpret_cast<const char*>(entry.second.bytes.data()), entry.second.bytes.size());
+  for (const auto& entry : tensors)
+    out.write(reinterpret_cast<const char*>(entry.second.bytes.data()), entry.second.bytes.size());
 }
 
 std::string name_of(std::string pattern, std::int64_t expert = 0) {
-  for (auto [key, value] : {std::pair<std::string, std::int64_t>{"{layer}", kLayer}, {"{expert}", expert}}) {
+  for (auto [key, value] :
+       {std::pair<std::string, std::int64_t>{"{layer}", kLayer}, {"{expert}", expert}}) {
     for (std::size_t at = pattern.find(key); at != std::string::npos; at = pattern.find(key)) {
       pattern.replace(at, key.size(), std::to_string(value));
     }
@@ -72,7 +76,8 @@ lmoe::LayerTensorNames small_names() { return *lmoe::find_preset("small").tensor
 // The full (tp = 1) weights as checkpoint tensors by the small preset's names.
 RawFile checkpoint_tensors(const LayerConfig& c, const lmoe::LayerWeights& w) {
   const lmoe::LayerTensorNames names = small_names();
-  const std::int64_t d = c.d_model, l = c.d_latent, e_count = c.router.num_experts, inter = c.expert_intermediate;
+  const std::int64_t d = c.d_model, l = c.d_latent, e_count = c.router.num_experts,
+                     inter = c.expert_intermediate;
   const std::int64_t shared = c.shared_width();
   RawFile file;
   file[name_of(names.router_weight)] = raw(w.router_weight, {e_count, d});
@@ -101,7 +106,8 @@ RawFile checkpoint_tensors(const LayerConfig& c, const lmoe::LayerWeights& w) {
 void write_checkpoint(const fs::path& dir, const RawFile& tensors) {
   fs::create_directories(dir);
   RawFile shards[2];
-  nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
+  nlohmann::json index = {{"metadata", nlohmann::json::object()},
+                          {"weight_map", nlohmann::json::object()}};
   int i = 0;
   for (const auto& [name, tensor] : tensors) {
     const int shard = (i++ % 2);
@@ -109,7 +115,8 @@ void write_checkpoint(const fs::path& dir, const RawFile& tensors) {
     index["weight_map"][name] = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
   }
   for (int shard = 0; shard < 2; ++shard) {
-    write_raw(dir / ("model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors"), shards[shard]);
+    write_raw(dir / ("model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors"),
+              shards[shard]);
   }
   std::ofstream(dir / "model.safetensors.index.json") << index.dump(1);
 }
@@ -122,8 +129,9 @@ bool same_bits(const HostTensor& a, const HostTensor& b) {
 class LayerLoader : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("lmoe_loader_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("lmoe_loader_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -131,7 +139,8 @@ class LayerLoader : public ::testing::Test {
   std::string load_error(const RawFile& tensors, int tp = 2) {
     write_checkpoint(dir_, tensors);
     try {
-      lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, small_config(), DType::bf16, tp, tp - 1);
+      lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, small_config(), DType::bf16,
+                               tp, tp - 1);
     } catch (const lmoe::Error& error) {
       return error.message();
     }
@@ -148,9 +157,10 @@ TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
   for (int tp : {1, 2, 4}) {
     for (int rank = 0; rank < tp; ++rank) {
       SCOPED_TRACE("tp " + std::to_string(tp) + " rank " + std::to_string(rank));
-      const lmoe::LayerWeights loaded =
-          lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, config, DType::bf16, tp, rank);
-      const lmoe::LayerWeights expected = lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 21);
+      const lmoe::LayerWeights loaded = lmoe::load_layer_weights(
+          dir_.string(), small_names(), kLayer, config, DType::bf16, tp, rank);
+      const lmoe::LayerWeights expected =
+          lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 21);
       EXPECT_FALSE(lmoe::validate_layer_weights(config, DType::bf16, tp, loaded).has_value());
       for (const lmoe::WeightSlot& slot : lmoe::layer_weight_slots(config, DType::bf16, tp)) {
         EXPECT_TRUE(same_bits(loaded.*slot.member, expected.*slot.member)) << slot.name;
@@ -161,7 +171,9 @@ TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
   fs::remove(dir_ / "model.safetensors.index.json");
   const lmoe::LayerWeights loaded =
       lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, config, DType::bf16, 2, 1);
-  EXPECT_TRUE(same_bits(loaded.expert_down, lmoe::make_random_layer_weights(config, DType::bf16, 2, 1, 21).expert_down));
+  EXPECT_TRUE(
+      same_bits(loaded.expert_down,
+                lmoe::make_random_layer_weights(config, DType::bf16, 2, 1, 21).expert_down));
   // Converted on load: f32 storage holds the same values.
   const lmoe::LayerWeights as_f32 =
       lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, config, DType::f32, 2, 0);
@@ -172,7 +184,9 @@ TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
 // e2m1 by its definition: sign, 2-bit exponent (bias 1), 1-bit mantissa; exponent 0 is subnormal.
 double e2m1(unsigned nibble) {
   const unsigned exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
-  const double magnitude = exponent == 0 ? 0.5 * mantissa : (1.0 + 0.5 * mantissa) * std::ldexp(1.0, static_cast<int>(exponent) - 1);
+  const double magnitude =
+      exponent == 0 ? 0.5 * mantissa
+                    : (1.0 + 0.5 * mantissa) * std::ldexp(1.0, static_cast<int>(exponent) - 1);
   return (nibble & 8u) ? -magnitude : magnitude;
 }
 
@@ -181,39 +195,56 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
   lmoe::LayerTensorNames names = small_names();
   names.experts_mxfp4 = true;
-  RawFile tensors = checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  RawFile tensors =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
   std::mt19937 generator(5);
   // Per expert and matrix: packed bytes and scales, kept to compute the expected values.
   std::map<std::string, std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>>> blocks;
   for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
-    for (const auto& [pattern, rows, cols] : {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
-                                              std::tuple{names.expert_down, l, inter}}) {
+    for (const auto& [pattern, rows, cols] :
+         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
+          std::tuple{names.expert_down, l, inter}}) {
       const std::string name = name_of(pattern, e);
       tensors.erase(name);
-      std::vector<std::uint8_t> packed(static_cast<std::size_t>(rows * cols / 2)), scales(static_cast<std::size_t>(rows * cols / 32));
+      std::vector<std::uint8_t> packed(static_cast<std::size_t>(rows * cols / 2)),
+          scales(static_cast<std::size_t>(rows * cols / 32));
       for (auto& byte : packed) byte = static_cast<std::uint8_t>(generator());
       for (auto& scale : scales) scale = static_cast<std::uint8_t>(120 + generator() % 12);
-      tensors[name + "_packed"] = {"U8", {rows, cols / 2}, {reinterpret_cast<std::byte*>(packed.data()), reinterpret_cast<std::byte*>(packed.data()) + packed.size()}};
-      tensors[name + "_scale"] = {"U8", {rows, cols / 32}, {reinterpret_cast<std::byte*>(scales.data()), reinterpret_cast<std::byte*>(scales.data()) + scales.size()}};
+      tensors[name + "_packed"] = {"U8",
+                                   {rows, cols / 2},
+                                   {reinterpret_cast<std::byte*>(packed.data()),
+                                    reinterpret_cast<std::byte*>(packed.data()) + packed.size()}};
+      tensors[name + "_scale"] = {"U8",
+                                  {rows, cols / 32},
+                                  {reinterpret_cast<std::byte*>(scales.data()),
+                                   reinterpret_cast<std::byte*>(scales.data()) + scales.size()}};
       blocks[name] = {packed, scales};
     }
   }
   write_checkpoint(dir_, tensors);
   const int tp = 2, rank = 1;
   const std::int64_t inter_r = inter / tp;
-  const lmoe::LayerWeights loaded = lmoe::load_layer_weights(dir_.string(), names, kLayer, config, DType::bf16, tp, rank);
-  auto expected = [&](const std::string& name, std::int64_t cols, std::int64_t row, std::int64_t col) {
+  const lmoe::LayerWeights loaded =
+      lmoe::load_layer_weights(dir_.string(), names, kLayer, config, DType::bf16, tp, rank);
+  auto expected = [&](const std::string& name, std::int64_t cols, std::int64_t row,
+                      std::int64_t col) {
     const auto& [packed, scales] = blocks.at(name);
     const std::uint8_t byte = packed[static_cast<std::size_t>((row * cols + col) / 2)];
     const unsigned nibble = col % 2 == 0 ? byte & 0xfu : byte >> 4;
-    return e2m1(nibble) * std::ldexp(1.0, static_cast<int>(scales[static_cast<std::size_t>(row * cols / 32 + col / 32)]) - 127);
+    return e2m1(nibble) *
+           std::ldexp(
+               1.0, static_cast<int>(scales[static_cast<std::size_t>(row * cols / 32 + col / 32)]) -
+                        127);
   };
   for (std::int64_t e = 0; e < config.router.num_experts; e += 3) {
     for (std::int64_t i = 0; i < inter_r; ++i) {
       for (std::int64_t j = 0; j < l; ++j) {
-        ASSERT_EQ(loaded.expert_up.get((e * inter_r + i) * l + j), expected(name_of(names.expert_up, e), l, rank * inter_r + i, j));
-        ASSERT_EQ(loaded.expert_gate.get((e * inter_r + i) * l + j), expected(name_of(names.expert_gate, e), l, rank * inter_r + i, j));
-        ASSERT_EQ(loaded.expert_down.get((e * l + j) * inter_r + i), expected(name_of(names.expert_down, e), inter, j, rank * inter_r + i));
+        ASSERT_EQ(loaded.expert_up.get((e * inter_r + i) * l + j),
+                  expected(name_of(names.expert_up, e), l, rank * inter_r + i, j));
+        ASSERT_EQ(loaded.expert_gate.get((e * inter_r + i) * l + j),
+                  expected(name_of(names.expert_gate, e), l, rank * inter_r + i, j));
+        ASSERT_EQ(loaded.expert_down.get((e * l + j) * inter_r + i),
+                  expected(name_of(names.expert_down, e), inter, j, rank * inter_r + i));
       }
     }
   }
@@ -225,19 +256,26 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
 TEST_F(LayerLoader, BadTensorsAreNamed) {
   const LayerConfig config = small_config();
   const lmoe::LayerTensorNames names = small_names();
-  const RawFile good = checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
 
   RawFile missing = good;
   missing.erase(name_of(names.expert_up, 13));
-  EXPECT_THAT(load_error(missing), HasSubstr("tensor 'layers.5.moe.experts.13.up.weight': not found in " + dir_.string()));
+  EXPECT_THAT(
+      load_error(missing),
+      HasSubstr("tensor 'layers.5.moe.experts.13.up.weight': not found in " + dir_.string()));
 
   RawFile misshaped = good;
   misshaped[name_of(names.latent_down)].shape = {96, 768};
-  EXPECT_THAT(load_error(misshaped), HasSubstr("tensor 'layers.5.moe.latent_down.weight': shape [96, 768], expected [192, 384]"));
+  EXPECT_THAT(
+      load_error(misshaped),
+      HasSubstr("tensor 'layers.5.moe.latent_down.weight': shape [96, 768], expected [192, 384]"));
 
   RawFile mistyped = good;
   mistyped[name_of(names.latent_norm)] = {"U8", {384}, std::vector<std::byte>(384)};
-  EXPECT_THAT(load_error(mistyped), HasSubstr("tensor 'layers.5.moe.latent_norm.weight': dtype U8, expected BF16, F16 or F32"));
+  EXPECT_THAT(
+      load_error(mistyped),
+      HasSubstr("tensor 'layers.5.moe.latent_norm.weight': dtype U8, expected BF16, F16 or F32"));
 
   lmoe::LayerTensorNames mxfp4 = names;
   mxfp4.experts_mxfp4 = true;
@@ -246,7 +284,8 @@ TEST_F(LayerLoader, BadTensorsAreNamed) {
     lmoe::load_layer_weights(dir_.string(), mxfp4, kLayer, config, DType::bf16, 1, 0);
     ADD_FAILURE() << "no error";
   } catch (const lmoe::Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("tensor 'layers.5.moe.experts.0.gate.weight_packed': not found"));
+    EXPECT_THAT(error.message(),
+                HasSubstr("tensor 'layers.5.moe.experts.0.gate.weight_packed': not found"));
   }
 
   try {

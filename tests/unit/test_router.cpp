@@ -77,8 +77,10 @@ TEST_P(RouterVsFp64, IdsExactWeightsWithinRounding) {
     SCOPED_TRACE("token " + std::to_string(t));
     // fp64 biased scores (the softmax case has no bias; its near-ties are judged the same way).
     std::vector<double> biased(static_cast<std::size_t>(experts));
-    double softmax_sum = 0, max_logit = *std::max_element(logits64.begin() + t * experts, logits64.begin() + (t + 1) * experts);
-    for (std::int64_t e = 0; e < experts; ++e) softmax_sum += std::exp(logits64[t * experts + e] - max_logit);
+    double softmax_sum = 0, max_logit = *std::max_element(logits64.begin() + t * experts,
+                                                          logits64.begin() + (t + 1) * experts);
+    for (std::int64_t e = 0; e < experts; ++e)
+      softmax_sum += std::exp(logits64[t * experts + e] - max_logit);
     for (std::int64_t e = 0; e < experts; ++e) {
       const double logit = logits64[t * experts + e];
       biased[e] = config.score == RouterScore::sigmoid ? 1.0 / (1.0 + std::exp(-logit))
@@ -99,7 +101,8 @@ TEST_P(RouterVsFp64, IdsExactWeightsWithinRounding) {
       const auto mine = std::find(routing.ids_of(t).begin(), routing.ids_of(t).end(), expert);
       if (!same || mine == routing.ids_of(t).end()) continue;  // a near-tie at the k-th place
       const double weight = exact.weights[t * k + j];
-      // fp32 sigmoid, sum, division and scale: a few roundings of 2^-24 each, plus the sum's k terms.
+      // fp32 sigmoid, sum, division and scale: a few roundings of 2^-24 each, plus the sum's k
+      // terms.
       const double tolerance = (8.0 + static_cast<double>(k)) * 0x1p-24 * std::abs(weight);
       EXPECT_NEAR(routing.weights_of(t)[mine - routing.ids_of(t).begin()], weight, tolerance);
     }
@@ -222,11 +225,16 @@ TEST(Router, BadArgumentsAreNamed) {
     return std::string("no error");
   };
   EXPECT_THAT(message(config_of(16, 33), logits, bias), HasSubstr("top_k: expected 1 … min(32"));
-  EXPECT_THAT(message(config_of(2048, 4), logits, bias), HasSubstr("num_experts: expected 1 … 1024, got 2048"));
-  EXPECT_THAT(message(config_of(16, 4, 3), logits, bias), HasSubstr("n_group: expected a divisor of num_experts = 16, got 3"));
-  EXPECT_THAT(message(config_of(16, 4, 4, 5), logits, bias), HasSubstr("topk_group: expected 1 … n_group = 4, got 5"));
-  EXPECT_THAT(message(config_of(16, 5, 4, 1), logits, bias), HasSubstr("hold fewer than top_k = 5"));
-  EXPECT_THAT(message(config_of(16, 4, 1, 1, 0.0f), logits, bias), HasSubstr("routed_scaling_factor"));
+  EXPECT_THAT(message(config_of(2048, 4), logits, bias),
+              HasSubstr("num_experts: expected 1 … 1024, got 2048"));
+  EXPECT_THAT(message(config_of(16, 4, 3), logits, bias),
+              HasSubstr("n_group: expected a divisor of num_experts = 16, got 3"));
+  EXPECT_THAT(message(config_of(16, 4, 4, 5), logits, bias),
+              HasSubstr("topk_group: expected 1 … n_group = 4, got 5"));
+  EXPECT_THAT(message(config_of(16, 5, 4, 1), logits, bias),
+              HasSubstr("hold fewer than top_k = 5"));
+  EXPECT_THAT(message(config_of(16, 4, 1, 1, 0.0f), logits, bias),
+              HasSubstr("routed_scaling_factor"));
   EXPECT_THAT(message(config_of(16, 4), std::span(logits).first(15), bias),
               HasSubstr("logits hold 15 values, expected T × E = 1 × 16"));
   EXPECT_THAT(message(config_of(16, 4), logits, std::span(bias).first(3)),
