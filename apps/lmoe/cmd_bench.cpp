@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -350,10 +349,7 @@ void BenchCommand::execute() {
                                 {"records", records},
                                 {"comm_errors", comm_errors},
                                 {"ok", ok}};
-    std::ofstream out(json_path);
-    if (!out) throw Error("--json: cannot write '" + json_path + "'");
-    out << doc.dump(2) << "\n";
-    if (!out) throw Error("--json: writing '" + json_path + "' failed");
+    write_json_file(json_path, doc);
   }
   if (!ok) throw CLI::RuntimeError(1);
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <optional>
 #include <string>
@@ -42,9 +43,13 @@ std::string resolve_comm(const std::string& name, Backend backend);
 // The policy from the environment and an optional --tier-table.
 PolicyConfig resolve_policy(const std::string& tier_table);
 
+// --json FILE: writes `doc` (indented), or throws lmoe::Error naming the file.
+void write_json_file(const std::string& path, const nlohmann::json& doc);
+
 void add_run_command(CLI::App& app);
 void add_tail_command(CLI::App& app);
 void add_explain_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_layer_command(CLI::App& app);
 
 }  // namespace lmoe::cli
