@@ -21,7 +21,9 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <cctype>
 #include <fstream>
+#include <sstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -187,15 +189,19 @@ std::string cuda_version_string(int version) {
 
 // The kernel module's version line (e.g. "... Kernel Module  580.159.04 ..."), where the driver
 // exposes it; the CUDA driver API reports only the CUDA version it supports.
+// The kernel module's version from a line like "NVRM version: NVIDIA UNIX Open Kernel Module for
+// x86_64  580.159.04  Release Build ...": the first token after "Kernel Module" that starts with a
+// digit and holds a dot.
 std::string driver_module_version() {
   std::ifstream file("/proc/driver/nvidia/version");
   std::string line;
   if (!std::getline(file, line)) return "unknown";
   const auto at = line.find("Kernel Module");
-  if (at == std::string::npos) return line;
-  std::string rest = line.substr(at + 13);
-  rest.erase(0, rest.find_first_not_of(' '));
-  return rest.substr(0, rest.find(' '));
+  std::istringstream tokens(at == std::string::npos ? line : line.substr(at));
+  for (std::string token; tokens >> token;) {
+    if (std::isdigit(static_cast<unsigned char>(token[0])) && token.find('.') != std::string::npos) return token;
+  }
+  return "unknown";
 }
 
 // ---- (a) copy -----------------------------------------------------------------------------------

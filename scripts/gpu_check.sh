@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p nccl kernels bench run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared nccl kernels bench bench1 run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +15,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 logs="${OUT:-build/cuda/gpu_check}"
 mkdir -p "$logs"
-stages="${LMOE_CHECK_STAGES:-build tests p2p nccl kernels bench}"
+stages="${LMOE_CHECK_STAGES:-build tests p2p nccl kernels bench bench1}"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
@@ -58,6 +58,16 @@ if wants p2p; then
   gtest p2p_tests 240 build/cuda/tests/lmoe_cuda_tests 'P2p*:*p2p*'
 fi
 
+if wants p2pshared; then
+  # Opt-in: p2p ranks sharing one GPU, which can stall (docs/p2p.md), with per-block progress in
+  # every failure message.
+  stage "p2p ranks sharing a GPU (diagnostics)"
+  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 90 build/cuda/tests/lmoe_cuda_tests \
+    --gtest_filter='P2p.Collectives*:P2p.Keeps*:P2p.GraphReplays*:*CudaTailParity*p2p_tp2_bf16' >"$logs/p2pshared.log" 2>&1
+  rc[p2pshared]=$?
+  grep -E "waited|OK \]|FAILED  \]" "$logs/p2pshared.log" | head -20
+fi
+
 if wants nccl && [ -x build/cuda/tests/lmoe_nccl_tests ]; then
   gtest nccl_tests 240 build/cuda/tests/lmoe_nccl_tests '*'
   if [ "$gpus" -ge 2 ] && [ -x build/cuda/tests/lmoe_nccl_mpi_tests ]; then
@@ -85,6 +95,16 @@ if wants bench; then
     --json "$logs/bench_k3_tp$ranks.json" >"$logs/bench.log" 2>"$logs/bench.err"
   rc[bench]=$?
   cat "$logs/bench.log"; tail -5 "$logs/bench.err"
+fi
+
+if wants bench1; then
+  # tp = 1 (the whole tail on one GPU), captured in CUDA graphs through p2p (no peers: its rounds
+  # only stage and publish to themselves): the latency of norm + GEMM + add per T.
+  stage "lmoe bench: K3, tp 1, p2p (graph replays)"
+  timeout 120 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p -t 1,16,128,1024,8192 --check-max-tokens 128 \
+    --json "$logs/bench_k3_tp1.json" >"$logs/bench1.log" 2>"$logs/bench1.err"
+  rc[bench1]=$?
+  cat "$logs/bench1.log"; tail -3 "$logs/bench1.err"
 fi
 
 if wants run; then

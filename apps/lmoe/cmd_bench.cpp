@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -376,10 +375,7 @@ void BenchCommand::execute() {
                                 {"tier_table", optional_json(options.policy.table_path)},
                                 {"policy_check", check_table ? checks_json(checks) : nlohmann::json()},
                                 {"ok", ok && policy_ok}};
-    std::ofstream out(json_path);
-    if (!out) throw Error("--json: cannot write '" + json_path + "'");
-    out << doc.dump(2) << "\n";
-    if (!out) throw Error("--json: writing '" + json_path + "' failed");
+    write_json_file(json_path, doc);
   }
   if (!ok || !policy_ok) throw CLI::RuntimeError(1);
 }

@@ -2,7 +2,6 @@
 // fresh random inputs, checks each against the numerics contract and fp64 math, and prints a table.
 #include <nlohmann/json.hpp>
 
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -172,9 +171,7 @@ void RunCommand::execute() const {
                           {"seed", seed},
                           {"rows", rows},
                           {"ok", all_ok}};
-    std::ofstream out(json_path);
-    if (!out) throw Error("--json: cannot write '" + json_path + "'");
-    out << doc.dump(2) << "\n";
+    write_json_file(json_path, doc);
   }
   if (!all_ok) throw CLI::RuntimeError(1);
 }

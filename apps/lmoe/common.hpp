@@ -2,6 +2,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <optional>
 #include <string>
@@ -47,11 +48,14 @@ PolicyConfig resolve_policy(const std::string& tier_table);
 // A measured table in `policy` must fit `running`: lmoe::Error when it does not (match_tier_table);
 // its warnings go to stderr, once.
 void check_table_fits(const PolicyConfig& policy, const RunningConfig& running);
+// --json FILE: writes `doc` (indented), or throws lmoe::Error naming the file.
+void write_json_file(const std::string& path, const nlohmann::json& doc);
 
 void add_run_command(CLI::App& app);
 void add_tail_command(CLI::App& app);
 void add_explain_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_tune_command(CLI::App& app);
+void add_layer_command(CLI::App& app);
 
 }  // namespace lmoe::cli

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <iostream>
 
 #include "common.hpp"
@@ -50,6 +51,13 @@ std::string resolve_comm(const std::string& name, Backend backend) {
               " backend here (choices: " + (choices.empty() ? "none" : choices) + ")");
 }
 
+void write_json_file(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  if (!out) throw Error("--json: cannot write '" + path + "'");
+  out << doc.dump(2) << "\n";
+  if (!out) throw Error("--json: writing '" + path + "' failed");
+}
+
 PolicyConfig resolve_policy(const std::string& tier_table) {
   return load_policy_config(process_environment(),
                             tier_table.empty() ? std::nullopt : std::optional<std::string>(tier_table));
@@ -74,6 +82,7 @@ int main(int argc, char** argv) {
   lmoe::cli::add_explain_command(app);
   lmoe::cli::add_bench_command(app);
   lmoe::cli::add_tune_command(app);
+  lmoe::cli::add_layer_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "lmoe/tensor.hpp"
 
@@ -26,6 +27,24 @@ inline constexpr std::size_t kMaxSafetensorsHeaderBytes = 100u << 20;
 // Parses a whole file held in memory; `source` names it in error messages.
 SafetensorsFile parse_safetensors(std::span<const std::byte> file_bytes, std::string_view source);
 SafetensorsFile read_safetensors(const std::string& path);
+
+// One tensor as a file's header describes it, in any dtype the format defines.
+struct SafetensorsTensorInfo {
+  std::string dtype;                // as the header spells it: "BF16", "U8", ...
+  std::vector<std::int64_t> shape;
+  std::uint64_t offset = 0;         // file offset of its first byte
+  std::uint64_t bytes = 0;
+};
+struct SafetensorsHeader {
+  std::string path;
+  std::map<std::string, SafetensorsTensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+};
+// The header of a file (checked as read_safetensors checks it: sizes, offsets, no holes), without
+// reading the data, for loaders that read only some tensors or some rows of them.
+SafetensorsHeader read_safetensors_header(const std::string& path);
+// Reads out.size() bytes at file offset `offset`.
+void read_safetensors_bytes(const std::string& path, std::uint64_t offset, std::span<std::byte> out);
 
 // Serializes tensors (sorted by name, 8-byte aligned header as the format recommends).
 std::string serialize_safetensors(const std::map<std::string, HostTensor>& tensors,

@@ -495,10 +495,9 @@ std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(int nu
                                                                           std::chrono::milliseconds timeout) {
   LMOE_CHECK(num_ranks >= 1, "nccl: number of ranks must be >= 1, got " + std::to_string(num_ranks));
   const int visible = cuda_device_count();
-  // Too few GPUs is the root cause to report, before any per-rank device problem it implies.
-  if (num_ranks > visible) throw Error(many_gpus_message(num_ranks, visible));
   std::vector<int> chosen(devices.begin(), devices.end());
   if (chosen.empty()) {
+    if (num_ranks > visible) throw Error(many_gpus_message(num_ranks, visible));
     chosen.resize(static_cast<std::size_t>(num_ranks));
     std::iota(chosen.begin(), chosen.end(), 0);
   }
@@ -534,7 +533,8 @@ void run_on_nccl_threads(int num_ranks, std::span<const int> devices,
     chosen.resize(static_cast<std::size_t>(std::max(num_ranks, 0)));
     std::iota(chosen.begin(), chosen.end(), 0);
   }
-  run_on_rank_threads(make_nccl_thread_communicators(num_ranks, chosen, timeout), [&](int rank, Communicator& comm) {
+  // `devices` as given: with none, too few GPUs is reported as such, not as a bad device of rank 1.
+  run_on_rank_threads(make_nccl_thread_communicators(num_ranks, devices, timeout), [&](int rank, Communicator& comm) {
     LMOE_CUDA_CHECK(cudaSetDevice(chosen[static_cast<std::size_t>(rank)]));
     fn(rank, comm);
   });

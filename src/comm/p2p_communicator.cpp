@@ -146,6 +146,27 @@ class P2pGroup {
     return h;
   }
 
+  // Where every rank's blocks are, for a failure message: "rank r: entered/completed" per block,
+  // from the flags in device memory (read once the rounds have stopped, which a raised abort flag
+  // ensures). A stalled rank whose blocks never entered the round was not running at all (queued
+  // behind other work, or not resident); one that entered but did not complete was waiting.
+  std::string block_progress() {
+    std::string text;
+    cuda::P2pFlags flags;
+    for (int r = 0; r < size_; ++r) {
+      LMOE_CUDA_CHECK(cudaSetDevice(devices_[r]));
+      if (cudaMemcpy(&flags, flags_[r].data(), sizeof(flags), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        cudaGetLastError();
+        return "";
+      }
+      text += "; rank " + std::to_string(r) + " blocks entered/completed:";
+      for (int b = 0; b < blocks_; ++b) {
+        text += " " + std::to_string(flags.entered[b]) + "/" + std::to_string(flags.epoch[b]);
+      }
+    }
+    return text;
+  }
+
   // Raises the device-visible abort flag: rounds in flight stop spinning, later rounds fail at once.
   void raise_abort() {
     reinterpret_cast<volatile std::int32_t&>(mapped_->abort_flag) = 1;
@@ -347,8 +368,9 @@ class P2pCommunicator final : public Communicator {
   // A failure a round reported on the device becomes an error on the host, and the group's host
   // barrier is aborted so that no rank waits there for one that has given up.
   void throw_if_failed(const char* operation) {
-    const std::string failure = group_->device_failure();
+    std::string failure = group_->device_failure();
     if (failure.empty()) return;
+    if (std::getenv("LMOE_P2P_DIAGNOSE")) failure += group_->block_progress();
     group_->barrier().abort(rank_, failure);
     throw CommunicatorAborted(std::string(operation) + ": " + failure);
   }

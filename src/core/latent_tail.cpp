@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/rank_agreement.hpp"
 #include "core/tail_executor.hpp"
 #include "core/validation.hpp"
 #include "cpu/cpu_tail_executor.hpp"
@@ -33,64 +34,6 @@ bool backend_available(Backend backend) {
   return false;
 #endif
 }
-
-namespace {
-
-std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash = 1469598103934665603ull) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
-  return hash;
-}
-
-std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash) {
-  const std::size_t row_bytes = static_cast<std::size_t>(view.cols) * view.element_size();
-  for (std::int64_t row = 0; row < view.rows; ++row) hash = fnv1a(view.row_ptr(row), row_bytes, hash);
-  return hash;
-}
-
-// What ranks exchange to agree before they communicate.
-struct RankRecord {
-  std::uint64_t config_hash = 0;
-  std::int64_t num_tokens = 0;
-  std::int32_t tier = -1;
-  std::int32_t ok = 1;
-  char text[240] = {};  // the error when !ok, else a description of the configuration
-};
-
-void set_text(RankRecord& record, const std::string& text) {
-  std::memset(record.text, 0, sizeof(record.text));
-  std::memcpy(record.text, text.data(), std::min(text.size(), sizeof(record.text) - 1));
-}
-
-std::vector<RankRecord> exchange(Communicator& comm, const RankRecord& mine) {
-  std::vector<RankRecord> all(static_cast<std::size_t>(comm.size()));
-  comm.control_all_gather(&mine, all.data(), sizeof(RankRecord));
-  return all;
-}
-
-// The same error on every rank: the first rank that failed, or the first disagreement.
-void throw_if_ranks_disagree(const std::vector<RankRecord>& all, const char* what) {
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (!all[r].ok) throw Error("rank " + std::to_string(r) + ": " + all[r].text);
-  }
-  for (std::size_t r = 1; r < all.size(); ++r) {
-    if (all[r].config_hash != all[0].config_hash) {
-      throw Error(std::string("ranks disagree on the ") + what + ": rank 0 has " + all[0].text +
-                  "; rank " + std::to_string(r) + " has " + all[r].text);
-    }
-    if (all[r].num_tokens != all[0].num_tokens || all[r].tier != all[0].tier) {
-      auto describe = [](const RankRecord& record) {
-        return "T=" + std::to_string(record.num_tokens) + " tier=" +
-               (record.tier < 0 ? std::string("none")
-                                : std::string(tier_name(static_cast<TailTier>(record.tier))));
-      };
-      throw Error("ranks disagree on the call: rank 0 has " + describe(all[0]) + ", rank " +
-                  std::to_string(r) + " has " + describe(all[r]));
-    }
-  }
-}
-
-}  // namespace
 
 struct LatentTail::Impl {
   TailOptions options;
@@ -142,7 +85,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     hash = fnv1a(&opts.dtype, sizeof(opts.dtype), hash);
     hash = fnv1a(&opts.backend, sizeof(opts.backend), hash);
     hash = fnv1a(&opts.max_tokens, sizeof(opts.max_tokens), hash);
-    const std::uint64_t weights = checksum(up_proj_weight, checksum(norm_weight, 1469598103934665603ull));
+    const std::uint64_t weights = checksum(up_proj_weight, checksum(norm_weight, kFnvOffsetBasis));
     hash = fnv1a(&weights, sizeof(weights), hash);
     char text[200];
     std::snprintf(text, sizeof(text),

@@ -78,7 +78,9 @@ std::string store_le64(std::uint64_t value) {
 
 // One tensor as the header describes it, before its data is read.
 struct TensorEntry {
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;      // when the dtype is one lmoe computes in
+  std::string dtype_name;        // as the header spells it
+  std::size_t element_size = 4;
   std::vector<std::int64_t> shape;
   std::uint64_t begin = 0;
   std::uint64_t end = 0;
@@ -93,9 +95,17 @@ struct Header {
 // can be many times larger than the text, while here memory stays proportional to what we keep,
 // nesting deeper than the format's three levels is rejected at once, and every error can name
 // the tensor it belongs to.
+// The format's dtypes other than lmoe's own three, with their element sizes: a header-only read
+// (read_safetensors_header) accepts them, since a loader may convert them itself (MXFP4 blocks
+// and scales are U8).
+constexpr std::pair<std::string_view, std::size_t> kRawDtypes[] = {
+    {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"U16", 2}, {"I16", 2},
+    {"U32", 4}, {"I32", 4}, {"U64", 8}, {"I64", 8}, {"F64", 8}};
+
 class HeaderReader {
  public:
-  explicit HeaderReader(std::string_view source) : source_(source) {}
+  HeaderReader(std::string_view source, bool raw_dtypes = false)
+      : source_(source), raw_dtypes_(raw_dtypes) {}
 
   Header take(std::string_view text) {
     // nlohmann stops at a NUL byte as if the input ended there, which would let a header hide
@@ -159,13 +169,24 @@ class HeaderReader {
       for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
         if (value == safetensors_dtype_name(dtype)) {
           entry_.dtype = dtype;
+          entry_.element_size = dtype_size(dtype);
           known = true;
         }
+      }
+      for (const auto& [name, size] : kRawDtypes) {
+        if (raw_dtypes_ && value == name) {
+          entry_.element_size = size;
+          known = true;
+        }
+      }
+      if (!known && raw_dtypes_) {
+        fail_tensor("has dtype " + printable(value) + ", which is not a safetensors dtype");
       }
       if (!known) {
         fail_tensor("has dtype " + printable(value) +
                     ", which lmoe does not support (expected BF16, F16 or F32)");
       }
+      entry_.dtype_name = value;
       has_dtype_ = true;
       state_ = State::entry;
       return true;
@@ -335,6 +356,7 @@ class HeaderReader {
   }
 
   std::string_view source_;
+  bool raw_dtypes_;
   Header header_;
   State state_ = State::top;
   std::string key_;    // the current root key (tensor name) or metadata key
@@ -377,11 +399,11 @@ std::vector<const NamedEntry*> check_layout(const Header& header, std::uint64_t 
       fail(name, "has data_offsets " + offsets + " that reach beyond the data section (" +
                      std::to_string(data_bytes) + " bytes)");
     }
-    const std::uint64_t expected = numel * dtype_size(entry.dtype);
+    const std::uint64_t expected = numel * entry.element_size;
     if (entry.end - entry.begin != expected) {
       fail(name, "has data_offsets " + offsets + " spanning " +
                      std::to_string(entry.end - entry.begin) + " bytes, but " +
-                     std::string(safetensors_dtype_name(entry.dtype)) + " " +
+                     entry.dtype_name + " " +
                      shape_string(entry.shape) + " needs " + std::to_string(expected));
     }
     order.push_back(&named);
@@ -550,7 +572,20 @@ SafetensorsFile parse_safetensors(std::span<const std::byte> file_bytes, std::st
   return file;
 }
 
-SafetensorsFile read_safetensors(const std::string& path) {
+namespace {
+
+// An open file with its checked header; data_start is the file offset of the data section.
+struct OpenedFile {
+  int fd = -1;
+  Header header;
+  std::uint64_t data_start = 0;
+  std::vector<const NamedEntry*> order;  // tensors in file order
+  ~OpenedFile() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+void open_checked(const std::string& path, bool raw_dtypes, OpenedFile& file) {
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) {
     throw Error(path + ": cannot read safetensors file: " +
@@ -559,28 +594,55 @@ SafetensorsFile read_safetensors(const std::string& path) {
   const std::uint64_t file_size = std::filesystem::file_size(path, error);
   if (error) throw Error(path + ": cannot read safetensors file: " + error.message());
 
+  file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (file.fd < 0) throw Error(path + ": cannot open safetensors file: " + system_message(errno));
+
+  std::array<std::byte, kLengthPrefixBytes> prefix{};
+  if (file_size >= kLengthPrefixBytes) read_all(file.fd, 0, prefix.data(), prefix.size(), path);
+  const std::uint64_t header_bytes = check_header_length(load_le64(prefix.data()), file_size, path);
+  std::string text(header_bytes, '\0');
+  read_all(file.fd, kLengthPrefixBytes, reinterpret_cast<std::byte*>(text.data()), text.size(), path);
+  file.header = HeaderReader(path, raw_dtypes).take(text);
+  file.data_start = kLengthPrefixBytes + header_bytes;
+  file.order = check_layout(file.header, file_size - file.data_start, path);
+}
+
+}  // namespace
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  OpenedFile opened;
+  open_checked(path, false, opened);
+  // Tensors are read one by one straight into their own buffers, so a model is never held twice.
+  SafetensorsFile file;
+  for (const NamedEntry* named : opened.order) {
+    const TensorEntry& entry = named->second;
+    HostTensor tensor(entry.dtype, entry.shape);
+    read_all(opened.fd, opened.data_start + entry.begin, tensor.data(), tensor.nbytes(), path);
+    file.tensors.emplace(named->first, std::move(tensor));
+  }
+  file.metadata = std::move(opened.header.metadata);
+  return file;
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  OpenedFile opened;
+  open_checked(path, true, opened);
+  SafetensorsHeader header;
+  header.path = path;
+  for (const auto& [name, entry] : opened.header.tensors) {
+    header.tensors.emplace(name, SafetensorsTensorInfo{entry.dtype_name, entry.shape,
+                                                       opened.data_start + entry.begin,
+                                                       entry.end - entry.begin});
+  }
+  header.metadata = std::move(opened.header.metadata);
+  return header;
+}
+
+void read_safetensors_bytes(const std::string& path, std::uint64_t offset, std::span<std::byte> out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(path + ": cannot open safetensors file: " + system_message(errno));
   const FdCloser closer{fd};
-
-  std::array<std::byte, kLengthPrefixBytes> prefix{};
-  if (file_size >= kLengthPrefixBytes) read_all(fd, 0, prefix.data(), prefix.size(), path);
-  const std::uint64_t header_bytes = check_header_length(load_le64(prefix.data()), file_size, path);
-  std::string text(header_bytes, '\0');
-  read_all(fd, kLengthPrefixBytes, reinterpret_cast<std::byte*>(text.data()), text.size(), path);
-  Header header = HeaderReader(path).take(text);
-  const std::uint64_t data_start = kLengthPrefixBytes + header_bytes;
-
-  // Tensors are read one by one straight into their own buffers, so a model is never held twice.
-  SafetensorsFile file;
-  for (const NamedEntry* named : check_layout(header, file_size - data_start, path)) {
-    const TensorEntry& entry = named->second;
-    HostTensor tensor(entry.dtype, entry.shape);
-    read_all(fd, data_start + entry.begin, tensor.data(), tensor.nbytes(), path);
-    file.tensors.emplace(named->first, std::move(tensor));
-  }
-  file.metadata = std::move(header.metadata);
-  return file;
+  read_all(fd, offset, out.data(), out.size(), path);
 }
 
 std::string serialize_safetensors(const std::map<std::string, HostTensor>& tensors,

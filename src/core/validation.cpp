@@ -15,6 +15,17 @@ std::string dims_of(ConstMatrixView view) {
   return "[" + std::to_string(view.rows) + ", " + std::to_string(view.cols) + "]";
 }
 
+bool overlaps(ConstMatrixView a, ConstMatrixView b) {
+  if (a.rows == 0 || b.rows == 0) return false;
+  const auto* a_begin = static_cast<const std::byte*>(a.data);
+  const auto* b_begin = static_cast<const std::byte*>(b.data);
+  const std::size_t a_bytes = static_cast<std::size_t>(a.rows * a.ld) * a.element_size();
+  const std::size_t b_bytes = static_cast<std::size_t>(b.rows * b.ld) * b.element_size();
+  return a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
+}
+
+}  // namespace
+
 std::optional<std::string> check_matrix(const char* name, ConstMatrixView view, DType dtype,
                                         MemorySpace space, std::int64_t rows, std::int64_t cols) {
   if (view.dtype != dtype) {
@@ -35,17 +46,6 @@ std::optional<std::string> check_matrix(const char* name, ConstMatrixView view, 
   }
   return std::nullopt;
 }
-
-bool overlaps(ConstMatrixView a, ConstMatrixView b) {
-  if (a.rows == 0 || b.rows == 0) return false;
-  const auto* a_begin = static_cast<const std::byte*>(a.data);
-  const auto* b_begin = static_cast<const std::byte*>(b.data);
-  const std::size_t a_bytes = static_cast<std::size_t>(a.rows * a.ld) * a.element_size();
-  const std::size_t b_bytes = static_cast<std::size_t>(b.rows * b.ld) * b.element_size();
-  return a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
-}
-
-}  // namespace
 
 std::optional<std::string> validate_options(const TailOptions& options, int tp) {
   const TailDims& dims = options.dims;

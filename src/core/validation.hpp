@@ -11,6 +11,11 @@
 
 namespace lmoe {
 
+// A matrix argument: its dtype, shape [rows, cols], contiguity and memory space; the message names
+// it (`name`) and what was expected.
+std::optional<std::string> check_matrix(const char* name, ConstMatrixView view, DType dtype,
+                                        MemorySpace space, std::int64_t rows, std::int64_t cols);
+
 // Options alone (dims, eps, tp).
 std::optional<std::string> validate_options(const TailOptions& options, int tp);
 // The weights handed to the constructor.

@@ -62,13 +62,22 @@ void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, Matrix
   }
 }
 
+void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w, float* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // BLAS may leave C untouched when there is nothing to sum; the sum is +0
+    std::fill(c, c + m * n, 0.0f);
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n),
+              static_cast<int>(k), 1.0f, a, static_cast<int>(k), w, static_cast<int>(k), 0.0f, c,
+              static_cast<int>(n));
+}
+
 std::vector<float> gemm_fp32(ConstMatrixView a, const float* w, std::int64_t n) {
   std::vector<float> acc(static_cast<std::size_t>(a.rows * n));
   if (acc.empty()) return acc;
   const std::vector<float> a32 = to_float(a);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.rows), static_cast<int>(n),
-              static_cast<int>(a.cols), 1.0f, a32.data(), static_cast<int>(a.cols), w,
-              static_cast<int>(a.cols), 0.0f, acc.data(), static_cast<int>(n));
+  sgemm_nt(a.rows, n, a.cols, a32.data(), w, acc.data());
   return acc;
 }
 

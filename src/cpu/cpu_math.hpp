@@ -25,6 +25,10 @@ float rms_norm_sum_of_squares(std::span<const float> squares);
 // the sum of squares accumulated in fp32 in the canonical order.
 void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, MatrixView out);
 
+// c [m, n] = a [m, k] · w [n, k]ᵀ, all fp32 row-major and contiguous, accumulated in fp32 (BLAS
+// order), not rounded.
+void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w, float* c);
+
 // a · wᵀ accumulated in fp32 and not rounded: [M, N] row-major.
 std::vector<float> gemm_fp32(ConstMatrixView a, const float* w, std::int64_t n);
 

@@ -30,6 +30,9 @@ namespace {
 
 using cuda::check;
 
+// From this size on, all_reduce is two-shot.
+constexpr std::size_t kTwoShotBytes = std::size_t{1} << 20;
+
 class CudaThreadGroup {
  public:
   CudaThreadGroup(int size, int device, std::chrono::milliseconds timeout)
@@ -65,19 +68,17 @@ class CudaThreadCommunicator final : public Communicator {
     auto& slot = group_->slot(rank_);
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&slot.ready, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
-    LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&scratch_free_, cudaEventDisableTiming));
+    LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&scratch_.free, cudaEventDisableTiming));
+    LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&staging_.free, cudaEventDisableTiming));
   }
 
   ~CudaThreadCommunicator() override {
     cudaSetDevice(group_->device());
-    if (scratch_) {
-      cudaEventSynchronize(scratch_free_);
-      cudaFree(scratch_);
-    }
+    scratch_.release();
+    staging_.release();
     auto& slot = group_->slot(rank_);
     cudaEventDestroy(slot.ready);
     cudaEventDestroy(slot.done);
-    cudaEventDestroy(scratch_free_);
   }
 
   int rank() const override { return rank_; }
@@ -85,9 +86,26 @@ class CudaThreadCommunicator final : public Communicator {
   std::string_view backend_name() const override { return "cuda-threads"; }
   MemorySpace memory_space() const override { return MemorySpace::device; }
 
+  // One-shot (every rank sums all peers' whole buffers) for small sizes; two-shot above: a
+  // reduce-scatter into this rank's block of a staging buffer, then an all-gather of the blocks,
+  // which reads tp× less memory at the price of two more barrier rounds. Either way each element
+  // is the same rank-order sum, so the results are bit-identical.
   void all_reduce(const void* send, void* recv, std::size_t count, DType dtype,
                   StreamHandle stream_handle) override {
-    reduce_block(send, recv, 0, count, dtype, stream_handle, "all_reduce");
+    const std::size_t esize = dtype_size(dtype);
+    if (size() == 1 || count * esize < kTwoShotBytes) {
+      return reduce_block(send, recv, 0, count, dtype, stream_handle, "all_reduce");
+    }
+    // Blocks are whole 16-byte vectors (8 elements in every dtype) so the vector kernels apply.
+    std::vector<std::size_t> counts(static_cast<std::size_t>(size()));
+    const std::size_t vectors = count / 8, base = vectors / counts.size(), extra = vectors % counts.size();
+    for (std::size_t r = 0; r < counts.size(); ++r) counts[r] = 8 * (base + (r < extra ? 1 : 0));
+    counts.back() += count - 8 * vectors;
+    const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
+    void* block = staging_for(counts[static_cast<std::size_t>(rank_)] * esize, enter(stream_handle));
+    reduce_block(send, block, first, counts[static_cast<std::size_t>(rank_)], dtype, stream_handle, "all_reduce");
+    all_gather(block, recv, counts, dtype, stream_handle);
+    LMOE_CUDA_CHECK(cudaEventRecord(staging_.free, enter(stream_handle)));
   }
 
   void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
@@ -162,20 +180,41 @@ class CudaThreadCommunicator final : public Communicator {
     finish_from_scratch(scratch, recv, bytes, stream);
   }
 
-  void* scratch_for(std::size_t bytes, cudaStream_t stream) {
-    if (bytes > scratch_bytes_) {
-      if (scratch_) {
-        LMOE_CUDA_CHECK(cudaEventSynchronize(scratch_free_));
-        LMOE_CUDA_CHECK(cudaFree(scratch_));
-        scratch_ = nullptr;
-        scratch_bytes_ = 0;
+  // A per-rank device buffer that grows on demand and is handed to a stream only once its last
+  // user is done (`free` is recorded after that use; a peer's stream may have been the reader).
+  struct ReusedBuffer {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t free = nullptr;
+
+    void* for_stream(std::size_t needed, cudaStream_t stream) {
+      if (needed > bytes) {
+        if (data) {
+          LMOE_CUDA_CHECK(cudaEventSynchronize(free));
+          LMOE_CUDA_CHECK(cudaFree(data));
+          data = nullptr;
+          bytes = 0;
+        }
+        LMOE_CUDA_CHECK(cudaMalloc(&data, needed));
+        bytes = needed;
       }
-      LMOE_CUDA_CHECK(cudaMalloc(&scratch_, bytes));
-      scratch_bytes_ = bytes;
+      LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, free, 0));
+      return data;
     }
-    LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, scratch_free_, 0));
-    return scratch_;
-  }
+    void release() {
+      if (data) {
+        cudaEventSynchronize(free);
+        cudaFree(data);
+      }
+      cudaEventDestroy(free);
+    }
+  };
+
+  // The reduction's scratch: recv may alias send, which the peers are still reading.
+  void* scratch_for(std::size_t bytes, cudaStream_t stream) { return scratch_.for_stream(bytes, stream); }
+  // The two-shot all-reduce's block of reduced elements, read by the peers in the all-gather that
+  // follows; `staging_.free` is recorded after that all-gather's closing wait.
+  void* staging_for(std::size_t bytes, cudaStream_t stream) { return staging_.for_stream(bytes, stream); }
 
   void publish_and_wait_ready(const void* send, cudaStream_t stream, const char* operation) {
     auto& mine = group_->slot(rank_);
@@ -210,14 +249,13 @@ class CudaThreadCommunicator final : public Communicator {
 
   void finish_from_scratch(const void* scratch, void* recv, std::size_t bytes, cudaStream_t stream) {
     if (bytes) LMOE_CUDA_CHECK(cudaMemcpyAsync(recv, scratch, bytes, cudaMemcpyDeviceToDevice, stream));
-    LMOE_CUDA_CHECK(cudaEventRecord(scratch_free_, stream));
+    LMOE_CUDA_CHECK(cudaEventRecord(scratch_.free, stream));
   }
 
   std::shared_ptr<CudaThreadGroup> group_;
   int rank_;
-  void* scratch_ = nullptr;
-  std::size_t scratch_bytes_ = 0;
-  cudaEvent_t scratch_free_ = nullptr;
+  ReusedBuffer scratch_;
+  ReusedBuffer staging_;
 };
 
 }  // namespace

@@ -138,17 +138,23 @@ class CudaTailExecutor final : public TailExecutor {
     capacity_ = rows;
   }
 
+  // Where round(Σ_r x_r) of `count` elements is: all-reduced into `dst`, or with one rank x itself
+  // (a sum of one term is exact, so the contract needs no copy and no kernel).
+  const void* reduced(const void* x, void* dst, std::int64_t count, cudaStream_t stream) {
+    if (comm_.size() == 1) return x;
+    comm_.all_reduce(x, dst, static_cast<std::size_t>(count), dtype_, stream);
+    return dst;
+  }
+
   // normed_ [T, l] = round(rmsnorm(round(Σ_r routed_r))): the latent all-reduce and norm.
   void all_reduce_and_norm(ConstMatrixView routed, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
-    comm_.all_reduce(routed.data, latent_.data(), static_cast<std::size_t>(tokens * dims_.d_latent), dtype_,
-                     stream);
-    norm(tokens, stream);
+    norm(reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream), tokens, stream);
   }
 
-  // normed_ [rows, l] = round(rmsnorm(latent_ rows)).
-  void norm(std::int64_t rows, cudaStream_t stream) {
-    check(cuda::launch_rms_norm(latent_.data(), static_cast<const float*>(gamma_.data()), normed_.data(), rows,
+  // normed_ [rows, l] = round(rmsnorm(latent rows)).
+  void norm(const void* latent, std::int64_t rows, cudaStream_t stream) {
+    check(cuda::launch_rms_norm(latent, static_cast<const float*>(gamma_.data()), normed_.data(), rows,
                                 dims_.d_latent, eps_, dtype_, stream),
           "launch_rms_norm");
   }
@@ -165,18 +171,15 @@ class CudaTailExecutor final : public TailExecutor {
   // workspace holds one round in flight; NCCL serializes a communicator's operations).
   void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
-    comm_.all_reduce(routed.data, latent_.data(), static_cast<std::size_t>(tokens * dims_.d_latent), dtype_,
-                     stream);
+    const void* latent = reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    comm_.all_reduce(shared.data, shared_sum_.data(), static_cast<std::size_t>(tokens * dims_.d_model), dtype_,
-                     side_stream_);
-    norm(tokens, stream);
+    const void* shared_sum = reduced(shared.data, shared_sum_.data(), tokens * dims_.d_model, side_stream_);
+    norm(latent, tokens, stream);
     up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
-    check(cuda::launch_add(up_.data(), shared_sum_.data(), out.data, tokens * dims_.d_model, dtype_, stream),
-          "launch_add");
+    check(cuda::launch_add(up_.data(), shared_sum, out.data, tokens * dims_.d_model, dtype_, stream), "launch_add");
   }
 
   // column: N · w_up[stripe]ᵀ is accumulated into this rank's stripe of its own shared partial in place
@@ -192,7 +195,12 @@ class CudaTailExecutor final : public TailExecutor {
     check(cuda::launch_accumulate_stripe(offset(shared.data, bytes(first)), dims_.d_model,
                                          static_cast<const float*>(stripe_acc_.data()), tokens, width, dtype_, stream),
           "launch_accumulate_stripe");
-    comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model), dtype_, stream);
+    if (comm_.size() > 1) {
+      comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model), dtype_, stream);
+    } else if (out.data != shared.data) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(out.data, shared.data, bytes(tokens * dims_.d_model), cudaMemcpyDeviceToDevice,
+                                      stream));
+    }
   }
 
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one), receives
@@ -201,19 +209,31 @@ class CudaTailExecutor final : public TailExecutor {
     const std::int64_t tokens = routed.rows;
     const TokenRowSplit split = split_token_rows(tokens, comm_.size(), dims_);
     const std::int64_t my_rows = split.rows(comm_.rank());
-    comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
-    comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
-    norm(my_rows, stream);
+    const bool one_rank = comm_.size() == 1;  // the scatter and gather are the identity
+    const void* latent = routed.data;
+    const void* shared_sum = shared.data;
+    if (!one_rank) {
+      comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
+      comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
+      latent = latent_.data();
+      shared_sum = shared_sum_.data();
+    }
+    norm(latent, my_rows, stream);
     up_project(normed_.data(), my_rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
-    check(cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * dims_.d_model, dtype_, stream),
-          "launch_add");
-    comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
+    void* rows_out = one_rank ? out.data : up_.data();
+    check(cuda::launch_add(up_.data(), shared_sum, rows_out, my_rows * dims_.d_model, dtype_, stream), "launch_add");
+    if (!one_rank) comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
   }
 
   // fused, as an unfused composition of the same pieces (the one-kernel decode path over a P2P
   // workspace is not built yet): latent all-reduce + norm; shared packed by column stripes
   // [tp][T][s] and reduce-scattered; own stripe up-projected and added; stripes all-gathered.
+  // With one rank the stripe is the whole width and fused's contract is overlap's: overlap's
+  // dataflow, which has no collectives at tp = 1. (A first one-launch kernel for this case, CUDA
+  // cores with the normalized rows in shared memory, measured no faster at T = 1 and 4.4× slower at
+  // T = 16 than this path on an H200, and was not kept: docs/perf.md.)
   void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
+    if (comm_.size() == 1) return run_overlap(routed, shared, out, stream);
     const std::int64_t tokens = routed.rows;
     const std::int64_t width = stripe_width();
     const int tp = comm_.size();

@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "cuda/elementwise.cuh"
+#include "cuda/alignment.hpp"
 #include "cuda/launchers.hpp"
 #include "cuda/rms_norm.cuh"
 
@@ -14,8 +15,6 @@ constexpr int kThreads = 256;
 // Ranks that share a GPU run their collectives side by side; a modest grid per launch leaves room
 // for the others (DESIGN.md §4), and the grid-stride loops cover any size.
 constexpr std::int64_t kMaxBlocks = 128;
-
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 int blocks_for(std::int64_t work_items) {
   return static_cast<int>(std::clamp<std::int64_t>((work_items + kThreads - 1) / kThreads, 1, kMaxBlocks));

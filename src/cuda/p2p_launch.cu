@@ -1,5 +1,7 @@
 #include "cuda/p2p_launch.hpp"
 
+#include "cuda/alignment.hpp"
+
 #include <cstdint>
 
 #include "cuda/p2p_round.cuh"
@@ -7,8 +9,6 @@
 namespace lmoe::cuda {
 
 namespace {
-
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 // Whether every address the round touches as a vector is 16-byte aligned.
 template <typename T>

@@ -114,6 +114,8 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
       // Another round of this rank holds the block: two collectives overlap on one workspace.
       p2p_fail(h, kP2pConcurrentUse, -1, epoch);
       failed = 1;
+    } else {
+      own->entered[block] = epoch;  // after the abort check: a round that starts after a failure is not counted
     }
   }
   __syncthreads();

@@ -30,6 +30,7 @@ struct P2pFlags {
   std::uint32_t arrive[kP2pMaxBlocks][kP2pMaxRanks];  // written by peers
   std::uint32_t epoch[kP2pMaxBlocks];                 // own rounds completed, per block
   std::uint32_t in_use[kP2pMaxBlocks];                // a round of this block is running
+  std::uint32_t entered[kP2pMaxBlocks];               // the last round this block started (diagnostics)
 };
 
 // Everything a round kernel needs about its group, by value (trivially copyable, kernel parameter).

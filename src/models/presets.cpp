@@ -32,7 +32,35 @@ namespace models {
 std::vector<ModelPreset> small_presets() {
   // Not a model: dims small enough for tests and quick runs, divisible by 8·tp for tp ∈ {1,2,3,4,8}
   // (d = 384 = 2^7·3 and l = 192 = 2^6·3), so every tier and the fused stripe alignment apply.
-  return {{"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16}};
+  // Its layer exercises grouped top-k (4 groups of 4, the best 2 eligible) and a scale ≠ 1; the
+  // intermediate sizes split over tp ∈ {1, 2, 4, 8}.
+  LayerConfig layer;
+  layer.d_model = 384;
+  layer.d_latent = 192;
+  layer.router.num_experts = 16;
+  layer.router.top_k = 4;
+  layer.router.n_group = 4;
+  layer.router.topk_group = 2;
+  layer.router.routed_scaling_factor = 2.5f;
+  layer.expert_intermediate = 64;
+  layer.num_shared_experts = 2;
+  layer.shared_intermediate = 48;
+  layer.activation = ExpertActivation::silu_glu;
+  // A plain naming of its own, so that loading can be tried on small checkpoints.
+  const std::string moe = "layers.{layer}.moe.";
+  LayerTensorNames names;
+  names.router_weight = moe + "router.weight";
+  names.router_bias = moe + "router.bias";
+  names.latent_down = moe + "latent_down.weight";
+  names.latent_norm = moe + "latent_norm.weight";
+  names.latent_up = moe + "latent_up.weight";
+  names.expert_gate = moe + "experts.{expert}.gate.weight";
+  names.expert_up = moe + "experts.{expert}.up.weight";
+  names.expert_down = moe + "experts.{expert}.down.weight";
+  names.shared_gate = moe + "shared.gate.weight";
+  names.shared_up = moe + "shared.up.weight";
+  names.shared_down = moe + "shared.down.weight";
+  return {{"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16, layer, names}};
 }
 }  // namespace models
 

@@ -280,6 +280,107 @@ class OtherCommands(unittest.TestCase):
         self.assertIn("unknown preset 'gpt-9'", result.stderr)
 
 
+class LayerCommand(unittest.TestCase):
+    def test_small_layer_writes_json_with_every_row_ok(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "layer.json")
+            result = lmoe("layer", "--preset", "small", "--scale", "1", "-n", "2", "-t", "0,1,7", "--repeats", "2",
+                          "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            for column in ["router_us", "down_us", "experts_us", "shared_us", "tail_us", "fp64_err", "row_err"]:
+                self.assertIn(column, result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+        self.assertTrue(doc["ok"])
+        self.assertEqual(doc["command"], "layer")
+        self.assertEqual((doc["d_model"], doc["d_latent"], doc["num_experts"], doc["top_k"]), (384, 192, 16, 4))
+        self.assertEqual((doc["n_group"], doc["topk_group"], doc["tp"]), (4, 2, 2))
+        self.assertEqual([row["tokens"] for row in doc["rows"]], [0, 1, 7])
+        self.assertIsNone(doc["rows"][0]["tier"])
+        self.assertFalse(doc["rows"][0]["checked"])
+        for row in doc["rows"][1:]:
+            self.assertTrue(row["checked"] and row["ok"] and row["ranks_identical"])
+            self.assertLessEqual(row["normwise_error_vs_fp64"], row["normwise_tolerance"])
+            self.assertLessEqual(row["max_row_error_vs_fp64"], row["row_tolerance"])
+            for stage in ["router_us", "down_projection_us", "experts_us", "shared_us", "tail_us", "total_us"]:
+                self.assertGreaterEqual(row[stage], 0)
+
+    def test_kimi_k3_scaled_down_runs(self):
+        result = lmoe("layer", "--scale", "32", "-n", "2", "-t", "3", "--repeats", "1", "--tier", "overlap")
+        self.assertIn("kimi-k3 scaled down 32x: d 224, l 112", result.stdout)
+        self.assertIn("situ_glu", result.stdout)
+        self.assertIn("overlap", result.stdout)
+        self.assertIn("all rows ok", result.stdout)
+
+    @staticmethod
+    def write_small_checkpoint(path, layer, skip=()):
+        """The small preset's layer (d 384, l 192, 16 experts, I 64, shared 2 x 48) by its tensor names."""
+        rng = np.random.default_rng(3)
+        d, l, experts, inter, shared = 384, 192, 16, 64, 96
+        moe = f"layers.{layer}.moe."
+
+        def bf16(shape, fan_in, center=0.0):
+            values = center + rng.uniform(-1, 1, size=shape) * np.sqrt(3.0 / fan_in)
+            return ("BF16", shape, to_bf16_bits(values).tobytes())
+
+        tensors = {
+            moe + "router.weight": ("F32", (experts, d),
+                                    (rng.uniform(-1, 1, (experts, d)) * np.sqrt(3.0 / d)).astype(np.float32).tobytes()),
+            moe + "router.bias": ("F32", (experts,), rng.uniform(-0.05, 0.05, experts).astype(np.float32).tobytes()),
+            moe + "latent_down.weight": bf16((l, d), d),
+            moe + "latent_norm.weight": bf16((l,), 300, center=1.0),
+            moe + "latent_up.weight": bf16((d, l), l),
+            moe + "shared.gate.weight": bf16((shared, d), d),
+            moe + "shared.up.weight": bf16((shared, d), d),
+            moe + "shared.down.weight": bf16((d, shared), shared),
+        }
+        for e in range(experts):
+            tensors[moe + f"experts.{e}.gate.weight"] = bf16((inter, l), l)
+            tensors[moe + f"experts.{e}.up.weight"] = bf16((inter, l), l)
+            tensors[moe + f"experts.{e}.down.weight"] = bf16((l, inter), inter)
+        for name in skip:
+            del tensors[name]
+        write_safetensors(path, tensors)
+
+    def test_loads_a_layer_from_a_checkpoint(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.write_small_checkpoint(os.path.join(tmp, "model.safetensors"), layer=2)
+            path = os.path.join(tmp, "layer.json")
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "2", "-n", "2", "-t", "1,7",
+                          "--repeats", "1", "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            self.assertIn(f"small from {tmp} layer 2: d 384, l 192", result.stdout)
+            with open(path) as f:
+                doc = json.load(f)
+            self.assertEqual((doc["weights"], doc["layer"], doc["scale"]), (tmp, 2, 1))
+            self.assertTrue(all(row["checked"] and row["ok"] for row in doc["rows"]))
+
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "3", "-t", "1", check=False)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn(f"tensor 'layers.3.moe.router.weight': not found in {tmp}", result.stderr)
+            self.write_small_checkpoint(os.path.join(tmp, "model.safetensors"), layer=2,
+                                        skip=["layers.2.moe.experts.9.down.weight"])
+            result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "2", "-t", "1", check=False)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn("tensor 'layers.2.moe.experts.9.down.weight': not found", result.stderr)
+
+    def test_bad_requests_name_the_cause(self):
+        cases = [
+            (["--preset", "nemotron-3-ultra"], "--preset nemotron-3-ultra: no layer description"),
+            (["--preset", "nemotron-3-super", "--scale", "16", "-t", "1"], "latent_norm is false"),
+            (["--weights", "/tmp"], "--weights and --layer: give both"),
+            (["--preset", "nemotron-3-ultra", "--weights", "/tmp", "--layer", "0"], "no layer description"),
+            (["--preset", "small", "--weights", "/nonexistent", "--layer", "0"], "/nonexistent: not a directory"),
+            (["--scale", "0"], "--scale: expected a divisor"),
+            (["--preset", "small", "--scale", "1", "-n", "3"], "expert_intermediate: expected a multiple of tp = 3, got 64"),
+        ]
+        for args, needle in cases:
+            with self.subTest(args=args):
+                result = lmoe("layer", *args, check=False)
+                self.assertEqual(result.returncode, 2, result.stderr)
+                self.assertIn(needle, result.stderr)
+
+
 class BenchCommand(unittest.TestCase):
     RECORD_FIELDS = [
         "comm", "tokens", "tier", "status", "reason", "chosen", "mode", "mode_reason", "bytes", "bus_bytes",

@@ -297,6 +297,34 @@ TEST(CudaTailK3, Bf16Tp8AtModelDims) {
   }
 }
 
+// tp = 1, fused: no collectives at all (the reductions are the identity), so the tier is the norm,
+// the product and the add; every dtype, T around 16 (where a one-launch kernel will take over),
+// against the contract (random inputs) and bit for bit (crafted exact inputs), small and K3 dims.
+TEST(CudaTailTp1, FusedOneLaunchPathMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  for (const lmoe::TailDims dims : {kSmall, kK3}) {
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+      for (std::int64_t tokens : {1, 2, 5, 8, 15, 16, 17}) {
+        SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " " + std::string(lmoe::dtype_name(dtype)) +
+                     " T=" + std::to_string(tokens));
+        const auto seed = static_cast<std::uint64_t>(tokens) * 7 + static_cast<std::uint64_t>(dtype);
+        const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, dtype, 1, tokens, seed);
+        const lmoe::CaseRun result = run_gpu(random, TailTier::fused, "cuda-threads");
+        const auto reference = lmoe::reference_tail(random, lmoe::contract_of(TailTier::fused));
+        const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(random));
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+        const lmoe::TailCase exact = lmoe::make_exact_case(dims, dtype, 1, tokens, seed);
+        const lmoe::CaseRun exact_result = run_gpu(exact, TailTier::fused, "cuda-threads");
+        const lmoe::Comparison exact_cmp = lmoe::compare(
+            exact_result.ranks[0].y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+            lmoe::exact_tail(exact));
+        EXPECT_EQ(exact_cmp.bit_mismatches, 0);
+      }
+    }
+  }
+}
+
 // One LatentTail per rank across calls whose T grows and shrinks (the workspaces grow on demand),
 // with out = shared (allowed by the API) and a null stream (the thread's default stream).
 TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {

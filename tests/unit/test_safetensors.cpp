@@ -225,6 +225,48 @@ TEST(Safetensors, WritesAndReadsFilesAtomically) {
   EXPECT_EQ(entries, 1) << "the temporary file was left behind";
 }
 
+TEST(Safetensors, HeaderReadsAcceptEveryFormatDtypeAndReadBytesInPlace) {
+  TempDir dir;
+  const std::string path = (dir.path() / "raw.safetensors").string();
+  // U8 [2, 3] then BF16 [2]: 6 + 4 bytes; whole-file reads reject U8, header reads take it.
+  const std::string header = "{\"a\":" + entry("U8", "[2,3]", "[0,6]") + ",\"b\":" + entry("BF16", "[2]", "[6,10]") + "}";
+  std::ofstream(path, std::ios::binary) << make_file(header, std::string("\x01\x02\x03\x04\x05\x06\x80\x3f\x00\x40", 10));
+  try {
+    read_safetensors(path);
+    FAIL() << "expected lmoe::Error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("has dtype 'U8', which lmoe does not support"));
+  }
+  const SafetensorsHeader read = read_safetensors_header(path);
+  ASSERT_EQ(read.tensors.size(), 2u);
+  const SafetensorsTensorInfo& a = read.tensors.at("a");
+  EXPECT_EQ(a.dtype, "U8");
+  EXPECT_EQ(a.shape, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_EQ(a.offset, 8 + header.size());
+  EXPECT_EQ(a.bytes, 6u);
+  std::array<std::byte, 3> row{};
+  read_safetensors_bytes(path, a.offset + 3, row);
+  EXPECT_EQ(row[0], std::byte{4});
+  EXPECT_EQ(row[2], std::byte{6});
+  EXPECT_EQ(read.tensors.at("b").bytes, 4u);
+
+  // Sizes are still checked, and a name the format does not define is still refused.
+  std::ofstream(path, std::ios::binary) << make_file("{\"a\":" + entry("U16", "[2,3]", "[0,6]") + "}", std::string(6, '\0'));
+  try {
+    read_safetensors_header(path);
+    FAIL() << "expected lmoe::Error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("spanning 6 bytes, but U16 [2, 3] needs 12"));
+  }
+  std::ofstream(path, std::ios::binary) << make_file("{\"a\":" + entry("Q4", "[2]", "[0,1]") + "}", std::string(1, '\0'));
+  try {
+    read_safetensors_header(path);
+    FAIL() << "expected lmoe::Error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("has dtype 'Q4', which is not a safetensors dtype"));
+  }
+}
+
 // ---- Files and I/O errors ----
 
 TEST(Safetensors, ReadRejectsMissingFileNamingThePath) {

@@ -1,0 +1,275 @@
+// `lmoe layer`: the whole latent MoE layer (router, latent down-projection, routed experts, shared
+// experts, tail) on random weights at a preset's dims, scaled down by default so that it runs on
+// the CPU in seconds, or on one layer of a checkpoint (--weights DIR --layer N). Prints the time of
+// each stage per T and checks every T against fp64 math.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <iostream>
+#include <memory>
+
+#include "common.hpp"
+#include "cpu/cpu_math.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/layer_reference.hpp"
+#include "lmoe/layer_runner.hpp"
+#include "table.hpp"
+
+namespace lmoe::cli {
+
+namespace {
+
+struct LayerCommand {
+  ModelOptions model;
+  int scale = 8;
+  int ranks = 2;
+  std::vector<std::int64_t> tokens = {1, 7, 64, 300};
+  std::string backend = "cpu";
+  std::string comm;
+  std::string tier = "auto";
+  std::string tier_table;
+  int repeats = 3;
+  std::uint64_t seed = 2026;
+  bool no_check = false;
+  std::string weights_dir;
+  int layer_index = -1;
+  std::string json_path;
+
+  void execute() const;
+};
+
+// Median over repeats of one stage of rank 0's times.
+double median_us(const std::vector<LayerStageTimes>& times, double LayerStageTimes::*stage) {
+  std::vector<double> values;
+  for (const LayerStageTimes& t : times) values.push_back(t.*stage * 1e6);
+  std::sort(values.begin(), values.end());
+  return values.empty() ? -1 : values[values.size() / 2];
+}
+
+double median_total_us(const std::vector<LayerStageTimes>& times) {
+  std::vector<double> values;
+  for (const LayerStageTimes& t : times) values.push_back(t.total() * 1e6);
+  std::sort(values.begin(), values.end());
+  return values.empty() ? -1 : values[values.size() / 2];
+}
+
+void LayerCommand::execute() const {
+  const bool load = !weights_dir.empty();
+  if (load != (layer_index >= 0))
+    throw Error(
+        "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
+  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
+  LMOE_CHECK(scale >= 1, "--scale: expected a divisor ≥ 1, got " + std::to_string(scale));
+  for (std::int64_t t : tokens) {
+    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
+  }
+  const ModelOptions::Resolved resolved = model.resolve();
+  const ModelPreset& preset = find_preset(model.preset);
+  if (!preset.layer) {
+    throw Error("--preset " + preset.name +
+                ": no layer description (expert sizes unknown); presets with one: " + [] {
+                  std::string names;
+                  for (const ModelPreset& p : model_presets()) {
+                    if (p.layer) names += (names.empty() ? "" : ", ") + p.name;
+                  }
+                  return names;
+                }());
+  }
+  if (load && !preset.tensor_names)
+    throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  if (load && (model.d_model > 0 || model.d_latent > 0)) {
+    throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
+  }
+  LayerConfig full = *preset.layer;
+  full.d_model = resolved.dims.d_model;
+  full.d_latent = resolved.dims.d_latent;
+  // A checkpoint is loaded at the model's own dims; random weights are scaled down by --scale.
+  const int divisor = load ? 1 : scale;
+  const LayerConfig config = scale_down(full, divisor);
+  if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
+
+  const Backend chosen_backend = resolve_backend(backend);
+  LayerOptions options;
+  options.config = config;
+  options.dtype = resolved.dtype;
+  options.rms_norm_eps = resolved.eps;
+  options.backend = chosen_backend;
+  options.policy = resolve_policy(tier_table);
+  LayerRunOptions run;
+  run.comm = resolve_comm(comm, chosen_backend);
+  run.tier = parse_tier_or_auto(tier);
+  run.repeats = repeats;
+  run.warmup = 1;  // first touches of the weights and buffers are not the layer's time
+  if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
+
+  const std::string setting =
+      resolved.name +
+      (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
+      (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
+      std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
+      std::to_string(config.router.num_experts) + " experts top-" +
+      std::to_string(config.router.top_k) + " (groups " + std::to_string(config.router.topk_group) +
+      "/" + std::to_string(config.router.n_group) + "), expert I " +
+      std::to_string(config.expert_intermediate) + ", shared " +
+      std::to_string(config.num_shared_experts) + " x " +
+      std::to_string(config.shared_intermediate) + ", " +
+      std::string(activation_name(config.activation)) + ", " +
+      std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) + ", backend " +
+      std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
+  std::cerr << "lmoe layer: " << setting << "\n";
+
+  std::vector<HostTensor> inputs;
+  for (std::int64_t t : tokens) {
+    inputs.push_back(make_random_layer_input(config.d_model, t, resolved.dtype,
+                                             seed + 1 + static_cast<std::uint64_t>(t)));
+  }
+  // Rank `rank` of tp's weights: loaded from the checkpoint, or random (the same values for any
+  // tp).
+  const auto weights_of = [&](int tp, int rank) {
+    return load ? load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config,
+                                     resolved.dtype, tp, rank)
+                : make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
+  };
+  const std::vector<LayerInputRun> results = run_layer_on_threads(
+      options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
+
+  std::unique_ptr<LayerReference> reference;
+  if (!no_check) {
+    std::cerr << "lmoe layer: checking against fp64 math\n";
+    reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
+  }
+
+  Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
+               "total_us", "fp64_err", "row_err", "ok"});
+  nlohmann::json rows = nlohmann::json::array();
+  bool all_ok = true;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const LayerRankResult& first = results[i].ranks.front();
+    const std::vector<LayerStageTimes>& times = first.times;
+    std::optional<LayerComparison> comparison;
+    if (reference && tokens[i] > 0) {
+      const ExactLayer exact = reference->run(inputs[i].matrix(), first.routing);
+      comparison = compare_layer(first.y.matrix(), exact.y);
+    }
+    const bool ok = results[i].ranks_identical && (!comparison || comparison->ok());
+    all_ok = all_ok && ok;
+    const double stage_us[] = {median_us(times, &LayerStageTimes::router),
+                               median_us(times, &LayerStageTimes::down_projection),
+                               median_us(times, &LayerStageTimes::experts),
+                               median_us(times, &LayerStageTimes::shared),
+                               median_us(times, &LayerStageTimes::tail)};
+    std::vector<std::string> cells = {std::to_string(tokens[i]),
+                                      first.tier ? std::string(tier_name(*first.tier)) : "-"};
+    for (double us : stage_us) cells.push_back(format_number(us));
+    cells.push_back(format_number(median_total_us(times)));
+    cells.push_back(comparison ? format_number(comparison->normwise_error) : "-");
+    cells.push_back(comparison ? format_number(comparison->max_row_error) : "-");
+    cells.push_back(ok ? "ok" : "FAIL");
+    table.add_row(cells);
+    nlohmann::json row = {
+        {"tokens", tokens[i]},
+        {"tier", first.tier ? nlohmann::json(tier_name(*first.tier)) : nlohmann::json()},
+        {"router_us", stage_us[0]},
+        {"down_projection_us", stage_us[1]},
+        {"experts_us", stage_us[2]},
+        {"shared_us", stage_us[3]},
+        {"tail_us", stage_us[4]},
+        {"total_us", median_total_us(times)},
+        {"ranks_identical", results[i].ranks_identical},
+        {"checked", comparison.has_value()},
+        {"ok", ok}};
+    if (comparison) {
+      row["normwise_error_vs_fp64"] = comparison->normwise_error;
+      row["normwise_tolerance"] = comparison->normwise_tolerance;
+      row["max_row_error_vs_fp64"] = comparison->max_row_error;
+      row["row_tolerance"] = comparison->row_tolerance;
+    }
+    rows.push_back(row);
+  }
+
+  std::cout << "# lmoe layer: " << setting << "\n"
+            << "# times: median over " << repeats
+            << " forward(s) (after one warm-up) of rank 0's stages, "
+            << "microseconds (total_us: median of the per-forward sums); "
+            << "fp64_err: normwise error of y against fp64 math (tolerance "
+            << format_number(layer_normwise_tolerance(resolved.dtype))
+            << "); row_err: worst |y - fp64| over "
+            << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
+            << ")\n";
+  table.print(std::cout);
+  std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
+
+  if (!json_path.empty()) {
+    nlohmann::json doc = {{"command", "layer"},
+                          {"lmoe_version", kVersion},
+                          {"preset", preset.name},
+                          {"scale", divisor},
+                          {"weights", load ? nlohmann::json(weights_dir) : nlohmann::json()},
+                          {"layer", load ? nlohmann::json(layer_index) : nlohmann::json()},
+                          {"d_model", config.d_model},
+                          {"d_latent", config.d_latent},
+                          {"num_experts", config.router.num_experts},
+                          {"top_k", config.router.top_k},
+                          {"n_group", config.router.n_group},
+                          {"topk_group", config.router.topk_group},
+                          {"expert_intermediate", config.expert_intermediate},
+                          {"num_shared_experts", config.num_shared_experts},
+                          {"shared_intermediate", config.shared_intermediate},
+                          {"activation", activation_name(config.activation)},
+                          {"routed_scaling_factor", config.router.routed_scaling_factor},
+                          {"dtype", dtype_name(resolved.dtype)},
+                          {"eps", resolved.eps},
+                          {"tp", ranks},
+                          {"backend", backend_name(chosen_backend)},
+                          {"comm", run.comm},
+                          {"repeats", repeats},
+                          {"seed", seed},
+                          {"rows", rows},
+                          {"ok", all_ok}};
+    write_json_file(json_path, doc);
+  }
+  if (!all_ok) throw CLI::RuntimeError(1);
+}
+
+}  // namespace
+
+void add_layer_command(CLI::App& app) {
+  auto command = std::make_shared<LayerCommand>();
+  CLI::App* sub = app.add_subcommand(
+      "layer",
+      "run the whole latent MoE layer (router, down-projection, experts, shared experts, tail) on "
+      "random weights at a preset's dims (scaled down by --scale), time each stage per T and check "
+      "y against fp64 math");
+  command->model.add_to(*sub);
+  sub->add_option(
+         "--scale", command->scale,
+         "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")
+      ->capture_default_str();
+  sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")
+      ->capture_default_str();
+  sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--backend", command->backend, "cpu (cuda: later)")->capture_default_str();
+  sub->add_option("--comm", command->comm, "communicator (default: the backend's)");
+  sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
+      ->capture_default_str();
+  sub->add_option("--tier-table", command->tier_table,
+                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--repeats", command->repeats, "timed forwards per T")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--seed", command->seed, "seed of the random weights and inputs")
+      ->capture_default_str();
+  sub->add_flag("--no-check", command->no_check,
+                "skip the fp64 check (it dominates the run time at large dims)");
+  sub->add_option(
+      "--weights", command->weights_dir,
+      "load the layer from this checkpoint directory (safetensors shards, by the preset's tensor "
+      "names; the preset's own dims, --scale ignored) instead of random weights");
+  sub->add_option("--layer", command->layer_index, "the layer index to load from --weights");
+  sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
+  sub->callback([command] { command->execute(); });
+}
+
+}  // namespace lmoe::cli

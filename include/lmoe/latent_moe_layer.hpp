@@ -1,0 +1,87 @@
+// LatentMoELayer: the object a user holds for one latent MoE layer on one rank. It owns this
+// rank's weights, a LatentTail and (by reference) the communicator.
+//
+//   router on x [T, d] (replicated) → latent z = x · W_downᵀ [T, l] (replicated)
+//   → routed experts in latent space, intermediate dim sliced over tp → routed_r [T, l]
+//   → shared experts at d, intermediate dim sliced over tp → shared_r [T, d]
+//   → LatentTail: Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r   [T, d], identical
+//   on all ranks
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "lmoe/communicator.hpp"
+#include "lmoe/dims.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/layer_weights.hpp"
+#include "lmoe/router.hpp"
+#include "lmoe/tensor.hpp"
+#include "lmoe/tier.hpp"
+#include "lmoe/tier_policy.hpp"
+
+namespace lmoe {
+
+struct LayerOptions {
+  LayerConfig config;
+  DType dtype = DType::bf16;
+  float rms_norm_eps = 1e-5f;
+  Backend backend = Backend::cpu;
+  PolicyConfig policy;  // the tail's tier policy
+  // Ranks exchange a fingerprint of the configuration (at construction) and of each call and its
+  // routing (per forward), so that a rank with bad input, another configuration or another routing
+  // makes every rank fail with the same error. Must be the same on every rank.
+  bool check_ranks_agree = true;
+  std::int64_t max_tokens = 0;  // the tail's (TailOptions::max_tokens)
+};
+
+// Seconds of each stage of the last forward on this rank (host wall time on the CPU backend).
+struct LayerStageTimes {
+  double router = 0;
+  double down_projection = 0;
+  double experts = 0;
+  double shared = 0;
+  double tail = 0;
+  double total() const { return router + down_projection + experts + shared + tail; }
+};
+
+class LayerExecutor;
+
+class LatentMoELayer {
+ public:
+  // `weights` are this rank's (layer_weights.hpp: the router, projections and norm whole, the
+  // experts' intermediate slices). Throws lmoe::Error on every rank, naming the argument or tensor,
+  // when a rank's configuration or weights are invalid or ranks were built differently.
+  // `comm` must outlive the layer.
+  LatentMoELayer(LayerOptions options, Communicator& comm, LayerWeights weights);
+  ~LatentMoELayer();
+  LatentMoELayer(const LatentMoELayer&) = delete;
+  LatentMoELayer& operator=(const LatentMoELayer&) = delete;
+
+  const LayerOptions& options() const;
+  int tp_rank() const;
+  int tp_size() const;
+  LatentTail& tail();
+
+  // x: [T, d], the same on every rank; y: [T, d], the same on every rank afterwards. Runs the
+  // tail's `tier` when given, else the policy's choice; returns the tier (nullopt for T = 0).
+  std::optional<TailTier> forward(ConstMatrixView x, MatrixView y,
+                                  std::optional<TailTier> tier = std::nullopt,
+                                  StreamHandle stream = nullptr);
+
+  // Everything before the tail: this rank's partials routed [T, l] and shared [T, d].
+  void forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
+                        StreamHandle stream = nullptr);
+
+  const LayerStageTimes& last_times() const;
+  // The last forward's routing where the backend keeps it on the host (cpu), else nullptr.
+  const Routing* last_routing() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace lmoe

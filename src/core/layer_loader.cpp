@@ -1,0 +1,274 @@
+// Loading one layer from a checkpoint's safetensors shards, sliced for one rank.
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "lmoe/error.hpp"
+#include "lmoe/layer_weights.hpp"
+#include "lmoe/safetensors.hpp"
+
+namespace lmoe {
+
+float mxfp4_value(std::uint8_t nibble, std::uint8_t scale) {
+  static constexpr std::array<float, 8> kMagnitudes = {0.0f, 0.5f, 1.0f, 1.5f,
+                                                       2.0f, 3.0f, 4.0f, 6.0f};
+  if (scale == 0xff) return std::numeric_limits<float>::quiet_NaN();
+  const float magnitude = std::ldexp(kMagnitudes[nibble & 0x7u], static_cast<int>(scale) - 127);
+  return (nibble & 0x8u) ? -magnitude : magnitude;
+}
+
+namespace {
+
+std::string substitute(std::string name, std::string_view key, std::int64_t value) {
+  const std::string text = std::to_string(value);
+  for (std::size_t at = name.find(key); at != std::string::npos;
+       at = name.find(key, at + text.size())) {
+    name.replace(at, key.size(), text);
+  }
+  return name;
+}
+
+std::string quoted(const std::string& name) { return "tensor '" + name + "'"; }
+
+// Which file holds each tensor, and those files' headers (read once each).
+class Checkpoint {
+ public:
+  explicit Checkpoint(std::string dir) : dir_(std::move(dir)) {
+    namespace fs = std::filesystem;
+    std::error_code error;
+    if (!fs::is_directory(dir_, error)) throw Error("--weights " + dir_ + ": not a directory");
+    const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
+    if (fs::exists(index, error)) {
+      std::ifstream in(index);
+      nlohmann::json doc;
+      try {
+        doc = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception& parse_error) {
+        throw Error(index.string() + ": not valid JSON: " + parse_error.what());
+      }
+      if (!doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+        throw Error(index.string() + ": has no \"weight_map\" object");
+      }
+      for (const auto& [name, file] : doc["weight_map"].items()) {
+        if (!file.is_string())
+          throw Error(index.string() + ": weight_map entry for " + quoted(name) +
+                      " is not a file name");
+        file_of_[name] = (fs::path(dir_) / file.get<std::string>()).string();
+      }
+      return;
+    }
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+      if (entry.path().extension() != ".safetensors") continue;
+      const SafetensorsHeader& header = header_of(entry.path().string());
+      for (const auto& tensor : header.tensors) file_of_[tensor.first] = header.path;
+    }
+    if (file_of_.empty())
+      throw Error("--weights " + dir_ +
+                  ": no *.safetensors files and no model.safetensors.index.json");
+  }
+
+  // The tensor's header entry and its file; throws naming the tensor when it is missing.
+  std::pair<const SafetensorsTensorInfo*, const std::string*> find(const std::string& name) {
+    const auto file = file_of_.find(name);
+    if (file == file_of_.end()) throw Error(quoted(name) + ": not found in " + dir_);
+    const SafetensorsHeader& header = header_of(file->second);
+    const auto tensor = header.tensors.find(name);
+    if (tensor == header.tensors.end()) {
+      throw Error(quoted(name) + ": the index names " + file->second + ", which does not hold it");
+    }
+    return {&tensor->second, &header.path};
+  }
+
+ private:
+  const SafetensorsHeader& header_of(const std::string& path) {
+    auto& slot = headers_[path];
+    if (!slot) slot = std::make_unique<SafetensorsHeader>(read_safetensors_header(path));
+    return *slot;
+  }
+
+  std::string dir_;
+  std::map<std::string, std::string> file_of_;
+  std::map<std::string, std::unique_ptr<SafetensorsHeader>> headers_;
+};
+
+struct Shape2 {
+  std::int64_t rows, cols;
+};
+
+std::string shape_text(Shape2 shape, bool vector) {
+  return vector ? shape_string(std::vector<std::int64_t>{shape.cols})
+                : shape_string(std::vector<std::int64_t>{shape.rows, shape.cols});
+}
+
+// Reads rows [first, first + count) of a dense (BF16/F16/F32) or MXFP4 tensor of `shape` as fp32.
+class Reader {
+ public:
+  explicit Reader(Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
+
+  std::vector<float> rows(const std::string& name, Shape2 shape, bool vector, bool mxfp4,
+                          std::int64_t first, std::int64_t count) {
+    return mxfp4 ? mxfp4_rows(name, shape, first, count)
+                 : dense_rows(name, shape, vector, first, count);
+  }
+
+ private:
+  std::vector<float> dense_rows(const std::string& name, Shape2 shape, bool vector,
+                                std::int64_t first, std::int64_t count) {
+    const auto [info, path] = checkpoint_.find(name);
+    DType dtype;
+    try {
+      dtype = parse_dtype(info->dtype);
+    } catch (const Error&) {
+      throw Error(quoted(name) + ": dtype " + info->dtype + ", expected BF16, F16 or F32");
+    }
+    const std::vector<std::int64_t> expected =
+        vector ? std::vector<std::int64_t>{shape.cols}
+               : std::vector<std::int64_t>{shape.rows, shape.cols};
+    if (info->shape != expected) {
+      throw Error(quoted(name) + ": shape " + shape_string(info->shape) + ", expected " +
+                  shape_string(expected));
+    }
+    const std::size_t row_bytes = static_cast<std::size_t>(shape.cols) * dtype_size(dtype);
+    std::vector<std::byte> bytes(row_bytes * static_cast<std::size_t>(count));
+    read_safetensors_bytes(*path, info->offset + row_bytes * static_cast<std::uint64_t>(first),
+                           bytes);
+    std::vector<float> values(static_cast<std::size_t>(count * shape.cols));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = load_as_float(bytes.data(), i, dtype);
+    return values;
+  }
+
+  // "<name>_packed": U8 [R, C/2], two e2m1 values a byte, the low nibble the even column;
+  // "<name>_scale": U8 [R, C/32], one E8M0 scale per 32 columns.
+  std::vector<float> mxfp4_rows(const std::string& name, Shape2 shape, std::int64_t first,
+                                std::int64_t count) {
+    if (shape.cols % 32 != 0) {
+      throw Error(quoted(name) + ": MXFP4 needs an input dimension divisible by 32, got " +
+                  std::to_string(shape.cols));
+    }
+    const std::string packed_name = name + "_packed", scale_name = name + "_scale";
+    const Shape2 packed_shape{shape.rows, shape.cols / 2}, scale_shape{shape.rows, shape.cols / 32};
+    const std::vector<std::uint8_t> packed = u8_rows(packed_name, packed_shape, first, count);
+    const std::vector<std::uint8_t> scales = u8_rows(scale_name, scale_shape, first, count);
+    std::vector<float> values(static_cast<std::size_t>(count * shape.cols));
+    for (std::int64_t r = 0; r < count; ++r) {
+      for (std::int64_t c = 0; c < shape.cols; ++c) {
+        const std::uint8_t byte = packed[static_cast<std::size_t>(r * packed_shape.cols + c / 2)];
+        const std::uint8_t nibble = (c % 2 == 0) ? (byte & 0x0fu) : (byte >> 4);
+        values[static_cast<std::size_t>(r * shape.cols + c)] =
+            mxfp4_value(nibble, scales[static_cast<std::size_t>(r * scale_shape.cols + c / 32)]);
+      }
+    }
+    return values;
+  }
+
+  std::vector<std::uint8_t> u8_rows(const std::string& name, Shape2 shape, std::int64_t first,
+                                    std::int64_t count) {
+    const auto [info, path] = checkpoint_.find(name);
+    if (info->dtype != "U8")
+      throw Error(quoted(name) + ": dtype " + info->dtype + ", expected U8 (MXFP4)");
+    if (info->shape != std::vector<std::int64_t>{shape.rows, shape.cols}) {
+      throw Error(quoted(name) + ": shape " + shape_string(info->shape) + ", expected " +
+                  shape_text(shape, false));
+    }
+    std::vector<std::uint8_t> bytes(static_cast<std::size_t>(count * shape.cols));
+    read_safetensors_bytes(*path, info->offset + static_cast<std::uint64_t>(first * shape.cols),
+                           std::as_writable_bytes(std::span(bytes)));
+    return bytes;
+  }
+
+  Checkpoint& checkpoint_;
+};
+
+}  // namespace
+
+LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& names, int layer,
+                                const LayerConfig& config, DType dtype, int tp, int rank) {
+  if (auto error = validate_layer_config(config, tp)) throw Error("layer config: " + *error);
+  LMOE_CHECK(rank >= 0 && rank < tp,
+             "rank: expected 0 … " + std::to_string(tp - 1) + ", got " + std::to_string(rank));
+  LMOE_CHECK(layer >= 0, "--layer: expected a layer index ≥ 0, got " + std::to_string(layer));
+  Checkpoint checkpoint(dir);
+  Reader reader(checkpoint);
+  LayerWeights weights;
+  for (const WeightSlot& slot : layer_weight_slots(config, dtype, tp)) {
+    if (!slot.shape.empty()) weights.*slot.member = HostTensor(slot.dtype, slot.shape);
+  }
+
+  const std::int64_t d = config.d_model, l = config.d_latent, experts = config.router.num_experts;
+  const std::int64_t inter = config.expert_intermediate, inter_r = inter / tp;
+  const std::int64_t shared = config.shared_width(), shared_r = shared / tp;
+  auto name_of = [&](const std::string& pattern, const char* role, std::int64_t expert = 0) {
+    if (pattern.empty())
+      throw Error(std::string("the model's tensor table has no name for ") + role);
+    return substitute(substitute(pattern, "{layer}", layer), "{expert}", expert);
+  };
+  // Rows [first, first + count) of the checkpoint tensor into `out` starting at element `offset`.
+  auto put_rows = [&](HostTensor& out, std::int64_t offset, const std::string& name, Shape2 shape,
+                      bool vector, bool mxfp4, std::int64_t first, std::int64_t count) {
+    const std::vector<float> values = reader.rows(name, shape, vector, mxfp4, first, count);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      out.set(offset + static_cast<std::int64_t>(i), values[i]);
+  };
+  // Columns [first, first + count) of every row (the down projections' input-dimension slice).
+  auto put_columns = [&](HostTensor& out, std::int64_t offset, const std::string& name,
+                         Shape2 shape, bool mxfp4, std::int64_t first, std::int64_t count) {
+    const std::vector<float> values = reader.rows(name, shape, false, mxfp4, 0, shape.rows);
+    for (std::int64_t r = 0; r < shape.rows; ++r) {
+      for (std::int64_t c = 0; c < count; ++c) {
+        out.set(offset + r * count + c,
+                values[static_cast<std::size_t>(r * shape.cols + first + c)]);
+      }
+    }
+  };
+
+  put_rows(weights.router_weight, 0, name_of(names.router_weight, "router_weight"), {experts, d},
+           false, false, 0, experts);
+  if (config.router.correction_bias) {
+    put_rows(weights.router_bias, 0, name_of(names.router_bias, "router_bias"), {1, experts}, true,
+             false, 0, 1);
+  }
+  put_rows(weights.latent_down, 0, name_of(names.latent_down, "latent_down"), {l, d}, false, false,
+           0, l);
+  if (config.latent_norm) {
+    put_rows(weights.latent_norm, 0, name_of(names.latent_norm, "latent_norm"), {1, l}, true, false,
+             0, 1);
+  } else {
+    // The model has no norm there (LatentMoELayer refuses such a config until the tail can skip
+    // it).
+    for (std::int64_t i = 0; i < l; ++i) weights.latent_norm.set(i, 1.0f);
+  }
+  put_rows(weights.latent_up, 0, name_of(names.latent_up, "latent_up"), {d, l}, false, false, 0, d);
+
+  const bool gated = is_gated(config.activation);
+  const bool mxfp4 = names.experts_mxfp4;
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const std::int64_t matrix = e * inter_r * l;
+    if (gated) {
+      put_rows(weights.expert_gate, matrix, name_of(names.expert_gate, "expert_gate", e),
+               {inter, l}, false, mxfp4, rank * inter_r, inter_r);
+    }
+    put_rows(weights.expert_up, matrix, name_of(names.expert_up, "expert_up", e), {inter, l}, false,
+             mxfp4, rank * inter_r, inter_r);
+    put_columns(weights.expert_down, matrix, name_of(names.expert_down, "expert_down", e),
+                {l, inter}, mxfp4, rank * inter_r, inter_r);
+  }
+  if (shared > 0) {
+    if (gated) {
+      put_rows(weights.shared_gate, 0, name_of(names.shared_gate, "shared_gate"), {shared, d},
+               false, false, rank * shared_r, shared_r);
+    }
+    put_rows(weights.shared_up, 0, name_of(names.shared_up, "shared_up"), {shared, d}, false, false,
+             rank * shared_r, shared_r);
+    put_columns(weights.shared_down, 0, name_of(names.shared_down, "shared_down"), {d, shared},
+                false, rank * shared_r, shared_r);
+  }
+  return weights;
+}
+
+}  // namespace lmoe

@@ -1,0 +1,38 @@
+// How ranks agree before they communicate: each rank describes its configuration or call in a
+// fixed-size record, the records are all-gathered on the control path, and every rank raises the
+// same error when one rank failed or two disagree (LatentTail, LatentMoELayer).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lmoe/communicator.hpp"
+#include "lmoe/tensor.hpp"
+
+namespace lmoe {
+
+inline constexpr std::uint64_t kFnvOffsetBasis = 1469598103934665603ull;
+
+std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash = kFnvOffsetBasis);
+// Hash of a matrix's elements (row by row, whatever its stride).
+std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash);
+
+// What ranks exchange to agree before they communicate.
+struct RankRecord {
+  std::uint64_t config_hash = 0;
+  std::int64_t num_tokens = 0;
+  std::int32_t tier = -1;
+  std::int32_t ok = 1;
+  char text[240] = {};  // the error when !ok, else a description of the configuration
+};
+
+void set_text(RankRecord& record, const std::string& text);
+std::vector<RankRecord> exchange(Communicator& comm, const RankRecord& mine);
+
+// The same error on every rank: the first rank that failed, or the first disagreement (of
+// config_hash: "ranks disagree on the <what>"; of T or tier: "ranks disagree on the call").
+void throw_if_ranks_disagree(const std::vector<RankRecord>& all, const char* what);
+
+}  // namespace lmoe

@@ -1,0 +1,299 @@
+// Loading one layer from safetensors shards: every rank's slice equals the weights that were
+// written (bf16, sharded over two files with an index), MXFP4 experts dequantize to the e2m1 ×
+// E8M0 values, and a missing, mis-shaped or mis-typed tensor is an error that names it.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include <unistd.h>
+
+#include "lmoe/error.hpp"
+#include "lmoe/layer_weights.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using lmoe::DType;
+using lmoe::HostTensor;
+using lmoe::LayerConfig;
+using ::testing::HasSubstr;
+
+constexpr int kLayer = 5;
+
+struct RawTensor {
+  std::string dtype;
+  std::vector<std::int64_t> shape;
+  std::vector<std::byte> bytes;
+};
+using RawFile = std::map<std::string, RawTensor>;
+
+RawTensor raw(const HostTensor& tensor, std::vector<std::int64_t> shape) {
+  RawTensor out{std::string(lmoe::safetensors_dtype_name(tensor.dtype())), std::move(shape), {}};
+  out.bytes.assign(tensor.data(), tensor.data() + tensor.nbytes());
+  return out;
+}
+
+// Any dtype, laid out in name order (written by hand: HostTensor has no U8).
+void write_raw(const fs::path& path, const RawFile& tensors) {
+  nlohmann::json header = nlohmann::json::object();
+  std::uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    header[name] = {{"dtype", tensor.dtype},
+                    {"shape", tensor.shape},
+                    {"data_offsets", {offset, offset + tensor.bytes.size()}}};
+    offset += tensor.bytes.size();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::ofstream out(path, std::ios::binary);
+  const std::uint64_t length = text.size();
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((length >> (8 * i)) & 0xff));
+  out << text;
+  for (const auto& entry : tensors)
+    out.write(reinterpret_cast<const char*>(entry.second.bytes.data()), entry.second.bytes.size());
+}
+
+std::string name_of(std::string pattern, std::int64_t expert = 0) {
+  for (auto [key, value] :
+       {std::pair<std::string, std::int64_t>{"{layer}", kLayer}, {"{expert}", expert}}) {
+    for (std::size_t at = pattern.find(key); at != std::string::npos; at = pattern.find(key)) {
+      pattern.replace(at, key.size(), std::to_string(value));
+    }
+  }
+  return pattern;
+}
+
+LayerConfig small_config() { return *lmoe::find_preset("small").layer; }
+lmoe::LayerTensorNames small_names() { return *lmoe::find_preset("small").tensor_names; }
+
+// The full (tp = 1) weights as checkpoint tensors by the small preset's names.
+RawFile checkpoint_tensors(const LayerConfig& c, const lmoe::LayerWeights& w) {
+  const lmoe::LayerTensorNames names = small_names();
+  const std::int64_t d = c.d_model, l = c.d_latent, e_count = c.router.num_experts,
+                     inter = c.expert_intermediate;
+  const std::int64_t shared = c.shared_width();
+  RawFile file;
+  file[name_of(names.router_weight)] = raw(w.router_weight, {e_count, d});
+  file[name_of(names.router_bias)] = raw(w.router_bias, {e_count});
+  file[name_of(names.latent_down)] = raw(w.latent_down, {l, d});
+  file[name_of(names.latent_norm)] = raw(w.latent_norm, {l});
+  file[name_of(names.latent_up)] = raw(w.latent_up, {d, l});
+  const std::size_t expert_bytes = static_cast<std::size_t>(inter * l * 2);
+  for (std::int64_t e = 0; e < e_count; ++e) {
+    auto slice = [&](const HostTensor& all, std::vector<std::int64_t> shape) {
+      RawTensor out{"BF16", std::move(shape), {}};
+      out.bytes.assign(all.data() + e * expert_bytes, all.data() + (e + 1) * expert_bytes);
+      return out;
+    };
+    file[name_of(names.expert_gate, e)] = slice(w.expert_gate, {inter, l});
+    file[name_of(names.expert_up, e)] = slice(w.expert_up, {inter, l});
+    file[name_of(names.expert_down, e)] = slice(w.expert_down, {l, inter});
+  }
+  file[name_of(names.shared_gate)] = raw(w.shared_gate, {shared, d});
+  file[name_of(names.shared_up)] = raw(w.shared_up, {shared, d});
+  file[name_of(names.shared_down)] = raw(w.shared_down, {d, shared});
+  return file;
+}
+
+// Writes the tensors as two shards and an index naming each tensor's shard.
+void write_checkpoint(const fs::path& dir, const RawFile& tensors) {
+  fs::create_directories(dir);
+  RawFile shards[2];
+  nlohmann::json index = {{"metadata", nlohmann::json::object()},
+                          {"weight_map", nlohmann::json::object()}};
+  int i = 0;
+  for (const auto& [name, tensor] : tensors) {
+    const int shard = (i++ % 2);
+    shards[shard][name] = tensor;
+    index["weight_map"][name] = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
+  }
+  for (int shard = 0; shard < 2; ++shard) {
+    write_raw(dir / ("model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors"),
+              shards[shard]);
+  }
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump(1);
+}
+
+bool same_bits(const HostTensor& a, const HostTensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && a.nbytes() == b.nbytes() &&
+         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+class LayerLoader : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("lmoe_loader_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string load_error(const RawFile& tensors, int tp = 2) {
+    write_checkpoint(dir_, tensors);
+    try {
+      lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, small_config(), DType::bf16,
+                               tp, tp - 1);
+    } catch (const lmoe::Error& error) {
+      return error.message();
+    }
+    return "no error";
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
+  const LayerConfig config = small_config();
+  const lmoe::LayerWeights full = lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 21);
+  write_checkpoint(dir_, checkpoint_tensors(config, full));
+  for (int tp : {1, 2, 4}) {
+    for (int rank = 0; rank < tp; ++rank) {
+      SCOPED_TRACE("tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+      const lmoe::LayerWeights loaded = lmoe::load_layer_weights(
+          dir_.string(), small_names(), kLayer, config, DType::bf16, tp, rank);
+      const lmoe::LayerWeights expected =
+          lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 21);
+      EXPECT_FALSE(lmoe::validate_layer_weights(config, DType::bf16, tp, loaded).has_value());
+      for (const lmoe::WeightSlot& slot : lmoe::layer_weight_slots(config, DType::bf16, tp)) {
+        EXPECT_TRUE(same_bits(loaded.*slot.member, expected.*slot.member)) << slot.name;
+      }
+    }
+  }
+  // Without an index the shards' headers say where each tensor is.
+  fs::remove(dir_ / "model.safetensors.index.json");
+  const lmoe::LayerWeights loaded =
+      lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, config, DType::bf16, 2, 1);
+  EXPECT_TRUE(
+      same_bits(loaded.expert_down,
+                lmoe::make_random_layer_weights(config, DType::bf16, 2, 1, 21).expert_down));
+  // Converted on load: f32 storage holds the same values.
+  const lmoe::LayerWeights as_f32 =
+      lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, config, DType::f32, 2, 0);
+  EXPECT_EQ(as_f32.latent_up.dtype(), DType::f32);
+  EXPECT_EQ(as_f32.latent_up.get(77), full.latent_up.get(77));
+}
+
+// e2m1 by its definition: sign, 2-bit exponent (bias 1), 1-bit mantissa; exponent 0 is subnormal.
+double e2m1(unsigned nibble) {
+  const unsigned exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
+  const double magnitude =
+      exponent == 0 ? 0.5 * mantissa
+                    : (1.0 + 0.5 * mantissa) * std::ldexp(1.0, static_cast<int>(exponent) - 1);
+  return (nibble & 8u) ? -magnitude : magnitude;
+}
+
+TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
+  const LayerConfig config = small_config();
+  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
+  lmoe::LayerTensorNames names = small_names();
+  names.experts_mxfp4 = true;
+  RawFile tensors =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  std::mt19937 generator(5);
+  // Per expert and matrix: packed bytes and scales, kept to compute the expected values.
+  std::map<std::string, std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>>> blocks;
+  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
+    for (const auto& [pattern, rows, cols] :
+         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
+          std::tuple{names.expert_down, l, inter}}) {
+      const std::string name = name_of(pattern, e);
+      tensors.erase(name);
+      std::vector<std::uint8_t> packed(static_cast<std::size_t>(rows * cols / 2)),
+          scales(static_cast<std::size_t>(rows * cols / 32));
+      for (auto& byte : packed) byte = static_cast<std::uint8_t>(generator());
+      for (auto& scale : scales) scale = static_cast<std::uint8_t>(120 + generator() % 12);
+      tensors[name + "_packed"] = {"U8",
+                                   {rows, cols / 2},
+                                   {reinterpret_cast<std::byte*>(packed.data()),
+                                    reinterpret_cast<std::byte*>(packed.data()) + packed.size()}};
+      tensors[name + "_scale"] = {"U8",
+                                  {rows, cols / 32},
+                                  {reinterpret_cast<std::byte*>(scales.data()),
+                                   reinterpret_cast<std::byte*>(scales.data()) + scales.size()}};
+      blocks[name] = {packed, scales};
+    }
+  }
+  write_checkpoint(dir_, tensors);
+  const int tp = 2, rank = 1;
+  const std::int64_t inter_r = inter / tp;
+  const lmoe::LayerWeights loaded =
+      lmoe::load_layer_weights(dir_.string(), names, kLayer, config, DType::bf16, tp, rank);
+  auto expected = [&](const std::string& name, std::int64_t cols, std::int64_t row,
+                      std::int64_t col) {
+    const auto& [packed, scales] = blocks.at(name);
+    const std::uint8_t byte = packed[static_cast<std::size_t>((row * cols + col) / 2)];
+    const unsigned nibble = col % 2 == 0 ? byte & 0xfu : byte >> 4;
+    return e2m1(nibble) *
+           std::ldexp(
+               1.0, static_cast<int>(scales[static_cast<std::size_t>(row * cols / 32 + col / 32)]) -
+                        127);
+  };
+  for (std::int64_t e = 0; e < config.router.num_experts; e += 3) {
+    for (std::int64_t i = 0; i < inter_r; ++i) {
+      for (std::int64_t j = 0; j < l; ++j) {
+        ASSERT_EQ(loaded.expert_up.get((e * inter_r + i) * l + j),
+                  expected(name_of(names.expert_up, e), l, rank * inter_r + i, j));
+        ASSERT_EQ(loaded.expert_gate.get((e * inter_r + i) * l + j),
+                  expected(name_of(names.expert_gate, e), l, rank * inter_r + i, j));
+        ASSERT_EQ(loaded.expert_down.get((e * l + j) * inter_r + i),
+                  expected(name_of(names.expert_down, e), inter, j, rank * inter_r + i));
+      }
+    }
+  }
+  EXPECT_TRUE(std::isnan(lmoe::mxfp4_value(0x3, 0xff)));
+  EXPECT_EQ(lmoe::mxfp4_value(0xf, 128), -12.0f);
+  EXPECT_EQ(lmoe::mxfp4_value(0x1, 0), std::ldexp(0.5f, -127));
+}
+
+TEST_F(LayerLoader, BadTensorsAreNamed) {
+  const LayerConfig config = small_config();
+  const lmoe::LayerTensorNames names = small_names();
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+
+  RawFile missing = good;
+  missing.erase(name_of(names.expert_up, 13));
+  EXPECT_THAT(
+      load_error(missing),
+      HasSubstr("tensor 'layers.5.moe.experts.13.up.weight': not found in " + dir_.string()));
+
+  RawFile misshaped = good;
+  misshaped[name_of(names.latent_down)].shape = {96, 768};
+  EXPECT_THAT(
+      load_error(misshaped),
+      HasSubstr("tensor 'layers.5.moe.latent_down.weight': shape [96, 768], expected [192, 384]"));
+
+  RawFile mistyped = good;
+  mistyped[name_of(names.latent_norm)] = {"U8", {384}, std::vector<std::byte>(384)};
+  EXPECT_THAT(
+      load_error(mistyped),
+      HasSubstr("tensor 'layers.5.moe.latent_norm.weight': dtype U8, expected BF16, F16 or F32"));
+
+  lmoe::LayerTensorNames mxfp4 = names;
+  mxfp4.experts_mxfp4 = true;
+  write_checkpoint(dir_, good);
+  try {
+    lmoe::load_layer_weights(dir_.string(), mxfp4, kLayer, config, DType::bf16, 1, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(),
+                HasSubstr("tensor 'layers.5.moe.experts.0.gate.weight_packed': not found"));
+  }
+
+  try {
+    lmoe::load_layer_weights((dir_ / "nowhere").string(), names, kLayer, config, DType::bf16, 1, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("nowhere: not a directory"));
+  }
+}
+
+}  // namespace
