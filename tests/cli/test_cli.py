@@ -701,6 +701,24 @@ class TuneCommand(unittest.TestCase):
         self.assertEqual(result.returncode == 1, failed or not all(r["ok"] for r in doc["records"]))
         self.assertEqual("POLICY CHECK FAILED" in result.stdout, failed)
 
+    def test_bare_check_table_checks_the_loaded_table(self):
+        path = os.path.join(self.dir.name, "bare.json")
+        for args, env in [(["--tier-table", self.table, "--check-table"], None), (["--check-table"], {"LMOE_TIER_TABLE": self.table})]:
+            with self.subTest(args=args):
+                result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "4", "--iters", "1",
+                              "--json", path, *args, env=env, check=False)
+                self.assertIn(result.returncode, (0, 1), result.stderr)
+                self.assertIn(f"# policy check: tier table {self.table}", result.stdout)
+                with open(path) as f:
+                    doc = json.load(f)
+                self.assertEqual(doc["tier_table"], self.table)
+                self.assertEqual([c["tokens"] for c in doc["policy_check"]], [4])
+        # Without any table the defaults are checked, and said to be.
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "4", "--iters", "1",
+                      "--check-table", check=False)
+        self.assertIn(result.returncode, (0, 1), result.stderr)
+        self.assertIn("# policy check: no tier table (defaults and environment)", result.stdout)
+
     def test_check_table_needs_every_tier_and_one_table(self):
         result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "--tiers", "fused", "--check-table",
                       self.table, check=False)
