@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared nccl kernels bench bench1 run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -105,6 +105,25 @@ if wants bench1; then
     --json "$logs/bench_k3_tp1.json" >"$logs/bench1.log" 2>"$logs/bench1.err"
   rc[bench1]=$?
   cat "$logs/bench1.log"; tail -3 "$logs/bench1.err"
+fi
+
+if wants tune; then
+  # A tier table for this machine (K3, 8 ranks on one GPU through cuda-threads, or one per GPU through
+  # nccl), then a fresh sweep that checks the table's choices against the fastest tier measured.
+  ranks=8; comm=cuda-threads
+  if [ "$gpus" -ge 2 ]; then ranks=$gpus; comm=nccl; fi
+  grid="${LMOE_TUNE_TOKENS:-1,16,64,128,256,512,1024,2048,4096,8192}"
+  stage "lmoe tune: K3, tp $ranks, $comm"
+  timeout 240 build/cuda/lmoe tune --backend cuda -n "$ranks" --comm "$comm" -t "$grid" --iters 20 \
+    --output "$logs/tiers_k3_tp$ranks.json" >"$logs/tune.log" 2>"$logs/tune.err"
+  rc[tune]=$?
+  cat "$logs/tune.log"; tail -3 "$logs/tune.err"
+  stage "lmoe bench --check-table"
+  timeout 240 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comm" -t "$grid" --iters 20 \
+    --tier-table "$logs/tiers_k3_tp$ranks.json" --check-table --check-max-tokens 64 \
+    --json "$logs/check_k3_tp$ranks.json" >"$logs/check.log" 2>"$logs/check.err"
+  rc[check_table]=$?
+  tail -25 "$logs/check.log"; tail -3 "$logs/check.err"
 fi
 
 if wants run; then
