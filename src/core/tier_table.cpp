@@ -133,7 +133,7 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.lmoe_version = text_field(object, "lmoe_version", where);
   p.backend = parsed(where + ".backend",
                      [&] { return parse_backend(text_field(object, "backend", where)); });
-  const json& gpu = field(object, "gpu", where);
+  const json gpu = field(object, "gpu", where);
   if (!gpu.is_null()) {
     const std::string at = where + ".gpu";
     p.gpu = TableGpu{text_field(gpu, "name", at), text_field(gpu, "compute_capability", at),
@@ -143,7 +143,7 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.driver_version = optional_text(object, "driver_version", where);
   p.nccl_version = optional_text(object, "nccl_version", where);
   p.tp = int_field(object, "tp", where, 1);
-  const json& dims = field(object, "dims", where);
+  const json dims = field(object, "dims", where);
   p.dims.d_model = integer_field(dims, "d_model", where + ".dims", 1);
   p.dims.d_latent = integer_field(dims, "d_latent", where + ".dims", 1);
   p.dtype =
@@ -191,7 +191,7 @@ std::vector<GridPoint> read_grid(const json& array, const std::string& where) {
       throw Error(at + ".tokens: expected T to rise strictly, got " +
                   std::to_string(grid.back().tokens) + " then " + std::to_string(point.tokens));
     }
-    const json& tiers = field(array[i], "tiers", at);
+    const json tiers = field(array[i], "tiers", at);
     if (!tiers.is_object()) throw Error(at + ".tiers: expected an object");
     for (const auto& [name, value] : tiers.items()) {
       const TailTier tier = parsed(at + ".tiers", [&] { return parse_tier(name); });
