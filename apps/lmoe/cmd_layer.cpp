@@ -97,6 +97,9 @@ void LayerCommand::execute() const {
   options.policy = resolve_policy(tier_table);
   LayerRunOptions run;
   run.comm = resolve_comm(comm, chosen_backend);
+  // A table for other hardware or dims fails here, before any weights are made or loaded.
+  check_table_fits(options.policy, running_config(chosen_backend, ranks, config.tail_dims(),
+                                                  resolved.dtype, run.comm));
   run.tier = parse_tier_or_auto(tier);
   run.repeats = repeats;
   run.warmup = 1;  // first touches of the weights and buffers are not the layer's time
