@@ -19,13 +19,16 @@ std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash = kF
 // Hash of a matrix's elements (row by row, whatever its stride).
 std::uint64_t checksum(ConstMatrixView view, std::uint64_t hash);
 
-// What ranks exchange to agree before they communicate.
+// What ranks exchange to agree before they communicate. The text holds a whole error message (a
+// table refused for several fields runs to a few hundred characters), so that every rank reports
+// it in full.
+inline constexpr std::size_t kRankRecordText = 1024;
 struct RankRecord {
   std::uint64_t config_hash = 0;
   std::int64_t num_tokens = 0;
   std::int32_t tier = -1;
   std::int32_t ok = 1;
-  char text[240] = {};  // the error when !ok, else a description of the configuration
+  char text[kRankRecordText] = {};  // the error when !ok, else a description of the configuration
 };
 
 void set_text(RankRecord& record, const std::string& text);

@@ -746,6 +746,24 @@ TEST(LatentTailTable, AMismatchedTableIsRefusedOnEveryRank) {
   }
 }
 
+// Several differing fields make a long message; every rank gets all of it (the agreement record
+// between ranks carries whole messages).
+TEST(LatentTailTable, ALongRefusalReachesEveryRankWhole) {
+  lmoe::TierTable table = cpu_table(4, {128, 16});
+  table.provenance.comm = "a-communicator-with-a-long-name-that-no-machine-has-to-make-the-message-long";
+  try {
+    build_tail(table, 2, nullptr);
+    FAIL() << "no error";
+  } catch (const lmoe::Error& error) {
+    const std::string message = error.message();
+    EXPECT_GT(message.size(), 240u) << message;
+    EXPECT_THAT(message, HasSubstr("tp is 4 in the table, 2 here"));
+    EXPECT_THAT(message, HasSubstr("d_model is 128 in the table, 64 here"));
+    EXPECT_THAT(message, HasSubstr("d_latent is 16 in the table, 32 here"));
+    EXPECT_THAT(message, HasSubstr("no-machine-has-to-make-the-message-long"));
+  }
+}
+
 TEST(LatentTailTable, AMatchingTableIsUsedAndOtherVersionsAreWarnedAbout) {
   std::vector<std::string> warnings = {"poison"};
   build_tail(cpu_table(2, {64, 32}), 2, &warnings);
