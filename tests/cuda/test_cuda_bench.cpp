@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "core/bench_rank.hpp"
 #include "cuda/bench_fill.hpp"
 #include "cuda/cuda_tail_executor.hpp"
@@ -17,11 +18,6 @@ namespace {
 
 using lmoe::DType;
 using lmoe::TailTier;
-
-#define SKIP_WITHOUT_GPU()                                             \
-  do {                                                                 \
-    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
-  } while (0)
 
 TEST(CudaBench, DeviceInputsEqualTheHostsBitForBit) {
   SKIP_WITHOUT_GPU();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "core/fast_random.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_check.hpp"
@@ -25,11 +26,6 @@ namespace {
 
 using lmoe::DType;
 using lmoe::HostTensor;
-
-#define SKIP_WITHOUT_GPU()                                             \
-  do {                                                                 \
-    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
-  } while (0)
 
 constexpr DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
 

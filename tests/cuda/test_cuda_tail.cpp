@@ -11,6 +11,7 @@
 #include <set>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "comm/rank_order_reduce.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_tail_executor.hpp"
@@ -31,13 +32,6 @@ const lmoe::TailDims kSmall{384, 192};   // divisible by 8·tp for tp ∈ {1, 2,
 const lmoe::TailDims kK3{7168, 3584};
 
 constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused};
-
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU";  \
-  } while (0)
-
-void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
 
 // The GPU communicators that keep the contract's rank-order sums (bit for bit on every rank).
 const char* const kExactComms[] = {"cuda-threads", "p2p"};

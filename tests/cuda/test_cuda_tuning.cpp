@@ -6,6 +6,7 @@
 
 #include <regex>
 
+#include "gpu_test_support.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
@@ -15,11 +16,6 @@
 namespace {
 
 using ::testing::HasSubstr;
-
-#define SKIP_WITHOUT_GPU()                                             \
-  do {                                                                 \
-    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
-  } while (0)
 
 const lmoe::TailDims kSmall{384, 192};
 

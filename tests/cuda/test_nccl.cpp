@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "comm/aborted_error.hpp"
 #include "comm/rank_order_reduce.hpp"
 #include "cpu/cpu_math.hpp"
@@ -45,8 +46,6 @@ constexpr DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
       GTEST_SKIP() << "needs " << (needed) << " GPU(s), one per NCCL rank; " << visible << " visible";     \
     }                                                                                                       \
   } while (0)
-
-void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
 
 std::string tp_name(const ::testing::TestParamInfo<int>& info) { return "tp" + std::to_string(info.param); }
 

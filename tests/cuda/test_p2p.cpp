@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu_test_support.hpp"
 #include "comm/rank_order_reduce.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/device_buffer.hpp"
@@ -27,11 +28,6 @@ namespace {
 using lmoe::DType;
 using lmoe::cuda::DeviceBuffer;
 
-#define SKIP_WITHOUT_GPU()                                              \
-  do {                                                                  \
-    if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
-  } while (0)
-
 // Ranks sharing a GPU can stall in p2p (docs/p2p.md): such tests run only where every rank has its
 // own GPU or with LMOE_P2P_SHARED_GPU=1. The failure-path tests below (a stalled rank, two
 // collectives at once, an abort) run everywhere: they must end in an error, which they do.
@@ -39,8 +35,6 @@ using lmoe::cuda::DeviceBuffer;
   do {                                                                               \
     if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;      \
   } while (0)
-
-void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
 
 class Stream {
  public:
