@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +66,17 @@ if wants p2pshared; then
     --gtest_filter='P2p.Collectives*:P2p.Keeps*:P2p.GraphReplays*:*CudaTailParity*p2p_tp2_bf16' >"$logs/p2pshared.log" 2>&1
   rc[p2pshared]=$?
   grep -E "waited|OK \]|FAILED  \]" "$logs/p2pshared.log" | head -20
+fi
+
+if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
+  # Whether spinning kernels of several streams run together on this GPU, under the queue counts
+  # and module loading modes that matter for ranks sharing a GPU (docs/p2p.md).
+  for env in "CUDA_DEVICE_MAX_CONNECTIONS=8" "CUDA_DEVICE_MAX_CONNECTIONS=32" \
+             "CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=LAZY"; do
+    stage "spin probe: $env"
+    name="probe_$(echo "$env" | tr ' =' '__')"
+    env $env timeout 120 build/cuda/benchmarks/lmoe_spin_probe --json "$logs/$name.json" 2>&1 | tee "$logs/$name.log"
+  done
 fi
 
 if wants nccl && [ -x build/cuda/tests/lmoe_nccl_tests ]; then
