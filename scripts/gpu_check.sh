@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused fusedbench probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,10 +62,43 @@ if wants p2pshared; then
   # Opt-in: p2p ranks sharing one GPU, which can stall (docs/p2p.md), with per-block progress in
   # every failure message.
   stage "p2p ranks sharing a GPU (diagnostics)"
-  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 90 build/cuda/tests/lmoe_cuda_tests \
-    --gtest_filter='P2p.Collectives*:P2p.Keeps*:P2p.GraphReplays*:*CudaTailParity*p2p_tp2_bf16' >"$logs/p2pshared.log" 2>&1
+  LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 250 build/cuda/tests/lmoe_cuda_tests \
+    --gtest_filter='P2p*:*p2p*:-*Fused*' >"$logs/p2pshared.log" 2>&1
   rc[p2pshared]=$?
-  grep -E "waited|OK \]|FAILED  \]" "$logs/p2pshared.log" | head -20
+  grep -E "waited|FAILED  \]|PASSED|SKIPPED \]" "$logs/p2pshared.log" | sort -u | head -30
+  grep -E "^\[ parity" "$logs/p2pshared.log" | head -60
+fi
+
+if wants fused; then
+  # The fused decode tail with its ranks sharing this GPU (tests/cuda/test_fused_tail.cpp), then one
+  # small run under compute-sanitizer's memcheck and racecheck (one rank: the sanitizer serializes
+  # kernels, and ranks spinning on each other would then wait for each other until the timeout).
+  gtest fused_tests 400 build/cuda/tests/lmoe_cuda_tests 'Fused*:*FusedParity*:CudaTailTp1*'
+  grep -E "^\[ fused" "$logs/fused_tests.log"
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+      stage "compute-sanitizer $tool"
+      timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/lmoe_cuda_tests \
+        --gtest_filter='TpDtype/FusedParity.*/tp1_bf16' >"$logs/sanitize_$tool.log" 2>&1
+      rc[sanitize_$tool]=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | head -5
+    done
+  fi
+fi
+
+if wants fusedbench; then
+  # The fused tier against overlap at decode sizes (graph replays): K3 at tp 1 (the whole tail on
+  # one GPU); one rank's compute at K3 tp 8 (norm + the 896-column stripe's product + add, i.e. a
+  # tp-1 tail with d = 896); and tp 2 and 8 with the ranks sharing this GPU (the protocol's cost on
+  # one GPU, not a multi-GPU figure).
+  for spec in "k3_tp1:-n 1" "stripe896_tp1:-n 1 --d-model 896 --d-latent 3584" "k3_tp2_shared:-n 2" "k3_tp8_shared:-n 8"; do
+    name=${spec%%:*}; args=${spec#*:}
+    stage "lmoe bench fused vs overlap: $name"
+    LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $args --comm p2p --tiers fused,overlap \
+      -t 1,2,4,8,16,32,64,128,256 --check-max-tokens 256 --json "$logs/fused_$name.json" >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
+    rc[fused_$name]=$?
+    cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
+  done
 fi
 
 if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then

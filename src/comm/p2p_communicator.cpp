@@ -12,6 +12,7 @@
 
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
+#include "comm/p2p_peer_access.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/p2p_launch.hpp"
@@ -124,6 +125,9 @@ class P2pGroup {
 
   int size() const { return size_; }
   int device(int rank) const { return devices_[rank]; }
+  int ranks_on_device(int device) const {
+    return static_cast<int>(std::count(devices_.begin(), devices_.end(), device));
+  }
   int blocks() const { return blocks_; }
   std::size_t block_bytes() const { return block_bytes_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -227,7 +231,7 @@ class P2pGroup {
   std::vector<const void*> slots_;         // control_all_gather's host records
 };
 
-class P2pCommunicator final : public Communicator {
+class P2pCommunicator final : public Communicator, public P2pPeerAccess {
  public:
   P2pCommunicator(std::shared_ptr<P2pGroup> group, int rank)
       : group_(std::move(group)), rank_(rank), handle_(group_->handle(rank)) {}
@@ -323,6 +327,10 @@ class P2pCommunicator final : public Communicator {
     group_->raise_abort();
     group_->barrier().abort(rank_, why);
   }
+
+  cuda::P2pDeviceHandle device_handle() const override { return handle_; }
+  int ranks_on_my_gpu() const override { return group_->ranks_on_device(group_->device(rank_)); }
+  void throw_if_device_failed(const char* operation) override { throw_if_failed(operation); }
 
  private:
   static const void* offset(const void* base, std::size_t bytes) { return static_cast<const std::byte*>(base) + bytes; }

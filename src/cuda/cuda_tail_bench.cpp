@@ -84,7 +84,16 @@ class CudaBenchRank final : public BenchRank {
   void prepare(TailTier tier, BenchMode mode) override {
     tier_ = tier;
     graph_.reset();
-    if (mode == BenchMode::graph) capture();
+    if (mode == BenchMode::graph) {
+      // One eager call first: ranks that share a GPU run each GEMM shape once outside any
+      // collective there (cuda_tail_executor.cpp, warm_up_gemms); and no rank instantiates while a
+      // peer already replays.
+      quiesce();
+      eager_forward();
+      quiesce();
+      capture();
+      quiesce();
+    }
   }
 
   void warm_up(int count) override {

@@ -5,11 +5,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include <set>
+#include <utility>
 #include <vector>
 
+#include "comm/p2p_peer_access.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/fused_tail.hpp"
 #include "cuda/launchers.hpp"
 #include "lmoe/error.hpp"
 
@@ -24,8 +28,25 @@ int cuda_device_count() {
   return count;
 }
 
-std::optional<std::string> cuda_tier_limit(TailTier, const TailProblem& problem) {
+std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem) {
   const std::int64_t d = problem.dims.d_model, l = problem.dims.d_latent;
+  if (tier == TailTier::fused) {
+    if (problem.dtype != DType::bf16 && problem.dtype != DType::f16) {
+      return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(problem.dtype));
+    }
+    if (problem.tp > cuda::kP2pMaxRanks) {
+      return "tp=" + std::to_string(problem.tp) + " > " + std::to_string(cuda::kP2pMaxRanks) + " (fused's workspace)";
+    }
+    if (d % (8 * problem.tp) != 0) {
+      return "d_model % (8·tp) != 0 (fused needs whole 8-column tiles per rank's stripe): d_model=" +
+             std::to_string(d) + ", tp=" + std::to_string(problem.tp);
+    }
+    if (l % 16 != 0) return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" + std::to_string(l);
+    if (problem.num_tokens > cuda::kFusedMaxTokens) {
+      return "T=" + std::to_string(problem.num_tokens) + " > " + std::to_string(cuda::kFusedMaxTokens) +
+             " (fused's workspace rows)";
+    }
+  }
   if (problem.tp > cuda::kMaxReduceInputs) {
     return "tp=" + std::to_string(problem.tp) + " > " + std::to_string(cuda::kMaxReduceInputs) +
            " (the same-GPU collectives reduce at most that many ranks in one launch)";
@@ -73,6 +94,16 @@ class CudaTailExecutor final : public TailExecutor {
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     if (fixed_capacity_) allocate_workspaces(max_tokens);
+
+    if (const auto* peers = dynamic_cast<const P2pPeerAccess*>(&comm)) spinning_peers_share_gpu_ = peers->ranks_on_my_gpu() > 1;
+
+    // The fused kernel, where this communicator and these dims allow it (collective with several
+    // ranks: every rank reaches this point, and decides the same).
+    fused_unavailable_ = cuda::FusedTail::unavailable(comm, dims, dtype);
+    if (!fused_unavailable_) {
+      fused_ = std::make_unique<cuda::FusedTail>(comm, dims, dtype, eps, w_up_rows(comm.rank() * stripe_width()),
+                                                 static_cast<const float*>(gamma_.data()), max_tokens);
+    }
   }
 
   ~CudaTailExecutor() override {
@@ -87,7 +118,15 @@ class CudaTailExecutor final : public TailExecutor {
   MemorySpace memory_space() const override { return MemorySpace::device; }
 
   std::optional<std::string> can_implement(TailTier tier, const TailProblem& problem) const override {
-    return cuda_tier_limit(tier, problem);
+    if (auto limit = cuda_tier_limit(tier, problem)) return limit;
+    if (tier == TailTier::fused) {
+      if (fused_unavailable_) return fused_unavailable_;
+      if (problem.num_tokens > fused_->capacity()) {
+        return "T=" + std::to_string(problem.num_tokens) + " > " + std::to_string(fused_->capacity()) +
+               " (fused's workspace rows, from max_tokens)";
+      }
+    }
+    return std::nullopt;
   }
 
   void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
@@ -103,7 +142,11 @@ class CudaTailExecutor final : public TailExecutor {
                                                "' communicator synchronizes on the host and cannot be captured in a "
                                                "CUDA graph; use p2p or nccl");
     }
-    reserve(routed.rows, stream);
+    if (tier != TailTier::fused) reserve(routed.rows, stream);  // fused has its own fixed workspace
+    if (spinning_peers_share_gpu_ && capture == cudaStreamCaptureStatusNone && tier != TailTier::fused &&
+        warmed_.insert({tier, routed.rows}).second) {
+      warm_up_gemms(tier, routed.rows, stream);
+    }
     switch (tier) {
       case TailTier::overlap: return run_overlap(routed, shared, out, stream);
       case TailTier::column: return run_column(routed, shared, out, stream);
@@ -132,10 +175,44 @@ class CudaTailExecutor final : public TailExecutor {
   void allocate_workspaces(std::int64_t rows) {
     latent_ = DeviceBuffer(bytes(rows * dims_.d_latent));
     normed_ = DeviceBuffer(bytes(rows * dims_.d_latent));
-    up_ = DeviceBuffer(bytes(2 * rows * dims_.d_model));  // fused keeps two stripes, even at tp = 1
+    up_ = DeviceBuffer(bytes(rows * dims_.d_model));
     shared_sum_ = DeviceBuffer(bytes(rows * dims_.d_model));
     stripe_acc_ = DeviceBuffer(static_cast<std::size_t>(rows * stripe_width()) * sizeof(float));
     capacity_ = rows;
+  }
+
+  // Ranks that share a GPU and spin on each other (p2p): a cuBLASLt GEMM launched for the first time
+  // in a shape waits for the GPU's running kernels, i.e. for a peer's round that waits for this rank
+  // (measured on an H200 with lmoe_spin_probe, whatever CUDA_MODULE_LOADING says). So the first call
+  // of a (tier, T) runs its GEMMs once while no rank is inside a collective: every rank finishes
+  // its earlier work and meets the others, runs the GEMMs on its own workspaces (the call itself
+  // overwrites them), and meets them again. Every rank takes this path at the same call (same T and
+  // tier on every rank), so the barriers match. Captured calls cannot do it: capture after an eager
+  // call of the same T.
+  void warm_up_gemms(TailTier tier, std::int64_t tokens, cudaStream_t stream) {
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+    comm_.barrier();
+    const std::int64_t width = stripe_width();
+    switch (tier) {
+      case TailTier::overlap:
+        up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+        break;
+      case TailTier::column:
+        up_project(normed_.data(), tokens, w_up_rows(comm_.rank() * width), width, stripe_acc_.data(), width,
+                   DType::f32, stream);
+        break;
+      case TailTier::token: {
+        const std::int64_t rows = split_token_rows(tokens, comm_.size(), dims_).rows(comm_.rank());
+        if (rows > 0) {
+          up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+        }
+        break;
+      }
+      case TailTier::fused: break;
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    comm_.barrier();
   }
 
   // Where round(Σ_r x_r) of `count` elements is: all-reduced into `dst`, or with one rank x itself
@@ -225,39 +302,10 @@ class CudaTailExecutor final : public TailExecutor {
     if (!one_rank) comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
   }
 
-  // fused, as an unfused composition of the same pieces (the one-kernel decode path over a P2P
-  // workspace is not built yet): latent all-reduce + norm; shared packed by column stripes
-  // [tp][T][s] and reduce-scattered; own stripe up-projected and added; stripes all-gathered.
-  // With one rank the stripe is the whole width and fused's contract is overlap's: overlap's
-  // dataflow, which has no collectives at tp = 1. (A first one-launch kernel for this case, CUDA
-  // cores with the normalized rows in shared memory, measured no faster at T = 1 and 4.4× slower at
-  // T = 16 than this path on an H200, and was not kept: docs/perf.md.)
+  // fused: one kernel per rank (cuda/fused_tail.cuh); can_implement has declined where it cannot run.
   void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
-    if (comm_.size() == 1) return run_overlap(routed, shared, out, stream);
-    const std::int64_t tokens = routed.rows;
-    const std::int64_t width = stripe_width();
-    const int tp = comm_.size();
-    const std::size_t row_bytes = bytes(dims_.d_model), stripe_bytes = bytes(width);
-    all_reduce_and_norm(routed, stream);
-
-    void* packed = shared_sum_.data();  // [tp][T][s]
-    for (int r = 0; r < tp; ++r) {
-      LMOE_CUDA_CHECK(cudaMemcpy2DAsync(offset(packed, bytes(r * tokens * width)), stripe_bytes,
-                                        offset(shared.data, bytes(r * width)), row_bytes, stripe_bytes,
-                                        static_cast<std::size_t>(tokens), cudaMemcpyDeviceToDevice, stream));
-    }
-    const std::vector<std::size_t> counts(static_cast<std::size_t>(tp), static_cast<std::size_t>(tokens * width));
-    void* stripe = up_.data();                           // [T, s]
-    void* stripe_up = offset(up_.data(), bytes(tokens * width));  // [T, s]
-    comm_.reduce_scatter(packed, stripe, counts, dtype_, stream);
-    up_project(normed_.data(), tokens, w_up_rows(comm_.rank() * width), width, stripe_up, width, dtype_, stream);
-    check(cuda::launch_add(stripe_up, stripe, stripe, tokens * width, dtype_, stream), "launch_add");
-    comm_.all_gather(stripe, packed, counts, dtype_, stream);
-    for (int r = 0; r < tp; ++r) {
-      LMOE_CUDA_CHECK(cudaMemcpy2DAsync(offset(out.data, bytes(r * width)), row_bytes,
-                                        offset(packed, bytes(r * tokens * width)), stripe_bytes, stripe_bytes,
-                                        static_cast<std::size_t>(tokens), cudaMemcpyDeviceToDevice, stream));
-    }
+    LMOE_CHECK(fused_ != nullptr, "fused cannot run here: " + fused_unavailable_.value_or("(no reason recorded)"));
+    fused_->run(routed.data, shared.data, out.data, routed.rows, stream);
   }
 
   Communicator& comm_;
@@ -275,9 +323,13 @@ class CudaTailExecutor final : public TailExecutor {
   std::int64_t capacity_ = 0;  // rows the workspaces hold
   DeviceBuffer latent_;        // [T, l] reduced latent (rows of this rank for token)
   DeviceBuffer normed_;        // [T, l]
-  DeviceBuffer up_;            // [2T, d]: round(U) in the first [T, d]; fused: two [T, s] stripes
-  DeviceBuffer shared_sum_;    // [T, d] reduced shared; fused: the packed [tp][T][s] stripes
+  DeviceBuffer up_;            // [T, d]: round(U)
+  DeviceBuffer shared_sum_;    // [T, d] reduced shared
   DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ
+  std::unique_ptr<cuda::FusedTail> fused_;
+  std::optional<std::string> fused_unavailable_;
+  bool spinning_peers_share_gpu_ = false;              // p2p ranks on this GPU besides this one
+  std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
 };
 
 }  // namespace

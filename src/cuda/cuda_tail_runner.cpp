@@ -110,6 +110,17 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
                                     stream.get()));
     LMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, y.bytes(), stream.get()));
   };
+  // Graph mode makes one eager call first (its output is overwritten below): ranks that share a GPU
+  // then run each GEMM shape once outside any collective (cuda_tail_executor.cpp, warm_up_gemms).
+  if (options.graph && tokens > 0) {
+    comm.barrier();
+    LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    comm.barrier();
+    refresh();
+    forward();
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    comm.barrier();
+  }
   const Graph graph = options.graph && tokens > 0 ? Graph::capture(stream.get(), [&] { run.tier = forward(); })
                                                   : Graph();
   if (graph) graph.upload(stream.get());

@@ -136,3 +136,30 @@ cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::i
 }
 
 }  // namespace lmoe::cuda
+
+namespace lmoe::cuda {
+
+namespace {
+
+__global__ void count_differences_kernel(const unsigned char* a, const unsigned char* b, std::int64_t bytes,
+                                         unsigned long long* counter) {
+  unsigned long long differing = 0;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    differing += a[i] != b[i];
+  }
+  if (differing) atomicAdd(counter, differing);
+}
+
+}  // namespace
+
+cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes, unsigned long long* counter,
+                                     cudaStream_t stream) {
+  if (bytes < 0) return cudaErrorInvalidValue;
+  if (bytes == 0) return cudaSuccess;
+  count_differences_kernel<<<std::min<std::int64_t>(1024, (bytes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const unsigned char*>(a), static_cast<const unsigned char*>(b), bytes, counter);
+  return cudaGetLastError();
+}
+
+}  // namespace lmoe::cuda

@@ -32,4 +32,9 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream);
 
+// *counter += the number of bytes where a and b differ (device-side checks of many results without a
+// host round trip per result, e.g. long graph-replay soaks).
+cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes, unsigned long long* counter,
+                                     cudaStream_t stream);
+
 }  // namespace lmoe::cuda

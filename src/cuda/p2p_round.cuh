@@ -107,10 +107,9 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   if (threadIdx.x == 0) {
     failed = 0;
     epoch = own->epoch[block] + 1;
-    if (*h.abort_flag) {
-      p2p_fail(h, kP2pAborted, -1, epoch);
-      failed = 1;
-    } else if (atomicExch(&own->in_use[block], 1u) != 0u) {
+    // No read of the abort flag here (host-mapped: see kP2pAbortPollAfterNs); a round that starts
+    // after a failure finds it in its first long wait.
+    if (atomicExch(&own->in_use[block], 1u) != 0u) {
       // Another round of this rank holds the block: two collectives overlap on one workspace.
       p2p_fail(h, kP2pConcurrentUse, -1, epoch);
       failed = 1;

@@ -265,7 +265,9 @@ TEST_P(NcclTail, EveryTierMeetsItsContractWithinTheReorderedBound) {
     for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 700u + static_cast<std::uint64_t>(tokens));
-      if (tier == TailTier::token && tokens < tp) {
+      // Declined: token with fewer rows than ranks; fused over NCCL with several ranks (its kernel
+      // reads the peers' workspaces, which only p2p provides) or beyond its 256 rows.
+      if ((tier == TailTier::token && tokens < tp) || (tier == TailTier::fused && (tp > 1 || tokens > 256))) {
         EXPECT_THROW(run_nccl(c, tier), lmoe::Error);
         continue;
       }
@@ -291,6 +293,7 @@ TEST_P(NcclTail, CraftedExactInputsMatchBitForBit) {
     const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 79u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : kGpuTiers) {
       if (tier == TailTier::token && tokens < tp) continue;
+      if (tier == TailTier::fused && (tp > 1 || tokens > 256)) continue;  // declined (see above)
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       const lmoe::CaseRun result = run_nccl(c, tier);
       EXPECT_TRUE(result.ranks_identical);
@@ -325,12 +328,16 @@ TEST(NcclTailReuse, OneGroupServesManyCalls) {
     options.backend = lmoe::Backend::cuda;
     for (std::size_t t = 0; t < 4; ++t) {
       options.tier = kGpuTiers[t];
-      for (std::size_t i = 0; i < cases.size(); ++i) outputs[t * cases.size() + i][rank] = lmoe::run_case_rank(cases[i], comm, options).y;
+      for (std::size_t i = 0; i < cases.size(); ++i) {
+        if (kGpuTiers[t] == TailTier::fused && (tp > 1 || cases[i].num_tokens > 256)) continue;  // declined
+        outputs[t * cases.size() + i][rank] = lmoe::run_case_rank(cases[i], comm, options).y;
+      }
     }
   });
   for (std::size_t t = 0; t < 4; ++t) {
     for (std::size_t i = 0; i < cases.size(); ++i) {
       SCOPED_TRACE(std::string(lmoe::tier_name(kGpuTiers[t])) + " T=" + std::to_string(cases[i].num_tokens));
+      if (kGpuTiers[t] == TailTier::fused && (tp > 1 || cases[i].num_tokens > 256)) continue;
       const auto& ranks = outputs[t * cases.size() + i];
       for (int r = 1; r < tp; ++r) EXPECT_EQ(0, std::memcmp(ranks[r].data(), ranks[0].data(), ranks[0].nbytes()));
       const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(kGpuTiers[t]), lmoe::ReductionOrder::unspecified);

@@ -96,8 +96,10 @@ TEST(P2p, CollectivesSpanningManyRoundsMatchTheHostBitForBit) {
             const DeviceBuffer send(total * esize), reduced_d(total * esize), block(std::max<std::size_t>(mine, 16)),
                 gathered_d(total * esize);
             cuda_ok(cudaMemcpy(send.data(), inputs[rank].data(), total * esize, cudaMemcpyHostToDevice));
-            cuda_ok(cudaMemset(reduced_d.data(), 0xff, total * esize));
-            cuda_ok(cudaMemset(gathered_d.data(), 0xff, total * esize));
+            // Poisoned on the rank's own stream, which also gives the stream its first work before
+            // any peer spins (a stream's first launch while peers spin stalled on an H200).
+            cuda_ok(cudaMemsetAsync(reduced_d.data(), 0xff, total * esize, stream.get()));
+            cuda_ok(cudaMemsetAsync(gathered_d.data(), 0xff, total * esize, stream.get()));
             // Ranks share the GPU and spin on each other: no allocation, synchronous copy or other
             // GPU-wide wait while a collective is in flight, hence the barriers around them.
             cuda_ok(cudaDeviceSynchronize());
@@ -352,6 +354,12 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       } catch (const lmoe::Error& error) {
         too_many[rank] = error.message();
       }
+      // One eager call of this T before capturing it, as an engine warms up before capture: a
+      // cuBLASLt kernel's first launch may load its module, which waits for the whole GPU and is
+      // not allowed inside a capture (cudaErrorStreamCaptureUnsupported, measured on an H200).
+      tail.forward(routed_view, shared_view, out_view, tier, stream.get());
+      cuda_ok(cudaStreamSynchronize(stream.get()));
+      comm.barrier();
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
       cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));

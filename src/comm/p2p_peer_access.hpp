@@ -1,0 +1,21 @@
+// What a kernel that talks to its peers directly (the fused tail) needs from the p2p
+// communicator, beyond the Communicator interface: the group's failure reporting and how many
+// ranks share this rank's GPU. Internal to the CUDA backend.
+#pragma once
+
+#include "cuda/p2p_types.hpp"
+
+namespace lmoe {
+
+class P2pPeerAccess {
+ public:
+  virtual ~P2pPeerAccess() = default;
+  // This rank's status record, the group's abort flag and the timeout (p2p_types.hpp).
+  virtual cuda::P2pDeviceHandle device_handle() const = 0;
+  // Ranks of the group on this rank's GPU, itself included: their kernels must be resident at once.
+  virtual int ranks_on_my_gpu() const = 0;
+  // Throws the group's first device-side failure (timeout, abort, concurrent use) as an error.
+  virtual void throw_if_device_failed(const char* operation) = 0;
+};
+
+}  // namespace lmoe

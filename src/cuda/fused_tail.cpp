@@ -1,0 +1,158 @@
+#include "cuda/fused_tail.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "comm/p2p_peer_access.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/fused_tail_launch.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe::cuda {
+
+namespace {
+
+std::int64_t align256(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// One block-tile width for every rank: as wide as possible while the stripe still has a tile for
+// every SM (wide tiles reuse N's rows; narrow ones keep more SMs streaming the weights).
+int choose_n_tiles(std::int64_t stripe, int sms) {
+  const std::int64_t tiles8 = stripe / 8;
+  for (int n : {4, 2}) {
+    if (tiles8 % n == 0 && tiles8 / n >= sms) return n;
+  }
+  return 1;
+}
+
+}  // namespace
+
+std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims dims, DType dtype) {
+  if (dtype != DType::bf16 && dtype != DType::f16) {
+    return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(dtype));
+  }
+  const int tp = comm.size();
+  if (tp > kP2pMaxRanks) return "fused supports at most " + std::to_string(kP2pMaxRanks) + " ranks, got tp=" + std::to_string(tp);
+  if (dims.d_model % (8 * tp) != 0) {
+    return "fused needs d_model % (8·tp) == 0 (whole 8-column tiles per rank's stripe); d_model=" +
+           std::to_string(dims.d_model) + ", tp=" + std::to_string(tp);
+  }
+  if (dims.d_latent % 16 != 0) {
+    return "fused needs d_latent % 16 == 0 (the tensor cores' k step); d_latent=" + std::to_string(dims.d_latent);
+  }
+  if (comm.memory_space() != MemorySpace::device) return "fused needs a device communicator";
+  if (tp > 1 && dynamic_cast<P2pPeerAccess*>(&comm) == nullptr) {
+    return "fused with tp > 1 reads the peers' workspaces directly, which needs the p2p communicator (this one is '" +
+           std::string(comm.backend_name()) + "')";
+  }
+  return std::nullopt;
+}
+
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, const void* w_stripe,
+                     const float* gamma, std::int64_t max_tokens)
+    : comm_(comm), dtype_(dtype) {
+  if (auto reason = unavailable(comm, dims, dtype)) throw Error(*reason);
+  const int tp = comm.size();
+  peers_ = tp > 1 ? dynamic_cast<P2pPeerAccess*>(&comm) : nullptr;
+  capacity_ = max_tokens > 0 ? std::min(max_tokens, kFusedMaxTokens) : kFusedMaxTokens;
+  const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype));
+
+  int device = 0, sms = 0;
+  LMOE_CUDA_CHECK(cudaGetDevice(&device));
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  n_tiles_ = choose_n_tiles(stripe, sms);
+  int per_sm = 0;
+  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(n_tiles_, dtype, &per_sm));
+  LMOE_CHECK(per_sm >= 1, "fused: the kernel does not fit on an SM");
+  // Every block of every rank on this GPU must be resident at once: blocks wait for each other.
+  const int sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
+  const std::int64_t block_tiles = stripe / (8 * n_tiles_);
+  int grid = static_cast<int>(std::clamp<std::int64_t>(std::min<std::int64_t>(block_tiles, std::int64_t{sms} * per_sm / sharing),
+                                                       1, 1 << 16));
+
+  // Workspace: flags, then per parity routed, shared and stripe rows, then N.
+  params_.routed_offset = align256(sizeof(FusedFlags));
+  params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
+  params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
+  params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
+  params_.normed_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  const std::int64_t bytes = params_.normed_offset + align256(capacity_ * l * esize);
+  workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
+  LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before any peer can reach them
+
+  params_.rank = comm.rank();
+  params_.tp = tp;
+  params_.d = d;
+  params_.l = l;
+  params_.stripe = stripe;
+  params_.w_stripe = w_stripe;
+  params_.gamma = gamma;
+  params_.eps = eps;
+  params_.capacity = capacity_;
+  params_.prefetch_weights = tp > 1;
+  params_.workspace[params_.rank] = static_cast<std::byte*>(workspace_.data());
+  if (peers_) {
+    // Ranks exchange workspace addresses (threads of one process: the addresses are valid on
+    // every rank through peer access or a shared GPU) and take the smallest grid.
+    struct Record {
+      std::byte* workspace;
+      std::int64_t grid;
+    };
+    const Record mine{params_.workspace[params_.rank], grid};
+    std::vector<Record> all(static_cast<std::size_t>(tp));
+    comm.control_all_gather(&mine, all.data(), sizeof(Record));
+    for (int r = 0; r < tp; ++r) {
+      params_.workspace[r] = all[static_cast<std::size_t>(r)].workspace;
+      grid = std::min(grid, static_cast<int>(all[static_cast<std::size_t>(r)].grid));
+    }
+    const P2pDeviceHandle h = peers_->device_handle();
+    params_.status = h.status;
+    params_.abort_flag = h.abort_flag;
+    params_.timeout_ns = h.timeout_ns;
+  } else {
+    void* mapped = nullptr;
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
+    std::memset(mapped, 0, sizeof(P2pStatus) + sizeof(std::int32_t));
+    own_status_ = static_cast<P2pStatus*>(mapped);
+    own_abort_ = reinterpret_cast<std::int32_t*>(own_status_ + 1);
+    params_.status = own_status_;
+    params_.abort_flag = own_abort_;
+    params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+  }
+  params_.grid = grid;
+}
+
+FusedTail::~FusedTail() {
+  if (own_status_) cudaFreeHost(own_status_);
+}
+
+void FusedTail::throw_if_failed() {
+  if (peers_) return peers_->throw_if_device_failed("fused");
+  const volatile P2pStatus& s = *own_status_;
+  if (s.code != kP2pOk) {
+    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " + std::to_string(s.block) +
+                ", call " + std::to_string(s.round) + "); the GPU did not run all of the grid's blocks at once");
+  }
+}
+
+void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
+                    const std::int32_t* tokens_device) {
+  throw_if_failed();
+  LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
+             "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
+  for (const void* pointer : {routed, shared, static_cast<const void*>(out)}) {
+    LMOE_CHECK(reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0,
+               "fused: routed, shared and out must be 16-byte aligned");
+  }
+  FusedTailParams p = params_;
+  p.tokens = tokens;
+  p.tokens_device = tokens_device;
+  p.routed = routed;
+  p.shared = shared;
+  p.out = out;
+  check(launch_fused_tail(p, n_tiles_, dtype_, stream), "launch_fused_tail");
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,65 @@
+// The fused decode tail on one rank: its workspace (shared with the peers), its grid, and the call
+// (kernel: cuda/fused_tail.cuh; protocol: docs/fused.md). Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "cuda/device_buffer.hpp"
+#include "cuda/fused_tail_types.hpp"
+#include "lmoe/communicator.hpp"
+#include "lmoe/dims.hpp"
+
+namespace lmoe {
+class P2pPeerAccess;
+}
+
+namespace lmoe::cuda {
+
+class FusedTail {
+ public:
+  // Why the fused kernel cannot run the tail for this communicator, dims and dtype; nullopt when it
+  // can. With one rank any device communicator serves (nothing is exchanged); with several, the
+  // ranks' kernels read each other's workspaces, which the p2p communicator provides.
+  static std::optional<std::string> unavailable(Communicator& comm, TailDims dims, DType dtype);
+
+  // Collective with several ranks (they exchange workspace addresses and agree on a grid).
+  // w_stripe: this rank's rows of w_up [stripe, l] on the device; gamma: fp32 [l] on the device;
+  // both must outlive this object. max_tokens: 0 or more than kFusedMaxTokens gives the workspace
+  // kFusedMaxTokens rows.
+  FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, const void* w_stripe, const float* gamma,
+            std::int64_t max_tokens);
+  ~FusedTail();
+  FusedTail(const FusedTail&) = delete;
+  FusedTail& operator=(const FusedTail&) = delete;
+
+  std::int64_t capacity() const { return capacity_; }
+  int grid() const { return params_.grid; }
+  int tile_width() const { return 8 * n_tiles_; }
+
+  // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
+  // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
+  // (read by the kernel at run time, so a captured graph can be replayed with another T ≤ tokens;
+  // buffers must hold `tokens` rows). Throws on a device failure recorded by an earlier call.
+  void run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
+           const std::int32_t* tokens_device = nullptr);
+
+ private:
+  void throw_if_failed();
+
+  Communicator& comm_;
+  P2pPeerAccess* peers_ = nullptr;  // the p2p communicator's, with several ranks
+  DType dtype_;
+  std::int64_t capacity_ = 0;
+  int n_tiles_ = 1;
+  DeviceBuffer workspace_;
+  FusedTailParams params_;
+  // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
+  P2pStatus* own_status_ = nullptr;
+  std::int32_t* own_abort_ = nullptr;
+};
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,59 @@
+// The fused decode tail's shared types: what the host sets up and the kernel reads (plain,
+// trivially copyable; host and device code). Kernel: src/cuda/fused_tail.cuh; host side:
+// src/cuda/fused_tail.cpp; protocol: docs/fused.md.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/p2p_types.hpp"
+
+namespace lmoe::cuda {
+
+// The most tokens one fused call carries (the workspace's rows; a larger T is declined).
+inline constexpr std::int64_t kFusedMaxTokens = 256;
+inline constexpr int kFusedThreads = 256;  // 8 warps: the RMSNorm's 256 lanes, and a K split of 8
+inline constexpr int kFusedWarps = kFusedThreads / 32;
+inline constexpr int kFusedMmaGroup = 2;   // m-tiles of 16 tokens per pass of the block-tile loop
+
+// Per rank, at the start of its workspace (zeroed at creation). Counters only grow, modulo 2^32,
+// and are compared as wrapping differences against targets derived from the call's epoch e
+// (forwards completed + 1) and the grid G, which every rank agrees on at construction.
+struct FusedFlags {
+  std::uint32_t inputs_arrived[kP2pMaxRanks];   // += 1 per block of peer p once it staged call e: e·G
+  std::uint32_t stripes_arrived[kP2pMaxRanks];  // += 1 per block of peer p once its stripe rows are out
+  std::uint32_t epoch;                          // calls this rank completed
+  std::uint32_t in_use;                         // a call of this rank is running on the workspace
+  std::uint32_t rows_done;                      // this rank's blocks past the norm phase: e·G
+  std::uint32_t blocks_done;                    // this rank's blocks finished: e·G
+};
+
+struct FusedTailParams {
+  int rank = 0;
+  int tp = 1;
+  std::int64_t tokens = 0;            // T, when tokens_device is null
+  const std::int32_t* tokens_device = nullptr;  // T read on the device (graph replays with new T)
+  std::int64_t d = 0, l = 0;          // d_model, d_latent
+  std::int64_t stripe = 0;            // this rank's output columns: [rank·stripe, (rank+1)·stripe)
+  const void* routed = nullptr;       // own input [T, l]
+  const void* shared = nullptr;       // own input [T, d]
+  void* out = nullptr;                // [T, d]
+  const void* w_stripe = nullptr;     // [stripe, l]: w_up's rows of this rank's stripe
+  const float* gamma = nullptr;       // [l], fp32
+  float eps = 0;
+  int grid = 1;                       // G, the same on every rank
+  bool prefetch_weights = false;      // issue the stripe's L2 prefetch before waiting for peers
+  // Every rank's workspace (peers' through peer access or the same GPU): FusedFlags, then per
+  // parity the staged routed [cap, l], shared [cap, d] and output stripe [cap, stripe] rows; the
+  // normalized rows [cap, l] are this rank's own (not read by peers).
+  std::byte* workspace[kP2pMaxRanks] = {};
+  std::int64_t capacity = 0;          // rows of every staged buffer
+  std::int64_t routed_offset = 0, shared_offset = 0, stripe_offset = 0, normed_offset = 0;  // bytes
+  std::int64_t parity_bytes = 0;      // distance between the two parities of one staged buffer
+  // Failure reporting (the p2p group's, see p2p_types.hpp); null with one rank.
+  volatile P2pStatus* status = nullptr;
+  volatile std::int32_t* abort_flag = nullptr;
+  std::uint64_t timeout_ns = 0;
+};
+
+}  // namespace lmoe::cuda

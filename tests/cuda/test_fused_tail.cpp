@@ -1,0 +1,393 @@
+// The fused decode tail (cuda/fused_tail.cuh) against the CPU contract, with its ranks sharing one
+// GPU over the p2p communicator: every T of the issue (1 … 256, thresholds ±1), tp ∈ {1, 2, 4, 8},
+// bf16 and f16, random inputs within the contract's bound and crafted inputs bit for bit, ±0 and
+// subnormals, graph replays with T read on the device (a soak of many replays with changing T and
+// inputs), a stalled rank, two calls at once on one workspace, and what it declines.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu_test_support.hpp"
+#include "cpu/cpu_math.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/fused_tail.hpp"
+#include "cuda/launchers.hpp"
+#include "lmoe/comm_group.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/p2p_communicator.hpp"
+#include "lmoe/reference.hpp"
+#include "lmoe/tail_runner.hpp"
+#include "lmoe/threads_communicator.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::TailTier;
+using lmoe::cuda::DeviceBuffer;
+
+const lmoe::TailDims kSmall{384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripes of 48 … 384 columns)
+const lmoe::TailDims kK3{7168, 3584};
+const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
+
+// The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
+// which is what ranks spinning on each other need: this file runs p2p ranks on one GPU.
+class FusedEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    setenv("LMOE_P2P_SHARED_GPU", "1", 0);
+    lmoe::cpu::set_blas_threads(4);
+  }
+};
+const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new FusedEnvironment);
+
+lmoe::CaseRun run_fused(const lmoe::TailCase& c, bool graph = false) {
+  lmoe::RunOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.comm = "p2p";  // with one rank: no peers, but capturable (cuda-threads is not)
+  options.tier = TailTier::fused;
+  options.graph = graph;
+  options.repeats = graph ? 2 : 1;
+  return lmoe::run_case_on_threads(c, options);
+}
+
+void expect_meets_contract(const lmoe::TailCase& c, const lmoe::CaseRun& result, double* worst) {
+  EXPECT_TRUE(result.ranks_identical);
+  ASSERT_EQ(result.tier, TailTier::fused);
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+  const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+  EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+  EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+  *worst = std::max(*worst, cmp.max_error_over_bound);
+}
+
+class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+
+TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, dtype] = GetParam();
+  if (tp > 1) {
+    if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;
+  }
+  double worst = 0;
+  for (std::int64_t tokens : kIssueTokens) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
+    const lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
+    expect_meets_contract(random, run_fused(random), &worst);
+    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, dtype, tp, tokens, seed);
+    const lmoe::CaseRun exact_run = run_fused(exact);
+    EXPECT_TRUE(exact_run.ranks_identical);
+    const lmoe::Comparison cmp = lmoe::compare(exact_run.ranks[0].y.matrix(),
+                                               lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+                                               lmoe::exact_tail(exact));
+    EXPECT_EQ(cmp.bit_mismatches, 0);
+  }
+  std::printf("[ fused  ] tp=%d %-4s T=1…256 (11 sizes) max_err/bound=%.3f\n", tp,
+              std::string(lmoe::dtype_name(dtype)).c_str(), worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(TpDtype, FusedParity,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(DType::bf16, DType::f16)),
+                         [](const auto& info) {
+                           return "tp" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  std::string(lmoe::dtype_name(std::get<1>(info.param)));
+                         });
+
+TEST(Fused, K3DimsEagerAndGraphReplays) {
+  SKIP_WITHOUT_GPU();
+  for (int tp : {1, 8}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{16}, std::int64_t{128}}) {
+      for (bool graph : {false, true}) {
+        SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens) + (graph ? " graph" : " eager"));
+        const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
+        double worst = 0;
+        expect_meets_contract(c, run_fused(c, graph), &worst);
+        std::printf("[ fused  ] K3 tp=%d T=%lld %s max_err/bound=%.3f\n", tp, static_cast<long long>(tokens),
+                    graph ? "graph" : "eager", worst);
+      }
+    }
+  }
+}
+
+// Every routed partial zero (so N = 0 and U = +0) and shared partials that are −0 or subnormal:
+// Y = round(+0 + round(Σ shared)) must keep subnormals (no flush) and give exactly what the
+// contract's rank-order sum gives for −0 (starting from rank 0's value).
+TEST(Fused, KeepsSubnormalsAndSignedZerosOfTheSharedSum) {
+  SKIP_WITHOUT_GPU();
+  for (int tp : {1, 2, 4}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, 9, 5u);
+      const float tiny = dtype == DType::bf16 ? std::ldexp(1.0f, -130) : std::ldexp(1.0f, -20);  // subnormal
+      for (std::int64_t i = 0; i < c.routed.numel(); ++i) c.routed.set(i, 0.0f);
+      for (std::int64_t i = 0; i < c.shared.numel(); ++i) {
+        const std::int64_t r = i / (c.num_tokens * c.dims.d_model);
+        c.shared.set(i, i % 3 == 0 ? -0.0f : (i % 3 == 1 ? tiny * static_cast<float>(r + 1) : -tiny));
+      }
+      const lmoe::CaseRun result = run_fused(c);
+      EXPECT_TRUE(result.ranks_identical);
+      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      EXPECT_EQ(cmp.bit_mismatches, 0) << "tp=" << tp << " " << lmoe::dtype_name(dtype);
+      std::int64_t subnormals = 0;
+      const lmoe::HostTensor& y = result.ranks[0].y;
+      for (std::int64_t i = 0; i < y.numel(); ++i) {
+        const float v = y.get(i);
+        subnormals += v != 0.0f && std::fabs(v) < (dtype == DType::bf16 ? std::ldexp(1.0f, -126) : std::ldexp(1.0f, -14));
+      }
+      EXPECT_GT(subnormals, 0) << "the case must exercise subnormal outputs";
+    }
+  }
+}
+
+TEST(Fused, DeclinesWhatItCannotRunAndThePolicyFallsBack) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailProblem f32{16, kSmall, DType::f32, 2};
+  EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, f32).has_value());
+  const lmoe::TailProblem odd_stripe{16, {392, 192}, DType::bf16, 2};  // 392 / 2 = 196, not a multiple of 8
+  EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, odd_stripe).has_value());
+  const lmoe::TailProblem too_many{257, kSmall, DType::bf16, 2};
+  EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, too_many).has_value());
+  EXPECT_FALSE(lmoe::cuda_tier_limit(TailTier::fused, {256, kSmall, DType::bf16, 2}).has_value());
+
+  // Over cuda-threads with tp > 1 the kernel cannot read its peers: declined, and the policy's
+  // choice for a decode T is then another tier.
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 1u);
+  lmoe::run_comm_group("cuda-threads", 2, [&](int, lmoe::Communicator& comm) {
+    lmoe::TailOptions options;
+    options.dims = kSmall;
+    options.backend = lmoe::Backend::cuda;
+    lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+    const lmoe::TierSupport support = tail.support(4);
+    const auto& declined = support.declined[static_cast<std::size_t>(TailTier::fused)];
+    EXPECT_TRUE(declined.has_value());
+    if (declined) {
+      EXPECT_NE(declined->find("p2p"), std::string::npos) << *declined;
+    }
+    const lmoe::TierDecision decision = tail.decide(4);
+    ASSERT_TRUE(decision.tier.has_value());
+    EXPECT_NE(*decision.tier, TailTier::fused);
+  });
+}
+
+// One rank's device state for calling FusedTail directly (below LatentTail: no agreement exchange,
+// so a rank can be made to stall on purpose).
+struct FusedRank {
+  DeviceBuffer w, gamma, routed, shared, out;
+  std::unique_ptr<lmoe::cuda::FusedTail> fused;
+
+  FusedRank(lmoe::Communicator& comm, const lmoe::TailCase& c, std::int64_t max_tokens) {
+    const int rank = comm.rank();
+    const std::int64_t d = c.dims.d_model, l = c.dims.d_latent, s = d / comm.size(), t = c.num_tokens;
+    const std::size_t esize = lmoe::dtype_size(c.dtype);
+    w = DeviceBuffer(static_cast<std::size_t>(s * l) * esize);
+    cuda_ok(cudaMemcpy(w.data(), c.up_proj_weight.data() + static_cast<std::size_t>(rank * s * l) * esize, w.bytes(),
+                       cudaMemcpyHostToDevice));
+    std::vector<float> g(static_cast<std::size_t>(l));
+    for (std::int64_t j = 0; j < l; ++j) g[static_cast<std::size_t>(j)] = c.norm_weight.get(j);
+    gamma = DeviceBuffer(g.size() * sizeof(float));
+    cuda_ok(cudaMemcpy(gamma.data(), g.data(), gamma.bytes(), cudaMemcpyHostToDevice));
+    routed = DeviceBuffer(static_cast<std::size_t>(max_tokens * l) * esize);
+    shared = DeviceBuffer(static_cast<std::size_t>(max_tokens * d) * esize);
+    out = DeviceBuffer(static_cast<std::size_t>(max_tokens * d) * esize);
+    cuda_ok(cudaMemcpy(routed.data(), c.routed.slice_matrix(rank).data, static_cast<std::size_t>(t * l) * esize,
+                       cudaMemcpyHostToDevice));
+    cuda_ok(cudaMemcpy(shared.data(), c.shared.slice_matrix(rank).data, static_cast<std::size_t>(t * d) * esize,
+                       cudaMemcpyHostToDevice));
+    fused = std::make_unique<lmoe::cuda::FusedTail>(comm, c.dims, c.dtype, c.eps, w.data(),
+                                                    static_cast<const float*>(gamma.data()), max_tokens);
+  }
+};
+
+// A rank that never calls: its peer's kernel gives up after the timeout, and both ranks get an
+// error well within 5 s instead of hanging.
+TEST(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 9u);
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(500);
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, 4);
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    try {
+      if (rank == 0) {
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, stream);
+        cuda_ok(cudaStreamSynchronize(stream));
+      } else {
+        // Later than rank 0's device timeout, so that rank 0's kernel reports the stall itself
+        // (an earlier barrier timeout here would abort the group first).
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+      }
+      comm.barrier();  // every rank learns of the device failure here
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.what();
+    }
+    cudaStreamDestroy(stream);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(errors[static_cast<std::size_t>(r)].empty()) << "rank " << r;
+  EXPECT_NE(errors[0].find("waited more than 500 ms for rank 1"), std::string::npos) << errors[0];
+}
+
+// Two calls of one rank at once on its workspace (two streams, no order between them): an error,
+// not a deadlock and not silently wrong rows.
+TEST(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 10u);
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(2000);
+  std::vector<std::string> errors(2);
+  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, 4);
+    cudaStream_t first = nullptr, second = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking));
+    cuda_ok(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking));
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    try {
+      if (rank == 0) {
+        // The first call waits for rank 1, which never calls; the second finds the workspace busy.
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, first);
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, second);
+        cuda_ok(cudaStreamSynchronize(first));
+        cuda_ok(cudaStreamSynchronize(second));
+      }
+      comm.barrier();
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.what();
+    }
+    cudaStreamDestroy(first);
+    cudaStreamDestroy(second);
+  });
+  EXPECT_NE(errors[0].find("at the same time"), std::string::npos) << errors[0];
+  EXPECT_FALSE(errors[1].empty());
+}
+
+// Graph replays with T and inputs changing between replays and no host work in the call: the
+// kernel reads T on the device. Each replay's output is compared on the device with the eager
+// result of the same inputs (itself checked against the contract), so a stale parity, a row left
+// over from a longer call or a race in the protocol shows up as a counted mismatch.
+TEST(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 2;
+  if (lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  const char* env = std::getenv("LMOE_FUSED_SOAK_REPLAYS");
+  const long replays = env ? std::atol(env) : 100000;
+  const std::int64_t max_tokens = 64;
+  const std::vector<std::int64_t> set_tokens = {1, 17, 64, 5};
+  std::vector<lmoe::TailCase> cases;
+  for (std::size_t k = 0; k < set_tokens.size(); ++k) {
+    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, set_tokens[k], 500u + k));
+  }
+  // Every case uses the weights of the first (the graph holds one FusedTail per rank).
+  for (std::size_t k = 1; k < cases.size(); ++k) {
+    cases[k].norm_weight = cases[0].norm_weight;
+    cases[k].up_proj_weight = cases[0].up_proj_weight;
+  }
+  std::vector<unsigned long long> mismatches(tp, ~0ull);
+  std::vector<long> replayed(tp, 0);
+  const auto comms = lmoe::make_p2p_thread_communicators(tp);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    const std::size_t esize = 2;
+    const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
+    FusedRank state(comm, cases[0], max_tokens);
+    // Per case, on the device: its inputs and the expected output (from an eager call below).
+    std::vector<DeviceBuffer> routed, shared, expected;
+    std::vector<std::int32_t> tokens_host;
+    DeviceBuffer tokens_sets(set_tokens.size() * sizeof(std::int32_t)), tokens_now(sizeof(std::int32_t));
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const std::int64_t t = set_tokens[k];
+      routed.emplace_back(static_cast<std::size_t>(t * l) * esize);
+      shared.emplace_back(static_cast<std::size_t>(t * d) * esize);
+      expected.emplace_back(static_cast<std::size_t>(t * d) * esize);
+      cuda_ok(cudaMemcpy(routed[k].data(), cases[k].routed.slice_matrix(rank).data, routed[k].bytes(), cudaMemcpyHostToDevice));
+      cuda_ok(cudaMemcpy(shared[k].data(), cases[k].shared.slice_matrix(rank).data, shared[k].bytes(), cudaMemcpyHostToDevice));
+      tokens_host.push_back(static_cast<std::int32_t>(t));
+    }
+    cuda_ok(cudaMemcpy(tokens_sets.data(), tokens_host.data(), tokens_sets.bytes(), cudaMemcpyHostToDevice));
+    DeviceBuffer counter(sizeof(unsigned long long));
+    cuda_ok(cudaMemset(counter.data(), 0, counter.bytes()));
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto load_case = [&](std::size_t k) {
+      const std::int64_t t = set_tokens[k];
+      cuda_ok(cudaMemcpyAsync(state.routed.data(), routed[k].data(), routed[k].bytes(), cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(cudaMemcpyAsync(state.shared.data(), shared[k].data(), shared[k].bytes(), cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(cudaMemcpyAsync(tokens_now.data(), static_cast<std::int32_t*>(tokens_sets.data()) + k, sizeof(std::int32_t),
+                              cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, static_cast<std::size_t>(t * d) * esize, stream));
+    };
+    // The graph: one fused call of up to max_tokens rows, T from tokens_now.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens, stream,
+                     static_cast<const std::int32_t*>(tokens_now.data()));
+    cuda_ok(cudaStreamEndCapture(stream, &graph));
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+    cuda_ok(cudaGraphUpload(exec, stream));
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    // Eager calls give the expected outputs (checked against the contract on rank 0's thread below).
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      load_case(k);
+      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), set_tokens[k], stream);
+      cuda_ok(cudaMemcpyAsync(expected[k].data(), state.out.data(), expected[k].bytes(), cudaMemcpyDeviceToDevice, stream));
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm.barrier();
+    std::mt19937 order(12345);  // the same sequence of cases on every rank
+    for (long i = 0; i < replays; ++i) {
+      const std::size_t k = order() % cases.size();
+      load_case(k);
+      cuda_ok(cudaGraphLaunch(exec, stream));
+      cuda_ok(lmoe::cuda::launch_count_differences(state.out.data(), expected[k].data(), static_cast<std::int64_t>(expected[k].bytes()),
+                                                   static_cast<unsigned long long*>(counter.data()), stream));
+      if (i % 4096 == 4095) cuda_ok(cudaStreamSynchronize(stream));  // bounded queue
+      replayed[static_cast<std::size_t>(rank)] = i + 1;
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm.barrier();
+    cuda_ok(cudaMemcpy(&mismatches[static_cast<std::size_t>(rank)], counter.data(), sizeof(unsigned long long),
+                       cudaMemcpyDeviceToHost));
+    // The expected outputs themselves against the contract.
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      lmoe::HostTensor y(DType::bf16, {set_tokens[k], d});
+      cuda_ok(cudaMemcpy(y.data(), expected[k].data(), expected[k].bytes(), cudaMemcpyDeviceToHost));
+      const lmoe::Comparison cmp = lmoe::compare(
+          y.matrix(), lmoe::reference_tail(cases[k], lmoe::contract_of(TailTier::fused)), lmoe::exact_tail(cases[k]));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "case " << k << " rank " << rank;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < tp; ++r) {
+    EXPECT_EQ(replayed[static_cast<std::size_t>(r)], replays);
+    EXPECT_EQ(mismatches[static_cast<std::size_t>(r)], 0ull) << "rank " << r;
+  }
+  std::printf("[ fused  ] soak: %ld graph replays per rank, tp=%d, T in {1, 17, 64, 5}: %llu mismatched bytes\n", replays,
+              tp, mismatches[0] + mismatches[1]);
+}
+
+}  // namespace
