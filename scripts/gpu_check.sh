@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused fusedbench probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,17 +65,20 @@ if wants p2pshared; then
   LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 250 build/cuda/tests/lmoe_cuda_tests \
     --gtest_filter='P2p*:*p2p*:-*Fused*' >"$logs/p2pshared.log" 2>&1
   rc[p2pshared]=$?
-  grep -E "waited|FAILED  \]|PASSED|SKIPPED \]" "$logs/p2pshared.log" | sort -u | head -30
+  grep -E "waited|FAILED  \]|PASSED|SKIPPED \]|Failure|exception" "$logs/p2pshared.log" | sort -u | head -30
   grep -E "^\[ parity" "$logs/p2pshared.log" | head -60
 fi
 
 if wants fused; then
-  # The fused decode tail with its ranks sharing this GPU (tests/cuda/test_fused_tail.cpp), then one
-  # small run under compute-sanitizer's memcheck and racecheck (one rank: the sanitizer serializes
-  # kernels, and ranks spinning on each other would then wait for each other until the timeout).
+  # The fused decode tail with its ranks sharing this GPU (tests/cuda/test_fused_tail.cpp).
   gtest fused_tests 400 build/cuda/tests/lmoe_cuda_tests 'Fused*:*FusedParity*:CudaTailTp1*'
   grep -E "^\[ fused" "$logs/fused_tests.log"
+fi
+
+if wants sanitize; then
   if command -v compute-sanitizer >/dev/null; then
+    # One small fused run under memcheck and racecheck (one rank: the sanitizer serializes kernels,
+    # and ranks spinning on each other would then wait for each other until the timeout).
     for tool in memcheck racecheck; do
       stage "compute-sanitizer $tool"
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/lmoe_cuda_tests \

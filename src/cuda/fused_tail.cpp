@@ -66,10 +66,13 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(n_tiles_, dtype, &per_sm));
   LMOE_CHECK(per_sm >= 1, "fused: the kernel does not fit on an SM");
   // Every block of every rank on this GPU must be resident at once: blocks wait for each other.
+  // Ranks sharing a GPU leave one block slot per SM free (when there are several), so that a
+  // peer's other work on the GPU (a copy, a memset) cannot keep a rank's last blocks out.
   const int sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
+  const int slots = sharing > 1 ? std::max(1, per_sm - 1) : per_sm;
   const std::int64_t block_tiles = stripe / (8 * n_tiles_);
-  int grid = static_cast<int>(std::clamp<std::int64_t>(std::min<std::int64_t>(block_tiles, std::int64_t{sms} * per_sm / sharing),
-                                                       1, 1 << 16));
+  int grid = static_cast<int>(std::clamp<std::int64_t>(
+      std::min<std::int64_t>(block_tiles, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
 
   // Workspace: flags, then per parity routed, shared and stripe rows, then N.
   params_.routed_offset = align256(sizeof(FusedFlags));
@@ -91,7 +94,9 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   params_.gamma = gamma;
   params_.eps = eps;
   params_.capacity = capacity_;
-  params_.prefetch_weights = tp > 1;
+  // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
+  // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
+  params_.prefetch_weights = stripe * l * esize <= (std::int64_t{32} << 20);
   params_.workspace[params_.rank] = static_cast<std::byte*>(workspace_.data());
   if (peers_) {
     // Ranks exchange workspace addresses (threads of one process: the addresses are valid on

@@ -174,12 +174,21 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
 }
 
 // Phase 3 for one block-tile of kNt·8 stripe columns starting at column `col0` (stripe-local):
-// every m-group of kFusedMmaGroup·16 tokens, each warp sums its k-steps, the block adds the 8
-// warps' partials in warp order, and the epilogue adds the reduced shared columns.
-template <typename T, int kNt>
+// every m-group of kMg·16 tokens, each warp sums its k-steps, the block adds the 8 warps' partials
+// in warp order, and the epilogue adds the reduced shared columns.
+//
+// Bytes in flight decide the speed at decode sizes (the kernel streams the stripe): a warp issues
+// the loads of a whole batch of k-steps before its first mma (the loads and the mma are volatile
+// asm, which the compiler keeps in program order, so a load after an mma would wait for it).
+template <int kNt, int kMg>
+struct FusedBatch {
+  static constexpr int kSteps = kNt * kMg >= 4 ? 2 : (kNt * kMg == 2 ? 4 : 8);
+};
+
+template <typename T, int kNt, int kMg>
 __device__ void fused_stripe_tile(const FusedTailParams& p, std::int64_t tokens, std::int64_t col0,
                                   std::uint32_t parity, float* partials) {
-  constexpr int kMg = kFusedMmaGroup;
+  constexpr int kSteps = FusedBatch<kNt, kMg>::kSteps;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
   const T* normed = fused_at<T>(p, p.rank, p.normed_offset, 0);
@@ -195,27 +204,46 @@ __device__ void fused_stripe_tile(const FusedTailParams& p, std::int64_t tokens,
       rows[m][0] = (m0 + m) * 16 + g;
       rows[m][1] = rows[m][0] + 8;
     }
-    // Unrolled so that several k-steps' weight loads are in flight per warp: at decode sizes the
-    // kernel streams the stripe, and bytes in flight set its bandwidth.
-#pragma unroll 4
-    for (std::int64_t ks = warp; ks < k_steps; ks += kFusedWarps) {
-      const std::int64_t k = ks * 16 + 2 * q;
-      std::uint32_t b[kNt][2];
+    // Warp w takes k-steps w, w + 8, w + 16, …, kSteps at a time.
+    for (std::int64_t first = warp; first < k_steps; first += kFusedWarps * kSteps) {
+      std::uint32_t b[kSteps][kNt][2];
+      std::uint32_t a[kSteps][kMg][4];
 #pragma unroll
-      for (int n = 0; n < kNt; ++n) {
-        const T* w_row = w + (col0 + n * 8 + g) * p.l + k;
-        b[n][0] = fused_load_weights(w_row);
-        b[n][1] = fused_load_weights(w_row + 8);
+      for (int i = 0; i < kSteps; ++i) {
+        const std::int64_t ks = first + i * kFusedWarps;
+        if (ks < k_steps) {
+          const std::int64_t k = ks * 16 + 2 * q;
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+            const T* w_row = w + (col0 + n * 8 + g) * p.l + k;
+            b[i][n][0] = fused_load_weights(w_row);
+            b[i][n][1] = fused_load_weights(w_row + 8);
+          }
+        }
       }
 #pragma unroll
-      for (int m = 0; m < kMg; ++m) {
-        std::uint32_t a[4];
-        a[0] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k) : 0u;
-        a[1] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k) : 0u;
-        a[2] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k + 8) : 0u;
-        a[3] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k + 8) : 0u;
+      for (int i = 0; i < kSteps; ++i) {
+        const std::int64_t ks = first + i * kFusedWarps;
+        if (ks < k_steps) {
+          const std::int64_t k = ks * 16 + 2 * q;
 #pragma unroll
-        for (int n = 0; n < kNt; ++n) fused_mma<T>(acc[m][n], a, b[n]);
+          for (int m = 0; m < kMg; ++m) {
+            a[i][m][0] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k) : 0u;
+            a[i][m][1] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k) : 0u;
+            a[i][m][2] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k + 8) : 0u;
+            a[i][m][3] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k + 8) : 0u;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kSteps; ++i) {
+        if (first + i * kFusedWarps < k_steps) {
+#pragma unroll
+          for (int m = 0; m < kMg; ++m) {
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) fused_mma<T>(acc[m][n], a[i][m], b[i][n]);
+          }
+        }
       }
     }
     // partials[warp][m][n][lane][4]
@@ -258,7 +286,7 @@ __device__ void fused_stripe_tile(const FusedTailParams& p, std::int64_t tokens,
   }
 }
 
-template <typename T, int kNt>
+template <typename T, int kNt, int kMg>
 __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailParams p) {
   __shared__ std::uint32_t s_epoch;
   __shared__ int s_failed;
@@ -325,7 +353,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
 
   // 3. The stripe's output columns.
   for (std::int64_t bt = blockIdx.x; bt < block_tiles; bt += gridDim.x) {
-    fused_stripe_tile<T, kNt>(p, tokens, bt * 8 * kNt, parity, partials);
+    fused_stripe_tile<T, kNt, kMg>(p, tokens, bt * 8 * kNt, parity, partials);
   }
 
   if (p.tp > 1) {
