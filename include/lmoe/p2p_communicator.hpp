@@ -10,7 +10,9 @@
 // Ranks that share a GPU spin on each other, so while a collective is in flight no rank may make
 // the GPU wait for all of its work (cudaFree, cudaDeviceSynchronize, graph instantiation, ...):
 // such a call waits for a peer's round that waits for this rank. Put a barrier() between setup or
-// teardown and collectives. With one GPU per rank this hazard does not arise.
+// teardown and collectives, give each stream some work before its first collective, keep the
+// streams alive in the process fewer than CUDA_DEVICE_MAX_CONNECTIONS, and capture a forward only
+// after an eager call of the same T (docs/p2p.md). With one GPU per rank these hazards do not arise.
 //
 // Exists only in builds with the CUDA backend (LMOE_HAS_CUDA).
 #pragma once
