@@ -46,6 +46,26 @@ double median_us(const std::vector<LayerStageTimes>& times, double LayerStageTim
   return values.empty() ? -1 : values[values.size() / 2];
 }
 
+// How many of x's tokens `routing` sends to the experts the CPU router picks (fp32 logits from
+// OpenBLAS, select_experts): a backend's own router is held to it, up to near-ties.
+std::int64_t tokens_routed_as_cpu(const LayerConfig& config, const LayerWeights& full,
+                                  const HostTensor& x, const Routing& routing) {
+  const std::int64_t tokens = x.shape()[0], experts = config.router.num_experts;
+  const std::vector<float> x32 = cpu::to_float(x.matrix());
+  const std::vector<float> w32 = cpu::to_float(full.router_weight.matrix());
+  std::vector<float> logits(static_cast<std::size_t>(tokens * experts));
+  cpu::sgemm_nt(tokens, experts, config.d_model, x32.data(), w32.data(), logits.data());
+  std::vector<float> bias;
+  if (config.router.correction_bias) bias = cpu::to_float(full.router_bias.matrix());
+  const Routing cpu_routing = select_experts(logits, tokens, bias, config.router);
+  std::int64_t same = 0;
+  for (std::int64_t t = 0; t < tokens && t < routing.num_tokens; ++t) {
+    const auto mine = routing.ids_of(t), theirs = cpu_routing.ids_of(t);
+    same += std::equal(mine.begin(), mine.end(), theirs.begin()) ? 1 : 0;
+  }
+  return same;
+}
+
 double median_total_us(const std::vector<LayerStageTimes>& times) {
   std::vector<double> values;
   for (const LayerStageTimes& t : times) values.push_back(t.total() * 1e6);
@@ -137,22 +157,26 @@ void LayerCommand::execute() const {
       options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
   std::unique_ptr<LayerReference> reference;
+  LayerWeights full_weights;
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
-    reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
+    full_weights = weights_of(1, 0);
+    reference = std::make_unique<LayerReference>(config, resolved.eps, full_weights);
   }
 
   Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
-               "total_us", "fp64_err", "row_err", "ok"});
+               "total_us", "fp64_err", "row_err", "cpu_ids", "ok"});
   nlohmann::json rows = nlohmann::json::array();
   bool all_ok = true;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const LayerRankResult& first = results[i].ranks.front();
     const std::vector<LayerStageTimes>& times = first.times;
     std::optional<LayerComparison> comparison;
+    std::optional<std::int64_t> routed_as_cpu;
     if (reference && tokens[i] > 0) {
       const ExactLayer exact = reference->run(inputs[i].matrix(), first.routing);
       comparison = compare_layer(first.y.matrix(), exact.y);
+      routed_as_cpu = tokens_routed_as_cpu(config, full_weights, inputs[i], first.routing);
     }
     const bool ok = results[i].ranks_identical && (!comparison || comparison->ok());
     all_ok = all_ok && ok;
@@ -167,6 +191,8 @@ void LayerCommand::execute() const {
     cells.push_back(format_number(median_total_us(times)));
     cells.push_back(comparison ? format_number(comparison->normwise_error) : "-");
     cells.push_back(comparison ? format_number(comparison->max_row_error) : "-");
+    cells.push_back(routed_as_cpu ? std::to_string(*routed_as_cpu) + "/" + std::to_string(tokens[i])
+                                  : "-");
     cells.push_back(ok ? "ok" : "FAIL");
     table.add_row(cells);
     nlohmann::json row = {
@@ -186,6 +212,7 @@ void LayerCommand::execute() const {
       row["normwise_tolerance"] = comparison->normwise_tolerance;
       row["max_row_error_vs_fp64"] = comparison->max_row_error;
       row["row_tolerance"] = comparison->row_tolerance;
+      row["tokens_routed_as_cpu"] = *routed_as_cpu;
     }
     rows.push_back(row);
   }
@@ -198,7 +225,8 @@ void LayerCommand::execute() const {
             << format_number(layer_normwise_tolerance(resolved.dtype))
             << "); row_err: worst |y - fp64| over "
             << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
-            << ")\n";
+            << "); cpu_ids: tokens whose experts (ids in order) are the CPU router's on the same x "
+            << "(the fp64 check uses the backend's own routing; a near-tie may go either way)\n";
   table.print(std::cout);
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
@@ -253,7 +281,10 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
       ->delimiter(',')
       ->capture_default_str();
-  sub->add_option("--backend", command->backend, "cpu (cuda: later)")->capture_default_str();
+  sub->add_option("--backend", command->backend,
+                  "cpu or cuda (every rank on the current GPU with cuda-threads, or one GPU per "
+                  "rank with --comm nccl)")
+      ->capture_default_str();
   sub->add_option("--comm", command->comm, "communicator (default: the backend's)");
   sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
       ->capture_default_str();
