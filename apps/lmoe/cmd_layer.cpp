@@ -1,7 +1,8 @@
 // `lmoe layer`: the whole latent MoE layer (router, latent down-projection, routed experts, shared
 // experts, tail) on random weights at a preset's dims, scaled down by default so that it runs on
 // the CPU in seconds, or on one layer of a checkpoint (--weights DIR --layer N). Prints the time of
-// each stage per T and checks every T against fp64 math.
+// each stage per T and checks every T against fp64 math (and the routing against the CPU router's),
+// on the cpu or the cuda backend (docs/layer.md).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -220,7 +221,12 @@ void LayerCommand::execute() const {
   std::cout << "# lmoe layer: " << setting << "\n"
             << "# times: median over " << repeats
             << " forward(s) (after one warm-up) of rank 0's stages, "
-            << "microseconds (total_us: median of the per-forward sums); "
+            << "microseconds (total_us: median of the per-forward sums"
+            << (chosen_backend == Backend::cuda
+                    ? "; cuda: CUDA events per stage, shared runs on a second stream alongside "
+                      "router, down and experts, see docs/layer.md"
+                    : "")
+            << "); "
             << "fp64_err: normwise error of y against fp64 math (tolerance "
             << format_number(layer_normwise_tolerance(resolved.dtype))
             << "); row_err: worst |y - fp64| over "

@@ -22,6 +22,7 @@
 #include "cuda/device_buffer.hpp"
 #include "cuda/layer_kernels.hpp"
 #include "gpu_test_support.hpp"
+#include "layer_checks.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_moe_layer.hpp"
@@ -44,8 +45,12 @@ constexpr double kUnit = 1.0 / (1 << 24);  // fp32 unit roundoff 2⁻²⁴
 
 LayerConfig small_config() { return *lmoe::find_preset("small").layer; }
 LayerConfig k3_like() { return lmoe::scale_down(*lmoe::find_preset("kimi-k3").layer, 8); }
+// Nemotron 3 Super's router and experts (relu², 64 experts top-22 at this scale, routed scale 5)
+// with the tail's RMSNorm, which LatentTail always applies (the model itself has none there).
 LayerConfig nemotron_like() {
-  return lmoe::scale_down(*lmoe::find_preset("nemotron-3-super").layer, 8);
+  LayerConfig config = lmoe::scale_down(*lmoe::find_preset("nemotron-3-super").layer, 8);
+  config.latent_norm = true;
+  return config;
 }
 
 lmoe::LayerOptions options_of(const LayerConfig& config, lmoe::Backend backend) {
@@ -57,20 +62,12 @@ lmoe::LayerOptions options_of(const LayerConfig& config, lmoe::Backend backend) 
   return options;
 }
 
-std::vector<double> to_double(const HostTensor& tensor) {
-  std::vector<double> values(static_cast<std::size_t>(tensor.numel()));
-  for (std::int64_t i = 0; i < tensor.numel(); ++i) values[i] = tensor.get(i);
-  return values;
-}
+using lmoe::testing::to_double;
 
 std::vector<float> to_float(const HostTensor& tensor) {
   std::vector<float> values(static_cast<std::size_t>(tensor.numel()));
   for (std::int64_t i = 0; i < tensor.numel(); ++i) values[i] = tensor.get(i);
   return values;
-}
-
-bool same_float(float a, float b) {
-  return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, sizeof(float)) == 0;
 }
 
 // ---- the router kernel on given logits -----------------------------------------------------------
@@ -393,14 +390,9 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
     const std::int64_t tokens = x.shape()[0];
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const lmoe::LayerInputRun& result = gpu[i];
-    EXPECT_TRUE(result.ranks_identical);
+    lmoe::testing::check_ranks_agree(result);
     const lmoe::Routing& routing = result.ranks[0].routing;
     ASSERT_EQ(routing.num_tokens, tokens);
-    for (const lmoe::LayerRankResult& rank : result.ranks) {
-      EXPECT_EQ(rank.routing.expert_ids, routing.expert_ids);
-      EXPECT_TRUE(std::equal(rank.routing.weights.begin(), rank.routing.weights.end(),
-                             routing.weights.begin(), routing.weights.end(), same_float));
-    }
     if (tokens == 0) {
       EXPECT_FALSE(result.ranks[0].tier.has_value());
       continue;
@@ -419,50 +411,11 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
         << agreement.identical << " of " << tokens << " tokens routed as on the CPU";
     const std::vector<bool>& same_routing = agreement.same;
 
-    // The partials, summed over ranks in fp64, and y against fp64 math with the GPU's routing.
+    // The partials and y against fp64 math with the GPU's routing, y against the tail contract.
     const lmoe::ExactLayer exact = reference.run(x.matrix(), routing);
-    std::vector<double> routed_sum(exact.routed.size(), 0.0), shared_sum(exact.shared.size(), 0.0);
-    for (const lmoe::LayerRankResult& rank : result.ranks) {
-      const std::vector<double> r = to_double(rank.routed), s = to_double(rank.shared);
-      for (std::size_t j = 0; j < r.size(); ++j) routed_sum[j] += r[j];
-      for (std::size_t j = 0; j < s.size(); ++j) shared_sum[j] += s[j];
-    }
-    const auto routed_cmp = lmoe::compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
-    EXPECT_TRUE(routed_cmp.ok()) << "routed: normwise " << routed_cmp.normwise_error << " row "
-                                 << routed_cmp.max_row_error;
-    const auto shared_cmp = lmoe::compare_layer(shared_sum, exact.shared, config.d_model, dtype);
-    EXPECT_TRUE(shared_cmp.ok()) << "shared: normwise " << shared_cmp.normwise_error << " row "
-                                 << shared_cmp.max_row_error;
-    const auto y_cmp = lmoe::compare_layer(result.ranks[0].y.matrix(), exact.y);
-    EXPECT_TRUE(y_cmp.ok()) << "y: normwise " << y_cmp.normwise_error << " (tolerance "
-                            << y_cmp.normwise_tolerance << "), row " << y_cmp.max_row_error
-                            << " (tolerance " << y_cmp.row_tolerance << ")";
-    if (std::getenv("LMOE_PRINT_ERRORS")) {
-      std::cerr << "MEASURE " << param.name << " tp=" << tp << " T=" << tokens << " routed "
-                << routed_cmp.normwise_error << " " << routed_cmp.max_row_error << " shared "
-                << shared_cmp.normwise_error << " " << shared_cmp.max_row_error << " y "
-                << y_cmp.normwise_error << " " << y_cmp.max_row_error << "\n";
-    }
-
-    // The tail got exactly these partials: y is within the tail contract's bound of them.
-    lmoe::TailCase tail;
-    tail.dims = config.tail_dims();
-    tail.eps = kEps;
-    tail.dtype = dtype;
-    tail.tp = tp;
-    tail.num_tokens = tokens;
-    tail.routed = HostTensor(dtype, {tp, tokens, config.d_latent});
-    tail.shared = HostTensor(dtype, {tp, tokens, config.d_model});
-    for (int r = 0; r < tp; ++r) {
-      lmoe::cpu::copy(result.ranks[r].routed.matrix(), tail.routed.slice_matrix(r));
-      lmoe::cpu::copy(result.ranks[r].shared.matrix(), tail.shared.slice_matrix(r));
-    }
-    tail.norm_weight = full.latent_norm;
-    tail.up_proj_weight = full.latent_up;
-    const lmoe::TailTier tier = *result.ranks[0].tier;
-    const lmoe::ContractReference contract = lmoe::reference_tail(tail, lmoe::contract_of(tier));
-    EXPECT_EQ(lmoe::compare(result.ranks[0].y.matrix(), contract, exact.y).beyond_bound, 0)
-        << "tier " << lmoe::tier_name(tier);
+    lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
+                                        std::string(param.name) + " tp=" + std::to_string(tp) +
+                                            " T=" + std::to_string(tokens));
 
     // Against the CPU layer: each rank's shared partial (it does not depend on the routing), and
     // y on the tokens both routed alike, within the layer's tolerances.
