@@ -34,8 +34,8 @@ inline void check_ranks_agree(const LayerInputRun& result) {
   }
 }
 
-// `exact` is the fp64 layer on x with the run's routing; `full` the tp = 1 weights. `label` names the
-// run in LMOE_PRINT_ERRORS=1 output ("MEASURE <label> routed … shared … y …": normwise and row
+// `exact` is the fp64 layer on x with the run's routing; `full` the tp = 1 weights. `label` names
+// the run in LMOE_PRINT_ERRORS=1 output ("MEASURE <label> routed … shared … y …": normwise and row
 // errors).
 inline void check_partials_and_y(const LayerConfig& config, float eps, DType dtype,
                                  const LayerInputRun& result, const LayerWeights& full,
@@ -50,7 +50,8 @@ inline void check_partials_and_y(const LayerConfig& config, float eps, DType dty
     for (std::size_t i = 0; i < r.size(); ++i) routed_sum[i] += r[i];
     for (std::size_t i = 0; i < s.size(); ++i) shared_sum[i] += s[i];
   }
-  const LayerComparison routed_cmp = compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
+  const LayerComparison routed_cmp =
+      compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
   EXPECT_TRUE(routed_cmp.ok()) << "routed: normwise " << routed_cmp.normwise_error << " row "
                                << routed_cmp.max_row_error;
   const LayerComparison shared_cmp = compare_layer(shared_sum, exact.shared, config.d_model, dtype);

@@ -62,7 +62,8 @@ std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
     }
     if (auto limit = cuda_layer_limit(options.config)) return "backend cuda: " + *limit;
 #else
-    return std::string("backend cuda: this build has no CUDA backend (configure with the cuda preset)");
+    return std::string(
+        "backend cuda: this build has no CUDA backend (configure with the cuda preset)");
 #endif
   }
   return std::nullopt;
@@ -81,8 +82,8 @@ struct LatentMoELayer::Impl {
   std::string config_text;
   LayerStageTimes times;
   // forward()'s partials where the executor keeps none of its own (cpu).
-  HostTensor routed;  // [T, l] this rank's partial
-  HostTensor shared;  // [T, d] this rank's partial
+  HostTensor routed;           // [T, l] this rank's partial
+  HostTensor shared;           // [T, d] this rank's partial
   bool times_pending = false;  // the executor fills `times` on request (device events)
 
   Impl(LayerOptions opts, Communicator& communicator)

@@ -31,8 +31,8 @@ class LayerExecutor {
   // nullopt. Asked on every rank before the ranks agree on the call, so that all fail together.
   virtual std::optional<std::string> cannot_run(StreamHandle) const { return std::nullopt; }
   // Buffers of at least `tokens` rows in memory_space() for the partials routed [T, l] and shared
-  // [T, d] that forward() hands to the tail; nullopt: host tensors of the caller serve. May wait for
-  // `stream` when they grow.
+  // [T, d] that forward() hands to the tail; nullopt: host tensors of the caller serve. May wait
+  // for `stream` when they grow.
   virtual std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(std::int64_t,
                                                                            StreamHandle) {
     return std::nullopt;

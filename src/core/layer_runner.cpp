@@ -23,7 +23,8 @@ std::vector<LayerInputRun> run_layer_on_threads(
     LatentMoELayer layer(options, comm, weights(rank));
 #ifdef LMOE_HAS_CUDA
     // Device inputs, the rank's own stream, results copied back: src/cuda/cuda_layer_runner.cpp.
-    if (options.backend == Backend::cuda) return run_layer_rank_cuda(layer, comm, inputs, run, results);
+    if (options.backend == Backend::cuda)
+      return run_layer_rank_cuda(layer, comm, inputs, run, results);
 #endif
     for (std::size_t i = 0; i < inputs.size(); ++i) {
       const HostTensor& x = inputs[i];

@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -38,6 +39,10 @@ std::optional<std::string> cuda_layer_limit(const LayerConfig& config) {
 namespace {
 
 using cuda::check;
+
+// Each expert's rows in the grouped buffers start at a multiple of this many rows (16-byte aligned
+// operands for any row width: 8 rows of ≥ 2-byte elements span a multiple of 16 bytes).
+constexpr std::int64_t kExpertRowAlign = 8;
 using cuda::DeviceBuffer;
 
 // Page-locked host memory, so that copies to and from it are asynchronous.
@@ -75,7 +80,8 @@ DeviceBuffer upload(const HostTensor& tensor) {
 
 cudaEvent_t make_event(bool timing) {
   cudaEvent_t event = nullptr;
-  LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  LMOE_CUDA_CHECK(
+      cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
   return event;
 }
 
@@ -136,8 +142,8 @@ class CudaLayerExecutor final : public LayerExecutor {
         "capture (the tail alone can be captured: LatentTail with max_tokens)");
   }
 
-  std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(
-      std::int64_t tokens, StreamHandle handle) override {
+  std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(std::int64_t tokens,
+                                                                   StreamHandle handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     // A capturing stream is refused by the call (cannot_run) before anything touches the buffers;
     // growing them here would synchronize it and break the capture on this rank alone.
@@ -148,10 +154,10 @@ class CudaLayerExecutor final : public LayerExecutor {
       routed_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_latent));
       shared_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_model));
     }
-    const MatrixView routed{routed_partial_.data(), dtype_, tokens, config_.d_latent,
-                            config_.d_latent, MemorySpace::device};
-    const MatrixView shared{shared_partial_.data(), dtype_, tokens, config_.d_model,
-                            config_.d_model, MemorySpace::device};
+    const MatrixView routed{routed_partial_.data(), dtype_,           tokens,
+                            config_.d_latent,       config_.d_latent, MemorySpace::device};
+    const MatrixView shared{shared_partial_.data(), dtype_,          tokens,
+                            config_.d_model,        config_.d_model, MemorySpace::device};
     return std::make_pair(routed, shared);
   }
 
@@ -218,6 +224,11 @@ class CudaLayerExecutor final : public LayerExecutor {
     return static_cast<std::size_t>(elements) * sizeof(float);
   }
   std::int64_t slots(std::int64_t tokens) const { return tokens * config_.router.top_k; }
+  // Rows of the expert-grouped buffers for `slot_count` slots: each active expert's rows padded to
+  // a multiple of kExpertRowAlign.
+  std::int64_t grouped_rows(std::int64_t slot_count) const {
+    return slot_count + (kExpertRowAlign - 1) * std::min(config_.router.num_experts, slot_count);
+  }
 
   static double elapsed(cudaEvent_t begin, cudaEvent_t end) {
     LMOE_CUDA_CHECK(cudaEventSynchronize(end));
@@ -236,19 +247,21 @@ class CudaLayerExecutor final : public LayerExecutor {
     const std::int64_t rows = (tokens + 63) / 64 * 64;
     const std::int64_t d = config_.d_model, l = config_.d_latent;
     const std::int64_t experts = config_.router.num_experts, slot_rows = slots(rows);
+    const std::int64_t group_rows = grouped_rows(slot_rows);
     const bool gated = is_gated(config_.activation);
     x32_ = DeviceBuffer(floats(rows * d));
     logits_ = DeviceBuffer(floats(rows * experts));
     routing_device_ = DeviceBuffer(2 * floats(slot_rows));  // ids [T·k] int32, weights [T·k] fp32
     routing_host_ = PinnedBuffer(2 * floats(slot_rows));
-    order_device_ = DeviceBuffer(2 * floats(slot_rows));  // sorted token rows, slot rows: int32
-    order_host_ = PinnedBuffer(2 * floats(slot_rows));
+    // int32: the row of each slot, then the token of each grouped row.
+    order_device_ = DeviceBuffer(floats(slot_rows + group_rows));
+    order_host_ = PinnedBuffer(floats(slot_rows + group_rows));
     latent_ = DeviceBuffer(bytes(rows * l));
-    gathered_ = DeviceBuffer(bytes(slot_rows * l));
-    expert_up_acc_ = DeviceBuffer(floats(slot_rows * inter_));
-    expert_gate_acc_ = gated ? DeviceBuffer(floats(slot_rows * inter_)) : DeviceBuffer();
-    hidden_ = DeviceBuffer(bytes(slot_rows * inter_));
-    slot_out_ = DeviceBuffer(floats(slot_rows * l));
+    gathered_ = DeviceBuffer(bytes(group_rows * l));
+    expert_up_acc_ = DeviceBuffer(floats(group_rows * inter_));
+    expert_gate_acc_ = gated ? DeviceBuffer(floats(group_rows * inter_)) : DeviceBuffer();
+    hidden_ = DeviceBuffer(bytes(group_rows * inter_));
+    slot_out_ = DeviceBuffer(floats(group_rows * l));
     shared_up_acc_ = DeviceBuffer(floats(rows * shared_width_));
     shared_gate_acc_ = gated ? DeviceBuffer(floats(rows * shared_width_)) : DeviceBuffer();
     shared_hidden_ = DeviceBuffer(bytes(rows * shared_width_));
@@ -261,13 +274,14 @@ class CudaLayerExecutor final : public LayerExecutor {
     auto* ids = static_cast<std::int32_t*>(routing_device_.data());
     auto* weights = reinterpret_cast<float*>(ids + slots(tokens));
     // The router weight is fp32: x is converted exactly, and the GEMM accumulates in fp32.
-    check(cuda::launch_to_float(x.data, static_cast<float*>(x32_.data()), tokens * d, dtype_, stream),
-          "launch_to_float");
+    check(
+        cuda::launch_to_float(x.data, static_cast<float*>(x32_.data()), tokens * d, dtype_, stream),
+        "launch_to_float");
     gemm_->run(x32_.data(), router_weight_.data(), d, logits_.data(), experts, tokens, experts, d,
                DType::f32, DType::f32, stream);
     check(cuda::launch_route(static_cast<const float*>(logits_.data()),
-                             static_cast<const float*>(router_bias_.data()), tokens,
-                             config_.router, ids, weights, stream),
+                             static_cast<const float*>(router_bias_.data()), tokens, config_.router,
+                             ids, weights, stream),
           "launch_route");
     // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one.
     LMOE_CUDA_CHECK(cudaMemcpyAsync(routing_host_.data(), ids, 2 * floats(slots(tokens)),
@@ -276,8 +290,11 @@ class CudaLayerExecutor final : public LayerExecutor {
 
   // The host's copy of the routing, then the slots (t·k + j) grouped by expert, tokens ascending
   // within an expert (the CPU executor's counting sort): first_[e] … first_[e + 1] are expert e's
-  // rows of the gathered latent. Uploads the gathered rows' tokens and each slot's row.
-  void sort_slots(std::int64_t tokens, cudaStream_t stream) {
+  // rows of the gathered latent. Each expert's rows are padded to a multiple of kExpertRowAlign
+  // with copies of token 0 (computed, never read), so that every per-expert GEMM operand starts
+  // 16-byte aligned whatever l and I/tp are, and GEMM shapes repeat (m a multiple of 8: few
+  // cuBLASLt plans). Uploads each slot's row and the grouped rows' tokens; returns the row count.
+  std::int64_t sort_slots(std::int64_t tokens, cudaStream_t stream) {
     const std::int64_t count = slots(tokens), experts = config_.router.num_experts;
     LMOE_CUDA_CHECK(cudaEventSynchronize(router_end_));
     const auto* ids = static_cast<const std::int32_t*>(routing_host_.data());
@@ -292,21 +309,28 @@ class CudaLayerExecutor final : public LayerExecutor {
                                             " out of range 0 … " + std::to_string(experts - 1));
       ++first_[static_cast<std::size_t>(e) + 1];
     }
-    for (std::int64_t e = 0; e < experts; ++e) first_[e + 1] += first_[e];
+    for (std::int64_t e = 0; e < experts; ++e) {
+      const std::int64_t padded =
+          (first_[e + 1] + kExpertRowAlign - 1) / kExpertRowAlign * kExpertRowAlign;
+      first_[e + 1] = first_[e] + padded;
+    }
+    const std::int64_t rows = first_[static_cast<std::size_t>(experts)];
     // The previous forward's upload from order_host_ must be done before it is rewritten (it is,
     // on one stream; not necessarily when the caller changed streams).
     LMOE_CUDA_CHECK(cudaEventSynchronize(order_copied_));
-    auto* token_of_row = static_cast<std::int32_t*>(order_host_.data());  // [T·k]
-    std::int32_t* row_of_slot = token_of_row + count;                      // [T·k]
+    auto* row_of_slot = static_cast<std::int32_t*>(order_host_.data());  // [T·k]
+    std::int32_t* token_of_row = row_of_slot + count;                    // [rows]
+    std::fill(token_of_row, token_of_row + rows, 0);
     std::vector<std::int64_t> next(first_.begin(), first_.end() - 1);
     for (std::int64_t s = 0; s < count; ++s) {
       const std::int64_t row = next[static_cast<std::size_t>(ids[s])]++;
       token_of_row[row] = static_cast<std::int32_t>(s / config_.router.top_k);
       row_of_slot[s] = static_cast<std::int32_t>(row);
     }
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(order_device_.data(), order_host_.data(), 2 * floats(count),
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(order_device_.data(), order_host_.data(), floats(count + rows),
                                     cudaMemcpyHostToDevice, stream));
     LMOE_CUDA_CHECK(cudaEventRecord(order_copied_, stream));
+    return rows;
   }
 
   // routed [T, l] = round(Σ_j w_tj · o_tj), o_tj = round(act(z_t·G_eᵀ, z_t·U_eᵀ)) · D_eᵀ in fp32.
@@ -314,11 +338,11 @@ class CudaLayerExecutor final : public LayerExecutor {
     const std::int64_t l = config_.d_latent, count = slots(tokens);
     const std::int64_t experts = config_.router.num_experts;
     const bool gated = is_gated(config_.activation);
-    sort_slots(tokens, stream);
-    const auto* token_of_row = static_cast<const std::int32_t*>(order_device_.data());
-    const std::int32_t* row_of_slot = token_of_row + count;
-    check(cuda::launch_gather_rows(latent_.data(), token_of_row, gathered_.data(), count, l, dtype_,
-                                   stream),
+    const std::int64_t rows_total = sort_slots(tokens, stream);
+    const auto* row_of_slot = static_cast<const std::int32_t*>(order_device_.data());
+    const std::int32_t* token_of_row = row_of_slot + count;
+    check(cuda::launch_gather_rows(latent_.data(), token_of_row, gathered_.data(), rows_total, l,
+                                   dtype_, stream),
           "launch_gather_rows");
 
     const std::size_t matrix = bytes(inter_ * l);  // one expert's slice of a projection
@@ -326,8 +350,9 @@ class CudaLayerExecutor final : public LayerExecutor {
       const std::int64_t first = first_[e], rows = first_[e + 1] - first_[e];
       if (rows == 0) continue;
       const void* a = offset(gathered_, bytes(first * l));
-      gemm_->run(a, offset(expert_up_, e * matrix), l, offset(expert_up_acc_, floats(first * inter_)),
-                 inter_, rows, inter_, l, dtype_, DType::f32, stream);
+      gemm_->run(a, offset(expert_up_, e * matrix), l,
+                 offset(expert_up_acc_, floats(first * inter_)), inter_, rows, inter_, l, dtype_,
+                 DType::f32, stream);
       if (gated) {
         gemm_->run(a, offset(expert_gate_, e * matrix), l,
                    offset(expert_gate_acc_, floats(first * inter_)), inter_, rows, inter_, l,
@@ -336,7 +361,7 @@ class CudaLayerExecutor final : public LayerExecutor {
     }
     check(cuda::launch_activation(static_cast<const float*>(expert_gate_acc_.data()),
                                   static_cast<const float*>(expert_up_acc_.data()), hidden_.data(),
-                                  count * inter_, config_, dtype_, stream),
+                                  rows_total * inter_, config_, dtype_, stream),
           "launch_activation");
     for (std::int64_t e = 0; e < experts; ++e) {
       const std::int64_t first = first_[e], rows = first_[e + 1] - first_[e];
@@ -345,8 +370,8 @@ class CudaLayerExecutor final : public LayerExecutor {
                  offset(slot_out_, floats(first * l)), l, rows, l, inter_, dtype_, DType::f32,
                  stream);
     }
-    const auto* weights =
-        reinterpret_cast<const float*>(static_cast<const std::int32_t*>(routing_device_.data()) + count);
+    const auto* weights = reinterpret_cast<const float*>(
+        static_cast<const std::int32_t*>(routing_device_.data()) + count);
     check(cuda::launch_combine(static_cast<const float*>(slot_out_.data()), row_of_slot, weights,
                                routed.data, tokens, config_.router.top_k, l, dtype_, stream),
           "launch_combine");
@@ -403,22 +428,23 @@ class CudaLayerExecutor final : public LayerExecutor {
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
   bool timed_ = false, tail_timed_ = false;
 
-  std::int64_t capacity_ = 0;  // tokens the workspaces hold
-  DeviceBuffer x32_;           // [T, d] fp32
-  DeviceBuffer logits_;        // [T, E] fp32
+  std::int64_t capacity_ = 0;    // tokens the workspaces hold
+  DeviceBuffer x32_;             // [T, d] fp32
+  DeviceBuffer logits_;          // [T, E] fp32
   DeviceBuffer routing_device_;  // ids [T·k] int32, then weights [T·k] fp32
   PinnedBuffer routing_host_;    // the same, on the host
-  DeviceBuffer order_device_;    // token of each gathered row [T·k], row of each slot [T·k]
+  DeviceBuffer order_device_;    // row of each slot [T·k] int32, then token of each grouped row
   PinnedBuffer order_host_;
-  DeviceBuffer latent_;           // [T, l] z
-  DeviceBuffer gathered_;         // [T·k, l] z rows grouped by expert
-  DeviceBuffer expert_up_acc_;    // [T·k, I_r] fp32
-  DeviceBuffer expert_gate_acc_;  // [T·k, I_r] fp32 (gated)
-  DeviceBuffer hidden_;           // [T·k, I_r] storage dtype
-  DeviceBuffer slot_out_;         // [T·k, l] fp32, grouped rows
-  DeviceBuffer shared_up_acc_;    // [T, S_r] fp32
-  DeviceBuffer shared_gate_acc_;  // [T, S_r] fp32 (gated)
-  DeviceBuffer shared_hidden_;    // [T, S_r] storage dtype
+  DeviceBuffer latent_;  // [T, l] z
+  // Grouped rows (G = grouped_rows(T·k)): each expert's rows together, padded.
+  DeviceBuffer gathered_;            // [G, l] z rows grouped by expert
+  DeviceBuffer expert_up_acc_;       // [G, I_r] fp32
+  DeviceBuffer expert_gate_acc_;     // [G, I_r] fp32 (gated)
+  DeviceBuffer hidden_;              // [G, I_r] storage dtype
+  DeviceBuffer slot_out_;            // [G, l] fp32
+  DeviceBuffer shared_up_acc_;       // [T, S_r] fp32
+  DeviceBuffer shared_gate_acc_;     // [T, S_r] fp32 (gated)
+  DeviceBuffer shared_hidden_;       // [T, S_r] storage dtype
   std::vector<std::int64_t> first_;  // [E + 1] first gathered row of each expert
 
   std::int64_t partial_capacity_ = 0;

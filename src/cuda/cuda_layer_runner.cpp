@@ -36,11 +36,13 @@ struct DeviceMatrix {
         view{buffer.data(), dtype, rows, cols, cols, MemorySpace::device} {}
   // All bits set is NaN in every dtype: an element the layer does not write cannot pass.
   void poison(cudaStream_t stream) const {
-    if (buffer.bytes()) LMOE_CUDA_CHECK(cudaMemsetAsync(buffer.data(), 0xff, buffer.bytes(), stream));
+    if (buffer.bytes())
+      LMOE_CUDA_CHECK(cudaMemsetAsync(buffer.data(), 0xff, buffer.bytes(), stream));
   }
   void to_host(HostTensor& host) const {
     if (buffer.bytes()) {
-      LMOE_CUDA_CHECK(cudaMemcpy(host.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost));
+      LMOE_CUDA_CHECK(
+          cudaMemcpy(host.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost));
     }
   }
 };
@@ -61,11 +63,13 @@ void run_layer_rank_cuda(LatentMoELayer& layer, Communicator& comm,
     LayerRankResult& mine = results[i].ranks[static_cast<std::size_t>(rank)];
     const DeviceMatrix x(dtype, tokens, config.d_model);
     if (x.buffer.bytes()) {
-      LMOE_CUDA_CHECK(cudaMemcpy(x.buffer.data(), input.data(), x.buffer.bytes(), cudaMemcpyHostToDevice));
+      LMOE_CUDA_CHECK(
+          cudaMemcpy(x.buffer.data(), input.data(), x.buffer.bytes(), cudaMemcpyHostToDevice));
     }
     const ConstMatrixView x_view = x.view;
     if (run.keep_partials) {
-      const DeviceMatrix routed(dtype, tokens, config.d_latent), shared(dtype, tokens, config.d_model);
+      const DeviceMatrix routed(dtype, tokens, config.d_latent),
+          shared(dtype, tokens, config.d_model);
       routed.poison(stream.get());
       shared.poison(stream.get());
       layer.forward_partials(x_view, routed.view, shared.view, stream.get());

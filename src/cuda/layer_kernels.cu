@@ -21,10 +21,17 @@ int blocks_for(std::int64_t work_items) {
 template <typename Fn>
 cudaError_t with_storage(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::f32: fn(float{}); break;
-    case DType::f16: fn(__half{}); break;
-    case DType::bf16: fn(__nv_bfloat16{}); break;
-    default: return cudaErrorInvalidValue;
+    case DType::f32:
+      fn(float{});
+      break;
+    case DType::f16:
+      fn(__half{});
+      break;
+    case DType::bf16:
+      fn(__nv_bfloat16{});
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -37,8 +44,8 @@ cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType
   if (count == 0) return cudaSuccess;
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
-    to_float_kernel<T><<<blocks_for(count), kThreads, 0, stream>>>(static_cast<const T*>(x), out,
-                                                                   count);
+    to_float_kernel<T>
+        <<<blocks_for(count), kThreads, 0, stream>>>(static_cast<const T*>(x), out, count);
   });
 }
 
@@ -88,9 +95,15 @@ cudaError_t launch_activation(const float* gate, const float* up, void* out, std
   if (count == 0) return cudaSuccess;
   ActivationParams params{};
   switch (config.activation) {
-    case ExpertActivation::silu_glu: params.kind = 0; break;
-    case ExpertActivation::situ_glu: params.kind = 1; break;
-    case ExpertActivation::relu2: params.kind = 2; break;
+    case ExpertActivation::silu_glu:
+      params.kind = 0;
+      break;
+    case ExpertActivation::situ_glu:
+      params.kind = 1;
+      break;
+    case ExpertActivation::relu2:
+      params.kind = 2;
+      break;
   }
   params.beta = config.activation_beta;
   params.linear_beta = config.activation_linear_beta;

@@ -145,8 +145,8 @@ template <typename T>
 __global__ void to_float_kernel(const T* __restrict__ x, float* __restrict__ out,
                                 std::int64_t count) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < count; i += stride) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
     out[i] = Storage<T>::load(x[i]);
   }
 }
@@ -174,7 +174,8 @@ __device__ inline float activate(const ActivationParams& p, float gate, float up
     case 0:
       return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
     case 1: {
-      const float gated = __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));
+      const float gated =
+          __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));
       return __fmul_rn(gated, __fmul_rn(p.linear_beta, tanhf(__fdiv_rn(up, p.linear_beta))));
     }
     default: {
@@ -189,8 +190,8 @@ template <typename T>
 __global__ void activation_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                                   T* __restrict__ out, std::int64_t count, ActivationParams p) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < count; i += stride) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
     out[i] = Storage<T>::store(activate(p, gate ? gate[i] : 0.0f, up[i]));
   }
 }
@@ -207,8 +208,8 @@ __global__ void combine_kernel(const float* __restrict__ slot_out,
     const std::int64_t first = token * top_k;
     float sum = __fmul_rn(weights[first], slot_out[slot_rows[first] * cols + col]);
     for (std::int64_t j = 1; j < top_k; ++j) {
-      sum = __fadd_rn(sum, __fmul_rn(weights[first + j],
-                                     slot_out[slot_rows[first + j] * cols + col]));
+      sum = __fadd_rn(sum,
+                      __fmul_rn(weights[first + j], slot_out[slot_rows[first + j] * cols + col]));
     }
     routed[i] = Storage<T>::store(sum);
   }

@@ -42,7 +42,6 @@ cudaError_t launch_activation(const float* gate, const float* up, void* out, std
 // fp32, summed in slot order starting from the j = 0 product, rounded once (the CPU's order).
 cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
                            const float* weights, void* routed, std::int64_t num_tokens,
-                           std::int64_t top_k, std::int64_t cols, DType dtype,
-                           cudaStream_t stream);
+                           std::int64_t top_k, std::int64_t cols, DType dtype, cudaStream_t stream);
 
 }  // namespace lmoe::cuda

@@ -1,9 +1,10 @@
 // The whole layer on the GPU against the CPU: the router's selection bit for bit on identical
 // logits, the router on random weights against the CPU router wherever fp32 GEMM rounding cannot
 // reorder the candidates, and the layer for tp ∈ {1, 2, 4} (ranks sharing one GPU, cuda-threads),
-// T ∈ {0, 1, 7, 64, 300}, bf16, on the small preset and on Kimi-K3- and Nemotron-3-like configs
-// scaled down: partials and y against fp64 math, y against the tail's contract of its own
-// partials, y and shared against the CPU layer. Plus graph capture and host inputs refused.
+// T ∈ {0, 1, 7, 64, 300}, bf16 (and f16, f32 at tp 2), on the small preset and on Kimi-K3- and
+// Nemotron-3-like configs scaled down: partials and y against fp64 math, y against the tail's
+// contract of its own partials, y and shared against the CPU layer. Plus graph capture and host
+// inputs refused.
 // Every test skips where no GPU is visible.
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
@@ -53,10 +54,11 @@ LayerConfig nemotron_like() {
   return config;
 }
 
-lmoe::LayerOptions options_of(const LayerConfig& config, lmoe::Backend backend) {
+lmoe::LayerOptions options_of(const LayerConfig& config, lmoe::Backend backend,
+                              DType dtype = DType::bf16) {
   lmoe::LayerOptions options;
   options.config = config;
-  options.dtype = DType::bf16;
+  options.dtype = dtype;
   options.rms_norm_eps = kEps;
   options.backend = backend;
   return options;
@@ -70,7 +72,8 @@ std::vector<float> to_float(const HostTensor& tensor) {
   return values;
 }
 
-// ---- the router kernel on given logits -----------------------------------------------------------
+// ---- the router kernel on given logits
+// -----------------------------------------------------------
 
 lmoe::Routing route_on_gpu(const std::vector<float>& logits, std::int64_t tokens,
                            const std::vector<float>& bias, const RouterConfig& config) {
@@ -99,8 +102,9 @@ lmoe::Routing route_on_gpu(const std::vector<float>& logits, std::int64_t tokens
   routing.top_k = k;
   routing.expert_ids.resize(static_cast<std::size_t>(tokens * k));
   routing.weights.resize(routing.expert_ids.size());
-  EXPECT_EQ(cudaMemcpy(routing.expert_ids.data(), d_ids.data(), d_ids.bytes(), cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  EXPECT_EQ(
+      cudaMemcpy(routing.expert_ids.data(), d_ids.data(), d_ids.bytes(), cudaMemcpyDeviceToHost),
+      cudaSuccess);
   EXPECT_EQ(cudaMemcpy(routing.weights.data(), d_weights.data(), d_weights.bytes(),
                        cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -131,10 +135,13 @@ RouterConfig router_of(std::int64_t experts, std::int64_t k, std::int64_t groups
 
 class CudaRouterSameLogits : public ::testing::TestWithParam<RouterCase> {};
 
-// Logits on a grid of quarters (many exact ties, which the lower id must win on both sides) and a
-// bias of sixteenths: the biased scores of different (logit, bias) pairs are ≥ 3.2e-4 apart, far
-// beyond the ulp or two by which CUDA's expf may differ from the C library's, so the selection must
-// be identical. A few tokens carry NaN, ±inf and −0 logits.
+// Logits on a grid of quarters offset by 0.1 (many exact ties, which the lower id must win on both
+// sides; no x and −x, whose scores would sum to exactly 1) and a bias of sixteenths: the biased
+// scores of different (logit, bias) pairs are ≥ 9e-5 apart, and so are the sums of two unbiased
+// scores that grouped routing with a bias compares (given a zero bias there: a bias of sixteenths
+// would let two groups' sums tie in exact math and round apart differently on each side). That
+// is far beyond the ulp or two by which CUDA's expf may differ from the C library's, so the
+// selection must be identical. A few tokens carry NaN, ±inf and −0 logits.
 TEST_P(CudaRouterSameLogits, SelectsTheCpuRoutersExperts) {
   SKIP_WITHOUT_GPU();
   const RouterConfig& config = GetParam().config;
@@ -142,16 +149,19 @@ TEST_P(CudaRouterSameLogits, SelectsTheCpuRoutersExperts) {
   std::mt19937_64 rng(7);
   std::uniform_int_distribution<int> quarter(-8, 8), pick(0, static_cast<int>(experts) - 1);
   std::vector<float> logits(static_cast<std::size_t>(tokens * experts));
-  for (float& logit : logits) logit = static_cast<float>(quarter(rng)) * 0.25f;
+  for (float& logit : logits) logit = static_cast<float>(quarter(rng)) * 0.25f + 0.1f;
   const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
                             std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(), -0.0f};
   for (std::int64_t t = 0; t < 8; ++t) {
-    for (float special : specials) logits[static_cast<std::size_t>(t * experts + pick(rng))] = special;
+    for (float special : specials)
+      logits[static_cast<std::size_t>(t * experts + pick(rng))] = special;
   }
   std::vector<float> bias;
   if (config.correction_bias) {
-    for (std::int64_t e = 0; e < experts; ++e) bias.push_back(static_cast<float>(e % 4) / 16.0f);
+    for (std::int64_t e = 0; e < experts; ++e) {
+      bias.push_back(config.n_group > 1 ? 0.0f : static_cast<float>(e % 4) / 16.0f);
+    }
   }
 
   const lmoe::Routing cpu = lmoe::select_experts(logits, tokens, bias, config);
@@ -172,16 +182,22 @@ TEST_P(CudaRouterSameLogits, SelectsTheCpuRoutersExperts) {
 INSTANTIATE_TEST_SUITE_P(
     Configs, CudaRouterSameLogits,
     ::testing::Values(
-        RouterCase{"sigmoid_bias_e64_k6", router_of(64, 6, 1, 1, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
-        RouterCase{"grouped_e16_k4_g4_top2", router_of(16, 4, 4, 2, lmoe::RouterScore::sigmoid, true, true, 1.0f)},
+        RouterCase{"sigmoid_bias_e64_k6",
+                   router_of(64, 6, 1, 1, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
+        RouterCase{"grouped_e16_k4_g4_top2",
+                   router_of(16, 4, 4, 2, lmoe::RouterScore::sigmoid, true, true, 1.0f)},
         RouterCase{"grouped_nobias_e64_k8_g8_top3",
                    router_of(64, 8, 8, 3, lmoe::RouterScore::sigmoid, false, true, 1.0f)},
-        RouterCase{"no_renorm_e112_k16", router_of(112, 16, 1, 1, lmoe::RouterScore::sigmoid, true, false, 5.0f)},
-        RouterCase{"softmax_e32_k4", router_of(32, 4, 1, 1, lmoe::RouterScore::softmax, false, true, 1.0f)},
-        RouterCase{"e896_k16", router_of(896, 16, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)}),
+        RouterCase{"no_renorm_e112_k16",
+                   router_of(112, 16, 1, 1, lmoe::RouterScore::sigmoid, true, false, 5.0f)},
+        RouterCase{"softmax_e32_k4",
+                   router_of(32, 4, 1, 1, lmoe::RouterScore::softmax, false, true, 1.0f)},
+        RouterCase{"e896_k16",
+                   router_of(896, 16, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)}),
     [](const ::testing::TestParamInfo<RouterCase>& info) { return std::string(info.param.name); });
 
-// ---- the router from x and the weights, against the CPU router -----------------------------------
+// ---- the router from x and the weights, against the CPU router
+// -----------------------------------
 
 // Whether fp32 rounding can reorder token t's candidates. Each side's fp32 logit lies within
 // γ_d·A of the exact dot product (A = max_e Σ_i |x_ti|·|W_ei|, γ_d = d·u/(1 − d·u)), so the
@@ -191,7 +207,7 @@ INSTANTIATE_TEST_SUITE_P(
 // both). Two candidates can swap only when their biased scores are within twice that, `gap`;
 // a group score sums two biased scores, so groups swap only within twice `gap`.
 struct Decisiveness {
-  std::vector<bool> decisive;  // [T]
+  std::vector<bool> decisive;           // [T]
   std::vector<double> score_tolerance;  // [T]: how far a side's unbiased score may move
 };
 
@@ -216,12 +232,14 @@ Decisiveness decisive_tokens(const std::vector<float>& logits, const std::vector
       for (std::int64_t g = 0; g < config.n_group; ++g) {
         std::vector<double> members(b.begin() + g * group_size, b.begin() + (g + 1) * group_size);
         std::sort(members.rbegin(), members.rend());
-        groups.push_back(members[0] + (config.correction_bias && group_size > 1 ? members[1] : 0.0));
+        groups.push_back(members[0] +
+                         (config.correction_bias && group_size > 1 ? members[1] : 0.0));
       }
       std::vector<double> sorted = groups;
       std::sort(sorted.rbegin(), sorted.rend());
       const std::size_t boundary = static_cast<std::size_t>(config.topk_group);
-      if (boundary < sorted.size() && sorted[boundary - 1] - sorted[boundary] <= 2 * gap) ok = false;
+      if (boundary < sorted.size() && sorted[boundary - 1] - sorted[boundary] <= 2 * gap)
+        ok = false;
       for (std::int64_t e = 0; e < experts; ++e) {
         eligible[e] = groups[e / group_size] >= sorted[boundary - 1];
       }
@@ -232,7 +250,8 @@ Decisiveness decisive_tokens(const std::vector<float>& logits, const std::vector
     }
     std::sort(candidates.rbegin(), candidates.rend());
     // The k chosen and their order: every gap among the first k + 1.
-    for (std::int64_t j = 0; j < config.top_k && j + 1 < static_cast<std::int64_t>(candidates.size()); ++j) {
+    for (std::int64_t j = 0;
+         j < config.top_k && j + 1 < static_cast<std::int64_t>(candidates.size()); ++j) {
       if (candidates[j] - candidates[j + 1] <= gap) ok = false;
     }
     result.decisive.push_back(ok);
@@ -249,8 +268,9 @@ struct RoutingAgreement {
 
 // Checks the GPU's routing against the CPU router on the same x: ids exact on decisive tokens,
 // weights within what the scores' tolerance allows wherever the ids agree.
-RoutingAgreement check_routing_against_cpu(const LayerConfig& config, const lmoe::LayerWeights& full,
-                                            const HostTensor& x, const lmoe::Routing& gpu) {
+RoutingAgreement check_routing_against_cpu(const LayerConfig& config,
+                                           const lmoe::LayerWeights& full, const HostTensor& x,
+                                           const lmoe::Routing& gpu) {
   const std::int64_t tokens = x.shape()[0], d = config.d_model, experts = config.router.num_experts;
   const std::vector<float> x32 = to_float(x), w32 = to_float(full.router_weight);
   std::vector<float> logits(static_cast<std::size_t>(tokens * experts));
@@ -263,9 +283,11 @@ RoutingAgreement check_routing_against_cpu(const LayerConfig& config, const lmoe
       magnitude[t] = std::max(magnitude[t], sum);
     }
   }
-  const std::vector<float> bias = config.router.correction_bias ? to_float(full.router_bias) : std::vector<float>{};
+  const std::vector<float> bias =
+      config.router.correction_bias ? to_float(full.router_bias) : std::vector<float>{};
   const lmoe::Routing cpu = lmoe::select_experts(logits, tokens, bias, config.router);
-  const Decisiveness decisiveness = decisive_tokens(logits, magnitude, tokens, d, bias, config.router);
+  const Decisiveness decisiveness =
+      decisive_tokens(logits, magnitude, tokens, d, bias, config.router);
 
   const std::int64_t k = config.router.top_k;
   const double scale = config.router.routed_scaling_factor;
@@ -311,7 +333,8 @@ TEST_P(CudaRouterFromWeights, MatchesTheCpuRouterWhereRoundingCannotReorder) {
   std::vector<HostTensor> inputs = {
       lmoe::make_random_layer_input(config.d_model, 300, DType::bf16, 41),
       lmoe::make_random_layer_input(config.d_model, 7, DType::bf16, 42)};
-  const lmoe::LayerWeights full = lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, kWeightSeed);
+  const lmoe::LayerWeights full =
+      lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, kWeightSeed);
   lmoe::LayerOptions options = options_of(config, lmoe::Backend::cuda);
   const std::vector<lmoe::LayerInputRun> runs = lmoe::run_layer_on_threads(
       options, 1, [&](int) { return full; }, inputs);
@@ -328,23 +351,27 @@ TEST_P(CudaRouterFromWeights, MatchesTheCpuRouterWhereRoundingCannotReorder) {
 INSTANTIATE_TEST_SUITE_P(
     Configs, CudaRouterFromWeights,
     ::testing::Values(
-        RouterCase{"grouped_e16_k4_g4_top2", router_of(16, 4, 4, 2, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
-        RouterCase{"sigmoid_e32_k4", router_of(32, 4, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)},
+        RouterCase{"grouped_e16_k4_g4_top2",
+                   router_of(16, 4, 4, 2, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
+        RouterCase{"sigmoid_e32_k4",
+                   router_of(32, 4, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)},
         RouterCase{"no_bias_no_renorm_e32_k4",
                    router_of(32, 4, 1, 1, lmoe::RouterScore::sigmoid, false, false, 5.0f)}),
     [](const ::testing::TestParamInfo<RouterCase>& info) { return std::string(info.param.name); });
 
-// ---- the layer ------------------------------------------------------------------------------------
+// ---- the layer
+// ------------------------------------------------------------------------------------
 
-std::vector<lmoe::LayerInputRun> run_layer(const LayerConfig& config, lmoe::Backend backend, int tp,
+std::vector<lmoe::LayerInputRun> run_layer(const LayerConfig& config, DType dtype,
+                                           lmoe::Backend backend, int tp,
                                            const std::vector<HostTensor>& inputs) {
   lmoe::LayerRunOptions run;
   run.keep_partials = true;
   if (backend == lmoe::Backend::cpu) lmoe::cpu::set_blas_threads(1);
   return lmoe::run_layer_on_threads(
-      options_of(config, backend), tp,
+      options_of(config, backend, dtype), tp,
       [&](int rank) {
-        return lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, kWeightSeed);
+        return lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed);
       },
       inputs, run);
 }
@@ -363,6 +390,7 @@ struct LayerCase {
   const char* name;
   LayerConfig config;
   int tp;
+  DType dtype = DType::bf16;
 };
 
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name << "_tp" << c.tp; }
@@ -374,7 +402,7 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
   const LayerCase& param = GetParam();
   const LayerConfig& config = param.config;
   const int tp = param.tp;
-  const DType dtype = DType::bf16;
+  const DType dtype = param.dtype;
   std::vector<HostTensor> inputs;
   for (std::int64_t tokens : {1, 7, 64, 300, 0}) {
     inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, dtype,
@@ -382,8 +410,10 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
   }
   const lmoe::LayerWeights full = lmoe::make_random_layer_weights(config, dtype, 1, 0, kWeightSeed);
   const lmoe::LayerReference reference(config, kEps, full);
-  const std::vector<lmoe::LayerInputRun> gpu = run_layer(config, lmoe::Backend::cuda, tp, inputs);
-  const std::vector<lmoe::LayerInputRun> cpu = run_layer(config, lmoe::Backend::cpu, tp, inputs);
+  const std::vector<lmoe::LayerInputRun> gpu =
+      run_layer(config, dtype, lmoe::Backend::cuda, tp, inputs);
+  const std::vector<lmoe::LayerInputRun> cpu =
+      run_layer(config, dtype, lmoe::Backend::cpu, tp, inputs);
 
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const HostTensor& x = inputs[i];
@@ -413,15 +443,16 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
 
     // The partials and y against fp64 math with the GPU's routing, y against the tail contract.
     const lmoe::ExactLayer exact = reference.run(x.matrix(), routing);
-    lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
-                                        std::string(param.name) + " tp=" + std::to_string(tp) +
-                                            " T=" + std::to_string(tokens));
+    lmoe::testing::check_partials_and_y(
+        config, kEps, dtype, result, full, exact,
+        std::string(param.name) + " tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
 
     // Against the CPU layer: each rank's shared partial (it does not depend on the routing), and
     // y on the tokens both routed alike, within the layer's tolerances.
     for (int r = 0; r < tp; ++r) {
-      const auto cmp = lmoe::compare_layer(to_double(result.ranks[r].shared),
-                                           to_double(cpu[i].ranks[r].shared), config.d_model, dtype);
+      const auto cmp =
+          lmoe::compare_layer(to_double(result.ranks[r].shared), to_double(cpu[i].ranks[r].shared),
+                              config.d_model, dtype);
       EXPECT_TRUE(cmp.ok()) << "shared of rank " << r << " vs cpu: normwise " << cmp.normwise_error
                             << " row " << cmp.max_row_error;
     }
@@ -430,9 +461,10 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
       const auto a = routing.ids_of(t), b = cpu[i].ranks[0].routing.ids_of(t);
       comparable[t] = comparable[t] && std::equal(a.begin(), a.end(), b.begin());
     }
-    const auto vs_cpu = lmoe::compare_layer(
-        rows_where(to_double(result.ranks[0].y), config.d_model, comparable),
-        rows_where(to_double(cpu[i].ranks[0].y), config.d_model, comparable), config.d_model, dtype);
+    const auto vs_cpu =
+        lmoe::compare_layer(rows_where(to_double(result.ranks[0].y), config.d_model, comparable),
+                            rows_where(to_double(cpu[i].ranks[0].y), config.d_model, comparable),
+                            config.d_model, dtype);
     EXPECT_TRUE(vs_cpu.ok()) << "y vs cpu: normwise " << vs_cpu.normwise_error << " row "
                              << vs_cpu.max_row_error;
   }
@@ -445,35 +477,43 @@ std::vector<LayerCase> layer_cases() {
     cases.push_back({"k3_like", k3_like(), tp});
     cases.push_back({"nemotron_like", nemotron_like(), tp});
   }
+  // The other storage dtypes, held to their own (tighter) tolerances.
+  cases.push_back({"small_f16", small_config(), 2, DType::f16});
+  cases.push_back({"small_f32", small_config(), 2, DType::f32});
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, CudaLayerParity, ::testing::ValuesIn(layer_cases()),
                          [](const ::testing::TestParamInfo<LayerCase>& info) {
-                           return std::string(info.param.name) + "_tp" + std::to_string(info.param.tp);
+                           return std::string(info.param.name) + "_tp" +
+                                  std::to_string(info.param.tp);
                          });
 
-// ---- refusals -------------------------------------------------------------------------------------
+// ---- refusals
+// -------------------------------------------------------------------------------------
 
 TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
   SKIP_WITHOUT_GPU();
   const LayerConfig config = small_config();
   const std::int64_t tokens = 4;
   lmoe::run_comm_group("cuda-threads", 1, [&](int, lmoe::Communicator& comm) {
-    lmoe::LatentMoELayer layer(options_of(config, lmoe::Backend::cuda), comm,
-                               lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, kWeightSeed));
+    lmoe::LatentMoELayer layer(
+        options_of(config, lmoe::Backend::cuda), comm,
+        lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, kWeightSeed));
     const HostTensor host_x = lmoe::make_random_layer_input(config.d_model, tokens, DType::bf16, 1);
     const std::size_t esize = lmoe::dtype_size(DType::bf16);
     const lmoe::cuda::DeviceBuffer x(static_cast<std::size_t>(tokens * config.d_model) * esize);
-    const lmoe::cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * config.d_latent) * esize);
-    const lmoe::cuda::DeviceBuffer shared(static_cast<std::size_t>(tokens * config.d_model) * esize);
+    const lmoe::cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * config.d_latent) *
+                                          esize);
+    const lmoe::cuda::DeviceBuffer shared(static_cast<std::size_t>(tokens * config.d_model) *
+                                          esize);
     cuda_ok(cudaMemcpy(x.data(), host_x.data(), x.bytes(), cudaMemcpyHostToDevice));
-    const lmoe::ConstMatrixView x_view{x.data(), DType::bf16, tokens, config.d_model, config.d_model,
-                                       lmoe::MemorySpace::device};
-    const lmoe::MatrixView routed_view{routed.data(), DType::bf16, tokens, config.d_latent,
-                                       config.d_latent, lmoe::MemorySpace::device};
-    const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, config.d_model,
-                                       config.d_model, lmoe::MemorySpace::device};
+    const lmoe::ConstMatrixView x_view{x.data(),       DType::bf16,    tokens,
+                                       config.d_model, config.d_model, lmoe::MemorySpace::device};
+    const lmoe::MatrixView routed_view{routed.data(),   DType::bf16,     tokens,
+                                       config.d_latent, config.d_latent, lmoe::MemorySpace::device};
+    const lmoe::MatrixView shared_view{shared.data(),  DType::bf16,    tokens,
+                                       config.d_model, config.d_model, lmoe::MemorySpace::device};
 
     // x in host memory.
     try {

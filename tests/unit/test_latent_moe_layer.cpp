@@ -85,9 +85,8 @@ void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor&
 
   const lmoe::ExactLayer exact = lmoe::exact_layer(config, kEps, full, x.matrix(), routing);
   lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
-                                      "dtype=" + std::string(lmoe::dtype_name(dtype)) +
-                                          " tp=" + std::to_string(tp) +
-                                          " T=" + std::to_string(tokens));
+                                      "dtype=" + std::string(lmoe::dtype_name(dtype)) + " tp=" +
+                                          std::to_string(tp) + " T=" + std::to_string(tokens));
 }
 
 class CpuLayerParity : public ::testing::TestWithParam<int> {
