@@ -523,23 +523,34 @@ TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
       EXPECT_THAT(error.what(), HasSubstr("x: expected device memory"));
     }
 
-    // A capture of the forward.
+    // A capture of the partials or of the whole forward (which has not run yet: the layer's own
+    // partial buffers would have to grow, which must not touch the capturing stream either).
     cudaStream_t stream = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    std::string message;
-    try {
-      layer.forward_partials(x_view, routed_view, shared_view, stream);
-    } catch (const lmoe::Error& error) {
-      message = error.what();
+    const lmoe::cuda::DeviceBuffer y(static_cast<std::size_t>(tokens * config.d_model) * esize);
+    const lmoe::MatrixView y_view{y.data(),       DType::bf16,    tokens,
+                                  config.d_model, config.d_model, lmoe::MemorySpace::device};
+    for (const bool whole : {false, true}) {
+      SCOPED_TRACE(whole ? "forward" : "forward_partials");
+      cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      std::string message;
+      try {
+        if (whole) {
+          layer.forward(x_view, y_view, std::nullopt, stream);
+        } else {
+          layer.forward_partials(x_view, routed_view, shared_view, stream);
+        }
+      } catch (const lmoe::Error& error) {
+        message = error.what();
+      }
+      cudaGraph_t graph = nullptr;
+      cuda_ok(cudaStreamEndCapture(stream, &graph));
+      if (graph) cudaGraphDestroy(graph);
+      EXPECT_THAT(message, HasSubstr("cannot be captured in a CUDA graph"));
     }
-    cudaGraph_t graph = nullptr;
-    cuda_ok(cudaStreamEndCapture(stream, &graph));
-    if (graph) cudaGraphDestroy(graph);
-    EXPECT_THAT(message, HasSubstr("cannot be captured in a CUDA graph"));
 
     // The layer still runs afterwards, and writes every element.
-    cuda_ok(cudaMemset(routed.data(), 0xff, routed.bytes()));
+    cuda_ok(cudaMemsetAsync(routed.data(), 0xff, routed.bytes(), stream));
     layer.forward_partials(x_view, routed_view, shared_view, stream);
     cuda_ok(cudaStreamSynchronize(stream));
     HostTensor out(DType::bf16, {tokens, config.d_latent});
