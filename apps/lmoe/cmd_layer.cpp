@@ -1,7 +1,8 @@
 // `lmoe layer`: the whole latent MoE layer (router, latent down-projection, routed experts, shared
 // experts, tail) on random weights at a preset's dims, scaled down by default so that it runs on
 // the CPU in seconds, or on one layer of a checkpoint (--weights DIR --layer N). Prints the time of
-// each stage per T and checks every T against fp64 math.
+// each stage per T and checks every T against fp64 math (a cuda run also against the cpu backend),
+// on the cpu or the cuda backend (docs/layer.md).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "common.hpp"
 #include "cpu/cpu_math.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
 #include "lmoe/layer_runner.hpp"
@@ -44,6 +46,31 @@ double median_us(const std::vector<LayerStageTimes>& times, double LayerStageTim
   for (const LayerStageTimes& t : times) values.push_back(t.*stage * 1e6);
   std::sort(values.begin(), values.end());
   return values.empty() ? -1 : values[values.size() / 2];
+}
+
+// How a cuda run compares with the cpu backend on the same input: the tokens both routed to the
+// same experts (ids in order; a near-tie may go either way), and y on those tokens within the
+// layer's tolerances.
+struct VersusCpu {
+  std::int64_t same_routing = 0;
+  LayerComparison y;
+};
+
+VersusCpu versus_cpu(const LayerRankResult& mine, const LayerRankResult& cpu, std::int64_t cols,
+                     DType dtype) {
+  VersusCpu result;
+  std::vector<double> y, y_cpu;
+  for (std::int64_t t = 0; t < mine.routing.num_tokens; ++t) {
+    const auto ids = mine.routing.ids_of(t), cpu_ids = cpu.routing.ids_of(t);
+    if (!std::equal(ids.begin(), ids.end(), cpu_ids.begin(), cpu_ids.end())) continue;
+    ++result.same_routing;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      y.push_back(mine.y.get(t * cols + c));
+      y_cpu.push_back(cpu.y.get(t * cols + c));
+    }
+  }
+  result.y = compare_layer(y, y_cpu, cols, dtype);
+  return result;
 }
 
 double median_total_us(const std::vector<LayerStageTimes>& times) {
@@ -137,24 +164,43 @@ void LayerCommand::execute() const {
       options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
   std::unique_ptr<LayerReference> reference;
+  std::vector<LayerInputRun> cpu_results;
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
     reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
+    if (chosen_backend == Backend::cuda) {
+      // The cpu backend is the reference every backend is held to: the same inputs through it.
+      std::cerr << "lmoe layer: running the cpu backend on the same inputs\n";
+      LayerOptions cpu_options = options;
+      cpu_options.backend = Backend::cpu;
+      cpu_options.policy = PolicyConfig{};  // a tier table, if any, was measured for cuda
+      LayerRunOptions cpu_run;
+      cpu_run.comm = default_comm_backend(Backend::cpu);
+      cpu_run.tier = run.tier;
+      cpu::set_blas_threads(1);
+      cpu_results = run_layer_on_threads(
+          cpu_options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, cpu_run);
+    }
   }
 
   Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
-               "total_us", "fp64_err", "row_err", "ok"});
+               "total_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"});
   nlohmann::json rows = nlohmann::json::array();
   bool all_ok = true;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const LayerRankResult& first = results[i].ranks.front();
     const std::vector<LayerStageTimes>& times = first.times;
     std::optional<LayerComparison> comparison;
+    std::optional<VersusCpu> vs_cpu;
     if (reference && tokens[i] > 0) {
       const ExactLayer exact = reference->run(inputs[i].matrix(), first.routing);
       comparison = compare_layer(first.y.matrix(), exact.y);
+      if (!cpu_results.empty()) {
+        vs_cpu = versus_cpu(first, cpu_results[i].ranks.front(), config.d_model, resolved.dtype);
+      }
     }
-    const bool ok = results[i].ranks_identical && (!comparison || comparison->ok());
+    const bool ok = results[i].ranks_identical && (!comparison || comparison->ok()) &&
+                    (!vs_cpu || vs_cpu->y.ok());
     all_ok = all_ok && ok;
     const double stage_us[] = {median_us(times, &LayerStageTimes::router),
                                median_us(times, &LayerStageTimes::down_projection),
@@ -167,6 +213,9 @@ void LayerCommand::execute() const {
     cells.push_back(format_number(median_total_us(times)));
     cells.push_back(comparison ? format_number(comparison->normwise_error) : "-");
     cells.push_back(comparison ? format_number(comparison->max_row_error) : "-");
+    cells.push_back(vs_cpu ? std::to_string(vs_cpu->same_routing) + "/" + std::to_string(tokens[i])
+                           : "-");
+    cells.push_back(vs_cpu ? format_number(vs_cpu->y.normwise_error) : "-");
     cells.push_back(ok ? "ok" : "FAIL");
     table.add_row(cells);
     nlohmann::json row = {
@@ -187,18 +236,35 @@ void LayerCommand::execute() const {
       row["max_row_error_vs_fp64"] = comparison->max_row_error;
       row["row_tolerance"] = comparison->row_tolerance;
     }
+    if (vs_cpu) {
+      row["tokens_routed_as_cpu"] = vs_cpu->same_routing;
+      row["normwise_error_vs_cpu"] = vs_cpu->y.normwise_error;
+      row["max_row_error_vs_cpu"] = vs_cpu->y.max_row_error;
+    }
     rows.push_back(row);
   }
 
   std::cout << "# lmoe layer: " << setting << "\n"
             << "# times: median over " << repeats
             << " forward(s) (after one warm-up) of rank 0's stages, "
-            << "microseconds (total_us: median of the per-forward sums); "
+            << "microseconds (total_us: median of the per-forward sums"
+            << (chosen_backend == Backend::cuda
+                    ? "; cuda: CUDA events per stage, shared runs on a second stream alongside "
+                      "router, down and experts, see docs/layer.md"
+                    : "")
+            << "); "
             << "fp64_err: normwise error of y against fp64 math (tolerance "
             << format_number(layer_normwise_tolerance(resolved.dtype))
             << "); row_err: worst |y - fp64| over "
             << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
-            << ")\n";
+            << ")"
+            << (chosen_backend == Backend::cuda
+                    ? "; cpu_ids: tokens routed to the same experts as by the cpu backend "
+                      "(the fp64 check uses the backend's own routing; a near-tie may go "
+                      "either way); cpu_err: normwise error of y against the cpu backend's "
+                      "on those tokens (same tolerances)"
+                    : "")
+            << "\n";
   table.print(std::cout);
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
@@ -253,7 +319,10 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
       ->delimiter(',')
       ->capture_default_str();
-  sub->add_option("--backend", command->backend, "cpu (cuda: later)")->capture_default_str();
+  sub->add_option("--backend", command->backend,
+                  "cpu or cuda (every rank on the current GPU with cuda-threads, or one GPU per "
+                  "rank with --comm nccl)")
+      ->capture_default_str();
   sub->add_option("--comm", command->comm, "communicator (default: the backend's)");
   sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
       ->capture_default_str();

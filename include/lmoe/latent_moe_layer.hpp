@@ -37,7 +37,8 @@ struct LayerOptions {
   std::int64_t max_tokens = 0;  // the tail's (TailOptions::max_tokens)
 };
 
-// Seconds of each stage of the last forward on this rank (host wall time on the CPU backend).
+// Seconds of each stage of the last forward on this rank: host wall time on the CPU backend, CUDA
+// events on the cuda backend, where `shared` overlaps the other stages (docs/layer.md).
 struct LayerStageTimes {
   double router = 0;
   double down_projection = 0;
@@ -75,8 +76,9 @@ class LatentMoELayer {
   void forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
                         StreamHandle stream = nullptr);
 
+  // On the cuda backend this waits for the last forward's timing events.
   const LayerStageTimes& last_times() const;
-  // The last forward's routing where the backend keeps it on the host (cpu), else nullptr.
+  // The last forward's routing in host memory (both backends keep a host copy), or nullptr.
   const Routing* last_routing() const;
 
  private:

@@ -24,7 +24,7 @@ struct LayerRankResult {
   HostTensor y;       // [T, d], poisoned (all bits set) before each forward
   HostTensor routed;  // [T, l] (keep_partials)
   HostTensor shared;  // [T, d] (keep_partials)
-  Routing routing;    // the last forward's (cpu)
+  Routing routing;    // the last forward's
   std::optional<TailTier> tier;
   std::vector<LayerStageTimes> times;  // one per repeat
 };

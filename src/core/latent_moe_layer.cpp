@@ -2,12 +2,17 @@
 
 #include <chrono>
 #include <cstdio>
+#include <tuple>
 
 #include "core/layer_executor.hpp"
 #include "core/rank_agreement.hpp"
 #include "core/validation.hpp"
 #include "cpu/cpu_layer_executor.hpp"
 #include "lmoe/error.hpp"
+
+#ifdef LMOE_HAS_CUDA
+#include "cuda/cuda_layer_executor.hpp"
+#endif
 
 namespace lmoe {
 
@@ -50,9 +55,16 @@ std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
         "up-projection), but LatentTail always applies one; this layer cannot run yet");
   }
   if (auto error = validate_layer_weights(options.config, options.dtype, tp, weights)) return error;
-  if (options.backend != Backend::cpu) {
-    return "backend " + std::string(backend_name(options.backend)) +
-           ": the layer's stages before the tail run on the cpu backend only (cuda comes later)";
+  if (options.backend == Backend::cuda) {
+#ifdef LMOE_HAS_CUDA
+    if (!backend_available(Backend::cuda)) {
+      return std::string("backend cuda: no CUDA GPU is visible on this machine");
+    }
+    if (auto limit = cuda_layer_limit(options.config)) return "backend cuda: " + *limit;
+#else
+    return std::string(
+        "backend cuda: this build has no CUDA backend (configure with the cuda preset)");
+#endif
   }
   return std::nullopt;
 }
@@ -69,8 +81,10 @@ struct LatentMoELayer::Impl {
   std::uint64_t config_hash = 0;
   std::string config_text;
   LayerStageTimes times;
-  HostTensor routed;  // [T, l] this rank's partial
-  HostTensor shared;  // [T, d] this rank's partial
+  // forward()'s partials where the executor keeps none of its own (cpu).
+  HostTensor routed;           // [T, l] this rank's partial
+  HostTensor shared;           // [T, d] this rank's partial
+  bool times_pending = false;  // the executor fills `times` on request (device events)
 
   Impl(LayerOptions opts, Communicator& communicator)
       : options(std::move(opts)), comm(communicator) {}
@@ -116,6 +130,7 @@ struct LatentMoELayer::Impl {
     if (!error && tokens < 0)
       error = "x: expected a non-negative token count, got " + std::to_string(tokens);
     if (!error) error = check_matrix("x", x, options.dtype, space, tokens, c.d_model);
+    if (!error) error = executor->cannot_run(stream);
     if (!error)
       error =
           check_matrix("routed", as_const(routed_out), options.dtype, space, tokens, c.d_latent);
@@ -123,6 +138,7 @@ struct LatentMoELayer::Impl {
       error = check_matrix("shared", as_const(shared_out), options.dtype, space, tokens, c.d_model);
     agree_on_call(tokens, error);
     times = {};
+    times_pending = true;
     executor->run(x, routed_out, shared_out, times, stream);
     agree_on_routing(tokens);
   }
@@ -148,7 +164,14 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
     throw Error(*error);
   }
 
-  impl_->executor = make_cpu_layer_executor(opts.config, opts.dtype, comm.size(), weights);
+#ifdef LMOE_HAS_CUDA
+  if (opts.backend == Backend::cuda) {
+    impl_->executor = make_cuda_layer_executor(opts.config, opts.dtype, comm.size(), weights);
+  }
+#endif
+  if (!impl_->executor) {
+    impl_->executor = make_cpu_layer_executor(opts.config, opts.dtype, comm.size(), weights);
+  }
   TailOptions tail;
   tail.dims = opts.config.tail_dims();
   tail.rms_norm_eps = opts.rms_norm_eps;
@@ -167,7 +190,13 @@ const LayerOptions& LatentMoELayer::options() const { return impl_->options; }
 int LatentMoELayer::tp_rank() const { return impl_->comm.rank(); }
 int LatentMoELayer::tp_size() const { return impl_->comm.size(); }
 LatentTail& LatentMoELayer::tail() { return *impl_->tail; }
-const LayerStageTimes& LatentMoELayer::last_times() const { return impl_->times; }
+const LayerStageTimes& LatentMoELayer::last_times() const {
+  if (impl_->times_pending) {
+    impl_->executor->finish_times(impl_->times);
+    impl_->times_pending = false;
+  }
+  return impl_->times;
+}
 const Routing* LatentMoELayer::last_routing() const { return impl_->executor->host_routing(); }
 
 void LatentMoELayer::forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
@@ -182,16 +211,27 @@ std::optional<TailTier> LatentMoELayer::forward(ConstMatrixView x, MatrixView y,
   const std::int64_t tokens = std::max<std::int64_t>(x.rows, 0);
   std::optional<std::string> error = check_matrix("y", as_const(y), impl.options.dtype,
                                                   impl.executor->memory_space(), x.rows, c.d_model);
-  if (impl.routed.shape() != std::vector<std::int64_t>{tokens, c.d_latent}) {
-    impl.routed = HostTensor(impl.options.dtype, {tokens, c.d_latent});
-    impl.shared = HostTensor(impl.options.dtype, {tokens, c.d_model});
+  MatrixView routed, shared;
+  if (auto buffers = impl.executor->partial_buffers(tokens, stream)) {
+    std::tie(routed, shared) = *buffers;
+  } else {
+    if (impl.routed.shape() != std::vector<std::int64_t>{tokens, c.d_latent}) {
+      impl.routed = HostTensor(impl.options.dtype, {tokens, c.d_latent});
+      impl.shared = HostTensor(impl.options.dtype, {tokens, c.d_model});
+    }
+    routed = impl.routed.matrix();
+    shared = impl.shared.matrix();
   }
-  impl.run_partials(x, impl.routed.matrix(), impl.shared.matrix(), error, stream);
+  impl.run_partials(x, routed, shared, error, stream);
   const auto start = Clock::now();
+  const bool device_timed = impl.executor->begin_tail(stream);
   // The shared partial is scratch here, so the column tier may accumulate into it.
-  const std::optional<TailTier> ran =
-      impl.tail->forward(impl.routed.matrix(), impl.shared.matrix(), y, tier, stream);
-  impl.times.tail = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::optional<TailTier> ran = impl.tail->forward(routed, shared, y, tier, stream);
+  if (device_timed) {
+    impl.executor->end_tail(stream);
+  } else {
+    impl.times.tail = std::chrono::duration<double>(Clock::now() - start).count();
+  }
   return ran;
 }
 

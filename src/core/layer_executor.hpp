@@ -2,7 +2,10 @@
 // the latent down-projection, the routed experts and the shared experts of one rank.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
 
 #include "lmoe/communicator.hpp"
 #include "lmoe/latent_moe_layer.hpp"
@@ -23,6 +26,24 @@ class LayerExecutor {
                    StreamHandle stream) = 0;
   // The last run's routing in host memory, or nullptr where it stays on the device.
   virtual const Routing* host_routing() const { return nullptr; }
+
+  // Why a forward cannot run on `stream` now (e.g. it is being captured into a CUDA graph), or
+  // nullopt. Asked on every rank before the ranks agree on the call, so that all fail together.
+  virtual std::optional<std::string> cannot_run(StreamHandle) const { return std::nullopt; }
+  // Buffers of at least `tokens` rows in memory_space() for the partials routed [T, l] and shared
+  // [T, d] that forward() hands to the tail; nullopt: host tensors of the caller serve. May wait
+  // for `stream` when they grow.
+  virtual std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(std::int64_t,
+                                                                           StreamHandle) {
+    return std::nullopt;
+  }
+  // Device backends time the tail like their own stages, with events on `stream` around it:
+  // begin_tail returns false where the caller should time the tail on the host clock instead.
+  virtual bool begin_tail(StreamHandle) { return false; }
+  virtual void end_tail(StreamHandle) {}
+  // Fills `times` from the last run (and tail) where run() could not: device backends measure with
+  // events, known once the device has run them (this waits for them).
+  virtual void finish_times(LayerStageTimes&) {}
 };
 
 }  // namespace lmoe

@@ -5,6 +5,10 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 
+#ifdef LMOE_HAS_CUDA
+#include "cuda/cuda_layer_runner.hpp"
+#endif
+
 namespace lmoe {
 
 std::vector<LayerInputRun> run_layer_on_threads(
@@ -17,6 +21,11 @@ std::vector<LayerInputRun> run_layer_on_threads(
 
   const auto run_rank = [&](int rank, Communicator& comm) {
     LatentMoELayer layer(options, comm, weights(rank));
+#ifdef LMOE_HAS_CUDA
+    // Device inputs, the rank's own stream, results copied back: src/cuda/cuda_layer_runner.cpp.
+    if (options.backend == Backend::cuda)
+      return run_layer_rank_cuda(layer, comm, inputs, run, results);
+#endif
     for (std::size_t i = 0; i < inputs.size(); ++i) {
       const HostTensor& x = inputs[i];
       const std::int64_t tokens = x.shape().empty() ? 0 : x.shape()[0];

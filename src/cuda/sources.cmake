@@ -12,6 +12,9 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_device_info.cpp
   ${CMAKE_CURRENT_LIST_DIR}/bench_fill.cu
+  ${CMAKE_CURRENT_LIST_DIR}/layer_kernels.cu
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_executor.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_runner.cpp
 )
 target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_CUDA=1)
 target_link_libraries(lmoe_core PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)

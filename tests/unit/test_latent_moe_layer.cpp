@@ -16,6 +16,7 @@
 #include <map>
 
 #include "cpu/cpu_math.hpp"
+#include "layer_checks.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
 #include "lmoe/layer_runner.hpp"
@@ -42,11 +43,7 @@ lmoe::LayerOptions options_of(const LayerConfig& config, DType dtype) {
   return options;
 }
 
-std::vector<double> to_double(const HostTensor& tensor) {
-  std::vector<double> values(static_cast<std::size_t>(tensor.numel()));
-  for (std::int64_t i = 0; i < tensor.numel(); ++i) values[i] = tensor.get(i);
-  return values;
-}
+using lmoe::testing::to_double;
 
 bool same_bits(const HostTensor& a, const HostTensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
@@ -66,16 +63,12 @@ std::vector<lmoe::LayerInputRun> run(const LayerConfig& config, DType dtype, int
       inputs, options);
 }
 
-// Checks one input's run on tp ranks against fp64 math and the tail contract; returns y of rank 0.
+// Checks one input's run on tp ranks: the routing against fp64, then layer_checks.hpp.
 void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor& x,
                const lmoe::LayerInputRun& result, const lmoe::LayerWeights& full) {
   const std::int64_t tokens = x.shape()[0];
-  EXPECT_TRUE(result.ranks_identical);
+  lmoe::testing::check_ranks_agree(result);
   const lmoe::Routing& routing = result.ranks[0].routing;
-  for (const lmoe::LayerRankResult& rank : result.ranks) {
-    EXPECT_EQ(rank.routing.expert_ids, routing.expert_ids);
-    EXPECT_EQ(rank.routing.weights, routing.weights);
-  }
   if (tokens == 0) return;
 
   // The router against fp64 (logits from x and the router weight in fp64).
@@ -90,55 +83,10 @@ void check_run(const LayerConfig& config, DType dtype, int tp, const HostTensor&
                 1e-5 * config.router.routed_scaling_factor);
   }
 
-  // The partials, summed over ranks in fp64, against fp64 math.
   const lmoe::ExactLayer exact = lmoe::exact_layer(config, kEps, full, x.matrix(), routing);
-  std::vector<double> routed_sum(exact.routed.size(), 0.0), shared_sum(exact.shared.size(), 0.0);
-  for (const lmoe::LayerRankResult& rank : result.ranks) {
-    const std::vector<double> r = to_double(rank.routed), s = to_double(rank.shared);
-    for (std::size_t i = 0; i < r.size(); ++i) routed_sum[i] += r[i];
-    for (std::size_t i = 0; i < s.size(); ++i) shared_sum[i] += s[i];
-  }
-  const lmoe::LayerComparison routed_cmp =
-      lmoe::compare_layer(routed_sum, exact.routed, config.d_latent, dtype);
-  EXPECT_TRUE(routed_cmp.ok()) << "routed: normwise " << routed_cmp.normwise_error << " row "
-                               << routed_cmp.max_row_error;
-  const lmoe::LayerComparison shared_cmp =
-      lmoe::compare_layer(shared_sum, exact.shared, config.d_model, dtype);
-  EXPECT_TRUE(shared_cmp.ok()) << "shared: normwise " << shared_cmp.normwise_error << " row "
-                               << shared_cmp.max_row_error;
-
-  // The tail ran on exactly these partials: y is the tail contract of them, bit for bit (the CPU
-  // tiers match their contract's reference bit for bit on bf16; f32 within the bound).
-  lmoe::TailCase tail;
-  tail.dims = config.tail_dims();
-  tail.eps = kEps;
-  tail.dtype = dtype;
-  tail.tp = tp;
-  tail.num_tokens = tokens;
-  tail.routed = HostTensor(dtype, {tp, tokens, config.d_latent});
-  tail.shared = HostTensor(dtype, {tp, tokens, config.d_model});
-  for (int r = 0; r < tp; ++r) {
-    lmoe::cpu::copy(result.ranks[r].routed.matrix(), tail.routed.slice_matrix(r));
-    lmoe::cpu::copy(result.ranks[r].shared.matrix(), tail.shared.slice_matrix(r));
-  }
-  tail.norm_weight = full.latent_norm;
-  tail.up_proj_weight = full.latent_up;
-  const lmoe::TailTier tier = *result.ranks[0].tier;
-  const lmoe::ContractReference contract = lmoe::reference_tail(tail, lmoe::contract_of(tier));
-  const lmoe::Comparison tail_cmp = lmoe::compare(result.ranks[0].y.matrix(), contract, exact.y);
-  EXPECT_EQ(tail_cmp.beyond_bound, 0) << "tier " << lmoe::tier_name(tier);
-
-  // y against fp64 math of the whole layer.
-  const lmoe::LayerComparison y_cmp = lmoe::compare_layer(result.ranks[0].y.matrix(), exact.y);
-  if (std::getenv("LMOE_PRINT_ERRORS")) {
-    std::cerr << "MEASURE dtype=" << lmoe::dtype_name(dtype) << " tp=" << tp << " T=" << tokens
-              << " routed " << routed_cmp.normwise_error << " " << routed_cmp.max_row_error
-              << " shared " << shared_cmp.normwise_error << " " << shared_cmp.max_row_error << " y "
-              << y_cmp.normwise_error << " " << y_cmp.max_row_error << "\n";
-  }
-  EXPECT_TRUE(y_cmp.ok()) << "y: normwise " << y_cmp.normwise_error << " (tolerance "
-                          << y_cmp.normwise_tolerance << "), row " << y_cmp.max_row_error
-                          << " (tolerance " << y_cmp.row_tolerance << ")";
+  lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
+                                      "dtype=" + std::string(lmoe::dtype_name(dtype)) + " tp=" +
+                                          std::to_string(tp) + " T=" + std::to_string(tokens));
 }
 
 class CpuLayerParity : public ::testing::TestWithParam<int> {

@@ -1,0 +1,131 @@
+#include <algorithm>
+
+#include "cuda/layer_kernels.cuh"
+#include "cuda/layer_kernels.hpp"
+
+namespace lmoe::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+// Ranks that share a GPU run side by side; a modest grid per launch leaves room for the others
+// (DESIGN.md §4), and the grid-stride loops cover any size.
+constexpr std::int64_t kMaxBlocks = 128;
+
+int blocks_for(std::int64_t work_items) {
+  return static_cast<int>(
+      std::clamp<std::int64_t>((work_items + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+// Calls fn(T{}) with T the storage type of `dtype`.
+template <typename Fn>
+cudaError_t with_storage(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::f32:
+      fn(float{});
+      break;
+    case DType::f16:
+      fn(__half{});
+      break;
+    case DType::bf16:
+      fn(__nv_bfloat16{});
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType dtype,
+                            cudaStream_t stream) {
+  if (count < 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    to_float_kernel<T>
+        <<<blocks_for(count), kThreads, 0, stream>>>(static_cast<const T*>(x), out, count);
+  });
+}
+
+cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
+                         const RouterConfig& config, std::int32_t* ids, float* weights,
+                         cudaStream_t stream) {
+  if (num_tokens < 0 || num_tokens > 0x7fffffff || config.num_experts < 1 ||
+      config.num_experts > kMaxRouterExperts || config.top_k < 1 ||
+      config.top_k > config.num_experts || config.n_group < 1 ||
+      config.num_experts % config.n_group != 0 || config.topk_group < 1 ||
+      config.topk_group > config.n_group || (config.correction_bias && bias == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_tokens == 0) return cudaSuccess;
+  RouterParams params{};
+  params.experts = static_cast<int>(config.num_experts);
+  params.top_k = static_cast<int>(config.top_k);
+  params.n_group = static_cast<int>(config.n_group);
+  params.topk_group = static_cast<int>(config.topk_group);
+  params.softmax = config.score == RouterScore::softmax;
+  params.has_bias = config.correction_bias;
+  params.renormalize = config.renormalize;
+  params.scale = config.routed_scaling_factor;
+  const std::size_t shared_bytes =
+      sizeof(float) * static_cast<std::size_t>(2 * config.num_experts + config.n_group) +
+      sizeof(int) * static_cast<std::size_t>(config.n_group + config.top_k);
+  route_kernel<<<static_cast<unsigned>(num_tokens), kThreads, shared_bytes, stream>>>(
+      logits, config.correction_bias ? bias : nullptr, params, ids, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_rows(const void* src, const std::int32_t* rows, void* dst,
+                               std::int64_t count, std::int64_t cols, DType dtype,
+                               cudaStream_t stream) {
+  if (count < 0 || cols < 0) return cudaErrorInvalidValue;
+  if (count == 0 || cols == 0) return cudaSuccess;
+  return with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gather_rows_kernel<T><<<blocks_for(count * cols), kThreads, 0, stream>>>(
+        static_cast<const T*>(src), rows, static_cast<T*>(dst), count, cols);
+  });
+}
+
+cudaError_t launch_activation(const float* gate, const float* up, void* out, std::int64_t count,
+                              const LayerConfig& config, DType dtype, cudaStream_t stream) {
+  if (count < 0 || (is_gated(config.activation) && gate == nullptr)) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  ActivationParams params{};
+  switch (config.activation) {
+    case ExpertActivation::silu_glu:
+      params.kind = 0;
+      break;
+    case ExpertActivation::situ_glu:
+      params.kind = 1;
+      break;
+    case ExpertActivation::relu2:
+      params.kind = 2;
+      break;
+  }
+  params.beta = config.activation_beta;
+  params.linear_beta = config.activation_linear_beta;
+  const float* gate_in = is_gated(config.activation) ? gate : nullptr;
+  return with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    activation_kernel<T><<<blocks_for(count), kThreads, 0, stream>>>(
+        gate_in, up, static_cast<T*>(out), count, params);
+  });
+}
+
+cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
+                           const float* weights, void* routed, std::int64_t num_tokens,
+                           std::int64_t top_k, std::int64_t cols, DType dtype,
+                           cudaStream_t stream) {
+  if (num_tokens < 0 || top_k < 1 || cols < 0) return cudaErrorInvalidValue;
+  if (num_tokens == 0 || cols == 0) return cudaSuccess;
+  return with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    combine_kernel<T><<<blocks_for(num_tokens * cols), kThreads, 0, stream>>>(
+        slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
+  });
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,218 @@
+// The layer's kernels before the tail: the router's selection, row gathers, the experts'
+// activations and the weighted combine. Device code only; launchers in layer_kernels.cu.
+//
+// Every formula is the CPU executor's (src/cpu/cpu_layer_executor.cpp, src/core/router.cpp,
+// src/core/expert_activation.hpp), written with explicit _rn intrinsics so that nvcc cannot fuse a
+// product and a sum into an FMA the CPU does not have. exp and tanh are CUDA's (within 2 ulp of the
+// C library's), the only difference the contract allows (docs/numerics.md, "The layer").
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/dtype.cuh"
+
+namespace lmoe::cuda {
+
+// What the router kernel needs of RouterConfig, by value.
+struct RouterParams {
+  int experts;
+  int top_k;
+  int n_group;
+  int topk_group;
+  bool softmax;
+  bool has_bias;
+  bool renormalize;
+  float scale;
+};
+
+// The CPU router's ranking (src/core/router.cpp, ranks_before): larger first, equal values
+// (+0 = −0) by lower index, NaN after every number. A strict total order on distinct indices.
+__device__ inline bool ranks_before(float value_a, int index_a, float value_b, int index_b) {
+  const bool nan_a = isnan(value_a);
+  const bool nan_b = isnan(value_b);
+  if (nan_a != nan_b) return nan_b;
+  if (!nan_a && value_a != value_b) return value_a > value_b;
+  return index_a < index_b;
+}
+
+__device__ inline float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
+// One block per token. Shared memory: scores [E], biased [E], group scores [n_group], group
+// eligibility [n_group], the selected ids [k].
+//
+// Selection: an eligible expert's rank is the number of eligible experts that rank before it;
+// those with rank < k are the k best, in order — exactly what the CPU's partial_sort under the same
+// strict total order picks. Each thread counts for its own experts, so the result does not depend
+// on scheduling.
+__global__ void route_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                             RouterParams p, std::int32_t* __restrict__ ids,
+                             float* __restrict__ weights) {
+  extern __shared__ float router_smem[];
+  float* scores = router_smem;
+  float* biased = scores + p.experts;
+  float* group_scores = biased + p.experts;
+  int* group_ok = reinterpret_cast<int*>(group_scores + p.n_group);
+  int* selected = group_ok + p.n_group;
+  __shared__ float softmax_max, softmax_sum;
+
+  const std::int64_t token = blockIdx.x;
+  const float* row = logits + token * p.experts;
+  const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
+
+  if (!p.softmax) {
+    for (int e = tid; e < p.experts; e += threads) scores[e] = sigmoid_rn(row[e]);
+  } else {
+    // The max and the sum in id order, by one thread: the CPU's sequential order (and its
+    // std::max, which keeps the first of equal values and skips NaN after the first element).
+    if (tid == 0) {
+      float max_logit = row[0];
+      for (int e = 1; e < p.experts; ++e) max_logit = max_logit < row[e] ? row[e] : max_logit;
+      softmax_max = max_logit;
+    }
+    __syncthreads();
+    for (int e = tid; e < p.experts; e += threads) scores[e] = expf(__fsub_rn(row[e], softmax_max));
+    __syncthreads();
+    if (tid == 0) {
+      float sum = 0.0f;
+      for (int e = 0; e < p.experts; ++e) sum = __fadd_rn(sum, scores[e]);
+      softmax_sum = sum;
+    }
+    __syncthreads();
+    for (int e = tid; e < p.experts; e += threads) scores[e] = __fdiv_rn(scores[e], softmax_sum);
+  }
+  __syncthreads();
+  for (int e = tid; e < p.experts; e += threads) {
+    biased[e] = p.has_bias ? __fadd_rn(scores[e], bias[e]) : scores[e];
+  }
+  __syncthreads();
+
+  const int group_size = p.experts / p.n_group;
+  if (p.n_group > 1) {
+    for (int g = tid; g < p.n_group; g += threads) {
+      // The group's two best experts in ranking order, as the CPU scans them.
+      int first = g * group_size, second = -1;
+      for (int e = first + 1; e < (g + 1) * group_size; ++e) {
+        if (ranks_before(biased[e], e, biased[first], first)) {
+          second = first;
+          first = e;
+        } else if (second < 0 || ranks_before(biased[e], e, biased[second], second)) {
+          second = e;
+        }
+      }
+      float value = biased[first];
+      if (p.has_bias && second >= 0) value = __fadd_rn(biased[first], biased[second]);
+      group_scores[g] = value;
+    }
+    __syncthreads();
+    for (int g = tid; g < p.n_group; g += threads) {
+      int rank = 0;
+      for (int other = 0; other < p.n_group; ++other) {
+        if (ranks_before(group_scores[other], other, group_scores[g], g)) ++rank;
+      }
+      group_ok[g] = rank < p.topk_group;
+    }
+    __syncthreads();
+  }
+
+  for (int e = tid; e < p.experts; e += threads) {
+    if (p.n_group > 1 && !group_ok[e / group_size]) continue;
+    int rank = 0;
+    for (int other = 0; other < p.experts && rank < p.top_k; ++other) {
+      if (p.n_group > 1 && !group_ok[other / group_size]) continue;
+      if (ranks_before(biased[other], other, biased[e], e)) ++rank;
+    }
+    if (rank < p.top_k) selected[rank] = e;
+  }
+  __syncthreads();
+
+  if (tid == 0) {
+    std::int32_t* token_ids = ids + token * p.top_k;
+    float* token_weights = weights + token * p.top_k;
+    float sum = 0.0f;  // in rank order from +0, as the CPU
+    for (int j = 0; j < p.top_k; ++j) {
+      token_ids[j] = selected[j];
+      sum = __fadd_rn(sum, scores[selected[j]]);
+    }
+    for (int j = 0; j < p.top_k; ++j) {
+      float weight = scores[selected[j]];
+      if (p.renormalize) weight = sum > 0.0f ? __fdiv_rn(weight, sum) : 0.0f;
+      token_weights[j] = __fmul_rn(weight, p.scale);
+    }
+  }
+}
+
+template <typename T>
+__global__ void to_float_kernel(const T* __restrict__ x, float* __restrict__ out,
+                                std::int64_t count) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    out[i] = Storage<T>::load(x[i]);
+  }
+}
+
+template <typename T>
+__global__ void gather_rows_kernel(const T* __restrict__ src, const std::int32_t* __restrict__ rows,
+                                   T* __restrict__ dst, std::int64_t count, std::int64_t cols) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < count * cols; i += stride) {
+    const std::int64_t row = i / cols, col = i - row * cols;
+    dst[i] = src[static_cast<std::int64_t>(rows[row]) * cols + col];
+  }
+}
+
+// What the activation kernel needs of LayerConfig, by value.
+struct ActivationParams {
+  int kind;  // ExpertActivation: 0 silu_glu, 1 situ_glu, 2 relu2
+  float beta;
+  float linear_beta;
+};
+
+__device__ inline float activate(const ActivationParams& p, float gate, float up) {
+  switch (p.kind) {
+    case 0:
+      return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
+    case 1: {
+      const float gated =
+          __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));
+      return __fmul_rn(gated, __fmul_rn(p.linear_beta, tanhf(__fdiv_rn(up, p.linear_beta))));
+    }
+    default: {
+      // std::max(up, 0.0f): keeps −0 and NaN, as the CPU does (fmaxf would not).
+      const float positive = up < 0.0f ? 0.0f : up;
+      return __fmul_rn(positive, positive);
+    }
+  }
+}
+
+template <typename T>
+__global__ void activation_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                                  T* __restrict__ out, std::int64_t count, ActivationParams p) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    out[i] = Storage<T>::store(activate(p, gate ? gate[i] : 0.0f, up[i]));
+  }
+}
+
+template <typename T>
+__global__ void combine_kernel(const float* __restrict__ slot_out,
+                               const std::int32_t* __restrict__ slot_rows,
+                               const float* __restrict__ weights, T* __restrict__ routed,
+                               std::int64_t num_tokens, std::int64_t top_k, std::int64_t cols) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < num_tokens * cols; i += stride) {
+    const std::int64_t token = i / cols, col = i - token * cols;
+    const std::int64_t first = token * top_k;
+    float sum = __fmul_rn(weights[first], slot_out[slot_rows[first] * cols + col]);
+    for (std::int64_t j = 1; j < top_k; ++j) {
+      sum = __fadd_rn(sum,
+                      __fmul_rn(weights[first + j], slot_out[slot_rows[first + j] * cols + col]));
+    }
+    routed[i] = Storage<T>::store(sum);
+  }
+}
+
+}  // namespace lmoe::cuda
