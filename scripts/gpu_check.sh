@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench layer probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -102,6 +102,16 @@ if wants fusedbench; then
     rc[fused_$name]=$?
     cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
   done
+fi
+
+if wants layer; then
+  # The whole layer on the GPU (docs/layer.md): K3 dims with the experts scaled down (lmoe layer's
+  # default), 4 ranks sharing the GPU, checked against fp64 and the CPU backend, stage times per T.
+  stage "lmoe layer --backend cuda (K3, scaled experts, tp 4)"
+  timeout 240 build/cuda/lmoe layer --backend cuda -n 4 -t 1,16,128,1024 --json "$logs/layer_cuda_k3_tp4.json" \
+    >"$logs/layer.log" 2>"$logs/layer.err"
+  rc[layer]=$?
+  cat "$logs/layer.log"; tail -3 "$logs/layer.err"
 fi
 
 if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
