@@ -14,7 +14,7 @@
 //      order of cuda/rms_norm.cuh into N (r's own memory); then rows_done += 1;
 //   3. stripe: once rows_done ≥ e·G (every row of N is there), block b computes block-tiles
 //      b, b + G, … of r's stripe of output columns: N · w_stripeᵀ on tensor cores (mma.sync
-//      m16n8k16, fp32 accumulate, warps split over m-tiles and K, slices summed in order),
+//      m16n8k16, fp32 accumulate, the K range split over the 8 warps and summed in warp order),
 //      rounded, plus the rank-order sum of the peers' shared columns, rounded, into Y's columns of
 //      the stripe and into r's staged stripe; then stripes_arrived[r] += 1 in every peer's flags;
 //   4. gather: once stripes_arrived[p] ≥ e·G, the blocks copy peer p's staged stripe into Y.
@@ -173,122 +173,120 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
   __syncthreads();  // lane_sums is reused by the next row
 }
 
-// Y's element (t, stripe column col) from u = the fp32 product: round(round(u) + round(Σ_r shared_r))
-// into Y and, with peers, into this rank's staged stripe.
-template <typename T>
-__device__ inline void fused_output(const FusedTailParams& p, std::int64_t t, std::int64_t col, float u,
-                                    std::uint32_t parity) {
-  const std::int64_t global_col = static_cast<std::int64_t>(p.rank) * p.stripe + col;
-  float shared_sum;
-  if (p.tp == 1) {
-    shared_sum = Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col]);
-  } else {
-    shared_sum = fused_load_cg_scalar(fused_at<T>(p, 0, p.shared_offset, parity) + t * p.d + global_col);
-    for (int r = 1; r < p.tp; ++r) {
-      shared_sum =
-          __fadd_rn(shared_sum, fused_load_cg_scalar(fused_at<T>(p, r, p.shared_offset, parity) + t * p.d + global_col));
-    }
-  }
-  const T y = Storage<T>::store(
-      __fadd_rn(Storage<T>::load(Storage<T>::store(u)), Storage<T>::load(Storage<T>::store(shared_sum))));
-  static_cast<T*>(p.out)[t * p.d + global_col] = y;
-  if (p.tp > 1) fused_at<T>(p, p.rank, p.stripe_offset, parity)[t * p.stripe + col] = y;
-}
+// Phase 3 for one block-tile of kNt·8 stripe columns starting at column `col0` (stripe-local):
+// every m-group of kMg·16 tokens, each warp sums its k-steps, the block adds the 8 warps' partials
+// in warp order, and the epilogue adds the reduced shared columns.
+//
+// Bytes in flight decide the speed at decode sizes (the kernel streams the stripe): a warp issues
+// the loads of a whole batch of k-steps before its first mma (the loads and the mma are volatile
+// asm, which the compiler keeps in program order, so a load after an mma would wait for it).
+template <int kNt, int kMg>
+struct FusedBatch {
+  static constexpr int kSteps = kNt * kMg >= 4 ? 2 : (kNt * kMg == 2 ? 4 : 8);
+};
 
-// k-steps a warp loads before its first mma (the loads and the mma are volatile asm, which the
-// compiler keeps in program order, so a load placed after an mma would wait for it): bytes in
-// flight set the speed at decode sizes, registers bound the batch.
-template <int kNt>
-inline constexpr int kFusedBatchSteps = kNt == 1 ? 8 : (kNt == 2 ? 4 : 2);
-
-// Phase 3 for one block-tile of kNt·8 stripe columns starting at stripe column `col0`.
-// The 8 warps split the m-tiles (16 tokens each) into `groups` groups and, within a group, the K
-// range into `slices` = 8 / groups interleaved slices: with few tokens every warp has a share of the
-// stripe to stream (K split 8 ways at T ≤ 16), with many each warp owns whole m-tiles. A warp sums
-// its k-steps in increasing order; the block adds a group's slices in slice order (shared memory),
-// so results do not depend on timing.
-template <typename T, int kNt>
+template <typename T, int kNt, int kMg>
 __device__ void fused_stripe_tile(const FusedTailParams& p, std::int64_t tokens, std::int64_t col0,
                                   std::uint32_t parity, float* partials) {
-  constexpr int kSteps = kFusedBatchSteps<kNt>;
+  constexpr int kSteps = FusedBatch<kNt, kMg>::kSteps;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
   const T* normed = fused_at<T>(p, p.rank, p.normed_offset, 0);
   const T* w = static_cast<const T*>(p.w_stripe);
   const std::int64_t k_steps = p.l / 16;
   const std::int64_t mtiles = (tokens + 15) / 16;
-  int groups = 1;
-  while (groups < kFusedWarps && groups < mtiles) groups *= 2;
-  const int slices = kFusedWarps / groups;
-  const int group = warp / slices, slice = warp % slices;
-  const std::int64_t rounds = (mtiles + groups - 1) / groups;
-  for (std::int64_t round = 0; round < rounds; ++round) {
-    const std::int64_t mt = round * groups + group;  // ≥ mtiles: this warp idles this round
-    float acc[kNt][4] = {};
-    const std::int64_t row0 = mt * 16 + g, row1 = row0 + 8;  // a row ≥ T reads as zeros
-    if (mt < mtiles) {
-      for (std::int64_t first = slice; first < k_steps; first += static_cast<std::int64_t>(slices) * kSteps) {
-        std::uint32_t b[kSteps][kNt][2];
-        std::uint32_t a[kSteps][4];
+  for (std::int64_t m0 = 0; m0 < mtiles; m0 += kMg) {
+    float acc[kMg][kNt][4] = {};
+    // Rows of N this thread's A fragments read (a row ≥ T reads as zeros).
+    std::int64_t rows[kMg][2];
 #pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-          const std::int64_t ks = first + static_cast<std::int64_t>(i) * slices;
-          if (ks < k_steps) {
-            const std::int64_t k = ks * 16 + 2 * q;
+    for (int m = 0; m < kMg; ++m) {
+      rows[m][0] = (m0 + m) * 16 + g;
+      rows[m][1] = rows[m][0] + 8;
+    }
+    // Warp w takes k-steps w, w + 8, w + 16, …, kSteps at a time.
+    for (std::int64_t first = warp; first < k_steps; first += kFusedWarps * kSteps) {
+      std::uint32_t b[kSteps][kNt][2];
+      std::uint32_t a[kSteps][kMg][4];
 #pragma unroll
-            for (int n = 0; n < kNt; ++n) {
-              const T* w_row = w + (col0 + n * 8 + g) * p.l + k;
-              b[i][n][0] = fused_load_weights(w_row);
-              b[i][n][1] = fused_load_weights(w_row + 8);
-            }
+      for (int i = 0; i < kSteps; ++i) {
+        const std::int64_t ks = first + i * kFusedWarps;
+        if (ks < k_steps) {
+          const std::int64_t k = ks * 16 + 2 * q;
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+            const T* w_row = w + (col0 + n * 8 + g) * p.l + k;
+            b[i][n][0] = fused_load_weights(w_row);
+            b[i][n][1] = fused_load_weights(w_row + 8);
           }
         }
+      }
 #pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-          const std::int64_t ks = first + static_cast<std::int64_t>(i) * slices;
-          if (ks < k_steps) {
-            const std::int64_t k = ks * 16 + 2 * q;
-            a[i][0] = row0 < tokens ? fused_load_normed(normed + row0 * p.l + k) : 0u;
-            a[i][1] = row1 < tokens ? fused_load_normed(normed + row1 * p.l + k) : 0u;
-            a[i][2] = row0 < tokens ? fused_load_normed(normed + row0 * p.l + k + 8) : 0u;
-            a[i][3] = row1 < tokens ? fused_load_normed(normed + row1 * p.l + k + 8) : 0u;
+      for (int i = 0; i < kSteps; ++i) {
+        const std::int64_t ks = first + i * kFusedWarps;
+        if (ks < k_steps) {
+          const std::int64_t k = ks * 16 + 2 * q;
+#pragma unroll
+          for (int m = 0; m < kMg; ++m) {
+            a[i][m][0] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k) : 0u;
+            a[i][m][1] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k) : 0u;
+            a[i][m][2] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k + 8) : 0u;
+            a[i][m][3] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k + 8) : 0u;
           }
         }
+      }
 #pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-          if (first + static_cast<std::int64_t>(i) * slices < k_steps) {
+      for (int i = 0; i < kSteps; ++i) {
+        if (first + i * kFusedWarps < k_steps) {
 #pragma unroll
-            for (int n = 0; n < kNt; ++n) fused_mma<T>(acc[n], a[i], b[i][n]);
+          for (int m = 0; m < kMg; ++m) {
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) fused_mma<T>(acc[m][n], a[i][m], b[i][n]);
           }
         }
       }
     }
-    // partials[warp][n][lane][4]
+    // partials[warp][m][n][lane][4]
 #pragma unroll
-    for (int n = 0; n < kNt; ++n) {
-      reinterpret_cast<float4*>(partials)[(warp * kNt + n) * 32 + lane] =
-          make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+    for (int m = 0; m < kMg; ++m) {
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+        reinterpret_cast<float4*>(partials)[((warp * kMg + m) * kNt + n) * 32 + lane] =
+            make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+      }
     }
     __syncthreads();
-    // Epilogue of this round: element i = ((group·kNt + n)·32 + fragment lane)·4 + j.
-    const int elements = groups * kNt * 128;
-    for (int i = static_cast<int>(threadIdx.x); i < elements; i += kFusedThreads) {
-      const int j = i % 4, frag_lane = (i / 4) % 32, gn = i / 128;
-      const int out_group = gn / kNt, n = gn % kNt;
-      const std::int64_t t = (round * groups + out_group) * 16 + frag_lane / 4 + (j >= 2 ? 8 : 0);
+    // Epilogue: element i = ((m·kNt + n)·32 + fragment lane)·4 + j of the group.
+    constexpr int kElements = kMg * kNt * 128;
+    for (int i = static_cast<int>(threadIdx.x); i < kElements; i += kFusedThreads) {
+      const int j = i % 4, frag_lane = (i / 4) % 32, mn = i / 128;
+      const int m = mn / kNt, n = mn % kNt;
+      const std::int64_t t = (m0 + m) * 16 + frag_lane / 4 + (j >= 2 ? 8 : 0);
       if (t >= tokens) continue;
       const std::int64_t col = col0 + n * 8 + 2 * (frag_lane % 4) + (j % 2);  // stripe-local
       float u = 0.0f;
-      for (int sl = 0; sl < slices; ++sl) {
-        u = __fadd_rn(u, partials[(((out_group * slices + sl) * kNt + n) * 32 + frag_lane) * 4 + j]);
+      for (int w8 = 0; w8 < kFusedWarps; ++w8) u = __fadd_rn(u, partials[(((w8 * kMg + m) * kNt + n) * 32 + frag_lane) * 4 + j]);
+      const std::int64_t global_col = static_cast<std::int64_t>(p.rank) * p.stripe + col;
+      float shared_sum;
+      if (p.tp == 1) {
+        shared_sum = Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col]);
+      } else {
+        shared_sum = fused_load_cg_scalar(fused_at<T>(p, 0, p.shared_offset, parity) + t * p.d + global_col);
+        for (int r = 1; r < p.tp; ++r) {
+          shared_sum = __fadd_rn(shared_sum,
+                                 fused_load_cg_scalar(fused_at<T>(p, r, p.shared_offset, parity) + t * p.d + global_col));
+        }
       }
-      fused_output<T>(p, t, col, u, parity);
+      const T y = Storage<T>::store(
+          __fadd_rn(Storage<T>::load(Storage<T>::store(u)), Storage<T>::load(Storage<T>::store(shared_sum))));
+      static_cast<T*>(p.out)[t * p.d + global_col] = y;
+      if (p.tp > 1) fused_at<T>(p, p.rank, p.stripe_offset, parity)[t * p.stripe + col] = y;
     }
-    __syncthreads();  // partials is reused by the next round
+    __syncthreads();  // partials is reused by the next group
   }
 }
 
-template <typename T, int kNt>
+template <typename T, int kNt, int kMg>
 __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailParams p) {
   __shared__ std::uint32_t s_epoch;
   __shared__ int s_failed;
@@ -355,7 +353,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
 
   // 3. The stripe's output columns.
   for (std::int64_t bt = blockIdx.x; bt < block_tiles; bt += gridDim.x) {
-    fused_stripe_tile<T, kNt>(p, tokens, bt * 8 * kNt, parity, partials);
+    fused_stripe_tile<T, kNt, kMg>(p, tokens, bt * 8 * kNt, parity, partials);
   }
 
   if (p.tp > 1) {

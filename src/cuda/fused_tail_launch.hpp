@@ -15,8 +15,12 @@ namespace lmoe::cuda {
 // row of N for more columns; narrower ones spread a narrow stripe over more SMs).
 bool fused_tile_width_supported(int n_tiles);
 
-// Dynamic shared memory of one block (the warps' partial sums of one round of m-tiles).
-std::size_t fused_tail_shared_bytes(int n_tiles);
+// m-tiles of 16 tokens per pass for a call of up to `tokens` rows (p.tokens: with tokens_device,
+// the most rows a replay may bring).
+int fused_m_group(std::int64_t tokens);
+
+// Dynamic shared memory of one block (the warps' partial sums of one m-group).
+std::size_t fused_tail_shared_bytes(int n_tiles, int m_group);
 
 // How many blocks of the kernel fit on one SM (registers, shared memory, threads).
 cudaError_t fused_tail_blocks_per_sm(int n_tiles, DType dtype, int* blocks);

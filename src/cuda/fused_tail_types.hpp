@@ -14,6 +14,7 @@ namespace lmoe::cuda {
 inline constexpr std::int64_t kFusedMaxTokens = 256;
 inline constexpr int kFusedThreads = 256;  // 8 warps: the RMSNorm's 256 lanes, and a K split of 8
 inline constexpr int kFusedWarps = kFusedThreads / 32;
+inline constexpr int kFusedMaxMmaGroup = 2;  // m-tiles of 16 tokens per pass: 1 for T ≤ 16, else 2
 
 // Per rank, at the start of its workspace (zeroed at creation). Counters only grow, modulo 2^32,
 // and are compared as wrapping differences against targets derived from the call's epoch e
