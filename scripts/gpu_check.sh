@@ -65,7 +65,8 @@ if wants p2pshared; then
   LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1 LMOE_P2P_TIMEOUT_MS=3000 timeout 250 build/cuda/tests/lmoe_cuda_tests \
     --gtest_filter='P2p*:*p2p*:-*Fused*' >"$logs/p2pshared.log" 2>&1
   rc[p2pshared]=$?
-  grep -E "waited|FAILED  \]|PASSED|SKIPPED \]|Failure|exception" "$logs/p2pshared.log" | sort -u | head -30
+  grep -E "exception with|waited" "$logs/p2pshared.log" | cut -c1-400 | head -8
+  grep -E "^\[  FAILED  \].*\(|PASSED" "$logs/p2pshared.log" | sed 's/, where GetParam.*//' | sort -u | head -20
   grep -E "^\[ parity" "$logs/p2pshared.log" | head -60
 fi
 
