@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <vector>
 
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
@@ -153,19 +154,37 @@ class P2pGroup {
   // Where every rank's blocks are, for a failure message: "rank r: entered/completed" per block,
   // from the flags in device memory (read once the rounds have stopped, which a raised abort flag
   // ensures). A stalled rank whose blocks never entered the round was not running at all (queued
-  // behind other work, or not resident); one that entered but did not complete was waiting.
+  // behind other work, or not resident); one that entered but did not complete was waiting. Then,
+  // for the block of the first timeout, the arrival each rank holds from every peer: a peer that
+  // completed the round while a rank still holds an older arrival from it points at the flags'
+  // visibility, not at scheduling.
   std::string block_progress() {
     std::string text;
-    cuda::P2pFlags flags;
+    int timed_out_block = -1;
+    for (int r = 0; r < size_ && timed_out_block < 0; ++r) {
+      if (mapped_->status[r].code == cuda::kP2pTimeout) timed_out_block = mapped_->status[r].block;
+    }
+    std::vector<cuda::P2pFlags> flags(static_cast<std::size_t>(size_));
     for (int r = 0; r < size_; ++r) {
       LMOE_CUDA_CHECK(cudaSetDevice(devices_[r]));
-      if (cudaMemcpy(&flags, flags_[r].data(), sizeof(flags), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      if (cudaMemcpy(&flags[r], flags_[r].data(), sizeof(cuda::P2pFlags), cudaMemcpyDeviceToHost) != cudaSuccess) {
         cudaGetLastError();
         return "";
       }
       text += "; rank " + std::to_string(r) + " blocks entered/completed:";
       for (int b = 0; b < blocks_; ++b) {
-        text += " " + std::to_string(flags.entered[b]) + "/" + std::to_string(flags.epoch[b]);
+        text += " " + std::to_string(flags[r].entered[b]) + "/" + std::to_string(flags[r].epoch[b]);
+      }
+    }
+    if (timed_out_block >= 0 && timed_out_block < blocks_) {
+      text += "; arrivals held for block " + std::to_string(timed_out_block) + " (from rank 0 … " +
+              std::to_string(size_ - 1) + "):";
+      for (int r = 0; r < size_; ++r) {
+        text += " rank " + std::to_string(r) + " [";
+        for (int peer = 0; peer < size_; ++peer) {
+          text += (peer ? " " : "") + std::to_string(flags[r].arrive[timed_out_block][peer]);
+        }
+        text += "]";
       }
     }
     return text;
