@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench layer probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench layer baseline probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -113,6 +113,32 @@ if wants layer; then
     >"$logs/layer.log" 2>"$logs/layer.err"
   rc[layer]=$?
   cat "$logs/layer.log"; tail -3 "$logs/layer.err"
+fi
+
+if wants baseline; then
+  # Issue 7's side-by-side: the reference system's overlap and column tails in plain PyTorch
+  # (torch.distributed + torch.mm) on every GPU of this machine, then lmoe's tail on the very input
+  # the baseline dumped (T = 128), compared element by element. Needs ≥ 2 GPUs and torch.
+  if [ "$gpus" -ge 2 ] && python3 -c "import torch, safetensors" 2>/dev/null; then
+    stage "PyTorch baseline: torchrun, $gpus GPUs"
+    timeout 300 torchrun --standalone --nproc_per_node="$gpus" scripts/torch_baseline.py --graph \
+      -t "${LMOE_BENCH_TOKENS:-1,16,128,256,1024,4096,8192}" --json "$logs/torch_baseline.json" >"$logs/baseline.log" 2>&1
+    rc[baseline]=$?
+    grep -vE "^\[|Warning" "$logs/baseline.log" | head -40
+    timeout 120 torchrun --standalone --nproc_per_node="$gpus" scripts/torch_baseline.py -t 128 --iters 1 --warmup 1 \
+      --dump-dir "$logs/baseline_t128" >"$logs/baseline_dump.log" 2>&1
+    for tier in overlap column; do
+      stage "lmoe tail vs the baseline, $tier, T = 128, nccl"
+      timeout 120 build/cuda/lmoe tail --backend cuda --comm nccl --tier "$tier" --check \
+        --input "$logs/baseline_t128/t128_input.safetensors" --output "$logs/baseline_t128/t128_lmoe_$tier.safetensors" 2>&1 | tail -3
+      python3 scripts/compare_safetensors.py "$logs/baseline_t128/t128_$tier.safetensors" \
+        "$logs/baseline_t128/t128_lmoe_$tier.safetensors" --max-rel 0.02
+      rc[baseline_$tier]=$?
+    done
+    rm -f "$logs"/baseline_t128/t128_input.safetensors  # 100+ MB: not worth bringing back
+  else
+    echo "gpu_check: baseline skipped (needs >= 2 GPUs and python3 with torch and safetensors)"
+  fi
 fi
 
 if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
