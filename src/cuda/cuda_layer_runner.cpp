@@ -6,26 +6,11 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/owned_stream.hpp"
 
 namespace lmoe {
 
 namespace {
-
-// A stream owned by this rank for the duration of the run.
-class RankStream {
- public:
-  RankStream() { LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~RankStream() {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
-  RankStream(const RankStream&) = delete;
-  RankStream& operator=(const RankStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 // A device copy of a host tensor's shape, as a matrix view.
 struct DeviceMatrix {
@@ -56,7 +41,7 @@ void run_layer_rank_cuda(LatentMoELayer& layer, Communicator& comm,
   const LayerConfig& config = options.config;
   const DType dtype = options.dtype;
   const int rank = comm.rank();
-  const RankStream stream;
+  const cuda::OwnedStream stream;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const HostTensor& input = inputs[i];
     const std::int64_t tokens = input.shape().empty() ? 0 : input.shape()[0];

@@ -8,27 +8,12 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/owned_stream.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
 
 namespace {
-
-// A stream owned by this rank for the duration of the run.
-class OwnedStream {
- public:
-  OwnedStream() { LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~OwnedStream() {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
-  OwnedStream(const OwnedStream&) = delete;
-  OwnedStream& operator=(const OwnedStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 // An instantiated CUDA graph of one captured call.
 class Graph {
@@ -91,7 +76,7 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
   const cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * l) * esize);
   const cuda::DeviceBuffer shared(static_cast<std::size_t>(tokens * d) * esize);
   const cuda::DeviceBuffer y(static_cast<std::size_t>(tokens * d) * esize);
-  const OwnedStream stream;
+  const cuda::OwnedStream stream;
   if (routed.bytes()) {
     LMOE_CUDA_CHECK(cudaMemcpy(routed.data(), routed_in.data, routed.bytes(), cudaMemcpyHostToDevice));
   }
