@@ -63,6 +63,7 @@ inline void check_partials_and_y(const LayerConfig& config, float eps, DType dty
   TailCase tail;
   tail.dims = config.tail_dims();
   tail.eps = eps;
+  tail.latent_norm = config.latent_norm;
   tail.dtype = dtype;
   tail.tp = tp;
   tail.num_tokens = tokens;

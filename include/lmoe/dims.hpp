@@ -59,7 +59,8 @@ struct LayerConfig {
   float activation_beta = 1.0f;             // situ_glu: β of the gate
   float activation_linear_beta = 1.0f;      // situ_glu: β_lin of the up projection
   // Whether the model normalizes the reduced routed latent before the up-projection (the tail's
-  // RMSNorm). A model without it cannot run on LatentTail yet, which always normalizes.
+  // RMSNorm). Without it (Nemotron 3) the tail runs with TailOptions::latent_norm = false: the cpu
+  // backend only, for now.
   bool latent_norm = true;
 
   TailDims tail_dims() const { return {d_model, d_latent}; }

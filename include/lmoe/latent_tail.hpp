@@ -31,6 +31,10 @@ TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims
 struct TailOptions {
   TailDims dims;
   float rms_norm_eps = 1e-5f;
+  // false: N = round(Σ_r routed_r), no RMSNorm (Nemotron 3 feeds the routed sum straight to its
+  // latent up-projection); norm_weight is then ignored. The cpu backend only, for now: the cuda
+  // backend refuses it at construction.
+  bool latent_norm = true;
   DType dtype = DType::bf16;
   Backend backend = Backend::cpu;
   // Built-in defaults; load_policy_config(process_environment()) adds a table and the environment.

@@ -15,6 +15,7 @@ namespace lmoe {
 struct TailCase {
   TailDims dims;
   float eps = 1e-5f;
+  bool latent_norm = true;    // false: N = round(Σ routed_r), no RMSNorm (TailOptions::latent_norm)
   DType dtype = DType::bf16;
   int tp = 1;
   std::int64_t num_tokens = 0;

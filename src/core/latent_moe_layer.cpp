@@ -49,10 +49,10 @@ std::string describe(const LayerOptions& options, const LayerWeights& weights) {
 std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
                                           const LayerWeights& weights) {
   if (auto error = validate_layer_config(options.config, tp)) return "layer config: " + *error;
-  if (!options.config.latent_norm) {
+  if (!options.config.latent_norm && options.backend != Backend::cpu) {
     return std::string(
-        "layer config: latent_norm is false (the model has no RMSNorm before the "
-        "up-projection), but LatentTail always applies one; this layer cannot run yet");
+        "layer config: latent_norm is false (the model has no RMSNorm before the up-projection), which "
+        "only the cpu backend's tail runs for now");
   }
   if (auto error = validate_layer_weights(options.config, options.dtype, tp, weights)) return error;
   if (options.backend == Backend::cuda) {
@@ -175,6 +175,7 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
   TailOptions tail;
   tail.dims = opts.config.tail_dims();
   tail.rms_norm_eps = opts.rms_norm_eps;
+  tail.latent_norm = opts.config.latent_norm;
   tail.dtype = opts.dtype;
   tail.backend = opts.backend;
   tail.policy = opts.policy;

@@ -60,6 +60,10 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   const TailOptions& opts = impl_->options;
   std::optional<std::string> error = validate_options(opts, comm.size());
   if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);
+  if (!error && !opts.latent_norm && opts.backend != Backend::cpu) {
+    error = "latent_norm = false (no RMSNorm before the up-projection) runs on the cpu backend only for now, not on " +
+            std::string(backend_name(opts.backend));
+  }
   if (!error && !backend_available(opts.backend)) {
     error = "backend " + std::string(backend_name(opts.backend)) +
             " is not available in this build or on this machine";
@@ -82,6 +86,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   if (!error) {
     std::uint64_t hash = fnv1a(&opts.dims, sizeof(opts.dims));
     hash = fnv1a(&opts.rms_norm_eps, sizeof(opts.rms_norm_eps), hash);
+    hash = fnv1a(&opts.latent_norm, sizeof(opts.latent_norm), hash);
     hash = fnv1a(&opts.dtype, sizeof(opts.dtype), hash);
     hash = fnv1a(&opts.backend, sizeof(opts.backend), hash);
     hash = fnv1a(&opts.max_tokens, sizeof(opts.max_tokens), hash);
@@ -89,9 +94,10 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     hash = fnv1a(&weights, sizeof(weights), hash);
     char text[200];
     std::snprintf(text, sizeof(text),
-                  "d_model=%lld d_latent=%lld eps=%g dtype=%s backend=%s max_tokens=%lld weights=%016llx",
+                  "d_model=%lld d_latent=%lld latent_norm=%s eps=%g dtype=%s backend=%s max_tokens=%lld weights=%016llx",
                   static_cast<long long>(opts.dims.d_model), static_cast<long long>(opts.dims.d_latent),
-                  static_cast<double>(opts.rms_norm_eps), std::string(dtype_name(opts.dtype)).c_str(),
+                  opts.latent_norm ? "true" : "false", static_cast<double>(opts.rms_norm_eps),
+                  std::string(dtype_name(opts.dtype)).c_str(),
                   std::string(backend_name(opts.backend)).c_str(), static_cast<long long>(opts.max_tokens),
                   static_cast<unsigned long long>(weights));
     impl_->config_hash = hash;
@@ -109,7 +115,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   }
 
   if (opts.backend == Backend::cpu) {
-    impl_->executor = make_cpu_tail_executor(comm, opts.dims, opts.dtype, opts.rms_norm_eps,
+    impl_->executor = make_cpu_tail_executor(comm, opts.dims, opts.dtype, opts.latent_norm, opts.rms_norm_eps,
                                              norm_weight, up_proj_weight);
   } else {
 #ifdef LMOE_HAS_CUDA

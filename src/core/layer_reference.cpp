@@ -216,6 +216,10 @@ ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const 
     const double* routed = result.routed.data() + t * l;
     double squares = 0;
     for (std::int64_t c = 0; c < l; ++c) squares += routed[c] * routed[c];
+    if (!config_.latent_norm) {  // the routed sum goes to the up-projection as it is
+      std::copy_n(routed, l, normed.data() + t * l);
+      continue;
+    }
     const double rstd = 1.0 / std::sqrt(squares / static_cast<double>(l) + eps_);
     for (std::int64_t c = 0; c < l; ++c) normed[t * l + c] = routed[c] * rstd * w.gamma[c];
   }

@@ -183,11 +183,11 @@ ContractReference reference_tail(const TailCase& c, Contract contract, Reduction
   // With one rank nothing is summed, so every order is the contract's.
   const bool reordered = reductions == ReductionOrder::unspecified && c.tp > 1;
 
-  // N = round(rmsnorm(round(Σ routed_r)))
+  // N = round(rmsnorm(round(Σ routed_r))), or round(Σ routed_r) without the norm
   HostTensor latent(c.dtype, {tokens, l});
   reduce_in_rank_order(rank_slices(c.routed), latent.data(), static_cast<std::size_t>(tokens * l), c.dtype);
-  HostTensor normed(c.dtype, {tokens, l});
-  cpu::rms_norm(latent.matrix(), cpu::to_float(c.norm_weight.matrix()), c.eps, normed.matrix());
+  HostTensor normed = latent;
+  if (c.latent_norm) cpu::rms_norm(latent.matrix(), cpu::to_float(c.norm_weight.matrix()), c.eps, normed.matrix());
 
   const std::vector<float> w = cpu::to_float(c.up_proj_weight.matrix());
   const std::vector<float> u = cpu::gemm_fp32(normed.matrix(), w.data(), d);  // unrounded
@@ -211,7 +211,16 @@ ContractReference reference_tail(const TailCase& c, Contract contract, Reduction
   // only by the GEMM's order, e = 2 γ_l |N|·|W|ᵀ; a reordered latent moves N by up to Δ_N, which
   // the GEMM carries as (1 + γ_l) Δ_N · |W|ᵀ.
   std::vector<float> moved_u;
-  if (reordered) moved_u = abs_product(norm_slack(latent, normed, c.norm_weight, reduction_slack(c.routed, latent, c.tp), c.eps));
+  if (reordered) {
+    const std::vector<double> latent_slack = reduction_slack(c.routed, latent, c.tp);
+    if (c.latent_norm) {
+      moved_u = abs_product(norm_slack(latent, normed, c.norm_weight, latent_slack, c.eps));
+    } else {  // N is the latent: it moves by the latent's own slack (rounded up to fp32)
+      std::vector<float> slack(latent_slack.size());
+      for (std::size_t i = 0; i < slack.size(); ++i) slack[i] = static_cast<float>(1.01 * latent_slack[i]);
+      moved_u = abs_product(slack);
+    }
+  }
   const auto u_slack = [&](std::size_t i) {
     const double e = 2.0 * gamma_k * magnitude[i] * 1.01;
     return reordered ? e + (1.0 + gamma_k) * 1.01 * moved_u[i] : e;
@@ -282,6 +291,7 @@ std::vector<double> exact_tail(const TailCase& c) {
       normed[static_cast<std::size_t>(t * l + j)] = x;
       sum_squares += x * x;
     }
+    if (!c.latent_norm) continue;
     const double rstd = 1.0 / std::sqrt(sum_squares / static_cast<double>(l) + c.eps);
     for (std::int64_t j = 0; j < l; ++j) normed[static_cast<std::size_t>(t * l + j)] *= rstd * c.norm_weight.get(j);
   }

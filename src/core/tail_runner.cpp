@@ -19,6 +19,7 @@ TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const 
   TailOptions tail_options;
   tail_options.dims = c.dims;
   tail_options.rms_norm_eps = c.eps;
+  tail_options.latent_norm = c.latent_norm;
   tail_options.dtype = c.dtype;
   tail_options.backend = options.backend;
   tail_options.policy = options.policy;

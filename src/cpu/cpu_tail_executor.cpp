@@ -1,5 +1,7 @@
 #include "cpu/cpu_tail_executor.hpp"
 
+#include <cstring>
+
 #include <vector>
 
 #include "cpu/cpu_math.hpp"
@@ -20,10 +22,10 @@ struct Buffer {
 
 class CpuTailExecutor final : public TailExecutor {
  public:
-  CpuTailExecutor(Communicator& comm, TailDims dims, DType dtype, float eps,
+  CpuTailExecutor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
                   ConstMatrixView norm_weight, ConstMatrixView up_proj_weight)
-      : comm_(comm), dims_(dims), dtype_(dtype), eps_(eps), gamma_(cpu::to_float(norm_weight)),
-        w_up_(cpu::to_float(up_proj_weight)) {}
+      : comm_(comm), dims_(dims), dtype_(dtype), latent_norm_(latent_norm), eps_(eps),
+        gamma_(cpu::to_float(norm_weight)), w_up_(cpu::to_float(up_proj_weight)) {}
 
   std::string_view backend_name() const override { return "cpu"; }
   MemorySpace memory_space() const override { return MemorySpace::host; }
@@ -56,7 +58,7 @@ class CpuTailExecutor final : public TailExecutor {
     comm_.all_reduce(routed.data, latent.data(), static_cast<std::size_t>(tokens * dims_.d_latent),
                      dtype_);
     Buffer normed(dtype_, tokens, dims_.d_latent);
-    cpu::rms_norm(latent.cview(), gamma_, eps_, normed.view());
+    normalize(latent.cview(), normed.view());
     return normed;
   }
 
@@ -97,7 +99,7 @@ class CpuTailExecutor final : public TailExecutor {
     Buffer shared_rows(dtype_, my_rows, dims_.d_model);
     comm_.reduce_scatter(shared.data, shared_rows.data(), split.model_counts, dtype_);
     Buffer normed(dtype_, my_rows, dims_.d_latent);
-    cpu::rms_norm(latent.cview(), gamma_, eps_, normed.view());
+    normalize(latent.cview(), normed.view());
     Buffer rows(dtype_, my_rows, dims_.d_model);
     cpu::up_project(normed.cview(), w_up_.data(), dims_.d_model, rows.view(), false);
     cpu::add(rows.cview(), shared_rows.cview(), rows.view());
@@ -133,9 +135,23 @@ class CpuTailExecutor final : public TailExecutor {
     }
   }
 
+  // normed = round(rmsnorm(latent)), or the latent itself without the norm.
+  void normalize(ConstMatrixView latent, MatrixView normed) const {
+    if (latent_norm_) {
+      cpu::rms_norm(latent, gamma_, eps_, normed);
+      return;
+    }
+    for (std::int64_t r = 0; r < latent.rows; ++r) {
+      std::memcpy(static_cast<std::byte*>(normed.data) + static_cast<std::size_t>(r * normed.ld) * dtype_size(dtype_),
+                  static_cast<const std::byte*>(latent.data) + static_cast<std::size_t>(r * latent.ld) * dtype_size(dtype_),
+                  static_cast<std::size_t>(latent.cols) * dtype_size(dtype_));
+    }
+  }
+
   Communicator& comm_;
   TailDims dims_;
   DType dtype_;
+  bool latent_norm_;
   float eps_;
   std::vector<float> gamma_;  // [l]
   std::vector<float> w_up_;   // [d, l], exact fp32 copy of the storage-dtype weight
@@ -144,9 +160,9 @@ class CpuTailExecutor final : public TailExecutor {
 }  // namespace
 
 std::unique_ptr<TailExecutor> make_cpu_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                     float eps, ConstMatrixView norm_weight,
+                                                     bool latent_norm, float eps, ConstMatrixView norm_weight,
                                                      ConstMatrixView up_proj_weight) {
-  return std::make_unique<CpuTailExecutor>(comm, dims, dtype, eps, norm_weight, up_proj_weight);
+  return std::make_unique<CpuTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight);
 }
 
 }  // namespace lmoe

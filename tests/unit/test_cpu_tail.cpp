@@ -113,6 +113,60 @@ std::vector<ParityParam> all_params() {
 INSTANTIATE_TEST_SUITE_P(AllTpAndDtypes, CpuTailParity, ::testing::ValuesIn(all_params()), name_of);
 
 // The output may be the shared buffer itself (in place), for every tier.
+// latent_norm = false (Nemotron 3): N is the reduced latent itself. Every tier meets the contract
+// (random inputs, also under the reordered-sum bound), crafted inputs match bit for bit, the flag
+// changes the result, and the cuda backend refuses it for now.
+TEST(CpuTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
+  for (int tp : {1, 2, 4}) {
+    for (DType dtype : {DType::bf16, DType::f32}) {
+      for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{7}, std::int64_t{64}}) {
+        lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp));
+        c.latent_norm = false;
+        lmoe::TailCase exact_inputs = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 5u + static_cast<std::uint64_t>(tokens));
+        exact_inputs.latent_norm = false;
+        const std::vector<double> exact = lmoe::exact_tail(c);
+        for (TailTier tier : lmoe::kAllTiers) {
+          if (tier == TailTier::token && tokens < tp) continue;
+          SCOPED_TRACE("tp=" + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)) + " T=" +
+                       std::to_string(tokens) + " " + std::string(lmoe::tier_name(tier)));
+          const lmoe::CaseRun result = run(c, tier);
+          EXPECT_TRUE(result.ranks_identical);
+          for (auto order : {lmoe::ReductionOrder::rank_order, lmoe::ReductionOrder::unspecified}) {
+            const lmoe::Comparison cmp =
+                lmoe::compare(result.ranks[0].y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier), order), exact);
+            EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+            EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+          }
+          const lmoe::CaseRun crafted = run(exact_inputs, tier);
+          const lmoe::Comparison crafted_cmp =
+              lmoe::compare(crafted.ranks[0].y.matrix(), lmoe::reference_tail(exact_inputs, lmoe::contract_of(tier)),
+                            lmoe::exact_tail(exact_inputs));
+          EXPECT_EQ(crafted_cmp.bit_mismatches, 0);
+        }
+        // The flag is not ignored: with the norm the same inputs give another result.
+        lmoe::TailCase normed = c;
+        normed.latent_norm = true;
+        const lmoe::CaseRun with_norm = run(normed, TailTier::overlap);
+        const lmoe::CaseRun without = run(c, TailTier::overlap);
+        EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), without.ranks[0].y.data(), without.ranks[0].y.nbytes()));
+      }
+    }
+  }
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 1u);
+  lmoe::TailOptions options;
+  options.dims = kSmall;
+  options.latent_norm = false;
+  options.backend = lmoe::Backend::cuda;
+  lmoe::run_on_threads(1, [&](int, lmoe::Communicator& comm) {
+    try {
+      lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      ADD_FAILURE() << "a cuda tail without the latent norm was built";
+    } catch (const lmoe::Error& error) {
+      EXPECT_NE(std::string(error.what()).find("cpu backend only"), std::string::npos) << error.what();
+    }
+  });
+}
+
 TEST(CpuTail, OutputMayAliasShared) {
   const int tp = 4;
   const std::int64_t tokens = 9;

@@ -177,6 +177,14 @@ LayerConfig relu2_ungrouped() {
   return config;
 }
 
+// Nemotron 3's shape: relu² experts, scale 5, and no RMSNorm between the routed sum and the
+// latent up-projection.
+LayerConfig relu2_no_latent_norm() {
+  LayerConfig config = relu2_ungrouped();
+  config.latent_norm = false;
+  return config;
+}
+
 LayerConfig no_shared_no_bias() {
   LayerConfig config = small_config();
   config.num_shared_experts = 0;
@@ -192,6 +200,7 @@ INSTANTIATE_TEST_SUITE_P(
         VariantParam{"situ_glu", with(small_config(), lmoe::ExpertActivation::situ_glu),
                      DType::bf16, std::nullopt},
         VariantParam{"relu2_scale5", relu2_ungrouped(), DType::bf16, std::nullopt},
+        VariantParam{"relu2_no_latent_norm", relu2_no_latent_norm(), DType::bf16, std::nullopt},
         VariantParam{"no_shared_no_bias", no_shared_no_bias(), DType::bf16, lmoe::TailTier::column},
         VariantParam{"f32_token_tier", small_config(), DType::f32, lmoe::TailTier::token},
         VariantParam{"f16_fused_tier", small_config(), DType::f16, lmoe::TailTier::fused}),
@@ -323,9 +332,21 @@ TEST(LayerErrors, BadConstructionFailsOnEveryRankNamingTheCause) {
     EXPECT_THAT(message,
                 HasSubstr("shared experts: width 3 × 50 = 150 is not a multiple of tp = 4"));
   }
-  messages = construct_errors(
-      1, [](int, LayerConfig& config, lmoe::LayerWeights&) { config.latent_norm = false; });
-  EXPECT_THAT(messages[0], HasSubstr("latent_norm is false"));
+  // No latent RMSNorm (Nemotron 3): the cpu backend runs it (CpuLayerVariant no_latent_norm), the
+  // cuda backend's tail does not yet, and says so before anything else.
+  LayerConfig no_norm = small_config();
+  no_norm.latent_norm = false;
+  lmoe::LayerOptions cuda_options = options_of(no_norm, DType::bf16);
+  cuda_options.backend = lmoe::Backend::cuda;
+  lmoe::run_on_threads(1, [&](int, lmoe::Communicator& comm) {
+    try {
+      lmoe::LatentMoELayer layer(cuda_options, comm, lmoe::make_random_layer_weights(no_norm, DType::bf16, 1, 0, 1));
+      ADD_FAILURE() << "a cuda layer without the latent norm was built";
+    } catch (const lmoe::Error& error) {
+      EXPECT_THAT(error.message(), HasSubstr("latent_norm is false"));
+      EXPECT_THAT(error.message(), HasSubstr("only the cpu backend"));
+    }
+  });
 }
 
 TEST(LayerErrors, BadInputFailsOnEveryRank) {

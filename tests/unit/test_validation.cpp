@@ -574,11 +574,26 @@ TEST(LatentTailValidation, RanksWithDifferentEpsDisagreeOnTheConfiguration) {
   for (const std::string& message : outcome) {
     EXPECT_THAT(message,
                 StartsWith("ranks disagree on the configuration: rank 0 has d_model=96 d_latent=48 "
-                           "eps=1e-05 dtype=bf16 backend=cpu max_tokens=0 weights="));
+                           "latent_norm=true eps=1e-05 dtype=bf16 backend=cpu max_tokens=0 weights="));
     EXPECT_THAT(message,
-                HasSubstr("; rank 1 has d_model=96 d_latent=48 eps=2e-05 dtype=bf16 backend=cpu"));
+                HasSubstr("; rank 1 has d_model=96 d_latent=48 latent_norm=true eps=2e-05 dtype=bf16 backend=cpu"));
   }
   EXPECT_EQ(outcome[0], outcome[1]);
+}
+
+TEST(LatentTailValidation, RanksWithAndWithoutTheLatentNormDisagree) {
+  const auto outcome = construct_outcome(
+      2,
+      [](int rank) {
+        TailOptions opts = options();
+        opts.latent_norm = rank == 0;
+        return opts;
+      },
+      [](int) { return Weights(); });
+  for (const std::string& message : outcome) {
+    EXPECT_THAT(message, HasSubstr("rank 0 has d_model=96 d_latent=48 latent_norm=true"));
+    EXPECT_THAT(message, HasSubstr("rank 1 has d_model=96 d_latent=48 latent_norm=false"));
+  }
 }
 
 TEST(LatentTailValidation, RanksWithDifferentWeightsDisagreeOnTheConfiguration) {
