@@ -15,8 +15,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 logs="${OUT:-build/cuda/gpu_check}"
 mkdir -p "$logs"
-stages="${LMOE_CHECK_STAGES:-build tests p2p nccl kernels bench bench1}"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The default: everything that fits a call's time; with several GPUs also the PyTorch baseline.
+default_stages="build tests p2p nccl kernels bench bench1"
+[ "$gpus" -ge 2 ] && default_stages="$default_stages baseline"
+stages="${LMOE_CHECK_STAGES:-$default_stages}"
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 wants() { [[ " $stages " == *" $1 "* ]]; }
