@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -41,15 +42,35 @@ const lmoe::TailDims kK3{7168, 3584};
 const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
 
 // The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
-// which is what ranks spinning on each other need: this file runs p2p ranks on one GPU.
-class FusedEnvironment : public ::testing::Environment {
+// which ranks spinning on each other need: these tests run p2p ranks on one GPU, opted in for the
+// duration of each test only (the library keeps p2p on a shared GPU opt-in, docs/p2p.md, and the
+// other tests of this binary see its default).
+class ScopedSharedGpu {
  public:
-  void SetUp() override {
-    setenv("LMOE_P2P_SHARED_GPU", "1", 0);
-    lmoe::cpu::set_blas_threads(4);
+  ScopedSharedGpu() {
+    if (const char* value = std::getenv(kName)) previous_ = value;
+    setenv(kName, "1", 1);
   }
+  ~ScopedSharedGpu() {
+    if (previous_) {
+      setenv(kName, previous_->c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ScopedSharedGpu(const ScopedSharedGpu&) = delete;
+  ScopedSharedGpu& operator=(const ScopedSharedGpu&) = delete;
+
+ private:
+  static constexpr const char* kName = "LMOE_P2P_SHARED_GPU";
+  std::optional<std::string> previous_;
 };
-const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new FusedEnvironment);
+
+class Fused : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
+  ScopedSharedGpu shared_gpu_;
+};
 
 lmoe::CaseRun run_fused(const lmoe::TailCase& c, bool graph = false) {
   lmoe::RunOptions options;
@@ -71,7 +92,11 @@ void expect_meets_contract(const lmoe::TailCase& c, const lmoe::CaseRun& result,
   *worst = std::max(*worst, cmp.max_error_over_bound);
 }
 
-class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {};
+class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {
+ protected:
+  static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
+  ScopedSharedGpu shared_gpu_;
+};
 
 TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBitForBit) {
   SKIP_WITHOUT_GPU();
@@ -104,7 +129,7 @@ INSTANTIATE_TEST_SUITE_P(TpDtype, FusedParity,
                                   std::string(lmoe::dtype_name(std::get<1>(info.param)));
                          });
 
-TEST(Fused, K3DimsEagerAndGraphReplays) {
+TEST_F(Fused, K3DimsEagerAndGraphReplays) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 8}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
@@ -124,7 +149,7 @@ TEST(Fused, K3DimsEagerAndGraphReplays) {
 // Every routed partial zero (so N = 0 and U = +0) and shared partials that are −0 or subnormal:
 // Y = round(+0 + round(Σ shared)) must keep subnormals (no flush) and give exactly what the
 // contract's rank-order sum gives for −0 (starting from rank 0's value).
-TEST(Fused, KeepsSubnormalsAndSignedZerosOfTheSharedSum) {
+TEST_F(Fused, KeepsSubnormalsAndSignedZerosOfTheSharedSum) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
@@ -152,7 +177,7 @@ TEST(Fused, KeepsSubnormalsAndSignedZerosOfTheSharedSum) {
   }
 }
 
-TEST(Fused, DeclinesWhatItCannotRunAndThePolicyFallsBack) {
+TEST_F(Fused, DeclinesWhatItCannotRunAndThePolicyFallsBack) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailProblem f32{16, kSmall, DType::f32, 2};
   EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, f32).has_value());
@@ -213,7 +238,7 @@ struct FusedRank {
 
 // A rank that never calls: its peer's kernel gives up after the timeout, and both ranks get an
 // error well within 5 s instead of hanging.
-TEST(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
+TEST_F(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 9u);
   lmoe::P2pOptions options;
@@ -250,7 +275,7 @@ TEST(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
 
 // Two calls of one rank at once on its workspace (two streams, no order between them): an error,
 // not a deadlock and not silently wrong rows.
-TEST(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
+TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 10u);
   lmoe::P2pOptions options;
@@ -287,7 +312,7 @@ TEST(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // kernel reads T on the device. Each replay's output is compared on the device with the eager
 // result of the same inputs (itself checked against the contract), so a stale parity, a row left
 // over from a longer call or a race in the protocol shows up as a counted mismatch.
-TEST(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
   const int tp = 2;
   if (lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
