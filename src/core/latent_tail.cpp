@@ -194,6 +194,12 @@ std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView s
     }
   }
 
+  if (!error && chosen) {
+    if (auto limit = impl_->executor->call_limit(*chosen, routed, as_const(shared), as_const(out))) {
+      error = "tier " + std::string(tier_name(*chosen)) + " cannot run on these buffers: " + *limit;
+    }
+  }
+
   if (impl_->exchange_records()) {
     RankRecord mine;
     mine.config_hash = impl_->config_hash;

@@ -40,6 +40,13 @@ class TailExecutor {
   virtual MemorySpace memory_space() const = 0;
   // nullopt when `tier` can run `problem` on this backend; otherwise the reason it cannot.
   virtual std::optional<std::string> can_implement(TailTier tier, const TailProblem& problem) const = 0;
+  // nullopt when `tier` can run on these very buffers; otherwise why not (e.g. an alignment a
+  // kernel needs). LatentTail asks before the ranks agree on a call, so that a rank whose buffers
+  // do not fit makes every rank fail at once instead of leaving them waiting in a collective.
+  virtual std::optional<std::string> call_limit(TailTier, ConstMatrixView /*routed*/, ConstMatrixView /*shared*/,
+                                                ConstMatrixView /*out*/) const {
+    return std::nullopt;
+  }
   // Inputs are validated by the caller. routed [T, l], shared [T, d] (may be overwritten), out [T, d].
   virtual void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
                    StreamHandle stream) = 0;

@@ -129,6 +129,18 @@ class CudaTailExecutor final : public TailExecutor {
     return std::nullopt;
   }
 
+  std::optional<std::string> call_limit(TailTier tier, ConstMatrixView routed, ConstMatrixView shared,
+                                        ConstMatrixView out) const override {
+    if (tier != TailTier::fused) return std::nullopt;  // the other tiers' kernels fall back to scalar access
+    for (const auto& [name, pointer] : {std::pair{"routed", routed.data}, std::pair{"shared", shared.data},
+                                        std::pair{"out", out.data}}) {
+      if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0) {
+        return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
+      }
+    }
+    return std::nullopt;
+  }
+
   void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
            StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));

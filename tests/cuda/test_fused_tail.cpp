@@ -273,6 +273,43 @@ TEST_F(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
   EXPECT_NE(errors[0].find("waited more than 500 ms for rank 1"), std::string::npos) << errors[0];
 }
 
+// A buffer that fused's vector accesses cannot use, on one rank only: the ranks agree on the call
+// before anything is launched, so both fail at once with the reason (not after the p2p timeout).
+TEST_F(Fused, AMisalignedBufferOnOneRankFailsEveryRankAtOnce) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t tokens = 4, d = kSmall.d_model, l = kSmall.d_latent;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 11u);
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  const auto comms = lmoe::make_p2p_thread_communicators(2);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    lmoe::TailOptions options;
+    options.dims = kSmall;
+    options.backend = lmoe::Backend::cuda;
+    options.max_tokens = tokens;
+    lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+    const DeviceBuffer routed(static_cast<std::size_t>(tokens * l) * 2), shared(static_cast<std::size_t>(tokens * d) * 2),
+        out(static_cast<std::size_t>(tokens * d) * 2 + 16);
+    void* out_data = static_cast<std::byte*>(out.data()) + (rank == 1 ? 2 : 0);  // bf16-aligned, not 16-byte
+    const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, l, l, lmoe::MemorySpace::device};
+    const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
+    const lmoe::MatrixView out_view{out_data, DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    try {
+      tail.forward(routed_view, shared_view, out_view, TailTier::fused, nullptr);
+      cuda_ok(cudaDeviceSynchronize());
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.what();
+    }
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("out must be 16-byte aligned"), std::string::npos)
+        << "rank " << r << ": " << errors[static_cast<std::size_t>(r)];
+  }
+}
+
 // Two calls of one rank at once on its workspace (two streams, no order between them): an error,
 // not a deadlock and not silently wrong rows.
 TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
