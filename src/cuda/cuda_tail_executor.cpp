@@ -31,17 +31,7 @@ int cuda_device_count() {
 std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem) {
   const std::int64_t d = problem.dims.d_model, l = problem.dims.d_latent;
   if (tier == TailTier::fused) {
-    if (problem.dtype != DType::bf16 && problem.dtype != DType::f16) {
-      return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(problem.dtype));
-    }
-    if (problem.tp > cuda::kP2pMaxRanks) {
-      return "tp=" + std::to_string(problem.tp) + " > " + std::to_string(cuda::kP2pMaxRanks) + " (fused's workspace)";
-    }
-    if (d % (8 * problem.tp) != 0) {
-      return "d_model % (8·tp) != 0 (fused needs whole 8-column tiles per rank's stripe): d_model=" +
-             std::to_string(d) + ", tp=" + std::to_string(problem.tp);
-    }
-    if (l % 16 != 0) return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" + std::to_string(l);
+    if (auto limit = cuda::FusedTail::problem_limit(problem.dims, problem.dtype, problem.tp)) return limit;
     if (problem.num_tokens > cuda::kFusedMaxTokens) {
       return "T=" + std::to_string(problem.num_tokens) + " > " + std::to_string(cuda::kFusedMaxTokens) +
              " (fused's workspace rows)";
@@ -132,13 +122,7 @@ class CudaTailExecutor final : public TailExecutor {
   std::optional<std::string> call_limit(TailTier tier, ConstMatrixView routed, ConstMatrixView shared,
                                         ConstMatrixView out) const override {
     if (tier != TailTier::fused) return std::nullopt;  // the other tiers' kernels fall back to scalar access
-    for (const auto& [name, pointer] : {std::pair{"routed", routed.data}, std::pair{"shared", shared.data},
-                                        std::pair{"out", out.data}}) {
-      if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0) {
-        return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
-      }
-    }
-    return std::nullopt;
+    return cuda::FusedTail::buffers_limit(routed.data, shared.data, out.data);
   }
 
   void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
@@ -27,19 +28,26 @@ int choose_n_tiles(std::int64_t stripe, int sms) {
 
 }  // namespace
 
-std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims dims, DType dtype) {
+std::optional<std::string> FusedTail::problem_limit(TailDims dims, DType dtype, int tp) {
   if (dtype != DType::bf16 && dtype != DType::f16) {
     return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(dtype));
   }
-  const int tp = comm.size();
-  if (tp > kP2pMaxRanks) return "fused supports at most " + std::to_string(kP2pMaxRanks) + " ranks, got tp=" + std::to_string(tp);
+  if (tp > kP2pMaxRanks) {
+    return "tp=" + std::to_string(tp) + " > " + std::to_string(kP2pMaxRanks) + " (fused's workspace)";
+  }
   if (dims.d_model % (8 * tp) != 0) {
-    return "fused needs d_model % (8·tp) == 0 (whole 8-column tiles per rank's stripe); d_model=" +
+    return "d_model % (8·tp) != 0 (fused needs whole 8-column tiles per rank's stripe): d_model=" +
            std::to_string(dims.d_model) + ", tp=" + std::to_string(tp);
   }
   if (dims.d_latent % 16 != 0) {
-    return "fused needs d_latent % 16 == 0 (the tensor cores' k step); d_latent=" + std::to_string(dims.d_latent);
+    return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" + std::to_string(dims.d_latent);
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims dims, DType dtype) {
+  const int tp = comm.size();
+  if (auto limit = problem_limit(dims, dtype, tp)) return limit;
   if (comm.memory_space() != MemorySpace::device) return "fused needs a device communicator";
   if (tp > 1 && dynamic_cast<P2pPeerAccess*>(&comm) == nullptr) {
     return "fused with tp > 1 reads the peers' workspaces directly, which needs the p2p communicator (this one is '" +
@@ -133,6 +141,15 @@ FusedTail::~FusedTail() {
   if (own_status_) cudaFreeHost(own_status_);
 }
 
+std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {
+  for (const auto& [name, pointer] : {std::pair{"routed", routed}, std::pair{"shared", shared}, std::pair{"out", out}}) {
+    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0) {
+      return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
+    }
+  }
+  return std::nullopt;
+}
+
 void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
   const volatile P2pStatus& s = *own_status_;
@@ -147,10 +164,7 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
   throw_if_failed();
   LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
              "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
-  for (const void* pointer : {routed, shared, static_cast<const void*>(out)}) {
-    LMOE_CHECK(reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0,
-               "fused: routed, shared and out must be 16-byte aligned");
-  }
+  if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
   FusedTailParams p = params_;
   p.tokens = tokens;
   p.tokens_device = tokens_device;

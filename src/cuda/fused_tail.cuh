@@ -38,45 +38,10 @@ __device__ inline void fused_add_release(std::uint32_t* address, std::uint32_t v
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
-// A wrapping "counter has reached target".
-__device__ inline bool fused_reached(std::uint32_t counter, std::uint32_t target) {
-  return static_cast<std::int32_t>(counter - target) >= 0;
-}
-
-// Records the first failure of this rank and raises the group's abort flag (like p2p_fail).
-__device__ inline void fused_fail(const FusedTailParams& p, std::int32_t code, int peer, std::uint32_t epoch) {
-  if (p.status == nullptr) return;
-  if (p.status->code == kP2pOk) {
-    p.status->peer = peer;
-    p.status->block = static_cast<std::int32_t>(blockIdx.x);
-    p.status->round = static_cast<std::int32_t>(epoch);
-    __threadfence_system();
-    p.status->code = code;
-  }
-  *p.abort_flag = 1;
-  __threadfence_system();
-}
-
-// Waits (one thread) until *counter has reached target; false, with the status written, on a
-// timeout or a group abort.
-__device__ inline bool fused_wait(const FusedTailParams& p, const std::uint32_t* counter, std::uint32_t target,
-                                  int peer, std::uint32_t epoch) {
-  const std::uint64_t start = p2p_clock_ns();
-  for (std::uint32_t spins = 0;; ++spins) {
-    if (fused_reached(p2p_load_acquire(counter), target)) return true;
-    if ((spins & 63) == 63) {
-      const std::uint64_t waited = p2p_clock_ns() - start;
-      // The abort flag is host-mapped: read only after a long wait (kP2pAbortPollAfterNs).
-      if (waited > kP2pAbortPollAfterNs && p.abort_flag != nullptr && *p.abort_flag) {
-        fused_fail(p, kP2pAborted, -1, epoch);
-        return false;
-      }
-      if (waited > p.timeout_ns) {
-        fused_fail(p, kP2pTimeout, peer, epoch);
-        return false;
-      }
-    }
-  }
+// Where this rank's waits report a failure: the p2p group's record and abort flag, or (one rank,
+// no group) the FusedTail's own (both always set by the host).
+__device__ inline P2pFailureReport fused_report(const FusedTailParams& p) {
+  return {p.status, p.abort_flag, p.timeout_ns};
 }
 
 template <typename T>
@@ -305,7 +270,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
     // No read of the host-mapped abort flag here (see kP2pAbortPollAfterNs): the host checks the
     // group's status before every call, and a wait finds a later abort.
     if (blockIdx.x == 0 && atomicExch(&own->in_use, 1u) != 0u) {
-      fused_fail(p, kP2pConcurrentUse, -1, s_epoch);
+      p2p_fail(fused_report(p), kP2pConcurrentUse, -1, s_epoch);
       s_failed = 1;
     }
     // 0. The stripe's rows this block will multiply, into L2 while the peers arrive.
@@ -334,7 +299,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
       fused_add_release(&reinterpret_cast<FusedFlags*>(p.workspace[threadIdx.x])->inputs_arrived[p.rank], 1u);
     }
     if (threadIdx.x < static_cast<unsigned>(p.tp)) {
-      if (!fused_wait(p, &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
+      if (!p2p_wait_until(fused_report(p), &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
     if (s_failed) return;
@@ -346,7 +311,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&own->rows_done, 1u);
-    if (!fused_wait(p, &own->rows_done, all_blocks, p.rank, e)) s_failed = 1;
+    if (!p2p_wait_until(fused_report(p), &own->rows_done, all_blocks, p.rank, e)) s_failed = 1;
   }
   __syncthreads();
   if (s_failed) return;
@@ -362,7 +327,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
     if (threadIdx.x < static_cast<unsigned>(p.tp)) {
       __threadfence_system();
       fused_add_release(&reinterpret_cast<FusedFlags*>(p.workspace[threadIdx.x])->stripes_arrived[p.rank], 1u);
-      if (!fused_wait(p, &own->stripes_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
+      if (!p2p_wait_until(fused_report(p), &own->stripes_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
     if (s_failed) return;

@@ -25,6 +25,9 @@ class FusedTail {
   // can. With one rank any device communicator serves (nothing is exchanged); with several, the
   // ranks' kernels read each other's workspaces, which the p2p communicator provides.
   static std::optional<std::string> unavailable(Communicator& comm, TailDims dims, DType dtype);
+  // The part of that which depends only on the problem (dtype, dims, tp), for callers that have no
+  // communicator at hand (cuda_tier_limit).
+  static std::optional<std::string> problem_limit(TailDims dims, DType dtype, int tp);
 
   // Collective with several ranks (they exchange workspace addresses and agree on a grid).
   // w_stripe: this rank's rows of w_up [stripe, l] on the device; gamma: fp32 [l] on the device;
@@ -35,6 +38,10 @@ class FusedTail {
   ~FusedTail();
   FusedTail(const FusedTail&) = delete;
   FusedTail& operator=(const FusedTail&) = delete;
+
+  // Why the kernel cannot use these buffers (its 16-byte vector accesses need aligned starts);
+  // nullopt when it can.
+  static std::optional<std::string> buffers_limit(const void* routed, const void* shared, const void* out);
 
   std::int64_t capacity() const { return capacity_; }
   int grid() const { return params_.grid; }

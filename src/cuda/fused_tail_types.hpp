@@ -50,7 +50,7 @@ struct FusedTailParams {
   std::int64_t capacity = 0;          // rows of every staged buffer
   std::int64_t routed_offset = 0, shared_offset = 0, stripe_offset = 0, normed_offset = 0;  // bytes
   std::int64_t parity_bytes = 0;      // distance between the two parities of one staged buffer
-  // Failure reporting (the p2p group's, see p2p_types.hpp); null with one rank.
+  // Failure reporting: the p2p group's record and abort flag, or with one rank the FusedTail's own.
   volatile P2pStatus* status = nullptr;
   volatile std::int32_t* abort_flag = nullptr;
   std::uint64_t timeout_ns = 0;

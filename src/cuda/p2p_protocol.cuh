@@ -41,19 +41,6 @@ __device__ inline std::uint32_t p2p_load_acquire(const std::uint32_t* address) {
   return value;
 }
 
-// Records the first failure of this rank and aborts the group so that peers stop waiting.
-__device__ inline void p2p_fail(const P2pDeviceHandle& h, std::int32_t code, int peer, std::uint32_t round) {
-  if (h.status->code == kP2pOk) {
-    h.status->peer = peer;
-    h.status->block = static_cast<std::int32_t>(blockIdx.x);
-    h.status->round = static_cast<std::int32_t>(round);
-    __threadfence_system();
-    h.status->code = code;
-  }
-  *h.abort_flag = 1;
-  __threadfence_system();
-}
-
 // The abort flag lives in host-mapped memory (the host raises it at any time), and a read of it
 // crosses PCIe: reads from many blocks at once serialize there (on an H200 a fused tail with 224
 // blocks that each read it once took ~265 µs instead of ~20). So a wait reads it only once it has
@@ -61,25 +48,56 @@ __device__ inline void p2p_fail(const P2pDeviceHandle& h, std::int32_t code, int
 // the group's status before every call anyway.
 inline constexpr std::uint64_t kP2pAbortPollAfterNs = 50000;
 
-// Waits until `peer`'s block has arrived at round `round`; false (with the status written) on
-// timeout or abort.
-__device__ inline bool p2p_wait_arrival(const P2pDeviceHandle& h, int peer, std::uint32_t round) {
-  const std::uint32_t* flag = &h.flags[h.rank]->arrive[blockIdx.x][peer];
+// Where a kernel that waits for its peers reports a failure (the p2p rounds and the fused tail):
+// this rank's status record and the group's abort flag, both host-mapped, and the wait's budget.
+struct P2pFailureReport {
+  volatile P2pStatus* status;
+  volatile std::int32_t* abort_flag;
+  std::uint64_t timeout_ns;
+};
+
+// Records the first failure of this rank and aborts the group so that peers stop waiting.
+__device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t code, int peer, std::uint32_t round) {
+  if (report.status->code == kP2pOk) {
+    report.status->peer = peer;
+    report.status->block = static_cast<std::int32_t>(blockIdx.x);
+    report.status->round = static_cast<std::int32_t>(round);
+    __threadfence_system();
+    report.status->code = code;
+  }
+  *report.abort_flag = 1;
+  __threadfence_system();
+}
+
+// Waits (one thread) until *counter has reached target, compared as a wrapping difference (a
+// counter one step ahead counts); false, with the failure reported, on a timeout (naming `peer`)
+// or a group abort. `round` is the call the wait belongs to, for the report.
+__device__ inline bool p2p_wait_until(const P2pFailureReport& report, const std::uint32_t* counter,
+                                      std::uint32_t target, int peer, std::uint32_t round) {
   const std::uint64_t start = p2p_clock_ns();
   for (std::uint32_t spins = 0;; ++spins) {
-    if (static_cast<std::int32_t>(p2p_load_acquire(flag) - round) >= 0) return true;
+    if (static_cast<std::int32_t>(p2p_load_acquire(counter) - target) >= 0) return true;
     if ((spins & 63) == 63) {
       const std::uint64_t waited = p2p_clock_ns() - start;
-      if (waited > kP2pAbortPollAfterNs && *h.abort_flag) {
-        p2p_fail(h, kP2pAborted, -1, round);
+      if (waited > kP2pAbortPollAfterNs && *report.abort_flag) {
+        p2p_fail(report, kP2pAborted, -1, round);
         return false;
       }
-      if (waited > h.timeout_ns) {
-        p2p_fail(h, kP2pTimeout, peer, round);
+      if (waited > report.timeout_ns) {
+        p2p_fail(report, kP2pTimeout, peer, round);
         return false;
       }
     }
   }
+}
+
+__device__ inline P2pFailureReport p2p_report_of(const P2pDeviceHandle& h) {
+  return {h.status, h.abort_flag, h.timeout_ns};
+}
+
+// Waits until `peer`'s block has arrived at round `round` (see p2p_wait_until).
+__device__ inline bool p2p_wait_arrival(const P2pDeviceHandle& h, int peer, std::uint32_t round) {
+  return p2p_wait_until(p2p_report_of(h), &h.flags[h.rank]->arrive[blockIdx.x][peer], round, peer, round);
 }
 
 }  // namespace lmoe::cuda

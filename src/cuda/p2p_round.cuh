@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
     // after a failure finds it in its first long wait.
     if (atomicExch(&own->in_use[block], 1u) != 0u) {
       // Another round of this rank holds the block: two collectives overlap on one workspace.
-      p2p_fail(h, kP2pConcurrentUse, -1, epoch);
+      p2p_fail(p2p_report_of(h), kP2pConcurrentUse, -1, epoch);
       failed = 1;
     } else {
       own->entered[block] = epoch;  // after the abort check: a round that starts after a failure is not counted
