@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench layer baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench profile layer baseline probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,8 +53,11 @@ gtest() {  # name, limit in seconds, binary, gtest filter
 }
 
 if wants tests; then
-  # Everything except the p2p communicator over ranks sharing a GPU (its own stage below).
-  gtest cuda_tests 300 build/cuda/tests/lmoe_cuda_tests '-P2p*:*p2p*'
+  # Everything except the p2p communicator (its own stages below) and, when that stage runs too,
+  # the fused tier (so that its soak does not run twice).
+  excluded='P2p*:*p2p*'
+  wants fused && excluded="$excluded:Fused*:*FusedParity*"
+  gtest cuda_tests 300 build/cuda/tests/lmoe_cuda_tests "-$excluded"
 fi
 
 if wants p2p; then
@@ -94,17 +97,40 @@ if wants sanitize; then
 fi
 
 if wants fusedbench; then
-  # The fused tier against overlap at decode sizes (graph replays): K3 at tp 1 (the whole tail on
-  # one GPU); one rank's compute at K3 tp 8 (norm + the 896-column stripe's product + add, i.e. a
-  # tp-1 tail with d = 896); and tp 2 and 8 with the ranks sharing this GPU (the protocol's cost on
-  # one GPU, not a multi-GPU figure).
-  for spec in "k3_tp1:-n 1" "stripe896_tp1:-n 1 --d-model 896 --d-latent 3584" "k3_tp2_shared:-n 2" "k3_tp8_shared:-n 8"; do
+  # The fused tier against overlap at decode sizes (graph replays). One GPU: K3 at tp 1 (the whole
+  # tail on one GPU); one rank's compute at K3 tp 8 (norm + the 896-column stripe's product + add,
+  # i.e. a tp-1 tail with d = 896); tp 2 and 8 with the ranks sharing this GPU (the protocol's cost
+  # on one GPU, not a multi-GPU figure). Several GPUs: one rank per GPU, fused over p2p side by side
+  # with overlap over p2p and over NCCL.
+  specs=("k3_tp1:-n 1 --comm p2p" "stripe896_tp1:-n 1 --comm p2p --d-model 896 --d-latent 3584")
+  if [ "$gpus" -ge 2 ]; then
+    specs+=("k3_tp$gpus:-n $gpus --comm p2p,nccl")
+  else
+    specs+=("k3_tp2_shared:-n 2 --comm p2p" "k3_tp8_shared:-n 8 --comm p2p")
+  fi
+  for spec in "${specs[@]}"; do
     name=${spec%%:*}; args=${spec#*:}
     stage "lmoe bench fused vs overlap: $name"
-    LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $args --comm p2p --tiers fused,overlap \
+    LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $args --tiers fused,overlap \
       -t 1,2,4,8,16,32,64,128,256 --check-max-tokens 256 --json "$logs/fused_$name.json" >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
     rc[fused_$name]=$?
     cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
+  done
+fi
+
+if wants profile && command -v ncu >/dev/null; then
+  # Nsight Compute on one fused kernel per shape (tp 1, graph replays): where its time goes
+  # (throughput against the peaks, warp stalls, the hottest source lines). Clocks left alone.
+  for spec in "stripe896_t1:--d-model 896 --d-latent 3584 -t 1" "k3_t1:-t 1" "k3_t128:-t 128"; do
+    name=${spec%%:*}; args=${spec#*:}
+    stage "ncu: fused $name"
+    timeout 150 ncu --clock-control none --kernel-name regex:fused_tail --launch-skip 6 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section Occupancy --section LaunchStats --section SourceCounters --import-source yes \
+      build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --tiers fused $args --warmup 2 --iters 5 --no-check \
+      >"$logs/ncu_$name.log" 2>&1
+    rc[ncu_$name]=$?
+    grep -vE "^==PROF==|^#|^ +[0-9]+ +[0-9]+ +fused" "$logs/ncu_$name.log" | grep -E "Duration|Throughput|Warp Cycles|Stall|Eligible|Issued|Registers|Achieved|Theoretical Occ|Block Limit|Dynamic Shared|L2 Hit|Mem Busy|Max Bandwidth|Executed Ipc|No Eligible|Uncoalesced|Excessive|smsp__pcsamp|Waves|est\. speedup|OPT|WRN" | cut -c1-220 | head -60
   done
 fi
 

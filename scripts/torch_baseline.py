@@ -223,6 +223,14 @@ def main():
             json.dump({"tool": "torch_baseline", "torch": torch.__version__, "tp": tp, "d_model": args.d,
                        "d_latent": args.l, "dtype": args.dtype, "eps": args.eps, "warmup": args.warmup,
                        "iters": args.iters, "command": " ".join(sys.argv), "records": records}, f, indent=1)
+    # Every result is written; leave without tearing NCCL down: destroy_process_group() with captured
+    # graphs still holding its communicators hung past 300 s after a complete run on two H200s.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        os._exit(0)
     dist.destroy_process_group()
 
 

@@ -367,13 +367,25 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
       cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
       cuda_ok(cudaGraphUpload(exec, stream.get()));
+      // Every case's inputs reach the GPU before any rank replays: a rank's first copy from pageable
+      // memory sets up staging buffers, and a rank doing setup work while its peers already spin in
+      // a round stalled them past the timeout on two H200s (docs/p2p.md).
+      std::vector<DeviceBuffer> routed_in, shared_in;
+      for (const lmoe::TailCase& c : cases) {
+        routed_in.emplace_back(routed_bytes);
+        shared_in.emplace_back(shared_bytes);
+        cuda_ok(cudaMemcpy(routed_in.back().data(), c.routed.slice_matrix(rank).data, routed_bytes,
+                           cudaMemcpyHostToDevice));
+        cuda_ok(cudaMemcpy(shared_in.back().data(), c.shared.slice_matrix(rank).data, shared_bytes,
+                           cudaMemcpyHostToDevice));
+      }
       cuda_ok(cudaDeviceSynchronize());
       comm.barrier();
       for (std::size_t i = 0; i < cases.size(); ++i) {
-        cuda_ok(cudaMemcpyAsync(routed.data(), cases[i].routed.slice_matrix(rank).data, routed_bytes,
-                                cudaMemcpyHostToDevice, stream.get()));
-        cuda_ok(cudaMemcpyAsync(shared.data(), cases[i].shared.slice_matrix(rank).data, shared_bytes,
-                                cudaMemcpyHostToDevice, stream.get()));
+        cuda_ok(cudaMemcpyAsync(routed.data(), routed_in[i].data(), routed_bytes, cudaMemcpyDeviceToDevice,
+                                stream.get()));
+        cuda_ok(cudaMemcpyAsync(shared.data(), shared_in[i].data(), shared_bytes, cudaMemcpyDeviceToDevice,
+                                stream.get()));
         cuda_ok(cudaMemsetAsync(out.data(), 0xff, shared_bytes, stream.get()));
         cuda_ok(cudaGraphLaunch(exec, stream.get()));
         outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, dims.d_model});
