@@ -16,14 +16,11 @@ namespace {
 
 std::int64_t align256(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// One block-tile width for every rank: as wide as possible while the stripe still has a tile for
-// every SM (wide tiles reuse N's rows; narrow ones keep more SMs streaming the weights).
-int choose_n_tiles(std::int64_t stripe, int sms) {
-  const std::int64_t tiles8 = stripe / 8;
-  for (int n : {4, 2}) {
-    if (tiles8 % n == 0 && tiles8 / n >= sms) return n;
-  }
-  return 1;
+// Work items of the stripe product: tiles of kFusedTileCols columns, each split over at most
+// this many ranges of K (at least 4 chunks of kFusedTileK per split keep the cp.async pipeline full).
+std::int64_t max_splits(std::int64_t l) {
+  const std::int64_t chunks = (l + kFusedTileK - 1) / kFusedTileK;
+  return std::max<std::int64_t>(1, chunks / 4);
 }
 
 }  // namespace
@@ -69,18 +66,21 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   int device = 0, sms = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
   LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  n_tiles_ = choose_n_tiles(stripe, sms);
   int per_sm = 0;
-  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(n_tiles_, dtype, &per_sm));
+  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(capacity_, dtype, &per_sm));
   LMOE_CHECK(per_sm >= 1, "fused: the kernel does not fit on an SM");
   // Every block of every rank on this GPU must be resident at once: blocks wait for each other.
   // Ranks sharing a GPU leave one block slot per SM free (when there are several), so that a
   // peer's other work on the GPU (a copy, a memset) cannot keep a rank's last blocks out.
   const int sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
   const int slots = sharing > 1 ? std::max(1, per_sm - 1) : per_sm;
-  const std::int64_t block_tiles = stripe / (8 * n_tiles_);
+  // As many blocks as fit, up to one per work item when every tile takes the most splits; the
+  // splits then fill the grid (a narrow stripe spreads over every SM by splitting K).
+  const std::int64_t col_tiles = (stripe + kFusedTileCols - 1) / kFusedTileCols;
+  const std::int64_t most_splits = max_splits(l);
   int grid = static_cast<int>(std::clamp<std::int64_t>(
-      std::min<std::int64_t>(block_tiles, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
+      std::min<std::int64_t>(col_tiles * most_splits, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
+  const auto splits_for = [&](int blocks) { return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits); };
 
   // Workspace: flags, then per parity routed, shared and stripe rows, then N.
   params_.routed_offset = align256(sizeof(FusedFlags));
@@ -88,7 +88,15 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
   params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
   params_.normed_offset = params_.routed_offset + 2 * params_.parity_bytes;
-  const std::int64_t bytes = params_.normed_offset + align256(capacity_ * l * esize);
+  // This rank's own: the tiles' split counters and fp32 partials (sized for this rank's grid; the
+  // agreed grid is no larger, so its splits are no more).
+  params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
+  params_.tile_arrived_offset = params_.shared_sum_offset + align256(capacity_ * stripe * esize);
+  params_.partials_offset = params_.tile_arrived_offset + align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
+  const std::int64_t local_splits = splits_for(grid);
+  const std::int64_t partial_bytes =
+      local_splits > 1 ? col_tiles * local_splits * capacity_ * kFusedTileCols * static_cast<std::int64_t>(sizeof(float)) : 0;
+  const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
   workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
   LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before any peer can reach them
@@ -135,6 +143,8 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
     params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
   }
   params_.grid = grid;
+  params_.col_tiles = col_tiles;
+  params_.splits = splits_for(grid);
 }
 
 FusedTail::~FusedTail() {
@@ -171,7 +181,7 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
   p.routed = routed;
   p.shared = shared;
   p.out = out;
-  check(launch_fused_tail(p, n_tiles_, dtype_, stream), "launch_fused_tail");
+  check(launch_fused_tail(p, dtype_, stream), "launch_fused_tail");
 }
 
 }  // namespace lmoe::cuda

@@ -91,15 +91,6 @@ __device__ inline void fused_mma(float (&c)[4], const std::uint32_t (&a)[4], con
   }
 }
 
-// Two consecutive 16-bit elements: the weights through the read-only path, N through L2 (other
-// blocks wrote it during this kernel, and L1 is not coherent with their stores).
-__device__ inline std::uint32_t fused_load_weights(const void* address) {
-  return __ldg(reinterpret_cast<const unsigned int*>(address));
-}
-__device__ inline std::uint32_t fused_load_normed(const void* address) {
-  return __ldcg(reinterpret_cast<const unsigned int*>(address));
-}
-
 // Phase 2 for one row t: latent = round(Σ_r routed_r[t]) in rank order, N[t] = round(rmsnorm(latent)).
 // Every thread of the block calls it (the sum of squares holds a barrier).
 template <typename T>
@@ -138,131 +129,285 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
   __syncthreads();  // lane_sums is reused by the next row
 }
 
-// Phase 3 for one block-tile of kNt·8 stripe columns starting at column `col0` (stripe-local):
-// every m-group of kMg·16 tokens, each warp sums its k-steps, the block adds the 8 warps' partials
-// in warp order, and the epilogue adds the reduced shared columns.
+// ---- Phase 3: the stripe product --------------------------------------------------------------
 //
-// Bytes in flight decide the speed at decode sizes (the kernel streams the stripe): a warp issues
-// the loads of a whole batch of k-steps before its first mma (the loads and the mma are volatile
-// asm, which the compiler keeps in program order, so a load after an mma would wait for it).
-template <int kNt, int kMg>
-struct FusedBatch {
-  static constexpr int kSteps = kNt * kMg >= 4 ? 2 : (kNt * kMg == 2 ? 4 : 8);
+// A work item is one tile of kFusedTileCols stripe columns for every row over one split of K. Its
+// block streams N's rows and the tile's weights through shared memory kFusedTileK at a time
+// (cp.async, kStages deep), and its warps multiply them on tensor cores (ldmatrix + mma.sync
+// m16n8k16, fp32 accumulate). The shapes below split the 8 warps between rows and columns by the
+// most rows a call may bring; m-tiles past T are neither loaded nor multiplied.
+template <int kRowsMax>
+struct FusedShape {
+  static_assert(kRowsMax == 16 || kRowsMax == 32 || kRowsMax == 64 || kRowsMax == 128 || kRowsMax == 256);
+  static constexpr int kWarpsM = kRowsMax <= 32 ? 1 : kRowsMax <= 128 ? 2 : 4;  // warps along the rows
+  static constexpr int kMTiles = kRowsMax / 16 / kWarpsM;                      // m-tiles per warp
+  static constexpr int kWarpsN = kFusedWarps / kWarpsM;
+  static constexpr int kNTiles = kFusedTileCols / 8 / kWarpsN;                 // n-tiles of 8 per warp
+  // Deeper for few rows: the weights are then nearly all of a stage, and bytes in flight set the pace.
+  static constexpr int kStages = kRowsMax <= 32 ? 6 : 4;
+  static constexpr int kRowBytes = kFusedTileK * 2;  // one row of a stage: 64 elements of 16 bits
+  static constexpr int kStageBytes = (kRowsMax + kFusedTileCols) * kRowBytes;
+  static constexpr int kSharedBytes = kStages * kStageBytes;
 };
 
-template <typename T, int kNt, int kMg>
-__device__ void fused_stripe_tile(const FusedTailParams& p, std::int64_t tokens, std::int64_t col0,
-                                  std::uint32_t parity, float* partials) {
-  constexpr int kSteps = FusedBatch<kNt, kMg>::kSteps;
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
-  const T* normed = fused_at<T>(p, p.rank, p.normed_offset, 0);
-  const T* w = static_cast<const T*>(p.w_stripe);
-  const std::int64_t k_steps = p.l / 16;
-  const std::int64_t mtiles = (tokens + 15) / 16;
-  for (std::int64_t m0 = 0; m0 < mtiles; m0 += kMg) {
-    float acc[kMg][kNt][4] = {};
-    // Rows of N this thread's A fragments read (a row ≥ T reads as zeros).
-    std::int64_t rows[kMg][2];
+// Byte offset of 16-byte chunk `chunk` (0..7) of a stage row: chunks are XOR-swizzled by the row so
+// that the 8 rows one ldmatrix phase reads fall in different banks.
+__device__ inline std::uint32_t fused_swizzle(int row, int chunk) {
+  return static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// 16 bytes global → shared through L2 only (N was written by other blocks of this kernel, and L1
+// is not coherent with their stores); zeros when !valid (rows past T, K past l).
+__device__ inline void fused_cp_async16(std::uint32_t shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ inline void fused_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ inline void fused_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ inline void fused_ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t shared) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared)
+               : "memory");
+}
+__device__ inline void fused_ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t shared) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared) : "memory");
+}
+
+// Y's element (t, col) of this rank's stripe (stripe-local col) from its product u: round(u) plus
+// the rounded rank-order sum of the shared columns (phase 2's shared stripe; with one rank the
+// input itself), rounded; into out and, for the peers, the staged stripe.
+template <typename T>
+__device__ inline void fused_finish_element(const FusedTailParams& p, std::int64_t t, std::int64_t col, float u,
+                                            std::uint32_t parity) {
+  const std::int64_t global_col = static_cast<std::int64_t>(p.rank) * p.stripe + col;
+  // Through L2 with several ranks: other blocks of this kernel wrote the shared stripe.
+  const float shared_sum = p.tp == 1 ? Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col])
+                                     : fused_load_cg_scalar(fused_at<T>(p, p.rank, p.shared_sum_offset, 0) + t * p.stripe + col);
+  const T y = Storage<T>::store(__fadd_rn(Storage<T>::load(Storage<T>::store(u)), shared_sum));
+  static_cast<T*>(p.out)[t * p.d + global_col] = y;
+  if (p.tp > 1) fused_at<T>(p, p.rank, p.stripe_offset, parity)[t * p.stripe + col] = y;
+}
+
+// Phase 2b (tp > 1): this rank's stripe of round(Σ_r shared_r), rank order, 16-byte vectors over
+// every block (the epilogue then reads it from this rank's own memory).
+template <typename T>
+__device__ void fused_reduce_shared_stripe(const FusedTailParams& p, std::int64_t tokens, std::uint32_t parity) {
+  using V = Vec16<T>;
+  const std::int64_t row_vectors = p.stripe / V::kSize;
+  T* sums = fused_at<T>(p, p.rank, p.shared_sum_offset, 0);
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * row_vectors;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / row_vectors, v = i % row_vectors;
+    const std::int64_t at = t * p.d + static_cast<std::int64_t>(p.rank) * p.stripe + v * V::kSize;
+    float acc[V::kSize];
+    const V first = fused_load_cg(fused_at<T>(p, 0, p.shared_offset, parity) + at);
 #pragma unroll
-    for (int m = 0; m < kMg; ++m) {
-      rows[m][0] = (m0 + m) * 16 + g;
-      rows[m][1] = rows[m][0] + 8;
+    for (int k = 0; k < V::kSize; ++k) acc[k] = Storage<T>::load(first.v[k]);
+    for (int r = 1; r < p.tp; ++r) {
+      const V x = fused_load_cg(fused_at<T>(p, r, p.shared_offset, parity) + at);
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) acc[k] = __fadd_rn(acc[k], Storage<T>::load(x.v[k]));
     }
-    // Warp w takes k-steps w, w + 8, w + 16, …, kSteps at a time.
-    for (std::int64_t first = warp; first < k_steps; first += kFusedWarps * kSteps) {
-      std::uint32_t b[kSteps][kNt][2];
-      std::uint32_t a[kSteps][kMg][4];
+    V out;
 #pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        const std::int64_t ks = first + i * kFusedWarps;
-        if (ks < k_steps) {
-          const std::int64_t k = ks * 16 + 2 * q;
-#pragma unroll
-          for (int n = 0; n < kNt; ++n) {
-            const T* w_row = w + (col0 + n * 8 + g) * p.l + k;
-            b[i][n][0] = fused_load_weights(w_row);
-            b[i][n][1] = fused_load_weights(w_row + 8);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        const std::int64_t ks = first + i * kFusedWarps;
-        if (ks < k_steps) {
-          const std::int64_t k = ks * 16 + 2 * q;
-#pragma unroll
-          for (int m = 0; m < kMg; ++m) {
-            a[i][m][0] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k) : 0u;
-            a[i][m][1] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k) : 0u;
-            a[i][m][2] = rows[m][0] < tokens ? fused_load_normed(normed + rows[m][0] * p.l + k + 8) : 0u;
-            a[i][m][3] = rows[m][1] < tokens ? fused_load_normed(normed + rows[m][1] * p.l + k + 8) : 0u;
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        if (first + i * kFusedWarps < k_steps) {
-#pragma unroll
-          for (int m = 0; m < kMg; ++m) {
-#pragma unroll
-            for (int n = 0; n < kNt; ++n) fused_mma<T>(acc[m][n], a[i][m], b[i][n]);
-          }
-        }
-      }
-    }
-    // partials[warp][m][n][lane][4]
-#pragma unroll
-    for (int m = 0; m < kMg; ++m) {
-#pragma unroll
-      for (int n = 0; n < kNt; ++n) {
-        reinterpret_cast<float4*>(partials)[((warp * kMg + m) * kNt + n) * 32 + lane] =
-            make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
-      }
-    }
-    __syncthreads();
-    // Epilogue: element i = ((m·kNt + n)·32 + fragment lane)·4 + j of the group.
-    constexpr int kElements = kMg * kNt * 128;
-    for (int i = static_cast<int>(threadIdx.x); i < kElements; i += kFusedThreads) {
-      const int j = i % 4, frag_lane = (i / 4) % 32, mn = i / 128;
-      const int m = mn / kNt, n = mn % kNt;
-      const std::int64_t t = (m0 + m) * 16 + frag_lane / 4 + (j >= 2 ? 8 : 0);
-      if (t >= tokens) continue;
-      const std::int64_t col = col0 + n * 8 + 2 * (frag_lane % 4) + (j % 2);  // stripe-local
-      float u = 0.0f;
-      for (int w8 = 0; w8 < kFusedWarps; ++w8) u = __fadd_rn(u, partials[(((w8 * kMg + m) * kNt + n) * 32 + frag_lane) * 4 + j]);
-      const std::int64_t global_col = static_cast<std::int64_t>(p.rank) * p.stripe + col;
-      float shared_sum;
-      if (p.tp == 1) {
-        shared_sum = Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col]);
-      } else {
-        shared_sum = fused_load_cg_scalar(fused_at<T>(p, 0, p.shared_offset, parity) + t * p.d + global_col);
-        for (int r = 1; r < p.tp; ++r) {
-          shared_sum = __fadd_rn(shared_sum,
-                                 fused_load_cg_scalar(fused_at<T>(p, r, p.shared_offset, parity) + t * p.d + global_col));
-        }
-      }
-      const T y = Storage<T>::store(
-          __fadd_rn(Storage<T>::load(Storage<T>::store(u)), Storage<T>::load(Storage<T>::store(shared_sum))));
-      static_cast<T*>(p.out)[t * p.d + global_col] = y;
-      if (p.tp > 1) fused_at<T>(p, p.rank, p.stripe_offset, parity)[t * p.stripe + col] = y;
-    }
-    __syncthreads();  // partials is reused by the next group
+    for (int k = 0; k < V::kSize; ++k) out.v[k] = Storage<T>::store(acc[k]);
+    reinterpret_cast<V*>(sums + t * p.stripe)[v] = out;
   }
 }
 
-template <typename T, int kNt, int kMg>
-__global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailParams p) {
+// The first and one-past-last K chunk of split s.
+__device__ inline void fused_split_chunks(const FusedTailParams& p, std::int64_t s, std::int64_t& c0, std::int64_t& c1) {
+  const std::int64_t chunks = (p.l + kFusedTileK - 1) / kFusedTileK;
+  c0 = s * chunks / p.splits;
+  c1 = (s + 1) * chunks / p.splits;
+}
+
+// Issues the copies of K chunk c into one stage: rows [0, rows) of N, and the tile's
+// kFusedTileCols rows of weights (separately: the weights do not wait for N).
+template <typename T, int kRowsMax>
+__device__ inline void fused_load_rows(const FusedTailParams& p, const T* normed, std::int64_t tokens, int rows,
+                                       std::int64_t c, std::uint32_t stage) {
+  const std::int64_t k0 = c * kFusedTileK;
+  for (int i = static_cast<int>(threadIdx.x); i < rows * 8; i += kFusedThreads) {
+    const int row = i >> 3, chunk = i & 7;
+    const std::int64_t k = k0 + chunk * 8;
+    const bool valid = row < tokens && k < p.l;
+    fused_cp_async16(stage + fused_swizzle(row, chunk), valid ? normed + row * p.l + k : normed, valid);
+  }
+}
+template <typename T, int kRowsMax>
+__device__ inline void fused_load_weights(const FusedTailParams& p, std::int64_t col0, std::int64_t c,
+                                          std::uint32_t stage) {
+  const std::int64_t k0 = c * kFusedTileK;
+  const T* w = static_cast<const T*>(p.w_stripe);
+  const std::uint32_t weights = stage + kRowsMax * FusedShape<kRowsMax>::kRowBytes;
+  for (int i = static_cast<int>(threadIdx.x); i < kFusedTileCols * 8; i += kFusedThreads) {
+    const int row = i >> 3, chunk = i & 7;
+    const std::int64_t k = k0 + chunk * 8, col = col0 + row;
+    const bool valid = col < p.stripe && k < p.l;
+    fused_cp_async16(weights + fused_swizzle(row, chunk), valid ? w + col * p.l + k : w, valid);
+  }
+}
+
+// The weights of an item's first kStages - 1 chunks, as one cp.async group: issued at the start of
+// the kernel for a block's first item, so that they stream in while the inputs are staged, the
+// peers arrive and the norm runs (fused_stripe_item then skips them).
+template <typename T, int kRowsMax>
+__device__ inline void fused_prologue_weights(const FusedTailParams& p, std::int64_t tile, std::int64_t s,
+                                              std::uint32_t smem) {
+  using Shape = FusedShape<kRowsMax>;
+  std::int64_t c0, c1;
+  fused_split_chunks(p, s, c0, c1);
+  for (int i = 0; i < Shape::kStages - 1 && c0 + i < c1; ++i) {
+    fused_load_weights<T, kRowsMax>(p, tile * kFusedTileCols, c0 + i, smem + i * Shape::kStageBytes);
+  }
+  fused_cp_async_commit();
+}
+
+// One work item: tile `tile` (columns [tile·64, tile·64 + 64) of the stripe), split s of K.
+// weights_issued: fused_prologue_weights already issued this item's first weights.
+template <typename T, int kRowsMax>
+__device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens, std::int64_t tile, std::int64_t s,
+                                  bool weights_issued, std::uint32_t e, std::uint32_t parity, std::uint32_t smem,
+                                  int* s_last) {
+  using Shape = FusedShape<kRowsMax>;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int wm = warp / Shape::kWarpsN, wn = warp % Shape::kWarpsN;
+  const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
+  const T* normed = fused_at<T>(p, p.rank, p.normed_offset, 0);
+  const std::int64_t col0 = tile * kFusedTileCols;
+  const int m_used = static_cast<int>((tokens + 15) / 16);  // m-tiles holding rows < T
+  const int rows = m_used * 16;
+  std::int64_t c0, c1;
+  fused_split_chunks(p, s, c0, c1);
+  const int n = static_cast<int>(c1 - c0);
+
+  float acc[Shape::kMTiles][Shape::kNTiles][4] = {};
+  // The first kStages - 1 chunks, then all of them landed before the loop; chunk i ≥ kStages - 1 was
+  // committed by iteration i - kStages + 1, and at most kStages - 2 groups came after it.
+#pragma unroll
+  for (int i = 0; i < Shape::kStages - 1; ++i) {
+    if (i < n) {
+      if (!weights_issued) fused_load_weights<T, kRowsMax>(p, col0, c0 + i, smem + i * Shape::kStageBytes);
+      fused_load_rows<T, kRowsMax>(p, normed, tokens, rows, c0 + i, smem + i * Shape::kStageBytes);
+    }
+  }
+  fused_cp_async_commit();
+  fused_cp_async_wait<0>();
+  for (int i = 0; i < n; ++i) {
+    fused_cp_async_wait<Shape::kStages - 2>();
+    __syncthreads();  // chunk i is in every thread's view; every warp is done with chunk i - 1's stage
+    const int next = i + Shape::kStages - 1;
+    if (next < n) {
+      const std::uint32_t stage = smem + (next % Shape::kStages) * Shape::kStageBytes;
+      fused_load_weights<T, kRowsMax>(p, col0, c0 + next, stage);
+      fused_load_rows<T, kRowsMax>(p, normed, tokens, rows, c0 + next, stage);
+    }
+    fused_cp_async_commit();
+    const std::uint32_t a_stage = smem + (i % Shape::kStages) * Shape::kStageBytes;
+    const std::uint32_t b_stage = a_stage + kRowsMax * Shape::kRowBytes;
+#pragma unroll
+    for (int ks = 0; ks < kFusedTileK / 16; ++ks) {
+      std::uint32_t b[Shape::kNTiles][2];
+#pragma unroll
+      for (int nt = 0; nt < Shape::kNTiles; ++nt) {
+        const int row = (wn * Shape::kNTiles + nt) * 8 + (lane & 7);
+        fused_ldmatrix_x2(b[nt], b_stage + fused_swizzle(row, 2 * ks + ((lane >> 3) & 1)));
+      }
+#pragma unroll
+      for (int mt = 0; mt < Shape::kMTiles; ++mt) {
+        const int m_tile = wm * Shape::kMTiles + mt;
+        if (m_tile >= m_used) continue;  // the same for the whole warp
+        std::uint32_t a[4];
+        fused_ldmatrix_x4(a, a_stage + fused_swizzle(m_tile * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+#pragma unroll
+        for (int nt = 0; nt < Shape::kNTiles; ++nt) fused_mma<T>(acc[mt][nt], a, b[nt]);
+      }
+    }
+  }
+  fused_cp_async_wait<0>();
+  __syncthreads();  // the stages are free for the next item
+
+  // Fragment element j of (mt, nt): row m_tile·16 + g (+8 for j ≥ 2), column 2q + (j & 1).
+  if (p.splits == 1) {
+#pragma unroll
+    for (int mt = 0; mt < Shape::kMTiles; ++mt) {
+      const int m_tile = wm * Shape::kMTiles + mt;
+      if (m_tile >= m_used) continue;
+#pragma unroll
+      for (int nt = 0; nt < Shape::kNTiles; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::int64_t t = m_tile * 16 + g + (j >= 2 ? 8 : 0);
+          const std::int64_t col = col0 + (wn * Shape::kNTiles + nt) * 8 + 2 * q + (j & 1);
+          if (t < tokens && col < p.stripe) fused_finish_element<T>(p, t, col, acc[mt][nt][j], parity);
+        }
+      }
+    }
+    return;
+  }
+
+  // Split K: leave this split's partial, count it, and let the tile's last split finish the tile.
+  float* partials = reinterpret_cast<float*>(p.workspace[p.rank] + p.partials_offset);
+  float* mine = partials + ((tile * p.splits + s) * p.capacity) * kFusedTileCols;
+#pragma unroll
+  for (int mt = 0; mt < Shape::kMTiles; ++mt) {
+    const int m_tile = wm * Shape::kMTiles + mt;
+    if (m_tile >= m_used) continue;
+#pragma unroll
+    for (int nt = 0; nt < Shape::kNTiles; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t t = m_tile * 16 + g + half * 8;
+        if (t < tokens) {
+          const int c = (wn * Shape::kNTiles + nt) * 8 + 2 * q;
+          __stcg(reinterpret_cast<float2*>(mine + t * kFusedTileCols + c),
+                 make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]));
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    std::uint32_t* arrived = reinterpret_cast<std::uint32_t*>(p.workspace[p.rank] + p.tile_arrived_offset) + tile;
+    const std::uint32_t before = atomicAdd(arrived, 1u);
+    *s_last = before + 1u == e * static_cast<std::uint32_t>(p.splits);
+    __threadfence();
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  const float* tile_partials = partials + tile * p.splits * p.capacity * kFusedTileCols;
+  for (std::int64_t i = threadIdx.x; i < tokens * kFusedTileCols; i += kFusedThreads) {
+    const std::int64_t t = i / kFusedTileCols, c = i % kFusedTileCols;
+    if (col0 + c >= p.stripe) continue;
+    float u = __ldcg(tile_partials + t * kFusedTileCols + c);
+    for (std::int64_t split = 1; split < p.splits; ++split) {
+      u = __fadd_rn(u, __ldcg(tile_partials + (split * p.capacity + t) * kFusedTileCols + c));
+    }
+    fused_finish_element<T>(p, t, col0 + c, u, parity);
+  }
+  __syncthreads();  // s_last is reused by the next item
+}
+
+template <typename T, int kRowsMax>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailParams p) {
   __shared__ std::uint32_t s_epoch;
   __shared__ int s_failed;
+  __shared__ int s_last;
   __shared__ float lane_sums[kNormLanes];
-  extern __shared__ float4 fused_partials_storage[];
-  float* partials = reinterpret_cast<float*>(fused_partials_storage);
+  extern __shared__ __align__(128) std::byte fused_stages[];  // FusedShape<kRowsMax>::kSharedBytes
+  const std::uint32_t smem = static_cast<std::uint32_t>(__cvta_generic_to_shared(fused_stages));
 
   FusedFlags* own = reinterpret_cast<FusedFlags*>(p.workspace[p.rank]);
   const std::uint32_t grid = static_cast<std::uint32_t>(gridDim.x);
   const std::int64_t tokens = p.tokens_device ? *p.tokens_device : p.tokens;
-  const std::int64_t block_tiles = p.stripe / (8 * kNt);
+  const std::int64_t items = p.col_tiles * p.splits;
 
   if (threadIdx.x == 0) {
     s_failed = 0;
@@ -273,18 +418,27 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
       p2p_fail(fused_report(p), kP2pConcurrentUse, -1, s_epoch);
       s_failed = 1;
     }
-    // 0. The stripe's rows this block will multiply, into L2 while the peers arrive.
-    if (p.prefetch_weights && !s_failed) {
-      const std::int64_t tile_bytes = 8 * kNt * p.l * static_cast<std::int64_t>(sizeof(T));
-      for (std::int64_t bt = blockIdx.x; bt < block_tiles; bt += gridDim.x) {
-        const char* address = static_cast<const char*>(p.w_stripe) + bt * tile_bytes;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(static_cast<std::uint32_t>(tile_bytes))
-                     : "memory");
-      }
-    }
   }
   __syncthreads();
   if (s_failed) return;
+  // 0. The weights of this block's items, into L2 while the peers arrive (a row of a tile per thread).
+  if (p.prefetch_weights && threadIdx.x < kFusedTileCols) {
+    for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+      const std::int64_t col = item / p.splits * kFusedTileCols + threadIdx.x;
+      if (col >= p.stripe) continue;
+      std::int64_t c0, c1;
+      fused_split_chunks(p, item % p.splits, c0, c1);
+      const std::int64_t k0 = c0 * kFusedTileK, k1 = c1 * kFusedTileK < p.l ? c1 * kFusedTileK : p.l;
+      const T* address = static_cast<const T*>(p.w_stripe) + col * p.l + k0;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address),
+                   "r"(static_cast<std::uint32_t>((k1 - k0) * static_cast<std::int64_t>(sizeof(T))))
+                   : "memory");
+    }
+  }
+  // The weights of this block's first item start streaming into shared memory now.
+  if (static_cast<std::int64_t>(blockIdx.x) < items) {
+    fused_prologue_weights<T, kRowsMax>(p, blockIdx.x / p.splits, blockIdx.x % p.splits, smem);
+  }
   const std::uint32_t e = s_epoch;
   const std::uint32_t parity = e & 1u;
   const std::uint32_t all_blocks = e * grid;  // a counter's value once every block of call e added 1
@@ -302,11 +456,12 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
       if (!p2p_wait_until(fused_report(p), &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
-    if (s_failed) return;
+    if (s_failed) return fused_cp_async_wait<0>();
   }
 
-  // 2. Rows of N.
+  // 2. Rows of N, and this rank's stripe of the shared sum.
   for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x) fused_norm_row<T>(p, t, parity, lane_sums);
+  if (p.tp > 1) fused_reduce_shared_stripe<T>(p, tokens, parity);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -314,11 +469,12 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
     if (!p2p_wait_until(fused_report(p), &own->rows_done, all_blocks, p.rank, e)) s_failed = 1;
   }
   __syncthreads();
-  if (s_failed) return;
+  if (s_failed) return fused_cp_async_wait<0>();
 
-  // 3. The stripe's output columns.
-  for (std::int64_t bt = blockIdx.x; bt < block_tiles; bt += gridDim.x) {
-    fused_stripe_tile<T, kNt, kMg>(p, tokens, bt * 8 * kNt, parity, partials);
+  // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring blocks).
+  for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    fused_stripe_item<T, kRowsMax>(p, tokens, item / p.splits, item % p.splits, item == blockIdx.x, e, parity, smem,
+                                   &s_last);
   }
 
   if (p.tp > 1) {
@@ -330,7 +486,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_tail_kernel(FusedTailPara
       if (!p2p_wait_until(fused_report(p), &own->stripes_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
-    if (s_failed) return;
+    if (s_failed) return fused_cp_async_wait<0>();
     using V = Vec16<T>;
     const std::int64_t row_vectors = p.stripe / V::kSize;
     const std::int64_t per_peer = tokens * row_vectors;

@@ -45,7 +45,7 @@ class FusedTail {
 
   std::int64_t capacity() const { return capacity_; }
   int grid() const { return params_.grid; }
-  int tile_width() const { return 8 * n_tiles_; }
+  std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
   // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
   // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
@@ -61,7 +61,6 @@ class FusedTail {
   P2pPeerAccess* peers_ = nullptr;  // the p2p communicator's, with several ranks
   DType dtype_;
   std::int64_t capacity_ = 0;
-  int n_tiles_ = 1;
   DeviceBuffer workspace_;
   FusedTailParams params_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.

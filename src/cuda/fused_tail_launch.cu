@@ -8,50 +8,63 @@ namespace lmoe::cuda {
 
 namespace {
 
-template <typename T, int kMg>
-const void* kernel_for(int n_tiles) {
-  switch (n_tiles) {
-    case 1: return reinterpret_cast<const void*>(fused_tail_kernel<T, 1, kMg>);
-    case 2: return reinterpret_cast<const void*>(fused_tail_kernel<T, 2, kMg>);
-    case 4: return reinterpret_cast<const void*>(fused_tail_kernel<T, 4, kMg>);
+constexpr int kRowsClasses[] = {16, 32, 64, 128, 256};
+
+template <typename T>
+const void* kernel_for(int rows_class) {
+  switch (rows_class) {
+    case 16: return reinterpret_cast<const void*>(fused_tail_kernel<T, 16>);
+    case 32: return reinterpret_cast<const void*>(fused_tail_kernel<T, 32>);
+    case 64: return reinterpret_cast<const void*>(fused_tail_kernel<T, 64>);
+    case 128: return reinterpret_cast<const void*>(fused_tail_kernel<T, 128>);
+    case 256: return reinterpret_cast<const void*>(fused_tail_kernel<T, 256>);
     default: return nullptr;
   }
 }
 
-template <typename T>
-const void* kernel_for(int n_tiles, int m_group) {
-  return m_group == 1 ? kernel_for<T, 1>(n_tiles) : m_group == 2 ? kernel_for<T, 2>(n_tiles) : nullptr;
-}
-
-const void* kernel_for(int n_tiles, int m_group, DType dtype) {
+const void* kernel_for(int rows_class, DType dtype) {
   switch (dtype) {
-    case DType::bf16: return kernel_for<__nv_bfloat16>(n_tiles, m_group);
-    case DType::f16: return kernel_for<__half>(n_tiles, m_group);
+    case DType::bf16: return kernel_for<__nv_bfloat16>(rows_class);
+    case DType::f16: return kernel_for<__half>(rows_class);
     case DType::f32: return nullptr;
   }
   return nullptr;
 }
 
-}  // namespace
-
-bool fused_tile_width_supported(int n_tiles) { return n_tiles == 1 || n_tiles == 2 || n_tiles == 4; }
-
-int fused_m_group(std::int64_t tokens) { return tokens <= 16 ? 1 : kFusedMaxMmaGroup; }
-
-std::size_t fused_tail_shared_bytes(int n_tiles, int m_group) {
-  return static_cast<std::size_t>(kFusedWarps) * static_cast<std::size_t>(m_group) * static_cast<std::size_t>(n_tiles) *
-         32 * sizeof(float4);
+std::size_t shared_bytes_of(int rows_class) {
+  switch (rows_class) {
+    case 16: return FusedShape<16>::kSharedBytes;
+    case 32: return FusedShape<32>::kSharedBytes;
+    case 64: return FusedShape<64>::kSharedBytes;
+    case 128: return FusedShape<128>::kSharedBytes;
+    default: return FusedShape<256>::kSharedBytes;
+  }
 }
 
-cudaError_t fused_tail_blocks_per_sm(int n_tiles, DType dtype, int* blocks) {
-  // The fewest blocks per SM of any m-group: the grid must fit whatever T a call brings.
+}  // namespace
+
+int fused_rows_class(std::int64_t tokens) {
+  for (int rows : kRowsClasses) {
+    if (tokens <= rows) return rows;
+  }
+  return 0;
+}
+
+std::size_t fused_tail_shared_bytes(std::int64_t tokens) { return shared_bytes_of(fused_rows_class(tokens)); }
+
+cudaError_t fused_tail_blocks_per_sm(std::int64_t max_tokens, DType dtype, int* blocks) {
+  const int largest = fused_rows_class(max_tokens);
+  if (largest == 0) return cudaErrorInvalidValue;
   int fewest = 1 << 30;
-  for (int m_group : {1, kFusedMaxMmaGroup}) {
-    const void* kernel = kernel_for(n_tiles, m_group, dtype);
+  for (int rows : kRowsClasses) {
+    if (rows > largest) break;
+    const void* kernel = kernel_for(rows, dtype);
     if (kernel == nullptr) return cudaErrorInvalidValue;
+    const int bytes = static_cast<int>(shared_bytes_of(rows));
+    cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (status != cudaSuccess) return status;
     int count = 0;
-    const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, kFusedThreads,
-                                                                             fused_tail_shared_bytes(n_tiles, m_group));
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, kFusedThreads, bytes);
     if (status != cudaSuccess) return status;
     fewest = std::min(fewest, count);
   }
@@ -59,14 +72,14 @@ cudaError_t fused_tail_blocks_per_sm(int n_tiles, DType dtype, int* blocks) {
   return cudaSuccess;
 }
 
-cudaError_t launch_fused_tail(const FusedTailParams& p, int n_tiles, DType dtype, cudaStream_t stream) {
-  const int m_group = fused_m_group(p.tokens);
-  const void* kernel = kernel_for(n_tiles, m_group, dtype);
+cudaError_t launch_fused_tail(const FusedTailParams& p, DType dtype, cudaStream_t stream) {
+  const int rows = fused_rows_class(p.tokens);
+  const void* kernel = rows ? kernel_for(rows, dtype) : nullptr;
   if (kernel == nullptr || p.grid < 1) return cudaErrorInvalidValue;
   FusedTailParams params = p;
   void* args[] = {&params};
-  return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(p.grid)), dim3(kFusedThreads), args,
-                          fused_tail_shared_bytes(n_tiles, m_group), stream);
+  return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(p.grid)), dim3(kFusedThreads), args, shared_bytes_of(rows),
+                          stream);
 }
 
 }  // namespace lmoe::cuda

@@ -11,21 +11,19 @@
 
 namespace lmoe::cuda {
 
-// Block-tiles of n_tiles·8 output columns: 1, 2 or 4 n-tiles of 8 (wider tiles reuse each loaded
-// row of N for more columns; narrower ones spread a narrow stripe over more SMs).
-bool fused_tile_width_supported(int n_tiles);
+// The kernel comes in shapes by the most rows a call may bring (16, 32, 64, 128 or 256): the
+// smallest that holds `tokens` rows.
+int fused_rows_class(std::int64_t tokens);
 
-// m-tiles of 16 tokens per pass for a call of up to `tokens` rows (p.tokens: with tokens_device,
-// the most rows a replay may bring).
-int fused_m_group(std::int64_t tokens);
+// Dynamic shared memory of one block of the shape for `tokens` rows (its cp.async stages).
+std::size_t fused_tail_shared_bytes(std::int64_t tokens);
 
-// Dynamic shared memory of one block (the warps' partial sums of one m-group).
-std::size_t fused_tail_shared_bytes(int n_tiles, int m_group);
+// How many blocks fit on one SM for every shape a call of up to `max_tokens` rows may launch (the
+// fewest: the grid must fit whatever T a call brings). Raises each shape's dynamic shared-memory
+// limit on the current device first (needed before it can launch).
+cudaError_t fused_tail_blocks_per_sm(std::int64_t max_tokens, DType dtype, int* blocks);
 
-// How many blocks of the kernel fit on one SM (registers, shared memory, threads).
-cudaError_t fused_tail_blocks_per_sm(int n_tiles, DType dtype, int* blocks);
-
-// Launches p.grid blocks; dtype bf16 or f16.
-cudaError_t launch_fused_tail(const FusedTailParams& p, int n_tiles, DType dtype, cudaStream_t stream);
+// Launches p.grid blocks of the shape for p.tokens rows; dtype bf16 or f16.
+cudaError_t launch_fused_tail(const FusedTailParams& p, DType dtype, cudaStream_t stream);
 
 }  // namespace lmoe::cuda

@@ -12,9 +12,12 @@ namespace lmoe::cuda {
 
 // The most tokens one fused call carries (the workspace's rows; a larger T is declined).
 inline constexpr std::int64_t kFusedMaxTokens = 256;
-inline constexpr int kFusedThreads = 256;  // 8 warps: the RMSNorm's 256 lanes, and a K split of 8
+inline constexpr int kFusedThreads = 256;  // 8 warps: the RMSNorm's 256 lanes
 inline constexpr int kFusedWarps = kFusedThreads / 32;
-inline constexpr int kFusedMaxMmaGroup = 2;  // m-tiles of 16 tokens per pass: 1 for T ≤ 16, else 2
+// The stripe product's work item: kFusedTileCols output columns of the stripe for every row, over
+// one range of K (a split), streamed through shared memory kFusedTileK at a time.
+inline constexpr int kFusedTileCols = 64;
+inline constexpr int kFusedTileK = 64;
 
 // Per rank, at the start of its workspace (zeroed at creation). Counters only grow, modulo 2^32,
 // and are compared as wrapping differences against targets derived from the call's epoch e
@@ -43,6 +46,14 @@ struct FusedTailParams {
   float eps = 0;
   int grid = 1;                       // G, the same on every rank
   bool prefetch_weights = false;      // issue the stripe's L2 prefetch before waiting for peers
+  // The stripe product: col_tiles tiles of kFusedTileCols columns, each split over `splits` ranges
+  // of K; with splits > 1 the blocks of one tile leave fp32 partials (own workspace, partials_offset:
+  // [col_tiles][splits][capacity][kFusedTileCols]) and the last to arrive (tile_arrived_offset:
+  // col_tiles counters, += 1 per split per call) sums them in split order.
+  std::int64_t col_tiles = 0;
+  std::int64_t splits = 1;
+  std::int64_t tile_arrived_offset = 0, partials_offset = 0;  // bytes into this rank's workspace
+  std::int64_t shared_sum_offset = 0;  // this rank's own [capacity, stripe]: round(Σ_r shared_r) of its stripe
   // Every rank's workspace (peers' through peer access or the same GPU): FusedFlags, then per
   // parity the staged routed [cap, l], shared [cap, d] and output stripe [cap, stripe] rows; the
   // normalized rows [cap, l] are this rank's own (not read by peers).
