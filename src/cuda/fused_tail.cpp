@@ -1,6 +1,8 @@
 #include "cuda/fused_tail.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -145,10 +147,47 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   params_.grid = grid;
   params_.col_tiles = col_tiles;
   params_.splits = splits_for(grid);
+  if (std::getenv("LMOE_FUSED_TRACE")) {
+    trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
+    params_.trace = static_cast<std::uint64_t*>(trace_.data());
+  }
 }
 
 FusedTail::~FusedTail() {
+  if (trace_.bytes()) print_trace();
   if (own_status_) cudaFreeHost(own_status_);
+}
+
+// LMOE_FUSED_TRACE: when the blocks of the last call reached each point (min / median / max over
+// the blocks that did, µs after the earliest entry), on stderr. Diagnostics only.
+void FusedTail::print_trace() noexcept {
+  const int grid = params_.grid;
+  std::vector<std::uint64_t> stamps(static_cast<std::size_t>(grid) * kFusedTracePoints);
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(stamps.data(), trace_.data(), trace_.bytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    return;
+  }
+  static constexpr const char* kNames[kFusedTracePoints] = {"entry",       "epoch",     "staged",
+                                                            "inputs arrived", "normed", "rows done",
+                                                            "items done",  "stripes arrived", "end"};
+  std::uint64_t origin = ~std::uint64_t{0};
+  for (int b = 0; b < grid; ++b) {
+    const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * kFusedTracePoints];
+    if (entry) origin = std::min(origin, entry);
+  }
+  std::fprintf(stderr, "[ fused trace ] rank %d, grid %d, splits %lld, last call (us after the first entry: min / median / max over blocks)\n",
+               params_.rank, grid, static_cast<long long>(params_.splits));
+  for (int point = 0; point < kFusedTracePoints; ++point) {
+    std::vector<double> at;
+    for (int b = 0; b < grid; ++b) {
+      const std::uint64_t stamp = stamps[static_cast<std::size_t>(b) * kFusedTracePoints + point];
+      if (stamp >= origin && stamp != 0) at.push_back(static_cast<double>(stamp - origin) * 1e-3);
+    }
+    if (at.empty()) continue;
+    std::sort(at.begin(), at.end());
+    std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", kNames[point], at.front(), at[at.size() / 2], at.back());
+  }
 }
 
 std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {

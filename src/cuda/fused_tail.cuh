@@ -395,6 +395,11 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
   __syncthreads();  // s_last is reused by the next item
 }
 
+// LMOE_FUSED_TRACE: the time thread 0 of this block reached point i (nothing when not tracing).
+__device__ inline void fused_trace(const FusedTailParams& p, int point) {
+  if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kFusedTracePoints + point] = p2p_clock_ns();
+}
+
 template <typename T, int kRowsMax>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailParams p) {
   __shared__ std::uint32_t s_epoch;
@@ -409,6 +414,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   const std::int64_t tokens = p.tokens_device ? *p.tokens_device : p.tokens;
   const std::int64_t items = p.col_tiles * p.splits;
 
+  fused_trace(p, kTraceEntry);
   if (threadIdx.x == 0) {
     s_failed = 0;
     s_epoch = own->epoch + 1;
@@ -439,6 +445,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   if (static_cast<std::int64_t>(blockIdx.x) < items) {
     fused_prologue_weights<T, kRowsMax>(p, blockIdx.x / p.splits, blockIdx.x % p.splits, smem);
   }
+  fused_trace(p, kTraceEpoch);
   const std::uint32_t e = s_epoch;
   const std::uint32_t parity = e & 1u;
   const std::uint32_t all_blocks = e * grid;  // a counter's value once every block of call e added 1
@@ -452,17 +459,20 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
       __threadfence_system();
       fused_add_release(&reinterpret_cast<FusedFlags*>(p.workspace[threadIdx.x])->inputs_arrived[p.rank], 1u);
     }
+    fused_trace(p, kTraceStaged);
     if (threadIdx.x < static_cast<unsigned>(p.tp)) {
       if (!p2p_wait_until(fused_report(p), &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
     if (s_failed) return fused_cp_async_wait<0>();
+    fused_trace(p, kTraceInputsArrived);
   }
 
   // 2. Rows of N, and this rank's stripe of the shared sum.
   for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x) fused_norm_row<T>(p, t, parity, lane_sums);
   if (p.tp > 1) fused_reduce_shared_stripe<T>(p, tokens, parity);
   __syncthreads();
+  fused_trace(p, kTraceNormed);
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&own->rows_done, 1u);
@@ -470,6 +480,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   }
   __syncthreads();
   if (s_failed) return fused_cp_async_wait<0>();
+  fused_trace(p, kTraceRowsDone);
 
   // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring blocks).
   for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
@@ -477,6 +488,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
                                    &s_last);
   }
 
+  fused_trace(p, kTraceItemsDone);
   if (p.tp > 1) {
     // 4. Publish this block's stripe columns, then gather every peer's.
     __syncthreads();
@@ -487,6 +499,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
     }
     __syncthreads();
     if (s_failed) return fused_cp_async_wait<0>();
+    fused_trace(p, kTraceStripesArrived);
     using V = Vec16<T>;
     const std::int64_t row_vectors = p.stripe / V::kSize;
     const std::int64_t per_peer = tokens * row_vectors;
@@ -510,6 +523,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
       atomicExch(&own->in_use, 0u);
     }
   }
+  fused_trace(p, kTraceEnd);
 }
 
 }  // namespace lmoe::cuda

@@ -56,12 +56,14 @@ class FusedTail {
 
  private:
   void throw_if_failed();
+  void print_trace() noexcept;
 
   Communicator& comm_;
   P2pPeerAccess* peers_ = nullptr;  // the p2p communicator's, with several ranks
   DType dtype_;
   std::int64_t capacity_ = 0;
   DeviceBuffer workspace_;
+  DeviceBuffer trace_;  // LMOE_FUSED_TRACE only
   FusedTailParams params_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;

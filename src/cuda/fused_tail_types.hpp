@@ -31,6 +31,20 @@ struct FusedFlags {
   std::uint32_t blocks_done;                    // this rank's blocks finished: e·G
 };
 
+// Where a block is in a call, for LMOE_FUSED_TRACE (docs/fused.md).
+enum FusedTracePoint : int {
+  kTraceEntry,           // thread 0 starts
+  kTraceEpoch,           // epoch read, in_use taken (block 0), weights' first stages issued
+  kTraceStaged,          // inputs staged and published to the peers (tp > 1)
+  kTraceInputsArrived,   // every peer's inputs are there (tp > 1)
+  kTraceNormed,          // this block's rows of N and its part of the shared stripe are written
+  kTraceRowsDone,        // every block of this rank is past the norm (grid barrier)
+  kTraceItemsDone,       // this block's stripe items (product and epilogue) are done
+  kTraceStripesArrived,  // every peer's stripe is there (tp > 1)
+  kTraceEnd,             // gathered, counted out
+  kFusedTracePoints
+};
+
 struct FusedTailParams {
   int rank = 0;
   int tp = 1;
@@ -53,6 +67,9 @@ struct FusedTailParams {
   std::int64_t col_tiles = 0;
   std::int64_t splits = 1;
   std::int64_t tile_arrived_offset = 0, partials_offset = 0;  // bytes into this rank's workspace
+  // Diagnostics (LMOE_FUSED_TRACE): per block, %globaltimer at each FusedTracePoint of the last
+  // call, [grid][kFusedTracePoints], in host-mapped memory; null normally.
+  std::uint64_t* trace = nullptr;
   std::int64_t shared_sum_offset = 0;  // this rank's own [capacity, stripe]: round(Σ_r shared_r) of its stripe
   // Every rank's workspace (peers' through peer access or the same GPU): FusedFlags, then per
   // parity the staged routed [cap, l], shared [cap, d] and output stripe [cap, stripe] rows; the
