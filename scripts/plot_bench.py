@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Plots tail latency against T for every tier, from `lmoe bench --json` or a tier table written by
-`lmoe tune` (version 2), on log axes: each tier's median with its p10-p90 band, the tier the policy
+`lmoe tune` (version 2 or 3), on log axes: each tier's median with its p10-p90 band, the tier the policy
 chose at each T, and two physical floors:
 
   comm floor  = the fewest bytes any tier sends per rank at T / the link bandwidth
@@ -101,8 +101,8 @@ def prepare(doc, comm=None, link_gbps=None, gemm_tflops=None):
     """What the plot shows, as plain lists: per tier the T, medians, p10 and p90 (microseconds);
     the chosen tier's points; the floors and where their rates came from."""
     if doc.get("format") == "lmoe-tier-table":
-        if doc.get("version") != 2:
-            raise ValueError("a tier table of version 2 (from `lmoe tune`) is needed: it has the measurements")
+        if doc.get("version") not in (2, 3):
+            raise ValueError("a tier table of version 2 or 3 (from `lmoe tune`) is needed: it has the measurements")
         comm, points, s = _series_from_table(doc, comm)
     elif doc.get("command") == "bench":
         comm, points, s = _series_from_bench(doc, comm)

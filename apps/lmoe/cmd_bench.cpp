@@ -152,10 +152,11 @@ void print_policy_check(const std::vector<ChoiceCheck>& checks, const PolicyConf
                   std::string(verdict_name(check.verdict))});
     table.add_row(cells);
   }
-  out << "# policy check: " << (policy.table_path ? "tier table " + *policy.table_path
-                                                  : std::string("no tier table (defaults and "
-                                                                "environment)"))
-      << " against this sweep; " << check_rule() << "\n";
+  out << "# policy check: "
+      << (policy.table_path ? "tier table " + *policy.table_path
+                            : std::string("no tier table (defaults and "
+                                          "environment)"))
+      << " against this sweep (rule: " << describe_rule(policy) << "); " << check_rule() << "\n";
   table.print(out);
   if (failures == 0) {
     out << "policy check ok (" << judged << " choice(s) judged)\n";

@@ -1,8 +1,8 @@
 // `lmoe tune`: measures every tier over a grid of T for one configuration (dims, dtype, tp,
-// backend, comm), finds the breakpoints with the least regret, and writes a tier table (version 2)
-// that
-// `--tier-table` and LMOE_TIER_TABLE load. The sweep and the fit are the library's
-// (include/lmoe/tier_tuning.hpp); docs/tuning.md says how the breakpoints are chosen.
+// backend, comm), finds the ranges (any tier in any T range) and the breakpoints with the least
+// regret, and writes a tier table (version 3) that `--tier-table` and LMOE_TIER_TABLE load. The
+// sweep and the fits are the library's (include/lmoe/tier_tuning.hpp); docs/tuning.md says how the
+// ranges and the breakpoints are chosen.
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -85,11 +85,15 @@ void TuneCommand::execute() {
   }
   const TierTable& table = result.table;
 
-  Table grid(
-      {"T", "fused_us", "overlap_us", "column_us", "token_us", "fastest", "chosen", "regret"});
+  Table grid({"T", "fused_us", "overlap_us", "column_us", "token_us", "fastest", "chosen", "regret",
+              "bp_chosen", "bp_regret"});
+  const auto chosen_cell = [](const PointFit& fit) {
+    return fit.chosen ? std::string(tier_name(*fit.chosen)) + (fit.fallback ? "*" : "") : "-";
+  };
   for (std::size_t i = 0; i < table.grid.size(); ++i) {
     const GridPoint& point = table.grid[i];
-    const PointFit& fit = result.fit.points[i];
+    const PointFit& fit = result.range_fit.points[i];
+    const PointFit& by_breakpoints = result.breakpoint_fit.points[i];
     std::vector<std::string> cells = {std::to_string(point.tokens)};
     for (TailTier tier : kAllTiers) {
       const TierTiming& timing = point[tier];
@@ -98,9 +102,10 @@ void TuneCommand::execute() {
                                                                       : "-");
     }
     cells.push_back(fit.fastest ? std::string(tier_name(*fit.fastest)) : "-");
-    cells.push_back(fit.chosen ? std::string(tier_name(*fit.chosen)) + (fit.fallback ? "*" : "")
-                               : "-");
+    cells.push_back(chosen_cell(fit));
     cells.push_back(percent(fit.regret));
+    cells.push_back(chosen_cell(by_breakpoints));
+    cells.push_back(percent(by_breakpoints.regret));
     grid.add_row(cells);
   }
   std::cout << "# lmoe tune: " << setting;
@@ -112,17 +117,24 @@ void TuneCommand::execute() {
   grid.print(std::cout);
   std::cout << "# times: median per forward over the timed iterations, microseconds (the slowest "
                "rank's); `lmoe bench` has p10 and p90\n"
+            << "# chosen, regret: by the ranges (what the table's policy uses); bp_chosen, "
+               "bp_regret: by the breakpoints (for readers of version-2 tables)\n"
             << "# regret: median(chosen) / median(fastest) - 1; chosen*: the preferred tier is "
                "declined at this T and the one shown stands in\n";
 
-  std::size_t worst = 0;
-  for (std::size_t i = 0; i < result.fit.points.size(); ++i) {
-    if (result.fit.points[i].regret > result.fit.points[worst].regret) worst = i;
-  }
-  std::cout << "breakpoints: " << describe(table.breakpoints) << "\n"
-            << "regret: total " << percent(result.fit.total_regret) << " over " << table.grid.size()
-            << " T, worst " << percent(result.fit.max_regret)
-            << " at T=" << table.grid[worst].tokens << "\n";
+  const auto regret_line = [&](const PolicyFit& fit) {
+    std::size_t worst = 0;
+    for (std::size_t i = 0; i < fit.points.size(); ++i) {
+      if (fit.points[i].regret > fit.points[worst].regret) worst = i;
+    }
+    return "regret: total " + percent(fit.total_regret) + " over " +
+           std::to_string(table.grid.size()) + " T, worst " + percent(fit.max_regret) +
+           " at T=" + std::to_string(table.grid[worst].tokens);
+  };
+  std::cout << "ranges: " << describe_tier_ranges(table.ranges) << " ("
+            << regret_line(result.range_fit) << ")\n"
+            << "breakpoints: " << describe(table.breakpoints) << " ("
+            << regret_line(result.breakpoint_fit) << ")\n";
 
   if (!result.ok()) {
     for (const BenchRecord& record : result.bench.records) {
@@ -149,9 +161,9 @@ void add_tune_command(CLI::App& app) {
   auto command = std::make_shared<TuneCommand>();
   CLI::App* sub = app.add_subcommand(
       "tune",
-      "measure every tier over a grid of T for one configuration, choose the breakpoints with the "
-      "least regret, write a tier table (default: cuda at kimi-k3 dims on 8 ranks; cpu at small "
-      "dims on 4)");
+      "measure every tier over a grid of T for one configuration, choose the ranges (the fastest "
+      "tier at each T) and the breakpoints with the least regret, write a tier table (default: "
+      "cuda at kimi-k3 dims on 8 ranks; cpu at small dims on 4)");
   command->app = sub;
   command->sweep.add_to(*sub, "-n,--ranks,--tp",
                         "cuda: 1, 2, 3, 4, 6, 8, 12, ..., 24576, 32768; cpu: 1, 2, 4, ..., 256");
@@ -162,12 +174,13 @@ void add_tune_command(CLI::App& app) {
                   "check every T up to this against the contract; no table is written when a "
                   "tier is wrong")
       ->capture_default_str();
-  sub->add_option("-o,--output", command->output, "the tier table to write (JSON, version 2)")
+  sub->add_option("-o,--output", command->output, "the tier table to write (JSON, version 3)")
       ->required();
   sub->footer(
       "The table records where it was measured (GPU, compute capability, driver, CUDA, NCCL, lmoe "
       "version), for what (backend, tp, dims, dtype, comm), every tier's median, p10 and p90 at "
-      "every T, and the breakpoints. Loading it elsewhere is refused, or warned about when only "
+      "every T, the ranges (what the policy uses) and the breakpoints (for older readers). Loading "
+      "it elsewhere is refused, or warned about when only "
       "software versions differ. Check it against a fresh sweep with `lmoe bench --tier-table "
       "FILE --check-table`. See docs/tuning.md.");
   sub->callback([command] { command->execute(); });

@@ -1,13 +1,18 @@
-// Tier selection by measurement: a grid of measured tier times over T, the breakpoints that serve
-// it best, tier tables (version 2) that carry both with where they were measured, the check that a
-// table fits the configuration that loads it, and the check of a policy against a fresh sweep.
+// Tier selection by measurement: a grid of measured tier times over T, the ranges and the
+// breakpoints that serve it, tier tables (version 3) that carry both with where they were measured,
+// the check that a table fits the configuration that loads it, and the check of a policy against a
+// fresh sweep.
 //
-// The policy can express one order only (tier_policy.hpp): fused for T <= fused_max_tokens,
-// overlap up to overlap_max_tokens, column up to column_max_tokens, token above; any of the four
-// ranges may be empty. find_breakpoints picks, among every such assignment of the grid's T, the one
-// with the least total regret, where the regret at T is median(chosen)/median(fastest) − 1 and
-// `chosen` is what decide() picks (fallbacks from declined tiers included). docs/tuning.md has the
-// whole rule, the file format and the matching rules.
+// find_ranges gives every grid point the tier decide() ends up with when it prefers the fastest
+// measured tier there (so declines count), merges neighbours with equal tiers and puts each
+// boundary between grid points a < b at floor(sqrt(a·b)): any tier in any T range, zero regret at
+// every grid point where the fastest tier can run. The breakpoints (tier_policy.hpp) can express
+// one order only: fused for T <= fused_max_tokens, overlap up to overlap_max_tokens, column up to
+// column_max_tokens, token above; find_breakpoints picks, among every such assignment of the grid's
+// T, the one with the least total regret, where the regret at T is median(chosen)/median(fastest) −
+// 1 and `chosen` is what decide() picks (fallbacks from declined tiers included). Tables keep both:
+// the policy uses the ranges, older readers the breakpoints. docs/tuning.md has the whole rule, the
+// file format and the matching rules.
 #pragma once
 
 #include <array>
@@ -83,6 +88,9 @@ struct Breakpoints {
 
 // The built-in policy with these three breakpoints, each from SettingSource::table and `origin`.
 PolicyConfig policy_from(const Breakpoints& breakpoints, const std::string& origin);
+// The built-in policy with these ranges (SettingSource::table, origin + " ranges"); lmoe::Error
+// when they are malformed (validate_tier_ranges).
+PolicyConfig policy_from(const std::vector<TierRange>& ranges, const std::string& origin);
 
 struct PointFit {
   std::int64_t tokens = 0;
@@ -92,11 +100,19 @@ struct PointFit {
   double regret = 0;                // median(chosen) / median(fastest) − 1; 0 where nothing ran
 };
 
-struct BreakpointFit {
-  Breakpoints breakpoints;
+// How a policy does on a grid.
+struct PolicyFit {
   std::vector<PointFit> points;  // in the grid's order
   double total_regret = 0;       // the sum over points
   double max_regret = 0;
+};
+
+struct BreakpointFit : PolicyFit {
+  Breakpoints breakpoints;
+};
+
+struct RangeFit : PolicyFit {
+  std::vector<TierRange> ranges;
 };
 
 // The breakpoints with the least total regret over the grid (sorted by T, each T once, T >= 1;
@@ -107,10 +123,21 @@ struct BreakpointFit {
 // two T; rounded down. The tier that runs at the largest T keeps running above it.
 BreakpointFit find_breakpoints(std::span<const GridPoint> grid);
 
-// How `policy` does on the grid: what it chooses at every point, and the regret.
-BreakpointFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy);
+// The ranges for the grid (sorted by T, each T once, T >= 1; lmoe::Error otherwise): at each point
+// the tier decide() runs when the fastest measured tier is preferred there, consecutive equal tiers
+// merged, the boundary between grid points a < b at floor(sqrt(a·b)) (T <= boundary takes a's
+// tier), the last piece unbounded. A point where no tier ran takes the tier of the point before it
+// (the first such points, the tier after them); a grid where nothing ran at all gives fused
+// everywhere.
+RangeFit find_ranges(std::span<const GridPoint> grid);
 
-// ---- tier tables, version 2 ---------------------------------------------------------------------
+// floor(sqrt(a·b)) exactly, for 1 <= a < b: the boundary find_ranges puts between a and b.
+std::int64_t range_boundary(std::int64_t a, std::int64_t b);
+
+// How `policy` does on the grid: what it chooses at every point, and the regret.
+PolicyFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy);
+
+// ---- tier tables, version 3 ---------------------------------------------------------------------
 
 struct TableGpu {
   std::string name;                // "NVIDIA H200"
@@ -140,13 +167,15 @@ struct TableProvenance {
 
 struct TierTable {
   TableProvenance provenance;
-  std::vector<GridPoint> grid;  // sorted by T
-  Breakpoints breakpoints;
+  std::vector<GridPoint> grid;    // sorted by T
+  std::vector<TierRange> ranges;  // what the policy uses; empty in a version-2 table
+  Breakpoints breakpoints;        // for readers of version 2
 };
 
-// JSON text of format "lmoe-tier-table", version 2, with each grid point's fit for readers.
+// JSON text of format "lmoe-tier-table", version 3, with each grid point's fit (by the ranges and
+// by the breakpoints) for readers. lmoe::Error when the ranges are malformed.
 std::string write_tier_table(const TierTable& table);
-// Reads a version-2 table; lmoe::Error naming `origin` and the bad field otherwise.
+// Reads a version-2 or version-3 table; lmoe::Error naming `origin` and the bad field otherwise.
 TierTable read_tier_table(const std::string& json_text, const std::string& origin);
 
 // The configuration a table is matched against. Fields left unset are not compared.
@@ -193,14 +222,17 @@ std::vector<std::int64_t> default_tune_tokens(Backend backend);
 
 struct TuneResult {
   BenchResult bench;  // the sweep
-  TierTable table;    // its grid and the breakpoints find_breakpoints chose
-  BreakpointFit fit;
+  TierTable
+      table;  // its grid, the ranges find_ranges chose and the breakpoints find_breakpoints chose
+  RangeFit range_fit;
+  BreakpointFit breakpoint_fit;
   // The sweep had no comm error and every checked output met the contract.
   bool ok() const { return bench.ok(); }
 };
 
 // Sweeps every tier of options.tiers over options.tokens with the one comm in options.comms
-// (empty: the backend's default), then finds the breakpoints. `preset` is recorded only.
+// (empty: the backend's default), then finds the ranges and the breakpoints. `preset` is recorded
+// only.
 TuneResult tune_tiers(const BenchOptions& options, const std::string& preset,
                       const BenchProgressFn& progress = {});
 

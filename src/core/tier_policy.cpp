@@ -83,7 +83,32 @@ struct Preference {
   std::string why;
 };
 
+// "45 < T <= 512" for piece i of the ranges.
+std::string piece_text(std::span<const TierRange> ranges, std::size_t i) {
+  const std::optional<std::int64_t> low = i > 0 ? ranges[i - 1].max_tokens : std::nullopt;
+  const std::optional<std::int64_t> high = ranges[i].max_tokens;
+  if (low && high) return std::to_string(*low) + " < T <= " + std::to_string(*high);
+  if (high) return "T <= " + std::to_string(*high);
+  if (low) return "T > " + std::to_string(*low);
+  return "every T";
+}
+
+Preference prefer_by_ranges(std::int64_t num_tokens, const PolicyConfig& config) {
+  const std::vector<TierRange>& ranges = config.ranges.value;
+  std::size_t piece = ranges.size() - 1;
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    if (!ranges[i].max_tokens || num_tokens <= *ranges[i].max_tokens) {
+      piece = i;
+      break;
+    }
+  }
+  return {ranges[piece].tier, piece_text(ranges, piece) + ": " +
+                                  std::string(tier_name(ranges[piece].tier)) + ", " +
+                                  origin_of(config.ranges)};
+}
+
 Preference prefer(std::int64_t num_tokens, const PolicyConfig& config) {
+  if (!config.ranges.value.empty()) return prefer_by_ranges(num_tokens, config);
   const std::string t = "T=" + std::to_string(num_tokens);
   if (num_tokens <= config.fused_max_tokens.value) {
     return {TailTier::fused, t + " <= fused_max_tokens=" +
@@ -126,6 +151,49 @@ std::vector<TailTier> fallback_order(TailTier preferred) {
 
 }  // namespace
 
+void validate_tier_ranges(std::span<const TierRange> ranges, const std::string& where) {
+  if (ranges.empty()) throw Error(where + ": expected at least one piece, got none");
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    const std::string at = where + "[" + std::to_string(i) + "].max_tokens";
+    const std::optional<std::int64_t> max_tokens = ranges[i].max_tokens;
+    const bool last = i + 1 == ranges.size();
+    if (!max_tokens) {
+      if (!last) {
+        throw Error(at + ": only the last piece may be unbounded (null); " +
+                    std::to_string(ranges.size() - 1 - i) + " piece(s) follow it");
+      }
+      continue;
+    }
+    if (*max_tokens < 1) {
+      throw Error(at + ": expected an integer >= 1 (or null for the last piece), got " +
+                  std::to_string(*max_tokens));
+    }
+    if (i > 0 && *max_tokens <= *ranges[i - 1].max_tokens) {
+      throw Error(at + ": expected more than the previous piece's " +
+                  std::to_string(*ranges[i - 1].max_tokens) + " (pieces rise in T), got " +
+                  std::to_string(*max_tokens));
+    }
+    if (last) {
+      throw Error(at +
+                  ": the last piece must be unbounded (null) so that every T has a tier, got " +
+                  std::to_string(*max_tokens));
+    }
+  }
+}
+
+std::string describe_tier_ranges(std::span<const TierRange> ranges) {
+  if (ranges.size() == 1 && !ranges[0].max_tokens) {
+    return std::string(tier_name(ranges[0].tier)) + " for every T";
+  }
+  std::string text;
+  for (const TierRange& piece : ranges) {
+    if (!text.empty()) text += ", ";
+    text += std::string(tier_name(piece.tier)) +
+            (piece.max_tokens ? " T<=" + std::to_string(*piece.max_tokens) : " above");
+  }
+  return text;
+}
+
 PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::string>& table_path) {
   PolicyConfig config;
 
@@ -147,6 +215,15 @@ PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::s
       setting.origin = name + "=" + *text;
     }
   };
+  // A user who sets a breakpoint means the breakpoints to rule: ranges would hide the variable.
+  std::string breakpoint_variables;
+  for (const char* name : {"LMOE_FUSED_MAX_TOKENS", "LMOE_OVERLAP_MAX_TOKENS",
+                           "LMOE_COLUMN_MAX_TOKENS", "LMOE_DISABLE_OVERLAP"}) {
+    if (auto text = read_variable(env, name)) {
+      breakpoint_variables +=
+          (breakpoint_variables.empty() ? "" : ", ") + std::string(name) + "=" + *text;
+    }
+  }
   from_env(config.fused_max_tokens, "LMOE_FUSED_MAX_TOKENS", parse_token_count);
   from_env(config.overlap_max_tokens, "LMOE_OVERLAP_MAX_TOKENS", parse_token_count);
   from_env(config.column_max_tokens, "LMOE_COLUMN_MAX_TOKENS",
@@ -163,6 +240,14 @@ PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::s
                throw Error(name + "='" + text + "': " + error.message());
              }
            });
+  if (!breakpoint_variables.empty() && !config.ranges.value.empty()) {
+    config.ranges.origin = "set aside by " + breakpoint_variables + " (were " +
+                           describe_tier_ranges(config.ranges.value) + ", " +
+                           origin_of(config.ranges) + ")";
+    config.ranges.value.clear();
+    config.ranges.source = SettingSource::environment;
+    config.ranges_set_aside = breakpoint_variables;
+  }
   return config;
 }
 
@@ -241,6 +326,22 @@ TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierS
   return *decision.tier;
 }
 
+std::string describe_rule(const PolicyConfig& config) {
+  if (config.forced_tier.value) {
+    return "a forced tier, " + std::string(tier_name(*config.forced_tier.value)) + " (" +
+           origin_of(config.forced_tier) + "); neither ranges nor breakpoints are used";
+  }
+  if (!config.ranges.value.empty()) {
+    return "ranges " + describe_tier_ranges(config.ranges.value) + " (" + origin_of(config.ranges) +
+           "); the breakpoints are not used";
+  }
+  if (config.ranges_set_aside) {
+    return "breakpoints; the table's ranges are set aside because " + *config.ranges_set_aside +
+           (config.ranges_set_aside->find(',') == std::string::npos ? " is" : " are") + " set";
+  }
+  return "breakpoints";
+}
+
 std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
   std::ostringstream out;
   const TierDecision decision = decide(num_tokens, config, support);
@@ -251,11 +352,15 @@ std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const T
       out << "evidence: " << *measured << "\n";
     }
   }
-  out << "settings (precedence: default < table < environment; a forced tier wins):\n";
+  out << "rule: " << describe_rule(config) << "\n";
+  out << "settings (precedence: default < table < environment; a forced tier wins; ranges rule "
+         "over breakpoints unless a breakpoint variable is set):\n";
   auto row = [&](const std::string& name, const std::string& value, const std::string& origin) {
     out << "  " << name << std::string(20 - std::min<std::size_t>(20, name.size()), ' ') << value
-        << std::string(8 - std::min<std::size_t>(8, value.size()), ' ') << origin << "\n";
+        << std::string(value.size() < 8 ? 8 - value.size() : 1, ' ') << origin << "\n";
   };
+  row("ranges", config.ranges.value.empty() ? "none" : describe_tier_ranges(config.ranges.value),
+      origin_of(config.ranges));
   row("fused_max_tokens", std::to_string(config.fused_max_tokens.value), origin_of(config.fused_max_tokens));
   row("overlap_max_tokens", std::to_string(config.overlap_max_tokens.value),
       origin_of(config.overlap_max_tokens));

@@ -8,10 +8,15 @@
 //   Every breakpoint is optional; an unknown breakpoint name is an error (it is most likely a
 //   typo).
 //
-// Version 2 (written by `lmoe tune`; docs/tuning.md): all three breakpoints, plus "provenance"
-// (where and for what the grid was measured) and "grid" (per T, each tier's median, p10 and p90 in
-// microseconds or why it was declined, and the fit's choice and regret for readers, which loading
-// ignores). "overlap_disabled" is read as in version 1.
+// Version 2 (written by `lmoe tune` before ranges; docs/tuning.md): all three breakpoints, plus
+// "provenance" (where and for what the grid was measured) and "grid" (per T, each tier's median,
+// p10 and p90 in microseconds or why it was declined, and the fit's choice and regret for readers,
+// which loading ignores). "overlap_disabled" is read as in version 1.
+//
+// Version 3 (written by `lmoe tune`): version 2 plus "ranges", the pieces of T the policy prefers a
+// tier in ([{"max_tokens": 45, "tier": "column"}, ..., {"max_tokens": null, "tier": "token"}]),
+// which rule when the table is loaded; the breakpoints stay for readers of version 2 and for when a
+// breakpoint variable of the environment sets the ranges aside.
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -221,6 +226,45 @@ Breakpoints read_breakpoints(const json& object, const std::string& where) {
   return breakpoints;
 }
 
+std::vector<TierRange> read_ranges(const json& array, const std::string& where) {
+  if (!array.is_array() || array.empty()) {
+    throw Error(where +
+                ": expected a non-empty array of pieces {\"max_tokens\": T or null, "
+                "\"tier\": name}, got " +
+                array.dump());
+  }
+  std::vector<TierRange> ranges;
+  for (std::size_t i = 0; i < array.size(); ++i) {
+    const std::string at = where + "[" + std::to_string(i) + "]";
+    const json& piece = array[i];
+    if (!piece.is_object()) throw Error(at + ": expected an object, got " + piece.dump());
+    for (const auto& [key, value] : piece.items()) {
+      if (key != "max_tokens" && key != "tier") {
+        throw Error(at + "." + key + ": unknown key (expected max_tokens and tier)");
+      }
+      (void)value;
+    }
+    TierRange range;
+    if (!field(piece, "max_tokens", at).is_null()) {
+      range.max_tokens = integer_field(piece, "max_tokens", at, 1);
+    }
+    const std::string tier = text_field(piece, "tier", at);
+    range.tier = parsed(at + ".tier", [&] { return parse_tier(tier); });
+    ranges.push_back(range);
+  }
+  validate_tier_ranges(ranges, where);
+  return ranges;
+}
+
+ordered ranges_json(const std::vector<TierRange>& ranges) {
+  ordered array = ordered::array();
+  for (const TierRange& range : ranges) {
+    array.push_back({{"max_tokens", range.max_tokens ? ordered(*range.max_tokens) : ordered()},
+                     {"tier", tier_name(range.tier)}});
+  }
+  return array;
+}
+
 json parse_json(const std::string& json_text, const std::string& origin) {
   json table;
   try {
@@ -235,8 +279,11 @@ json parse_json(const std::string& json_text, const std::string& origin) {
   return table;
 }
 
-TierTable read_version_2(const json& table, const std::string& origin) {
+// Versions 2 and 3: a measured table; version 3 adds the ranges.
+TierTable read_measured(const json& table, const std::string& origin, int version) {
   TierTable result;
+  if (version == 3)
+    result.ranges = read_ranges(field(table, "ranges", origin), origin + ": ranges");
   result.breakpoints =
       read_breakpoints(field(table, "breakpoints", origin), origin + ": breakpoints");
   result.provenance = read_provenance(field(table, "provenance", origin), origin + ": provenance");
@@ -247,7 +294,11 @@ TierTable read_version_2(const json& table, const std::string& origin) {
 }  // namespace
 
 std::string write_tier_table(const TierTable& table) {
-  const BreakpointFit fit = evaluate_policy(table.grid, policy_from(table.breakpoints, "table"));
+  validate_tier_ranges(table.ranges, "write_tier_table: table.ranges");
+  const PolicyFit by_ranges = evaluate_policy(table.grid, policy_from(table.ranges, "table"));
+  const PolicyFit by_breakpoints =
+      evaluate_policy(table.grid, policy_from(table.breakpoints, "table"));
+  const auto rounded = [](double regret) { return std::round(regret * 1e6) / 1e6; };
   ordered grid = ordered::array();
   for (std::size_t i = 0; i < table.grid.size(); ++i) {
     const GridPoint& point = table.grid[i];
@@ -259,58 +310,80 @@ std::string write_tier_table(const TierTable& table) {
     }
     grid.push_back({{"tokens", point.tokens},
                     {"tiers", tiers},
-                    {"fastest", tier_or_null(fit.points[i].fastest)},
-                    {"chosen", tier_or_null(fit.points[i].chosen)},
-                    {"regret", std::round(fit.points[i].regret * 1e6) / 1e6}});
+                    {"fastest", tier_or_null(by_ranges.points[i].fastest)},
+                    {"chosen", tier_or_null(by_ranges.points[i].chosen)},
+                    {"regret", rounded(by_ranges.points[i].regret)},
+                    {"breakpoints_chosen", tier_or_null(by_breakpoints.points[i].chosen)},
+                    {"breakpoints_regret", rounded(by_breakpoints.points[i].regret)}});
   }
   const Breakpoints& b = table.breakpoints;
   const ordered doc = {
       {"format", "lmoe-tier-table"},
-      {"version", 2},
+      {"version", 3},
+      {"ranges", ranges_json(table.ranges)},
       {"breakpoints",
        {{"fused_max_tokens", b.fused_max_tokens},
         {"overlap_max_tokens", b.overlap_max_tokens},
         {"column_max_tokens", b.column_max_tokens ? ordered(*b.column_max_tokens) : ordered()}}},
       {"provenance", provenance_json(table.provenance)},
       {"fit",
-       {{"total_regret", std::round(fit.total_regret * 1e6) / 1e6},
-        {"max_regret", std::round(fit.max_regret * 1e6) / 1e6},
+       {{"total_regret", rounded(by_ranges.total_regret)},
+        {"max_regret", rounded(by_ranges.max_regret)},
         {"rule",
-         "least total regret sum_T (median(chosen)/median(fastest) - 1) over the grid among the "
-         "breakpoints the policy can express (docs/tuning.md)"}}},
+         "ranges: at each grid T the tier decide() runs when preferring the fastest measured tier, "
+         "equal neighbours merged, the boundary between grid points a < b at floor(sqrt(a*b)) "
+         "(docs/tuning.md)"},
+        {"breakpoints",
+         {{"total_regret", rounded(by_breakpoints.total_regret)},
+          {"max_regret", rounded(by_breakpoints.max_regret)},
+          {"rule",
+           "least total regret sum_T (median(chosen)/median(fastest) - 1) over the grid among the "
+           "breakpoints the policy can express (docs/tuning.md)"}}}}},
       {"grid", grid}};
   return doc.dump(2) + "\n";
 }
 
 TierTable read_tier_table(const std::string& json_text, const std::string& origin) {
   const json table = parse_json(json_text, origin);
-  if (!table.contains("version") || table["version"] != 2) {
-    throw Error(origin + ": expected \"version\" 2 (a measured table), got " +
-                table.value("version", json()).dump());
+  const json version = table.value("version", json());
+  if (version != 2 && version != 3) {
+    throw Error(origin + ": expected \"version\" 2 or 3 (a measured table), got " + version.dump());
   }
-  return read_version_2(table, origin);
+  return read_measured(table, origin, version.get<int>());
 }
 
 void apply_tier_table(PolicyConfig& config, const std::string& json_text,
                       const std::string& origin) {
   const json table = parse_json(json_text, origin);
   const json version = table.value("version", json());
-  if (version != 1 && version != 2) {
+  if (version != 1 && version != 2 && version != 3) {
     throw Error(origin + ": unsupported \"version\" " + version.dump() +
-                " (this lmoe reads versions 1 and 2)");
+                " (this lmoe reads versions 1, 2 and 3)");
   }
   auto set = [&](auto& setting, auto value, const std::string& key) {
     setting.value = value;
     setting.source = SettingSource::table;
     setting.origin = origin + " " + key;
   };
-  if (version == 2) {
-    auto measured = std::make_shared<TierTable>(read_version_2(table, origin));
+  // A table of version 1 or 2 means its breakpoints to rule: ranges of an earlier one go.
+  const auto clear_ranges = [&] {
+    config.ranges.value.clear();
+    config.ranges.source = SettingSource::table;
+    config.ranges.origin = origin + ": none (version " + version.dump() + ")";
+  };
+  if (version == 2 || version == 3) {
+    auto measured = std::make_shared<TierTable>(read_measured(table, origin, version.get<int>()));
     set(config.fused_max_tokens, measured->breakpoints.fused_max_tokens, "fused_max_tokens");
     set(config.overlap_max_tokens, measured->breakpoints.overlap_max_tokens, "overlap_max_tokens");
     set(config.column_max_tokens, measured->breakpoints.column_max_tokens, "column_max_tokens");
+    if (version == 3) {
+      set(config.ranges, measured->ranges, "ranges");
+    } else if (!config.ranges.value.empty()) {
+      clear_ranges();
+    }
     config.table = std::move(measured);
   } else if (table.contains("breakpoints")) {
+    if (!config.ranges.value.empty()) clear_ranges();
     const json& breakpoints = table["breakpoints"];
     if (!breakpoints.is_object()) throw Error(origin + ": \"breakpoints\" must be an object");
     for (const auto& [key, value] : breakpoints.items()) {

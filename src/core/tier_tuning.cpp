@@ -100,6 +100,13 @@ PolicyConfig policy_from(const Breakpoints& breakpoints, const std::string& orig
   return config;
 }
 
+PolicyConfig policy_from(const std::vector<TierRange>& ranges, const std::string& origin) {
+  validate_tier_ranges(ranges, origin + " ranges");
+  PolicyConfig config;
+  config.ranges = {ranges, SettingSource::table, origin + " ranges"};
+  return config;
+}
+
 namespace {
 
 void validate_grid(std::span<const GridPoint> grid, const char* who) {
@@ -129,28 +136,13 @@ double regret_of(const GridPoint& point, TailTier chosen, TailTier fastest) {
   return mine / best - 1;
 }
 
-// The tier decide() runs at `point` when `preferred` is the tier the breakpoints prefer there.
-// decide() depends on the breakpoints only through the preferred tier, so this is computed once
-// per (point, tier) with breakpoints that make `preferred` the preference at that T.
+// The tier decide() runs at `point` when `preferred` is the tier the policy prefers there.
+// decide() depends on the policy only through the preferred tier, so one piece preferring it for
+// every T stands for every policy that prefers it at this T.
 std::optional<TailTier> decided_when_preferring(const GridPoint& point, TailTier preferred) {
-  Breakpoints breakpoints;
-  const std::int64_t t = point.tokens;
-  switch (preferred) {
-    case TailTier::fused:
-      breakpoints = {t, t, std::nullopt};
-      break;
-    case TailTier::overlap:
-      breakpoints = {t - 1, t, std::nullopt};
-      break;
-    case TailTier::column:
-      breakpoints = {t - 1, t - 1, std::nullopt};
-      break;
-    case TailTier::token:
-      breakpoints = {t - 1, t - 1, t - 1};
-      break;
-  }
-  const PolicyConfig config = policy_from(breakpoints, "candidate");
-  return decide(t, config, grid_support(point)).tier;
+  const PolicyConfig config =
+      policy_from(std::vector<TierRange>{{std::nullopt, preferred}}, "candidate");
+  return decide(point.tokens, config, grid_support(point)).tier;
 }
 
 // Where a breakpoint between grid points `lower` and `upper` (the last T of one range and the first
@@ -177,11 +169,9 @@ std::int64_t place_breakpoint(const GridPoint& lower, const GridPoint& upper,
 
 }  // namespace
 
-BreakpointFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy) {
+PolicyFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy) {
   validate_grid(grid, "evaluate_policy");
-  BreakpointFit fit;
-  fit.breakpoints = {policy.fused_max_tokens.value, policy.overlap_max_tokens.value,
-                     policy.column_max_tokens.value};
+  PolicyFit fit;
   for (const GridPoint& point : grid) {
     PointFit result;
     result.tokens = point.tokens;
@@ -272,12 +262,70 @@ BreakpointFit find_breakpoints(std::span<const GridPoint> grid) {
   breakpoints.overlap_max_tokens = breakpoint_after(best->j).value_or(kNoTokenLimit);
   breakpoints.column_max_tokens = breakpoint_after(best->k);
 
-  BreakpointFit fit = evaluate_policy(grid, policy_from(breakpoints, "fit"));
+  BreakpointFit fit;
+  static_cast<PolicyFit&>(fit) = evaluate_policy(grid, policy_from(breakpoints, "fit"));
   fit.breakpoints = breakpoints;
   // The placed breakpoints must reproduce the assignment they were placed for.
   for (std::size_t p = 0; p < n; ++p) {
     LMOE_CHECK(fit.points[p].chosen == runs[p],
                "find_breakpoints: internal error: the placed breakpoints change T=" +
+                   std::to_string(grid[p].tokens));
+  }
+  return fit;
+}
+
+std::int64_t range_boundary(std::int64_t a, std::int64_t b) {
+  LMOE_CHECK(a >= 1 && a < b, "range_boundary: expected 1 <= a < b, got a=" + std::to_string(a) +
+                                  ", b=" + std::to_string(b));
+  // Exact in integers (a·b can exceed 64 bits): the largest r in [a, b − 1] with r² <= a·b, which
+  // exists as a² <= a·b < b².
+  using Wide = unsigned __int128;
+  const Wide product = static_cast<Wide>(a) * static_cast<Wide>(b);
+  std::int64_t low = a, high = b - 1;
+  while (low < high) {
+    const std::int64_t mid = low + (high - low + 1) / 2;
+    if (static_cast<Wide>(mid) * static_cast<Wide>(mid) <= product) {
+      low = mid;
+    } else {
+      high = mid - 1;
+    }
+  }
+  return low;
+}
+
+RangeFit find_ranges(std::span<const GridPoint> grid) {
+  validate_grid(grid, "find_ranges");
+  const std::size_t n = grid.size();
+
+  // What runs at each point when its fastest tier is preferred (a declined preference counts as
+  // the tier it falls back to); nullopt where no tier ran.
+  std::vector<std::optional<TailTier>> runs(n);
+  for (std::size_t p = 0; p < n; ++p) {
+    if (const std::optional<TailTier> fastest = fastest_tier(grid[p])) {
+      runs[p] = decided_when_preferring(grid[p], *fastest);
+    }
+  }
+  // A point where nothing runs costs nothing whichever tier it gets: it joins the piece before it
+  // (points before any that runs, the first piece) rather than splitting one.
+  const auto first_run =
+      std::find_if(runs.begin(), runs.end(), [](const auto& tier) { return tier.has_value(); });
+  std::vector<TailTier> tiers(n, first_run != runs.end() ? **first_run : TailTier::fused);
+  for (std::size_t p = 1; p < n; ++p) tiers[p] = runs[p] ? *runs[p] : tiers[p - 1];
+
+  std::vector<TierRange> ranges = {{std::nullopt, tiers[0]}};
+  for (std::size_t p = 1; p < n; ++p) {
+    if (tiers[p] == ranges.back().tier) continue;
+    ranges.back().max_tokens = range_boundary(grid[p - 1].tokens, grid[p].tokens);
+    ranges.push_back({std::nullopt, tiers[p]});
+  }
+
+  RangeFit fit;
+  static_cast<PolicyFit&>(fit) = evaluate_policy(grid, policy_from(ranges, "fit"));
+  fit.ranges = std::move(ranges);
+  // The placed boundaries must give every point the tier it was given.
+  for (std::size_t p = 0; p < n; ++p) {
+    LMOE_CHECK(fit.points[p].chosen == runs[p],
+               "find_ranges: internal error: the placed ranges change T=" +
                    std::to_string(grid[p].tokens));
   }
   return fit;
@@ -503,8 +551,10 @@ TuneResult tune_tiers(const BenchOptions& options_in, const std::string& preset,
     }
   }
   table.grid = grid_from_records(result.bench.records, comm);
-  result.fit = find_breakpoints(table.grid);
-  table.breakpoints = result.fit.breakpoints;
+  result.range_fit = find_ranges(table.grid);
+  table.ranges = result.range_fit.ranges;
+  result.breakpoint_fit = find_breakpoints(table.grid);
+  table.breakpoints = result.breakpoint_fit.breakpoints;
   return result;
 }
 

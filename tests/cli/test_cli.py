@@ -4,6 +4,7 @@ environment variables, `bench`, `tune` and its tier tables, and scripts/plot_ben
 preparation. Usage: test_cli.py PATH_TO_LMOE"""
 
 import json
+import math
 import os
 import struct
 import subprocess
@@ -509,22 +510,28 @@ def preferred_tier(tokens, breakpoints):
     return "column" if column is None or tokens <= column else "token"
 
 
+TIERS = ["fused", "overlap", "column", "token"]
 FALLBACKS = {"fused": ["overlap", "column", "token"], "overlap": ["column", "token", "fused"],
              "column": ["token", "overlap", "fused"], "token": ["column", "overlap", "fused"]}
 NO_LIMIT = 2**63 - 1
 
 
-def decided_tier(tokens, breakpoints, ran):
-    first = preferred_tier(tokens, breakpoints)
+def ranges_tier(tokens, ranges):
+    """The ranges' preference: the first piece whose max_tokens holds T (null: no upper end)."""
+    return next(piece["tier"] for piece in ranges if piece["max_tokens"] is None or tokens <= piece["max_tokens"])
+
+
+def decided_tier(tokens, breakpoints, ran, ranges=None):
+    first = ranges_tier(tokens, ranges) if ranges else preferred_tier(tokens, breakpoints)
     return next((tier for tier in [first] + FALLBACKS[first] if tier in ran), None)
 
 
-def grid_regret(grid, breakpoints):
+def grid_regret(grid, breakpoints, ranges=None):
     """Per point: median(chosen) / median(fastest) - 1."""
     regrets = []
     for point in grid:
         ran = {tier: t["median_us"] for tier, t in point["tiers"].items() if "median_us" in t}
-        chosen = decided_tier(point["tokens"], breakpoints, ran)
+        chosen = decided_tier(point["tokens"], breakpoints, ran, ranges)
         regrets.append(ran[chosen] / min(ran.values()) - 1 if chosen else 0.0)
     return regrets
 
@@ -557,7 +564,7 @@ class TuneCommand(unittest.TestCase):
 
     def test_table_has_provenance_grid_and_breakpoints(self):
         doc = self.doc
-        self.assertEqual((doc["format"], doc["version"]), ("lmoe-tier-table", 2))
+        self.assertEqual((doc["format"], doc["version"]), ("lmoe-tier-table", 3))
         p = doc["provenance"]
         self.assertEqual((p["backend"], p["tp"], p["dtype"], p["comm"], p["preset"]), ("cpu", 2, "bf16", "threads", "small"))
         self.assertEqual(p["dims"], {"d_model": 384, "d_latent": 192})
@@ -574,25 +581,58 @@ class TuneCommand(unittest.TestCase):
                     self.assertLessEqual(timing["p10_us"], timing["median_us"])
                     self.assertLessEqual(timing["median_us"], timing["p90_us"])
         self.assertEqual(set(doc["breakpoints"]), {"fused_max_tokens", "overlap_max_tokens", "column_max_tokens"})
-        # The printed grid and the breakpoints; progress on stderr.
+        self.assertIsNone(doc["ranges"][-1]["max_tokens"])
+        # The printed grid, the ranges and the breakpoints; progress on stderr.
+        self.assertIn("ranges: ", self.result.stdout)
         self.assertIn("breakpoints: fused_max_tokens", self.result.stdout)
         self.assertIn("regret", self.result.stdout)
         self.assertIn("lmoe tune: [time", self.result.stderr)
+
+    def test_ranges_give_every_t_its_fastest_tier(self):
+        grid, ranges = self.doc["grid"], self.doc["ranges"]
+        regrets = grid_regret(grid, None, ranges)
+        for point, regret in zip(grid, regrets):
+            ran = {tier: t["median_us"] for tier, t in point["tiers"].items() if "median_us" in t}
+            self.assertEqual(point["chosen"], decided_tier(point["tokens"], None, ran, ranges))
+            self.assertEqual(point["chosen"], min(ran, key=lambda tier: (ran[tier], TIERS.index(tier))))
+            self.assertEqual(regret, 0.0)
+            self.assertEqual(point["regret"], 0.0)
+        self.assertEqual(self.doc["fit"]["total_regret"], 0.0)
+        # Boundaries: floor(sqrt(a*b)) between the neighbours whose tiers differ; equal ones merged.
+        tokens = [point["tokens"] for point in grid]
+        for piece, following in zip(ranges, ranges[1:]):
+            self.assertNotEqual(piece["tier"], following["tier"])
+            upper = next(t for t in tokens if t > piece["max_tokens"])
+            lower = tokens[tokens.index(upper) - 1]
+            self.assertEqual(piece["max_tokens"], math.isqrt(lower * upper))
+        described = ", ".join(p["tier"] + (f" T<={p['max_tokens']}" if p["max_tokens"] is not None else " above")
+                              for p in ranges) if len(ranges) > 1 else ranges[0]["tier"] + " for every T"
+        self.assertIn(f"ranges: {described} (regret: total 0.0%", self.result.stdout)
 
     def test_breakpoints_have_the_least_regret_the_policy_can_express(self):
         grid, breakpoints = self.doc["grid"], self.doc["breakpoints"]
         regrets = grid_regret(grid, breakpoints)
         for point, regret in zip(grid, regrets):
             ran = {tier for tier, t in point["tiers"].items() if "median_us" in t}
-            self.assertEqual(point["chosen"], decided_tier(point["tokens"], breakpoints, ran))
-            self.assertAlmostEqual(point["regret"], regret, places=5)
-        self.assertAlmostEqual(self.doc["fit"]["total_regret"], sum(regrets), places=5)
+            self.assertEqual(point["breakpoints_chosen"], decided_tier(point["tokens"], breakpoints, ran))
+            self.assertAlmostEqual(point["breakpoints_regret"], regret, places=5)
+        self.assertAlmostEqual(self.doc["fit"]["breakpoints"]["total_regret"], sum(regrets), places=5)
         # Brute force over every assignment the breakpoints can express on this grid.
         limits = [0, NO_LIMIT] + [point["tokens"] for point in grid]
         least = min(
             sum(grid_regret(grid, {"fused_max_tokens": f, "overlap_max_tokens": o, "column_max_tokens": c}))
             for f in limits for o in limits for c in limits + [None])
         self.assertAlmostEqual(sum(regrets), least, places=9)
+
+    def test_a_version_2_table_still_loads_and_its_breakpoints_rule(self):
+        def to_version_2(doc):
+            doc["version"] = 2
+            del doc["ranges"]
+        path = self.edited_table("v2.json", to_version_2)
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "50", "--tier-table", path)
+        self.assertIn("rule: breakpoints\n", result.stdout)
+        ran = {"fused", "overlap", "column", "token"}
+        self.assertIn(f"decision: T=50 → {decided_tier(50, self.doc['breakpoints'], ran)} ", result.stdout)
 
     def test_explain_cites_the_table(self):
         result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "50", "--comm", "threads",
@@ -601,6 +641,10 @@ class TuneCommand(unittest.TestCase):
         self.assertIn("(chosen)", result.stdout)
         self.assertIn(f"table {self.table} fused_max_tokens", result.stdout)
         self.assertIn("on cpu, tp 2, comm threads", result.stdout)
+        self.assertIn("rule: ranges ", result.stdout)
+        self.assertIn(f" (table {self.table} ranges); the breakpoints are not used", result.stdout)
+        ran = {"fused", "overlap", "column", "token"}
+        self.assertIn(f"decision: T=50 → {decided_tier(50, None, ran, self.doc['ranges'])} (preferred: ", result.stdout)
 
     def test_a_table_for_other_dims_or_tp_is_refused(self):
         cases = [
@@ -642,6 +686,12 @@ class TuneCommand(unittest.TestCase):
                       env={"LMOE_TIER_TABLE": self.table, "LMOE_FUSED_MAX_TOKENS": "3"})
         self.assertIn("fused_max_tokens    3       LMOE_FUSED_MAX_TOKENS=3", result.stdout)
         self.assertIn(f"table {self.table} overlap_max_tokens", result.stdout)
+        # A breakpoint variable sets the table's ranges aside, and explain says so.
+        self.assertIn("rule: breakpoints; the table's ranges are set aside because LMOE_FUSED_MAX_TOKENS=3 is set",
+                      result.stdout)
+        ran = {"fused", "overlap", "column", "token"}
+        breakpoints = dict(self.doc["breakpoints"], fused_max_tokens=3)
+        self.assertIn(f"decision: T=8 → {decided_tier(8, breakpoints, ran)} ", result.stdout)
         # --tier-table wins over LMOE_TIER_TABLE (which names a file that does not exist).
         result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "8", "--tier-table", self.table,
                       env={"LMOE_TIER_TABLE": os.path.join(self.dir.name, "missing.json")})
@@ -687,6 +737,7 @@ class TuneCommand(unittest.TestCase):
                       "--check-table", self.table, "--json", path, check=False)
         self.assertIn(result.returncode, (0, 1), result.stderr)
         self.assertIn("# policy check: tier table", result.stdout)
+        self.assertIn("(rule: ranges ", result.stdout)  # the ranges are what is judged
         with open(path) as f:
             doc = json.load(f)
         self.assertEqual(doc["tier_table"], self.table)

@@ -42,8 +42,8 @@ void build_tails(const lmoe::TierTable& table, int tp) {
     lmoe::TailOptions options;
     options.dims = kSmall;
     options.backend = lmoe::Backend::cuda;
-    options.policy = lmoe::policy_from(table.breakpoints, "table t.json");
-    options.policy.table = std::make_shared<lmoe::TierTable>(table);
+    // As loading the file does: the ranges, the breakpoints and the measured table.
+    lmoe::apply_tier_table(options.policy, lmoe::write_tier_table(table), "table t.json");
     options.policy.table_path = "t.json";
     lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
     EXPECT_TRUE(tail.table_warnings().empty());
@@ -72,8 +72,12 @@ TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
       }
     }
   }
+  // The ranges give every grid T its fastest tier.
+  EXPECT_EQ(tuned.range_fit.total_regret, 0);
+  EXPECT_LE(tuned.range_fit.total_regret, tuned.breakpoint_fit.total_regret);
   const lmoe::TierTable back = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
   EXPECT_EQ(back.provenance, table.provenance);
+  EXPECT_EQ(back.ranges, table.ranges);
   EXPECT_EQ(back.breakpoints, table.breakpoints);
 
   build_tails(back, 2);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -294,17 +295,20 @@ TEST(TierTable, WrongOrMissingFormat) {
 }
 
 TEST(TierTable, WrongOrMissingVersion) {
-  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 3})"),
-            "t.json: unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
-  // Version 2 is read, and must carry its measurements (test_tier_tuning.cpp has the rest).
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 4})"),
+            "t.json: unsupported \"version\" 4 (this lmoe reads versions 1, 2 and 3)");
+  // Versions 2 and 3 are read, and must carry their measurements (test_tier_tuning.cpp has the
+  // rest); version 3 its ranges first.
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 2})"),
             "t.json: missing \"breakpoints\"");
+  EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 3})"),
+            "t.json: missing \"ranges\"");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": 0})"),
-            "t.json: unsupported \"version\" 0 (this lmoe reads versions 1 and 2)");
+            "t.json: unsupported \"version\" 0 (this lmoe reads versions 1, 2 and 3)");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table", "version": "1"})"),
-            "t.json: unsupported \"version\" \"1\" (this lmoe reads versions 1 and 2)");
+            "t.json: unsupported \"version\" \"1\" (this lmoe reads versions 1, 2 and 3)");
   EXPECT_EQ(table_error(R"({"format": "lmoe-tier-table"})"),
-            "t.json: unsupported \"version\" null (this lmoe reads versions 1 and 2)");
+            "t.json: unsupported \"version\" null (this lmoe reads versions 1, 2 and 3)");
 }
 
 TEST(TierTable, UnknownBreakpointIsAnError) {
@@ -356,11 +360,11 @@ TEST(TierTable, NullColumnLimitMeansNoLimitFromTheTable) {
 }
 
 TEST_F(TierTableFiles, MalformedTableFileFailsTheLoadWithItsPath) {
-  const std::string path = write("bad.json", R"({"format": "lmoe-tier-table", "version": 3})");
+  const std::string path = write("bad.json", R"({"format": "lmoe-tier-table", "version": 4})");
   EXPECT_EQ(load_error({}, path),
-            "table " + path + ": unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
+            "table " + path + ": unsupported \"version\" 4 (this lmoe reads versions 1, 2 and 3)");
   EXPECT_EQ(load_error({{"LMOE_TIER_TABLE", path}}),
-            "table " + path + ": unsupported \"version\" 3 (this lmoe reads versions 1 and 2)");
+            "table " + path + ": unsupported \"version\" 4 (this lmoe reads versions 1, 2 and 3)");
 }
 
 TEST_F(TierTableFiles, MissingTableFileThrows) {
@@ -579,6 +583,171 @@ TEST(TierPolicyDecide, NegativeTokenCountIsInvalid) {
               "T=" + std::to_string(tokens) + ": a negative token count is invalid");
   }
   EXPECT_EQ(lmoe::decide(-1, load({{"LMOE_TIER", "fused"}}), all_can_run()).tier, std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ranges: any tier in any T range
+
+using lmoe::TierRange;
+
+PolicyConfig with_ranges(std::vector<TierRange> ranges) {
+  PolicyConfig config;
+  config.ranges = {std::move(ranges), SettingSource::table, "table t.json ranges"};
+  return config;
+}
+
+// column, then overlap, then token: an order the breakpoints cannot express.
+const std::vector<TierRange> kRanges = {
+    {45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}};
+
+std::string ranges_error(const std::vector<TierRange>& ranges) {
+  try {
+    lmoe::validate_tier_ranges(ranges, "r");
+  } catch (const lmoe::Error& error) {
+    return error.message();
+  }
+  ADD_FAILURE() << "validate_tier_ranges accepted the ranges";
+  return "<no error>";
+}
+
+TEST(TierPolicyRanges, EachPieceAtItsEdges) {
+  const PolicyConfig config = with_ranges(kRanges);
+  const std::vector<std::pair<std::int64_t, TailTier>> expected = {
+      {1, TailTier::column},
+      {44, TailTier::column},
+      {45, TailTier::column},
+      {46, TailTier::overlap},
+      {511, TailTier::overlap},
+      {512, TailTier::overlap},
+      {513, TailTier::token},
+      {1 << 20, TailTier::token},
+      {std::numeric_limits<std::int64_t>::max(), TailTier::token}};
+  for (const auto& [tokens, tier] : expected) {
+    EXPECT_EQ(lmoe::preferred_tier(tokens, config), tier) << "T=" << tokens;
+    EXPECT_EQ(tier_for(tokens, config), tier) << "T=" << tokens;
+  }
+  // The breakpoints (fused up to 128 by default) are not used while there are ranges.
+  EXPECT_EQ(config.fused_max_tokens.value, 128);
+  EXPECT_EQ(tier_for(100, config), TailTier::overlap);
+  // One piece for every T.
+  EXPECT_EQ(tier_for(3, with_ranges({{std::nullopt, TailTier::fused}})), TailTier::fused);
+  EXPECT_EQ(tier_for(100000, with_ranges({{std::nullopt, TailTier::fused}})), TailTier::fused);
+}
+
+TEST(TierPolicyRanges, SummaryNamesThePieceAndItsSource) {
+  const PolicyConfig config = with_ranges(kRanges);
+  EXPECT_EQ(lmoe::decide(1, config, all_can_run()).summary,
+            "T=1 → column (preferred: T <= 45: column, table t.json ranges)");
+  EXPECT_EQ(lmoe::decide(128, config, all_can_run()).summary,
+            "T=128 → overlap (preferred: 45 < T <= 512: overlap, table t.json ranges)");
+  EXPECT_EQ(lmoe::decide(513, config, all_can_run()).summary,
+            "T=513 → token (preferred: T > 512: token, table t.json ranges)");
+  EXPECT_EQ(lmoe::decide(7, with_ranges({{std::nullopt, TailTier::fused}}), all_can_run()).summary,
+            "T=7 → fused (preferred: every T: fused, table t.json ranges)");
+  // No work and invalid T are said as without ranges.
+  EXPECT_EQ(lmoe::decide(0, config, all_can_run()).summary, "T=0: no tokens, nothing to run");
+  EXPECT_EQ(lmoe::decide(0, config, all_can_run()).tier, std::nullopt);
+}
+
+TEST(TierPolicyRanges, ADeclinedTierInsideARangeFallsBackInTheUsualOrder) {
+  PolicyConfig config = with_ranges(kRanges);
+  // T=100 is in overlap's piece; overlap declined: column, its first fallback, runs.
+  TierDecision decision = lmoe::decide(100, config, declining(TailTier::overlap, "why-overlap"));
+  EXPECT_EQ(decision.tier, TailTier::column);
+  EXPECT_EQ(decision.summary, "T=100 → column (fallback after overlap declined: why-overlap)");
+  ASSERT_EQ(decision.considered.size(), 4u);
+  EXPECT_EQ(decision.considered[0].tier, TailTier::overlap);
+  EXPECT_EQ(decision.considered[1].tier, TailTier::column);
+  EXPECT_EQ(decision.considered[2].tier, TailTier::token);
+  EXPECT_EQ(decision.considered[3].tier, TailTier::fused);
+  // T=600 is in token's piece; token and column declined: overlap, then fused.
+  TierSupport support = declining(TailTier::token, "T < tp");
+  support.declined[static_cast<std::size_t>(TailTier::column)] = "why-column";
+  EXPECT_EQ(tier_for(600, config, support), TailTier::overlap);
+  support.declined[static_cast<std::size_t>(TailTier::overlap)] = "why-overlap";
+  EXPECT_EQ(tier_for(600, config, support), TailTier::fused);
+  // T=1 is in column's piece; column declined: token.
+  EXPECT_EQ(tier_for(1, config, declining(TailTier::column, "why-column")), TailTier::token);
+  // A disabled overlap is declined inside its piece too.
+  config.overlap_disabled = {true, SettingSource::table, "t.json overlap_disabled"};
+  decision = lmoe::decide(100, config, all_can_run());
+  EXPECT_EQ(decision.tier, TailTier::column);
+  EXPECT_EQ(decision.summary,
+            "T=100 → column (fallback after overlap declined: disabled (t.json overlap_disabled))");
+}
+
+TEST(TierPolicyRanges, AForcedTierWinsOverRanges) {
+  PolicyConfig config = with_ranges(kRanges);
+  config.forced_tier = {TailTier::fused, SettingSource::caller, "caller"};
+  EXPECT_EQ(tier_for(600, config), TailTier::fused);
+  EXPECT_EQ(tier_for(1, config), TailTier::fused);
+  EXPECT_THAT(lmoe::explain(600, config, all_can_run()),
+              HasSubstr("rule: a forced tier, fused (caller); neither ranges nor breakpoints are "
+                        "used\n"));
+}
+
+TEST(TierPolicyRanges, MalformedRangesAreErrorsNamingTheField) {
+  EXPECT_EQ(ranges_error({}), "r: expected at least one piece, got none");
+  EXPECT_EQ(
+      ranges_error(
+          {{512, TailTier::overlap}, {45, TailTier::column}, {std::nullopt, TailTier::token}}),
+      "r[1].max_tokens: expected more than the previous piece's 512 (pieces rise in T), got "
+      "45");
+  EXPECT_EQ(ranges_error(
+                {{45, TailTier::overlap}, {45, TailTier::column}, {std::nullopt, TailTier::token}}),
+            "r[1].max_tokens: expected more than the previous piece's 45 (pieces rise in T), got "
+            "45");
+  EXPECT_EQ(ranges_error({{0, TailTier::fused}, {std::nullopt, TailTier::token}}),
+            "r[0].max_tokens: expected an integer >= 1 (or null for the last piece), got 0");
+  EXPECT_EQ(ranges_error({{-5, TailTier::fused}, {std::nullopt, TailTier::token}}),
+            "r[0].max_tokens: expected an integer >= 1 (or null for the last piece), got -5");
+  EXPECT_EQ(ranges_error({{45, TailTier::column}, {512, TailTier::overlap}}),
+            "r[1].max_tokens: the last piece must be unbounded (null) so that every T has a tier, "
+            "got 512");
+  EXPECT_EQ(ranges_error({{std::nullopt, TailTier::column}, {std::nullopt, TailTier::token}}),
+            "r[0].max_tokens: only the last piece may be unbounded (null); 1 piece(s) follow it");
+  // ±1 at the lower edge: 1 is a valid bound; and the well-formed lists pass.
+  EXPECT_NO_THROW(lmoe::validate_tier_ranges(
+      std::vector<TierRange>{{1, TailTier::fused}, {std::nullopt, TailTier::token}}, "r"));
+  EXPECT_NO_THROW(lmoe::validate_tier_ranges(kRanges, "r"));
+  EXPECT_NO_THROW(
+      lmoe::validate_tier_ranges(std::vector<TierRange>{{std::nullopt, TailTier::column}}, "r"));
+}
+
+TEST(TierPolicyRanges, Described) {
+  EXPECT_EQ(lmoe::describe_tier_ranges(kRanges), "column T<=45, overlap T<=512, token above");
+  EXPECT_EQ(lmoe::describe_tier_ranges(std::vector<TierRange>{{std::nullopt, TailTier::token}}),
+            "token for every T");
+}
+
+TEST(TierPolicyRanges, ExplainSaysWhichRuleRules) {
+  const std::string with = lmoe::explain(128, with_ranges(kRanges), all_can_run());
+  EXPECT_THAT(with, StartsWith("decision: T=128 → overlap (preferred: 45 < T <= 512: overlap, "
+                               "table t.json ranges)\n"));
+  EXPECT_THAT(with, HasSubstr("rule: ranges column T<=45, overlap T<=512, token above (table "
+                              "t.json ranges); the breakpoints are not used\n"));
+  EXPECT_THAT(with, HasSubstr("  ranges              column T<=45, overlap T<=512, token above "
+                              "table t.json ranges\n"));
+  const std::string without = lmoe::explain(128, load({}), all_can_run());
+  EXPECT_THAT(without, HasSubstr("rule: breakpoints\n"));
+  EXPECT_THAT(without, HasSubstr("  ranges              none    default: none\n"));
+}
+
+TEST(TierPolicyRanges, ATableOfVersion1WithBreakpointsClearsEarlierRanges) {
+  PolicyConfig config = with_ranges(kRanges);
+  // Only the flag: the ranges stay.
+  lmoe::apply_tier_table(config, R"({"format": "lmoe-tier-table", "version": 1,
+                                     "overlap_disabled": false})",
+                         "v1.json");
+  EXPECT_EQ(config.ranges.value, kRanges);
+  // Breakpoints: they are meant to rule, so the ranges go.
+  lmoe::apply_tier_table(config, R"({"format": "lmoe-tier-table", "version": 1,
+                                     "breakpoints": {"fused_max_tokens": 8}})",
+                         "v1.json");
+  EXPECT_TRUE(config.ranges.value.empty());
+  EXPECT_EQ(config.ranges.origin, "v1.json: none (version 1)");
+  EXPECT_EQ(tier_for(8, config), TailTier::fused);
+  EXPECT_EQ(tier_for(9, config), TailTier::overlap);
 }
 
 // ---------------------------------------------------------------------------------------------

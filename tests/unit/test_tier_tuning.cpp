@@ -1,17 +1,23 @@
-// Tier selection by measurement: breakpoints found on synthetic grids (clean crossovers, noise,
-// non-monotonic winners, declined tiers, one tier everywhere, checked against a brute-force search
-// on random grids), tier tables (version 2) written, read and matched against a configuration,
-// their precedence against the environment, explain() citing them, the check of a policy against a
-// sweep, and `tune` on the CPU backend at small dims.
+// Tier selection by measurement: ranges found on the grid measured on two H200s (an order the
+// breakpoints cannot express) and on random grids, breakpoints found on synthetic grids (clean
+// crossovers, noise, non-monotonic winners, declined tiers, one tier everywhere, checked against a
+// brute-force search on random grids), tier tables (version 3, and version 2 still read) written,
+// read and matched against a configuration, their precedence against the environment (breakpoint
+// variables set the ranges aside), explain() citing them, the check of a policy against a sweep,
+// and `tune` on the CPU backend at small dims.
 #include "lmoe/tier_tuning.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -30,6 +36,7 @@ using lmoe::Breakpoints;
 using lmoe::GridPoint;
 using lmoe::PolicyConfig;
 using lmoe::TailTier;
+using lmoe::TierRange;
 using lmoe::TierTiming;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
@@ -46,6 +53,21 @@ GridPoint point(std::int64_t tokens, std::array<double, 4> medians) {
                     : TierTiming::measured(m, 0.95 * m, 1.05 * m);
   }
   return p;
+}
+
+// `n` points, T rising by 1 to `max_step`, each tier's median in [1, 100) or (1 in 6) declined.
+std::vector<GridPoint> random_grid(std::mt19937_64& rng, std::size_t n, std::int64_t max_step) {
+  std::uniform_real_distribution<double> time(1.0, 100.0);
+  std::uniform_int_distribution<int> coin(0, 5);
+  std::vector<GridPoint> grid;
+  std::int64_t t = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    t += 1 + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(max_step));
+    std::array<double, 4> medians{};
+    for (double& m : medians) m = coin(rng) == 0 ? -1 : time(rng);
+    grid.push_back(point(t, medians));
+  }
+  return grid;
 }
 
 // Affine time models a + b·T per tier: the medians on a grid.
@@ -71,7 +93,7 @@ std::vector<std::int64_t> powers_of_two(std::int64_t last) {
   return tokens;
 }
 
-std::vector<std::optional<TailTier>> chosen_tiers(const BreakpointFit& fit) {
+std::vector<std::optional<TailTier>> chosen_tiers(const lmoe::PolicyFit& fit) {
   std::vector<std::optional<TailTier>> tiers;
   for (const lmoe::PointFit& p : fit.points) tiers.push_back(p.chosen);
   return tiers;
@@ -85,6 +107,197 @@ std::string find_error(const std::vector<GridPoint>& grid) {
   }
   ADD_FAILURE() << "find_breakpoints accepted the grid";
   return "<no error>";
+}
+
+// ---- ranges -------------------------------------------------------------------------------------
+
+// `lmoe tune` on two H200s, K3 dims, tp 2, NCCL (2026-11-29), median us: fused declined at every T
+// (over NCCL at tp 2), token at T=1 (T < tp). The fastest tiers in T order are column, column,
+// overlap, overlap, token, token, token. The medians at T >= 4096 were not quoted with the run,
+// only that token was the fastest there: these two points stand for that.
+std::vector<GridPoint> h200_tp2_grid() {
+  return {point(1, {-1, 34.6, 30.2, -1}),
+          point(16, {-1, 39.1, 31.4, 48.6}),
+          point(128, {-1, 58.4, 64.7, 69.9}),
+          point(256, {-1, 85.4, 100.1, 100.7}),
+          point(1024, {-1, 202.8, 220.8, 188.5}),
+          point(4096, {-1, 760.0, 790.0, 650.0}),
+          point(16384, {-1, 2900.0, 3000.0, 2500.0})};
+}
+
+const std::vector<TierRange> kH200Ranges = {
+    {45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}};
+
+TEST(FindRanges, TheH200GridGivesColumnOverlapTokenAtZeroRegret) {
+  const std::vector<GridPoint> grid = h200_tp2_grid();
+  const lmoe::RangeFit fit = lmoe::find_ranges(grid);
+  // floor(sqrt(16·128)) = 45 and floor(sqrt(256·1024)) = 512.
+  EXPECT_EQ(fit.ranges, kH200Ranges);
+  EXPECT_EQ(lmoe::describe_tier_ranges(fit.ranges), "column T<=45, overlap T<=512, token above");
+  ASSERT_EQ(fit.points.size(), grid.size());
+  for (const lmoe::PointFit& p : fit.points) {
+    EXPECT_EQ(p.chosen, p.fastest) << "T=" << p.tokens;
+    EXPECT_EQ(p.regret, 0) << "T=" << p.tokens;
+    EXPECT_FALSE(p.fallback) << "T=" << p.tokens;
+  }
+  EXPECT_EQ(fit.total_regret, 0);
+  EXPECT_EQ(fit.max_regret, 0);
+  // ±1 around each boundary, through the policy itself.
+  const PolicyConfig policy = lmoe::policy_from(fit.ranges, "table t.json");
+  EXPECT_EQ(lmoe::preferred_tier(45, policy), TailTier::column);
+  EXPECT_EQ(lmoe::preferred_tier(46, policy), TailTier::overlap);
+  EXPECT_EQ(lmoe::preferred_tier(512, policy), TailTier::overlap);
+  EXPECT_EQ(lmoe::preferred_tier(513, policy), TailTier::token);
+
+  // The breakpoints cannot follow column → overlap → token: the best they do is column up to the
+  // column/token crossing (256 + 768·0.6/32.9 = 270), 10.8 % slower than overlap at T=128.
+  const BreakpointFit breakpoints = lmoe::find_breakpoints(grid);
+  EXPECT_EQ(breakpoints.breakpoints, (Breakpoints{0, 0, 270}));
+  EXPECT_NEAR(breakpoints.points[2].regret, 64.7 / 58.4 - 1, 1e-12);
+  EXPECT_GT(breakpoints.total_regret, 0.25);
+}
+
+// What `lmoe bench --check-table` judges: with the table's ranges loaded, every choice on the
+// H200 grid is the fastest; with its breakpoints, T=128 and T=256 fail the 3 % rule.
+TEST(FindRanges, TheCheckOfATableJudgesItsRanges) {
+  const std::vector<GridPoint> grid = h200_tp2_grid();
+  const auto records_chosen_by = [&](const PolicyConfig& policy) {
+    std::vector<lmoe::BenchRecord> records;
+    for (const GridPoint& p : grid) {
+      const auto chosen = lmoe::decide(p.tokens, policy, lmoe::grid_support(p)).tier;
+      for (TailTier tier : lmoe::kAllTiers) {
+        lmoe::BenchRecord r;
+        r.comm = "nccl";
+        r.tokens = p.tokens;
+        r.tier = tier;
+        r.chosen = chosen == tier;
+        if (p[tier].ran()) {
+          r.stats.median = p[tier].median_us * 1e-6;
+          r.stats.p10 = p[tier].p10_us * 1e-6;
+          r.stats.p90 = p[tier].p90_us * 1e-6;
+        } else {
+          r.declined = p[tier].reason;
+        }
+        records.push_back(r);
+      }
+    }
+    return lmoe::check_choices(records);
+  };
+  for (const lmoe::ChoiceCheck& check :
+       records_chosen_by(lmoe::policy_from(lmoe::find_ranges(grid).ranges, "t.json"))) {
+    EXPECT_EQ(check.verdict, lmoe::ChoiceCheck::Verdict::fastest) << "T=" << check.tokens;
+  }
+  std::vector<std::int64_t> failed;
+  for (const lmoe::ChoiceCheck& check :
+       records_chosen_by(lmoe::policy_from(lmoe::find_breakpoints(grid).breakpoints, "t.json"))) {
+    if (!check.ok()) failed.push_back(check.tokens);
+  }
+  EXPECT_EQ(failed, (std::vector<std::int64_t>{128, 256}));
+}
+
+TEST(FindRanges, BoundariesAreTheFlooredGeometricMean) {
+  EXPECT_EQ(lmoe::range_boundary(16, 128), 45);  // sqrt(2048) = 45.25
+  EXPECT_EQ(lmoe::range_boundary(256, 1024), 512);
+  EXPECT_EQ(lmoe::range_boundary(2, 8), 4);  // exact square
+  EXPECT_EQ(lmoe::range_boundary(3, 12), 6);
+  EXPECT_EQ(lmoe::range_boundary(1, 2), 1);
+  EXPECT_EQ(lmoe::range_boundary(7, 8), 7);
+  EXPECT_EQ(lmoe::range_boundary(1, 4), 2);
+  EXPECT_EQ(lmoe::range_boundary(1, 3), 1);  // sqrt(3) = 1.73
+  // Exact where a·b does not fit in 64 bits.
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  EXPECT_EQ(lmoe::range_boundary(kMax - 1, kMax), kMax - 1);
+  EXPECT_EQ(lmoe::range_boundary(std::int64_t{1} << 40, std::int64_t{1} << 42),
+            std::int64_t{1} << 41);
+  EXPECT_EQ(lmoe::range_boundary(std::int64_t{3037000499}, std::int64_t{3037000501}),
+            3037000499);  // 3037000500² > 3037000499·3037000501 = 3037000500² − 1
+  for (const auto& [a, b] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 1}, {5, 5}, {6, 5}}) {
+    try {
+      lmoe::range_boundary(a, b);
+      ADD_FAILURE() << "no error for a=" << a << ", b=" << b;
+    } catch (const lmoe::Error& error) {
+      EXPECT_EQ(error.message(), "range_boundary: expected 1 <= a < b, got a=" + std::to_string(a) +
+                                     ", b=" + std::to_string(b));
+    }
+  }
+  // In a fit: T <= boundary takes the lower point's tier.
+  const lmoe::RangeFit fit = lmoe::find_ranges(
+      std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {20, 10, 20, 20})});
+  EXPECT_EQ(fit.ranges,
+            (std::vector<TierRange>{{45, TailTier::fused}, {std::nullopt, TailTier::overlap}}));
+}
+
+TEST(FindRanges, EqualNeighboursMergeAndOneTierIsOnePiece) {
+  const auto grid =
+      grid_of(powers_of_two(4096), {Model{50, 1}, Model{50, 1}, Model{10, 0.1}, Model{60, 1}});
+  EXPECT_EQ(lmoe::find_ranges(grid).ranges,
+            (std::vector<TierRange>{{std::nullopt, TailTier::column}}));
+  // A tier that comes back after another gets a piece of its own each time.
+  const std::vector<GridPoint> back_and_forth = {
+      point(1, {10, 20, 20, 20}), point(4, {20, 10, 20, 20}), point(16, {10, 20, 20, 20})};
+  EXPECT_EQ(lmoe::find_ranges(back_and_forth).ranges,
+            (std::vector<TierRange>{
+                {2, TailTier::fused}, {8, TailTier::overlap}, {std::nullopt, TailTier::fused}}));
+}
+
+TEST(FindRanges, PointsWhereNothingRunsJoinAPieceAndSplitNone) {
+  const std::vector<GridPoint> grid = {point(1, {-1, -1, -1, -1}), point(2, {-1, -1, 5, -1}),
+                                       point(4, {-1, -1, -1, -1}), point(8, {-1, -1, 9, 3}),
+                                       point(16, {-1, -1, -1, -1})};
+  const lmoe::RangeFit fit = lmoe::find_ranges(grid);
+  // column at 1 (the first point that runs), 2 and 4; token at 8 and 16; floor(sqrt(32)) = 5.
+  EXPECT_EQ(fit.ranges,
+            (std::vector<TierRange>{{5, TailTier::column}, {std::nullopt, TailTier::token}}));
+  EXPECT_EQ(fit.points[0].chosen, std::nullopt);
+  EXPECT_EQ(fit.points[0].regret, 0);
+  EXPECT_EQ(fit.total_regret, 0);
+  // Nothing runs anywhere: one piece, fused.
+  EXPECT_EQ(lmoe::find_ranges(std::vector<GridPoint>{point(1, {-1, -1, -1, -1})}).ranges,
+            (std::vector<TierRange>{{std::nullopt, TailTier::fused}}));
+}
+
+TEST(FindRanges, BadGridsAreErrors) {
+  try {
+    lmoe::find_ranges(std::vector<GridPoint>{point(4, {1, 1, 1, 1}), point(2, {1, 1, 1, 1})});
+    FAIL() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_EQ(error.message(), "find_ranges: grid T must rise strictly, got 4 then 2");
+  }
+  EXPECT_THROW(lmoe::find_ranges(std::vector<GridPoint>{}), lmoe::Error);
+}
+
+// On random grids with random declines and winners: the fastest tier at every point, boundaries
+// at floor(sqrt(a·b)) between differing neighbours only, and never more regret than the
+// breakpoints.
+TEST(FindRanges, ZeroRegretAndNeverWorseThanTheBreakpointsOnRandomGrids) {
+  std::mt19937_64 rng(2027);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::vector<GridPoint> grid =
+        random_grid(rng, 1 + static_cast<std::size_t>(trial % 9), 300);
+    const lmoe::RangeFit fit = lmoe::find_ranges(grid);
+    ASSERT_NO_THROW(lmoe::validate_tier_ranges(fit.ranges, "fit")) << "trial " << trial;
+    for (const lmoe::PointFit& p : fit.points) {
+      ASSERT_EQ(p.chosen, p.fastest) << "trial " << trial << " T=" << p.tokens;
+    }
+    ASSERT_EQ(fit.total_regret, 0) << "trial " << trial;
+    ASSERT_LE(fit.total_regret, lmoe::find_breakpoints(grid).total_regret) << "trial " << trial;
+    // Each boundary lies between two neighbours that run different tiers.
+    for (std::size_t r = 0; r + 1 < fit.ranges.size(); ++r) {
+      const std::int64_t boundary = *fit.ranges[r].max_tokens;
+      const auto above = std::find_if(grid.begin(), grid.end(),
+                                      [&](const GridPoint& p) { return p.tokens > boundary; });
+      ASSERT_NE(above, grid.begin()) << "trial " << trial;
+      ASSERT_NE(above, grid.end()) << "trial " << trial;
+      ASSERT_EQ(boundary, lmoe::range_boundary((above - 1)->tokens, above->tokens))
+          << "trial " << trial;
+      ASSERT_NE(fit.ranges[r].tier, fit.ranges[r + 1].tier) << "trial " << trial;
+    }
+    // The fit's account agrees with the policy it describes.
+    const lmoe::PolicyFit again =
+        lmoe::evaluate_policy(grid, lmoe::policy_from(fit.ranges, "again"));
+    ASSERT_EQ(chosen_tiers(again), chosen_tiers(fit)) << "trial " << trial;
+  }
 }
 
 // ---- breakpoints on synthetic grids -------------------------------------------------------------
@@ -273,18 +486,9 @@ TEST(FindBreakpoints, APointWhereNothingRunsCountsForNothing) {
 // least total regret among them, on random grids with random declines and random winners.
 TEST(FindBreakpoints, MatchesABruteForceSearchOnRandomGrids) {
   std::mt19937_64 rng(2026);
-  std::uniform_real_distribution<double> time(1.0, 100.0);
-  std::uniform_int_distribution<int> coin(0, 5);
   for (int trial = 0; trial < 200; ++trial) {
-    const std::size_t n = 1 + static_cast<std::size_t>(trial % 7);
-    std::vector<GridPoint> grid;
-    std::int64_t t = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      t += 1 + static_cast<std::int64_t>(rng() % 50);
-      std::array<double, 4> medians{};
-      for (double& m : medians) m = coin(rng) == 0 ? -1 : time(rng);
-      grid.push_back(point(t, medians));
-    }
+    const std::vector<GridPoint> grid =
+        random_grid(rng, 1 + static_cast<std::size_t>(trial % 7), 50);
     const BreakpointFit fit = lmoe::find_breakpoints(grid);
 
     std::vector<std::optional<std::int64_t>> limits = {0, std::nullopt};
@@ -307,7 +511,7 @@ TEST(FindBreakpoints, MatchesABruteForceSearchOnRandomGrids) {
     }
     ASSERT_NEAR(fit.total_regret, least, 1e-9) << "trial " << trial;
     // The fit's own account agrees with the policy it describes.
-    const BreakpointFit again =
+    const lmoe::PolicyFit again =
         lmoe::evaluate_policy(grid, lmoe::policy_from(fit.breakpoints, "again"));
     ASSERT_EQ(chosen_tiers(again), chosen_tiers(fit)) << "trial " << trial;
     ASSERT_NEAR(again.total_regret, fit.total_regret, 1e-12) << "trial " << trial;
@@ -407,6 +611,7 @@ lmoe::TierTable sample_table() {
   table.grid = {point(1, {20.5, 30.25, 40.125, -1}), point(256, {990, 950.5, 901, 812}),
                 point(512, {1800, 1700, 1500, 1300})};
   table.grid[2][TailTier::overlap] = TierTiming{};  // not measured
+  table.ranges = lmoe::find_ranges(table.grid).ranges;
   table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;
   return table;
 }
@@ -460,7 +665,7 @@ void expect_same_grid(const std::vector<GridPoint>& a, const std::vector<GridPoi
   }
 }
 
-TEST(TierTableV2, RoundTrip) {
+TEST(TierTableV3, RoundTrip) {
   lmoe::TierTable table = sample_table();
   for (auto& p : table.grid) {  // values a file holds exactly (to the nanosecond)
     for (auto& timing : p.tiers) {
@@ -470,36 +675,208 @@ TEST(TierTableV2, RoundTrip) {
     }
   }
   const std::string text = lmoe::write_tier_table(table);
-  EXPECT_THAT(text, StartsWith("{\n  \"format\": \"lmoe-tier-table\",\n  \"version\": 2,"));
+  EXPECT_THAT(text, StartsWith("{\n  \"format\": \"lmoe-tier-table\",\n  \"version\": 3,"));
   const lmoe::TierTable back = lmoe::read_tier_table(text, "t.json");
   EXPECT_EQ(back.provenance, table.provenance);
+  EXPECT_EQ(back.ranges, table.ranges);
   EXPECT_EQ(back.breakpoints, table.breakpoints);
   expect_same_grid(back.grid, table.grid);
   EXPECT_EQ(lmoe::write_tier_table(back), text);
 
-  // A table without GPU, driver or NCCL (the cpu backend) and with no column limit.
+  // A table without GPU, driver or NCCL (the cpu backend), with no column limit, and with ranges
+  // the breakpoints could not express.
   table.provenance.backend = lmoe::Backend::cpu;
   table.provenance.gpu.reset();
   table.provenance.driver_version.reset();
   table.provenance.nccl_version.reset();
   table.breakpoints = {3, 7, std::nullopt};
+  table.ranges = {{2, TailTier::token}, {300, TailTier::fused}, {std::nullopt, TailTier::overlap}};
   const lmoe::TierTable cpu = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
   EXPECT_EQ(cpu.provenance, table.provenance);
   EXPECT_EQ(cpu.breakpoints, table.breakpoints);
+  EXPECT_EQ(cpu.ranges, table.ranges);
+
+  // Malformed ranges are not written.
+  table.ranges = {{2, TailTier::token}};
+  try {
+    lmoe::write_tier_table(table);
+    FAIL() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_EQ(error.message(),
+              "write_tier_table: table.ranges[0].max_tokens: the last piece must be unbounded "
+              "(null) so that every T has a tier, got 2");
+  }
 }
 
-TEST(TierTableV2, WrittenFitMatchesTheBreakpoints) {
+TEST(TierTableV3, WrittenFitHasTheRangesAndTheBreakpoints) {
+  lmoe::TierTable table = sample_table();
+  table.grid = h200_tp2_grid();
+  table.ranges = lmoe::find_ranges(table.grid).ranges;
+  table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;
+  const nlohmann::json doc = nlohmann::json::parse(lmoe::write_tier_table(table));
+  EXPECT_EQ(doc["ranges"], nlohmann::json::parse(R"([{"max_tokens": 45, "tier": "column"},
+      {"max_tokens": 512, "tier": "overlap"}, {"max_tokens": null, "tier": "token"}])"));
+  EXPECT_EQ(doc["breakpoints"], nlohmann::json::parse(
+                                    R"({"fused_max_tokens": 0, "overlap_max_tokens": 0,
+                                        "column_max_tokens": 270})"));
+  EXPECT_EQ(doc["fit"]["total_regret"], 0.0);
+  EXPECT_EQ(doc["fit"]["max_regret"], 0.0);
+  EXPECT_GT(doc["fit"]["breakpoints"]["total_regret"].get<double>(), 0.25);
+  // T=128: overlap fastest and chosen by the ranges; the breakpoints chose column.
+  const nlohmann::json& at_128 = doc["grid"][2];
+  EXPECT_EQ(at_128["tokens"], 128);
+  EXPECT_EQ(at_128["fastest"], "overlap");
+  EXPECT_EQ(at_128["chosen"], "overlap");
+  EXPECT_EQ(at_128["regret"], 0.0);
+  EXPECT_EQ(at_128["breakpoints_chosen"], "column");
+  EXPECT_NEAR(at_128["breakpoints_regret"].get<double>(), 64.7 / 58.4 - 1, 1e-6);
+  EXPECT_EQ(doc["grid"][0]["tiers"]["fused"]["declined"], "declined in the test");
+}
+
+// The written table with `edit` applied to its JSON.
+std::string edited(const lmoe::TierTable& table, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json doc = nlohmann::json::parse(lmoe::write_tier_table(table));
+  edit(doc);
+  return doc.dump();
+}
+
+TEST(TierTableV3, MalformedRangesNameTheField) {
   const lmoe::TierTable table = sample_table();
-  const std::string text = lmoe::write_tier_table(table);
-  // T=256: token fastest (812) and chosen.
-  EXPECT_THAT(text, HasSubstr("\"tokens\": 256"));
-  EXPECT_THAT(text, HasSubstr("\"fastest\": \"token\""));
-  EXPECT_THAT(text, HasSubstr("\"declined\": \"declined in the test\""));
-  EXPECT_THAT(text, HasSubstr("\"provenance\""));
-  EXPECT_THAT(text, HasSubstr("\"total_regret\": 0.0"));
+  const auto with_ranges = [&](const std::string& ranges) {
+    return read_error(
+        edited(table, [&](nlohmann::json& d) { d["ranges"] = nlohmann::json::parse(ranges); }));
+  };
+  // Unsorted, and equal bounds.
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 64, "tier": "fused"}, {"max_tokens": 16, "tier": "column"},
+                            {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[1].max_tokens: expected more than the previous piece's 64 (pieces rise "
+      "in T), got 16");
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 64, "tier": "fused"}, {"max_tokens": 64, "tier": "column"},
+                            {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[1].max_tokens: expected more than the previous piece's 64 (pieces rise "
+      "in T), got 64");
+  // A tier that does not exist.
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 64, "tier": "fusd"}, {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[0].tier: unknown tier 'fusd': expected fused, overlap, column or token");
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 64, "tier": 1}, {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[0].tier: expected a string, got 1");
+  // max_tokens < 1, and not an integer.
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 0, "tier": "fused"}, {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[0].max_tokens: expected an integer >= 1, got 0");
+  EXPECT_EQ(with_ranges(
+                R"([{"max_tokens": -3, "tier": "fused"}, {"max_tokens": null, "tier": "token"}])"),
+            "t.json: ranges[0].max_tokens: expected an integer >= 1, got -3");
+  EXPECT_EQ(with_ranges(
+                R"([{"max_tokens": 2.5, "tier": "fused"}, {"max_tokens": null, "tier": "token"}])"),
+            "t.json: ranges[0].max_tokens: expected an integer >= 1, got 2.5");
+  // ±1: 1 is a valid bound.
+  EXPECT_EQ(
+      lmoe::read_tier_table(
+          edited(
+              table,
+              [](nlohmann::json& d) {
+                d["ranges"] = nlohmann::json::parse(
+                    R"([{"max_tokens": 1, "tier": "fused"}, {"max_tokens": null, "tier": "token"}])");
+              }),
+          "t.json")
+          .ranges,
+      (std::vector<TierRange>{{1, TailTier::fused}, {std::nullopt, TailTier::token}}));
+  // No unbounded last piece; an unbounded piece that is not the last.
+  EXPECT_EQ(
+      with_ranges(R"([{"max_tokens": 64, "tier": "fused"}, {"max_tokens": 128, "tier": "token"}])"),
+      "t.json: ranges[1].max_tokens: the last piece must be unbounded (null) so that every T "
+      "has a tier, got 128");
+  EXPECT_EQ(
+      with_ranges(
+          R"([{"max_tokens": null, "tier": "fused"}, {"max_tokens": null, "tier": "token"}])"),
+      "t.json: ranges[0].max_tokens: only the last piece may be unbounded (null); 1 piece(s) "
+      "follow it");
+  // Shapes: empty, not an array, a piece that is not an object, a missing or unknown key.
+  EXPECT_EQ(with_ranges("[]"),
+            "t.json: ranges: expected a non-empty array of pieces {\"max_tokens\": T or null, "
+            "\"tier\": name}, got []");
+  EXPECT_EQ(with_ranges(R"({"max_tokens": null, "tier": "token"})"),
+            "t.json: ranges: expected a non-empty array of pieces {\"max_tokens\": T or null, "
+            "\"tier\": name}, got {\"max_tokens\":null,\"tier\":\"token\"}");
+  EXPECT_EQ(with_ranges(R"([64, {"max_tokens": null, "tier": "token"}])"),
+            "t.json: ranges[0]: expected an object, got 64");
+  EXPECT_EQ(with_ranges(R"([{"tier": "token"}])"), "t.json: ranges[0]: missing \"max_tokens\"");
+  EXPECT_EQ(with_ranges(R"([{"max_tokens": null}])"), "t.json: ranges[0]: missing \"tier\"");
+  EXPECT_EQ(with_ranges(R"([{"max_tokens": null, "tier": "token", "min_tokens": 1}])"),
+            "t.json: ranges[0].min_tokens: unknown key (expected max_tokens and tier)");
+  EXPECT_EQ(read_error(edited(table, [](nlohmann::json& d) { d.erase("ranges"); })),
+            "t.json: missing \"ranges\"");
+  // The same errors when the table is loaded into a policy.
+  PolicyConfig config;
+  try {
+    lmoe::apply_tier_table(
+        config, edited(table, [](nlohmann::json& d) { d["ranges"][0]["tier"] = "fusd"; }),
+        "table t.json");
+    FAIL() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(), StartsWith("table t.json: ranges[0].tier: unknown tier 'fusd'"));
+  }
 }
 
-TEST(TierTableV2, MalformedTablesNameTheField) {
+// A version-2 table (before ranges): read with no ranges, and its breakpoints rule exactly as
+// before.
+std::string as_version_2(const lmoe::TierTable& table) {
+  return edited(table, [](nlohmann::json& d) {
+    d["version"] = 2;
+    d.erase("ranges");
+    d["fit"].erase("breakpoints");
+    for (auto& point : d["grid"]) {
+      point.erase("breakpoints_chosen");
+      point.erase("breakpoints_regret");
+    }
+  });
+}
+
+TEST(TierTableV2, StillLoadsAndItsBreakpointsRule) {
+  lmoe::TierTable table = sample_table();
+  table.grid = h200_tp2_grid();
+  table.ranges = lmoe::find_ranges(table.grid).ranges;
+  table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;
+  const std::string v2 = as_version_2(table);
+  const lmoe::TierTable back = lmoe::read_tier_table(v2, "t.json");
+  EXPECT_TRUE(back.ranges.empty());
+  EXPECT_EQ(back.breakpoints, table.breakpoints);
+  EXPECT_EQ(back.provenance, table.provenance);
+
+  PolicyConfig config;
+  lmoe::apply_tier_table(config, v2, "table t.json");
+  ASSERT_TRUE(config.table);
+  EXPECT_TRUE(config.ranges.value.empty());
+  EXPECT_EQ(lmoe::describe_rule(config), "breakpoints");
+  const PolicyConfig breakpoints = lmoe::policy_from(table.breakpoints, "table t.json");
+  for (std::int64_t t = 0; t <= 2000; ++t) {
+    for (const lmoe::TierSupport& support : {lmoe::TierSupport{}, lmoe::grid_support(table.grid[0]),
+                                             lmoe::grid_support(table.grid[3])}) {
+      const lmoe::TierDecision a = lmoe::decide(t, config, support);
+      const lmoe::TierDecision b = lmoe::decide(t, breakpoints, support);
+      ASSERT_EQ(a.tier, b.tier) << "T=" << t;
+      ASSERT_EQ(a.summary, b.summary) << "T=" << t;
+    }
+  }
+  // The same table as version 3: its ranges rule.
+  PolicyConfig v3;
+  lmoe::apply_tier_table(v3, lmoe::write_tier_table(table), "table t.json");
+  EXPECT_EQ(v3.ranges.value, kH200Ranges);
+  EXPECT_EQ(v3.ranges.origin, "table t.json ranges");
+  EXPECT_EQ(lmoe::select(128, v3, lmoe::TierSupport{}), TailTier::overlap);
+  EXPECT_EQ(lmoe::select(128, config, lmoe::TierSupport{}), TailTier::column);
+  // A version-2 table over a config with ranges clears them: its breakpoints are meant to rule.
+  lmoe::apply_tier_table(v3, v2, "table old.json");
+  EXPECT_TRUE(v3.ranges.value.empty());
+  EXPECT_EQ(lmoe::select(128, v3, lmoe::TierSupport{}), TailTier::column);
+}
+
+TEST(TierTableV3, MalformedTablesNameTheField) {
   const std::string good = lmoe::write_tier_table(sample_table());
   const auto replaced = [&](const std::string& from, const std::string& to) {
     std::string text = good;
@@ -507,8 +884,10 @@ TEST(TierTableV2, MalformedTablesNameTheField) {
     EXPECT_NE(at, std::string::npos) << from;
     return text.replace(at, from.size(), to);
   };
-  EXPECT_EQ(read_error(replaced("\"version\": 2", "\"version\": 1")),
-            "t.json: expected \"version\" 2 (a measured table), got 1");
+  EXPECT_EQ(read_error(replaced("\"version\": 3", "\"version\": 1")),
+            "t.json: expected \"version\" 2 or 3 (a measured table), got 1");
+  EXPECT_EQ(read_error(replaced("\"version\": 3", "\"version\": 4")),
+            "t.json: expected \"version\" 2 or 3 (a measured table), got 4");
   EXPECT_EQ(read_error(replaced("\"provenance\"", "\"provenanse\"")),
             "t.json: missing \"provenance\"");
   EXPECT_EQ(read_error(replaced("\"grid\"", "\"grids\"")), "t.json: missing \"grid\"");
@@ -534,7 +913,7 @@ TEST(TierTableV2, MalformedTablesNameTheField) {
   EXPECT_THAT(read_error("{"), StartsWith("t.json: not valid JSON"));
 }
 
-TEST(TierTableV2, AppliedToAPolicyItSetsAllThreeBreakpointsAndTheTable) {
+TEST(TierTableV3, AppliedToAPolicyItSetsTheRangesAllThreeBreakpointsAndTheTable) {
   const lmoe::TierTable table = sample_table();
   PolicyConfig config;
   lmoe::apply_tier_table(config, lmoe::write_tier_table(table), "table t.json");
@@ -544,8 +923,12 @@ TEST(TierTableV2, AppliedToAPolicyItSetsAllThreeBreakpointsAndTheTable) {
   EXPECT_EQ(config.overlap_max_tokens.value, table.breakpoints.overlap_max_tokens);
   EXPECT_EQ(config.column_max_tokens.value, table.breakpoints.column_max_tokens);
   EXPECT_EQ(config.column_max_tokens.source, lmoe::SettingSource::table);
+  EXPECT_EQ(config.ranges.value, table.ranges);
+  EXPECT_EQ(config.ranges.source, lmoe::SettingSource::table);
+  EXPECT_EQ(config.ranges.origin, "table t.json ranges");
   ASSERT_TRUE(config.table);
   EXPECT_EQ(config.table->provenance, table.provenance);
+  EXPECT_EQ(config.table->ranges, table.ranges);
   EXPECT_EQ(config.table->grid.size(), 3u);
 
   // A version-1 table sets no measured table (and clears nothing that was there).
@@ -676,6 +1059,73 @@ TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   config = lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER_TABLE", other}}));
   EXPECT_EQ(config.fused_max_tokens.value, 99);
   EXPECT_FALSE(config.table);
+}
+
+TEST_F(TableFiles, BreakpointVariablesSetTheTableRangesAside) {
+  lmoe::TierTable table = sample_table();
+  table.grid = h200_tp2_grid();
+  table.ranges = lmoe::find_ranges(table.grid).ranges;
+  table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;  // column up to 270, token
+  const std::string path = write("tiers.json", lmoe::write_tier_table(table));
+  const lmoe::TierSupport support = lmoe::grid_support(table.grid[2]);
+
+  // No variable: the ranges rule.
+  PolicyConfig config = lmoe::load_policy_config(lmoe_test::fake_env({}), path);
+  EXPECT_EQ(config.ranges.value, kH200Ranges);
+  EXPECT_FALSE(config.ranges_set_aside);
+  EXPECT_EQ(lmoe::decide(128, config, support).summary,
+            "T=128 → overlap (preferred: 45 < T <= 512: overlap, table " + path + " ranges)");
+  EXPECT_THAT(lmoe::explain(128, config, support),
+              HasSubstr("rule: ranges column T<=45, overlap T<=512, token above (table " + path +
+                        " ranges); the breakpoints are not used\n"));
+
+  // Each breakpoint variable sets them aside, even at a value the table already has: the
+  // breakpoints rule, with the variable over the table's value.
+  const std::vector<std::pair<std::string, std::string>> variables = {
+      {"LMOE_FUSED_MAX_TOKENS", "0"},
+      {"LMOE_OVERLAP_MAX_TOKENS", "0"},
+      {"LMOE_COLUMN_MAX_TOKENS", "270"},
+      {"LMOE_DISABLE_OVERLAP", "0"}};
+  for (const auto& [name, value] : variables) {
+    SCOPED_TRACE(name);
+    config = lmoe::load_policy_config(lmoe_test::fake_env({{name, value}}), path);
+    EXPECT_TRUE(config.ranges.value.empty());
+    EXPECT_EQ(config.ranges.source, lmoe::SettingSource::environment);
+    EXPECT_EQ(config.ranges_set_aside, std::optional<std::string>(name + "=" + value));
+    EXPECT_EQ(lmoe::select(128, config, support), TailTier::column);
+    EXPECT_EQ(lmoe::select(1024, config, lmoe::grid_support(table.grid[4])), TailTier::token);
+    const std::string text = lmoe::explain(128, config, support);
+    EXPECT_THAT(text, HasSubstr("rule: breakpoints; the table's ranges are set aside because " +
+                                name + "=" + value + " is set\n"));
+    EXPECT_THAT(text, HasSubstr("  ranges              none    set aside by " + name + "=" + value +
+                                " (were column T<=45, overlap T<=512, token above, table " + path +
+                                " ranges)\n"));
+    ASSERT_TRUE(config.table);  // the measurements stay for explain()
+  }
+  // Two at once are both named.
+  config = lmoe::load_policy_config(
+      lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", "64"}, {"LMOE_DISABLE_OVERLAP", "1"}}), path);
+  EXPECT_EQ(lmoe::describe_rule(config),
+            "breakpoints; the table's ranges are set aside because LMOE_FUSED_MAX_TOKENS=64, "
+            "LMOE_DISABLE_OVERLAP=1 are set");
+  EXPECT_EQ(lmoe::select(64, config, lmoe::TierSupport{}), TailTier::fused);
+
+  // Empty variables are unset, LMOE_TIER=auto is not a breakpoint: the ranges stay.
+  config = lmoe::load_policy_config(
+      lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", ""}, {"LMOE_TIER", "auto"}}), path);
+  EXPECT_EQ(config.ranges.value, kH200Ranges);
+  EXPECT_FALSE(config.ranges_set_aside);
+  // A forced tier wins over the ranges (which stay, unused).
+  config = lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER", "token"}}), path);
+  EXPECT_EQ(config.ranges.value, kH200Ranges);
+  EXPECT_EQ(lmoe::select(128, config, support), TailTier::token);
+  // Without ranges (a version-1 table) a breakpoint variable sets nothing aside.
+  const std::string v1 = write("v1.json", R"({"format": "lmoe-tier-table", "version": 1,
+      "breakpoints": {"fused_max_tokens": 99}})");
+  config = lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", "5"}}), v1);
+  EXPECT_FALSE(config.ranges_set_aside);
+  EXPECT_EQ(config.ranges.source, lmoe::SettingSource::built_in);
+  EXPECT_EQ(lmoe::describe_rule(config), "breakpoints");
 }
 
 TEST_F(TableFiles, ExplainCitesTheMeasurementNearestToT) {
@@ -853,6 +1303,13 @@ TEST(TuneTiers, CpuSweepGivesATableThatMatchesItsOwnConfiguration) {
     }
   }
   EXPECT_EQ(table.breakpoints, lmoe::find_breakpoints(table.grid).breakpoints);
+  EXPECT_EQ(result.breakpoint_fit.breakpoints, table.breakpoints);
+  // The ranges give every T the fastest tier measured there.
+  EXPECT_EQ(table.ranges, lmoe::find_ranges(table.grid).ranges);
+  EXPECT_EQ(result.range_fit.ranges, table.ranges);
+  EXPECT_EQ(result.range_fit.total_regret, 0);
+  EXPECT_LE(result.range_fit.total_regret, result.breakpoint_fit.total_regret);
+  EXPECT_EQ(lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json").ranges, table.ranges);
   EXPECT_TRUE(lmoe::match_tier_table(table.provenance,
                                      lmoe::running_config(lmoe::Backend::cpu, 2, {64, 32},
                                                           lmoe::DType::bf16, "threads"),
