@@ -129,6 +129,32 @@ INSTANTIATE_TEST_SUITE_P(TpDtype, FusedParity,
                                   std::string(lmoe::dtype_name(std::get<1>(info.param)));
                          });
 
+// The stripe product's edges: K not a multiple of its 64-wide chunks (the last chunk partly
+// zero-filled), enough chunks for several splits of K (summed by each tile's last split), and
+// stripes that end inside a 64-column tile (tp 2: 224 = 3 tiles + 32 columns, tp 4: 112 = 1 + 48).
+TEST_F(Fused, KNotAMultipleOfTheChunkSplitKAndPartialColumnTiles) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailDims dims{448, 528};  // l = 8 chunks of 64 + 16: up to 2 splits of K
+  double worst = 0;
+  for (int tp : {1, 2, 4}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{17}, std::int64_t{129}}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+      const auto seed = 5u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
+      const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, DType::bf16, tp, tokens, seed);
+      expect_meets_contract(random, run_fused(random), &worst);
+      const lmoe::TailCase exact = lmoe::make_exact_case(dims, DType::bf16, tp, tokens, seed);
+      const lmoe::CaseRun exact_run = run_fused(exact);
+      EXPECT_TRUE(exact_run.ranks_identical);
+      EXPECT_EQ(lmoe::compare(exact_run.ranks[0].y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+                              lmoe::exact_tail(exact))
+                    .bit_mismatches,
+                0);
+    }
+  }
+  std::printf("[ fused  ] d=448 l=528 tp 1/2/4 T 1/17/129 max_err/bound=%.3f\n", worst);
+}
+
 TEST_F(Fused, K3DimsEagerAndGraphReplays) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 8}) {
