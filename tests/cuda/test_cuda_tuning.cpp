@@ -51,16 +51,22 @@ void build_tails(const lmoe::TierTable& table, int tp) {
   });
 }
 
-TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
-  SKIP_WITHOUT_GPU();
+// A short sweep at small dims on 2 ranks of the default comm.
+lmoe::BenchOptions small_sweep() {
   lmoe::BenchOptions options;
   options.backend = lmoe::Backend::cuda;
   options.dims = kSmall;
   options.tp = 2;
   options.tokens = {1, 8, 64};
+  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
   options.warmup = 1;
   options.iters = 3;
-  const lmoe::TuneResult tuned = lmoe::tune_tiers(options, "small");
+  return options;
+}
+
+TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TuneResult tuned = lmoe::tune_tiers(small_sweep(), "small");
   ASSERT_TRUE(tuned.ok());
   const lmoe::TierTable& table = tuned.table;
   ASSERT_TRUE(table.provenance.gpu);
@@ -107,14 +113,7 @@ TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
 // driver, CUDA and NCCL versions as running_config does.
 TEST(CudaTuning, ATableDerivedFromASweepRecordedHereFitsHere) {
   SKIP_WITHOUT_GPU();
-  lmoe::BenchOptions options;
-  options.backend = lmoe::Backend::cuda;
-  options.dims = kSmall;
-  options.tp = 2;
-  options.tokens = {1, 8, 64};
-  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
-  options.warmup = 1;
-  options.iters = 3;
+  const lmoe::BenchOptions options = small_sweep();
   const lmoe::BenchSweep recorded = lmoe::read_bench_json(
       lmoe::write_bench_json(lmoe::bench_sweep_of(options, "small",
                                                   lmoe::bench_environment(lmoe::Backend::cuda),
