@@ -1,5 +1,7 @@
 // `lmoe bench`: the tail benchmark (tiers × T × comm backend), printed as an nccl-tests table and
-// optionally written as JSON. The sweep itself is the library's (include/lmoe/tail_bench.hpp).
+// optionally written as JSON. The sweep itself is the library's (include/lmoe/tail_bench.hpp), and so
+// is its JSON (write_bench_json, read_bench_json). `--check-table --from-sweep FILE` judges the
+// policy against a recorded sweep instead of a measurement.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -49,8 +51,15 @@ struct BenchCommand {
   std::int64_t check_max_tokens = 2048;
   bool no_check = false;
   std::string json_path;
+  std::string from_sweep;  // --check-table against this recorded sweep instead of a measurement
 
   void execute();
+  // --check-table --from-sweep FILE: the policy judged against FILE's records.
+  void judge_recorded(bool check_table);
+  // Prints the sweep's table (and the policy check), writes --json, exits 1 when a row or a
+  // choice failed. `recorded_in`: the file the sweep was read from; empty when measured here.
+  void report(const BenchSweep& recorded, const PolicyConfig& policy, bool check_table,
+              const std::string& recorded_in);
 };
 
 std::string joined(const std::vector<std::string>& names) {
@@ -65,46 +74,6 @@ bool inject_fault_from_environment() {
   if (value == nullptr || std::string(value).empty() || std::string(value) == "0") return false;
   if (std::string(value) == "1") return true;
   throw Error("LMOE_BENCH_INJECT_FAULT='" + std::string(value) + "': expected 0 or 1");
-}
-
-nlohmann::json optional_json(const std::optional<std::string>& value) {
-  return value ? nlohmann::json(*value) : nlohmann::json();
-}
-
-nlohmann::json record_json(const BenchRecord& record) {
-  const bool ran = !record.declined;
-  std::vector<double> iterations_us;
-  for (double s : record.seconds) iterations_us.push_back(s * 1e6);
-  const auto if_ran = [&](double value) { return ran ? nlohmann::json(value) : nlohmann::json(); };
-  const auto if_checked = [&](auto value) {
-    return record.checked ? nlohmann::json(value) : nlohmann::json();
-  };
-  return {{"comm", record.comm},
-          {"tokens", record.tokens},
-          {"tier", tier_name(record.tier)},
-          {"status", ran ? "ran" : "declined"},
-          {"reason", optional_json(record.declined)},
-          {"chosen", record.chosen},
-          {"mode", ran ? nlohmann::json(bench_mode_name(record.mode)) : nlohmann::json()},
-          {"mode_reason", ran ? nlohmann::json(record.mode_reason) : nlohmann::json()},
-          {"bytes", record.bytes},
-          {"bus_bytes", record.bus_bytes},
-          {"median_us", if_ran(record.stats.median * 1e6)},
-          {"p10_us", if_ran(record.stats.p10 * 1e6)},
-          {"p90_us", if_ran(record.stats.p90 * 1e6)},
-          {"min_us", if_ran(record.stats.min * 1e6)},
-          {"max_us", if_ran(record.stats.max * 1e6)},
-          {"algbw_gbps", if_ran(record.algbw_gbps)},
-          {"busbw_gbps", if_ran(record.busbw_gbps)},
-          {"checked", record.checked},
-          {"wrong", if_checked(record.comparison.beyond_bound)},
-          {"bit_mismatches_vs_contract", if_checked(record.comparison.bit_mismatches)},
-          {"max_error_over_bound", if_checked(record.comparison.max_error_over_bound)},
-          {"normwise_error_vs_fp64", if_checked(record.comparison.normwise_error)},
-          {"normwise_tolerance", if_checked(record.comparison.normwise_tolerance)},
-          {"ranks_identical", if_checked(record.ranks_identical)},
-          {"ok", record.ok()},
-          {"iterations_us", iterations_us}};
 }
 
 // Why a ran record failed, for its table row; empty when it passed or was not checked.
@@ -132,7 +101,7 @@ std::string check_rule() {
 }
 
 void print_policy_check(const std::vector<ChoiceCheck>& checks, const PolicyConfig& policy,
-                        std::ostream& out) {
+                        const std::string& recorded_in, std::ostream& out) {
   Table table({"T", "comm", "chosen", "chosen_us", "fastest", "fastest_us", "fastest_p90_us",
                "ratio", "verdict"});
   std::size_t failures = 0, judged = 0;
@@ -156,7 +125,9 @@ void print_policy_check(const std::vector<ChoiceCheck>& checks, const PolicyConf
       << (policy.table_path ? "tier table " + *policy.table_path
                             : std::string("no tier table (defaults and "
                                           "environment)"))
-      << " against this sweep (rule: " << describe_rule(policy) << "); " << check_rule() << "\n";
+      << " against "
+      << (recorded_in.empty() ? std::string("this sweep") : "the sweep recorded in " + recorded_in)
+      << " (rule: " << describe_rule(policy) << "); " << check_rule() << "\n";
   table.print(out);
   if (failures == 0) {
     out << "policy check ok (" << judged << " choice(s) judged)\n";
@@ -190,7 +161,32 @@ nlohmann::json checks_json(const std::vector<ChoiceCheck>& checks) {
   return array;
 }
 
+// "kimi-k3, d_model 7168, d_latent 3584, bf16, tp 8, backend cuda (NVIDIA H200, cc 9.0), comm nccl,
+// 5 warm-up + 50 timed iterations".
+std::string describe_setting(const BenchSweep& sweep) {
+  std::string setting = sweep.preset + ", d_model " + std::to_string(sweep.dims.d_model) +
+                        ", d_latent " + std::to_string(sweep.dims.d_latent) + ", " +
+                        std::string(dtype_name(sweep.dtype)) + ", tp " + std::to_string(sweep.tp) +
+                        ", backend " + std::string(backend_name(sweep.backend));
+  if (sweep.gpu) setting += " (" + sweep.gpu->name + ", cc " + sweep.gpu->compute_capability + ")";
+  return setting + ", comm " + joined(sweep.comms) + ", " + std::to_string(sweep.warmup) +
+         " warm-up + " + std::to_string(sweep.iters) + " timed iterations";
+}
+
 void BenchCommand::execute() {
+  const bool check_table = app->count("--check-table") > 0;
+  if (check_table && !check_table_path.empty()) {
+    if (!tier_table.empty() && tier_table != check_table_path) {
+      throw Error("--check-table " + check_table_path + " and --tier-table " + tier_table +
+                  " name different tables; give one");
+    }
+    tier_table = check_table_path;
+  }
+  if (!from_sweep.empty()) {
+    judge_recorded(check_table);
+    return;
+  }
+
   const SweepOptions::Resolved resolved = sweep.resolve(*app, default_bench_tokens);
   BenchOptions options = resolved.options;
   const Backend chosen_backend = options.backend;
@@ -204,14 +200,6 @@ void BenchCommand::execute() {
         throw Error("--tiers: " + error.message());
       }
     }
-  }
-  const bool check_table = app->count("--check-table") > 0;
-  if (check_table && !check_table_path.empty()) {
-    if (!tier_table.empty() && tier_table != check_table_path) {
-      throw Error("--check-table " + check_table_path + " and --tier-table " + tier_table +
-                  " name different tables; give one");
-    }
-    tier_table = check_table_path;
   }
   if (check_table && options.tiers.size() != kAllTiers.size()) {
     throw Error("--check-table: compares the policy's choice with every tier, so it times all four; "
@@ -246,27 +234,90 @@ void BenchCommand::execute() {
   if (!cuda) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   const BenchEnvironment environment = bench_environment(chosen_backend);
-  std::string setting = resolved.preset + ", d_model " + std::to_string(options.dims.d_model) +
-                        ", d_latent " + std::to_string(options.dims.d_latent) + ", " +
-                        std::string(dtype_name(options.dtype)) + ", tp " +
-                        std::to_string(options.tp) + ", backend " +
-                        std::string(backend_name(chosen_backend));
-  if (environment.gpu) {
-    setting += " (" + environment.gpu->name + ", cc " + environment.gpu->compute_capability + ")";
-  }
-  setting += ", comm " + joined(options.comms) + ", " + std::to_string(options.warmup) +
-             " warm-up + " + std::to_string(options.iters) + " timed iterations";
-  std::cerr << "lmoe bench: " << setting << "\n";
+  BenchSweep planned = bench_sweep_of(options, resolved.preset, environment, {});
+  std::cerr << "lmoe bench: " << describe_setting(planned) << "\n";
   if (options.inject_fault)
     std::cerr << "lmoe bench: LMOE_BENCH_INJECT_FAULT=1: checked outputs are made wrong\n";
 
-  BenchResult result;
   {
     ProgressPrinter printer("lmoe bench");
-    result =
+    planned.result =
         run_tail_bench(options, [&printer](const BenchProgress& progress) { printer(progress); });
   }
+  report(planned, options.policy, check_table, "");
+}
 
+void BenchCommand::judge_recorded(bool check_table) {
+  if (!check_table) {
+    throw Error(
+        "--from-sweep: needs --check-table (with --from-sweep nothing is measured: the "
+        "policy is judged against the recorded sweep)");
+  }
+  // Everything that would shape a measurement comes from the file: giving it here is a mistake
+  // (it would silently not apply).
+  std::vector<std::string> measuring = sweep.given(*app);
+  for (const char* flag : {"--tiers", "--check-max-tokens", "--no-check"}) {
+    if (app->count(flag) > 0) measuring.emplace_back(flag);
+  }
+  if (!measuring.empty()) {
+    throw Error("--from-sweep: " + joined(measuring) +
+                (measuring.size() == 1 ? " shapes" : " shape") +
+                " a measurement; with --from-sweep the configuration, T and iterations are "
+                "the recorded sweep's (leave " +
+                (measuring.size() == 1 ? "it" : "them") +
+                " out, or measure with `lmoe bench --check-table` alone)");
+  }
+  BenchSweep recorded = read_bench_file(from_sweep);
+  if (recorded.tiers.size() != kAllTiers.size() ||
+      !std::all_of(kAllTiers.begin(), kAllTiers.end(), [&](TailTier tier) {
+        return std::find(recorded.tiers.begin(), recorded.tiers.end(), tier) !=
+               recorded.tiers.end();
+      })) {
+    std::vector<std::string> timed;
+    for (TailTier tier : recorded.tiers) timed.emplace_back(tier_name(tier));
+    throw Error("--check-table: compares the policy's choice with every tier; the sweep " +
+                from_sweep + " timed " + joined(timed));
+  }
+  const PolicyConfig policy = resolve_policy(tier_table);
+  // The comms judged: --comm, else a measured table's, else every comm the sweep has records of.
+  std::vector<std::string> judged = comms;
+  if (judged.empty() && policy.table) judged = {policy.table->provenance.comm};
+  if (judged.empty()) {
+    for (const std::string& comm : recorded.comms) {
+      if (std::any_of(recorded.result.records.begin(), recorded.result.records.end(),
+                      [&](const BenchRecord& record) { return record.comm == comm; })) {
+        judged.push_back(comm);
+      }
+    }
+  }
+  for (const std::string& comm : judged) {
+    sweep_comm(recorded, comm, from_sweep);  // it has records of this comm
+    // The sweep ran where the table must hold: refused or warned about as loading it there would.
+    check_table_fits(policy, running_config_of(recorded, comm));
+  }
+  const auto is_judged = [&](const std::string& comm) {
+    return std::find(judged.begin(), judged.end(), comm) != judged.end();
+  };
+  std::vector<BenchRecord> records;
+  for (const BenchRecord& record : recorded.result.records) {
+    if (is_judged(record.comm)) records.push_back(record);
+  }
+  std::vector<BenchCommError> comm_errors;
+  for (const BenchCommError& error : recorded.result.comm_errors) {
+    if (is_judged(error.comm)) comm_errors.push_back(error);
+  }
+  recorded.result.records = choose_again(records, policy);
+  recorded.result.comm_errors = std::move(comm_errors);
+  recorded.comms = judged;
+  recorded.tier_table = policy.table_path;
+  std::cerr << "lmoe bench: " << describe_setting(recorded) << ", recorded in " << from_sweep
+            << " (nothing is measured)\n";
+  report(recorded, policy, true, from_sweep);
+}
+
+void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy, bool check_table,
+                          const std::string& recorded_in) {
+  const BenchResult& result = recorded.result;
   Table table({"T", "bytes", "tier", "comm", "mode", "median_us", "p10_us", "p90_us", "algbw_GB/s",
                "busbw_GB/s", "chosen", "#wrong"});
   std::map<std::string, std::string> mode_reasons;  // comm → "eager: why"
@@ -291,7 +342,12 @@ void BenchCommand::execute() {
     table.add_row(cells, failure_note(record));
   }
 
-  std::cout << "# lmoe bench: " << setting << "\n";
+  std::cout << "# lmoe bench: " << describe_setting(recorded);
+  if (!recorded_in.empty()) {
+    std::cout << ", recorded in " << recorded_in << " (" << recorded.date_utc << ", host "
+              << recorded.hostname << "; nothing measured here)";
+  }
+  std::cout << "\n";
   table.print(std::cout);
   std::cout << "# " << kBytesDefinition << "\n# " << kBusDefinition << "\n# " << kTimeDefinition
             << "\n";
@@ -301,8 +357,8 @@ void BenchCommand::execute() {
             << "# " << kWrongDefinition << "\n";
   if (unchecked > 0) {
     std::cout << "# " << unchecked << " row(s) not checked: "
-              << (options.check_max_tokens > 0
-                      ? "T > --check-max-tokens " + std::to_string(options.check_max_tokens)
+              << (recorded.check_max_tokens > 0
+                      ? "T > --check-max-tokens " + std::to_string(recorded.check_max_tokens)
                       : std::string("--no-check"))
               << "\n";
   }
@@ -322,60 +378,20 @@ void BenchCommand::execute() {
   bool policy_ok = true;
   if (check_table) {
     checks = check_choices(result.records, kCheckTolerance);
-    print_policy_check(checks, options.policy, std::cout);
+    print_policy_check(checks, policy, recorded_in, std::cout);
     policy_ok = std::all_of(checks.begin(), checks.end(),
                             [](const ChoiceCheck& check) { return check.ok(); });
   }
 
   if (!json_path.empty()) {
-    nlohmann::json records = nlohmann::json::array();
-    for (const BenchRecord& record : result.records) records.push_back(record_json(record));
-    nlohmann::json comm_errors = nlohmann::json::array();
-    for (const BenchCommError& error : result.comm_errors) {
-      comm_errors.push_back({{"comm", error.comm}, {"error", error.error}});
-    }
-    nlohmann::json gpu;
-    if (environment.gpu) {
-      gpu = {{"name", environment.gpu->name},
-             {"compute_capability", environment.gpu->compute_capability},
-             {"driver_version", environment.gpu->driver_version},
-             {"runtime_version", environment.gpu->runtime_version},
-             {"device_count", environment.gpu->device_count}};
-    }
-    std::vector<std::string> tier_names;
-    for (TailTier tier : options.tiers) tier_names.emplace_back(tier_name(tier));
-    const nlohmann::json doc = {{"command", "bench"},
-                                {"tool", "lmoe"},
-                                {"version", kVersion},
-                                {"date", environment.date_utc},
-                                {"hostname", environment.hostname},
-                                {"backend", backend_name(chosen_backend)},
-                                {"gpu", gpu},
-                                {"nccl_version", optional_json(environment.nccl_version)},
-                                {"preset", resolved.preset},
-                                {"d_model", options.dims.d_model},
-                                {"d_latent", options.dims.d_latent},
-                                {"dtype", dtype_name(options.dtype)},
-                                {"eps", options.eps},
-                                {"tp", options.tp},
-                                {"comms", options.comms},
-                                {"tiers", tier_names},
-                                {"tokens", options.tokens},
-                                {"warmup", options.warmup},
-                                {"iters", options.iters},
-                                {"seed", options.seed},
-                                {"check_max_tokens", options.check_max_tokens},
-                                {"fault_injected", options.inject_fault},
-                                {"definitions",
-                                 {{"bytes", kBytesDefinition},
-                                  {"busbw", kBusDefinition},
-                                  {"time", kTimeDefinition},
-                                  {"wrong", kWrongDefinition}}},
-                                {"records", records},
-                                {"comm_errors", comm_errors},
-                                {"tier_table", optional_json(options.policy.table_path)},
-                                {"policy_check", check_table ? checks_json(checks) : nlohmann::json()},
-                                {"ok", ok && policy_ok}};
+    nlohmann::json doc = nlohmann::json::parse(write_bench_json(recorded));
+    doc["definitions"] = {{"bytes", kBytesDefinition},
+                          {"busbw", kBusDefinition},
+                          {"time", kTimeDefinition},
+                          {"wrong", kWrongDefinition}};
+    doc["from_sweep"] = recorded_in.empty() ? nlohmann::json() : nlohmann::json(recorded_in);
+    doc["policy_check"] = check_table ? checks_json(checks) : nlohmann::json();
+    doc["ok"] = ok && policy_ok;
     write_json_file(json_path, doc);
   }
   if (!ok || !policy_ok) throw CLI::RuntimeError(1);
@@ -413,6 +429,10 @@ void add_bench_command(CLI::App& app) {
                   "tier table to check, else the one loaded; with a measured table the default T "
                   "are its grid's")
       ->expected(0, 1);
+  sub->add_option("--from-sweep", command->from_sweep,
+                  "with --check-table: measure nothing; judge the policy against the records of "
+                  "a sweep recorded with `lmoe bench --json FILE` (on any machine; the sweep must "
+                  "match a measured table's configuration)");
   sub->add_option("--json", command->json_path,
                   "also write the results (with every iteration's time) to this file");
   sub->footer(std::string("Columns:\n  ") + kBytesDefinition + "\n  " + kBusDefinition + "\n  " +

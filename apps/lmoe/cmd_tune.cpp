@@ -2,7 +2,8 @@
 // backend, comm), finds the ranges (any tier in any T range) and the breakpoints with the least
 // regret, and writes a tier table (version 3) that `--tier-table` and LMOE_TIER_TABLE load. The
 // sweep and the fits are the library's (include/lmoe/tier_tuning.hpp); docs/tuning.md says how the
-// ranges and the breakpoints are chosen.
+// ranges and the breakpoints are chosen. With --from-sweep FILE nothing is measured: the table is
+// fitted to the records of a sweep recorded with `lmoe bench --json` (tune_from_sweep).
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -27,8 +28,13 @@ struct TuneCommand {
   std::string comm;
   std::int64_t check_max_tokens = 64;
   std::string output;
+  std::string from_sweep;  // derive the table from this recorded sweep instead of measuring
 
   void execute();
+  void measure();
+  void derive();
+  // Prints the grid and the fits; writes the table unless a checked output was wrong.
+  void report(const TuneResult& result, const std::string& setting, const std::string& where);
 };
 
 std::string percent(double fraction) { return fixed(fraction * 100, 1) + "%"; }
@@ -42,7 +48,33 @@ std::string describe(const Breakpoints& b) {
          (b.column_max_tokens ? std::to_string(*b.column_max_tokens) : std::string("none"));
 }
 
+// Fail before the work, not after it (and leave no empty file behind).
+void probe_output(const std::string& output) {
+  const bool existed = std::filesystem::exists(output);
+  std::ofstream probe(output, std::ios::app);
+  if (!probe) throw Error("--output: cannot write '" + output + "'");
+  probe.close();
+  if (!existed) std::filesystem::remove(output);
+}
+
+std::string describe_setting(const std::string& preset, const TableProvenance& p,
+                             std::size_t token_counts) {
+  return preset + ", d_model " + std::to_string(p.dims.d_model) + ", d_latent " +
+         std::to_string(p.dims.d_latent) + ", " + std::string(dtype_name(p.dtype)) + ", tp " +
+         std::to_string(p.tp) + ", backend " + std::string(backend_name(p.backend)) + ", comm " +
+         p.comm + ", " + std::to_string(token_counts) + " token counts, " +
+         std::to_string(p.warmup) + " warm-up + " + std::to_string(p.iters) + " timed iterations";
+}
+
 void TuneCommand::execute() {
+  if (!from_sweep.empty()) {
+    derive();
+  } else {
+    measure();
+  }
+}
+
+void TuneCommand::measure() {
   const SweepOptions::Resolved resolved = sweep.resolve(*app, default_tune_tokens);
   BenchOptions options = resolved.options;
   const Backend chosen_backend = options.backend;
@@ -58,23 +90,18 @@ void TuneCommand::execute() {
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
   options.check_max_tokens = check_max_tokens;
   validate_bench_options(options);
-  // Fail before the sweep, not after it (and leave no empty file behind).
-  {
-    const bool existed = std::filesystem::exists(output);
-    std::ofstream probe(output, std::ios::app);
-    if (!probe) throw Error("--output: cannot write '" + output + "'");
-    probe.close();
-    if (!existed) std::filesystem::remove(output);
-  }
+  probe_output(output);
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
-  const std::string setting =
-      resolved.preset + ", d_model " + std::to_string(options.dims.d_model) + ", d_latent " +
-      std::to_string(options.dims.d_latent) + ", " + std::string(dtype_name(options.dtype)) +
-      ", tp " + std::to_string(options.tp) + ", backend " +
-      std::string(backend_name(chosen_backend)) + ", comm " + chosen_comm + ", " +
-      std::to_string(options.tokens.size()) + " token counts, " + std::to_string(options.warmup) +
-      " warm-up + " + std::to_string(options.iters) + " timed iterations";
+  TableProvenance planned;
+  planned.dims = options.dims;
+  planned.dtype = options.dtype;
+  planned.tp = options.tp;
+  planned.backend = chosen_backend;
+  planned.comm = chosen_comm;
+  planned.warmup = options.warmup;
+  planned.iters = options.iters;
+  const std::string setting = describe_setting(resolved.preset, planned, options.tokens.size());
   std::cerr << "lmoe tune: " << setting << "\n";
 
   TuneResult result;
@@ -83,6 +110,36 @@ void TuneCommand::execute() {
     result = tune_tiers(options, resolved.preset,
                         [&printer](const BenchProgress& progress) { printer(progress); });
   }
+  report(result, setting, "");
+}
+
+void TuneCommand::derive() {
+  // Everything that would shape a measurement comes from the file: giving it here is a mistake
+  // (it would silently not apply).
+  std::vector<std::string> measuring = sweep.given(*app);
+  if (app->count("--check-max-tokens") > 0) measuring.push_back("--check-max-tokens");
+  if (!measuring.empty()) {
+    std::string names;
+    for (const std::string& name : measuring) names += (names.empty() ? "" : ", ") + name;
+    throw Error("--from-sweep: " + names + (measuring.size() == 1 ? " shapes" : " shape") +
+                " a measurement; with --from-sweep the configuration, grid and iterations "
+                "are the recorded sweep's (leave " +
+                (measuring.size() == 1 ? "it" : "them") + " out, or measure with `lmoe tune`)");
+  }
+  const BenchSweep recorded = read_bench_file(from_sweep);
+  probe_output(output);
+  const TuneResult result = tune_from_sweep(
+      recorded, comm.empty() ? std::nullopt : std::optional<std::string>(comm), from_sweep);
+  const TableProvenance& p = result.table.provenance;
+  const std::string setting = describe_setting(p.preset, p, result.table.grid.size());
+  std::cerr << "lmoe tune: " << setting << ", from the sweep recorded in " << from_sweep << "\n";
+  report(result, setting,
+         ", from the sweep recorded in " + from_sweep + " (" + p.date_utc + ", host " + p.hostname +
+             "; nothing measured here)");
+}
+
+void TuneCommand::report(const TuneResult& result, const std::string& setting,
+                         const std::string& where) {
   const TierTable& table = result.table;
 
   Table grid({"T", "fused_us", "overlap_us", "column_us", "token_us", "fastest", "chosen", "regret",
@@ -113,14 +170,26 @@ void TuneCommand::execute() {
     std::cout << " (" << table.provenance.gpu->name << ", cc "
               << table.provenance.gpu->compute_capability << ")";
   }
-  std::cout << "\n";
+  std::cout << where << "\n";
   grid.print(std::cout);
+  std::size_t unchecked = 0;
+  std::int64_t checked_up_to = 0;
+  for (const BenchRecord& record : result.bench.records) {
+    if (record.declined) continue;
+    if (record.checked) checked_up_to = std::max(checked_up_to, record.tokens);
+    if (!record.checked) ++unchecked;
+  }
   std::cout << "# times: median per forward over the timed iterations, microseconds (the slowest "
                "rank's); `lmoe bench` has p10 and p90\n"
             << "# chosen, regret: by the ranges (what the table's policy uses); bp_chosen, "
                "bp_regret: by the breakpoints (for readers of version-2 tables)\n"
             << "# regret: median(chosen) / median(fastest) - 1; chosen*: the preferred tier is "
                "declined at this T and the one shown stands in\n";
+  if (unchecked > 0) {
+    std::cout << "# " << unchecked << " timing(s) "
+              << (checked_up_to > 0 ? "above T=" + std::to_string(checked_up_to) + " " : "")
+              << "were not checked against the numerics contract; their times are used\n";
+  }
 
   const auto regret_line = [&](const PolicyFit& fit) {
     std::size_t worst = 0;
@@ -176,13 +245,18 @@ void add_tune_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("-o,--output", command->output, "the tier table to write (JSON, version 3)")
       ->required();
+  sub->add_option("--from-sweep", command->from_sweep,
+                  "measure nothing: derive the table from a sweep recorded with `lmoe bench --json "
+                  "FILE` (its records of --comm, or of its only comm), on any machine; the "
+                  "configuration, grid and iterations are the file's");
   sub->footer(
       "The table records where it was measured (GPU, compute capability, driver, CUDA, NCCL, lmoe "
       "version), for what (backend, tp, dims, dtype, comm), every tier's median, p10 and p90 at "
       "every T, the ranges (what the policy uses) and the breakpoints (for older readers). Loading "
       "it elsewhere is refused, or warned about when only "
       "software versions differ. Check it against a fresh sweep with `lmoe bench --tier-table "
-      "FILE --check-table`. See docs/tuning.md.");
+      "FILE --check-table`, or against a recorded one with `lmoe bench --check-table FILE "
+      "--from-sweep SWEEP`. See docs/tuning.md.");
   sub->callback([command] { command->execute(); });
 }
 

@@ -70,4 +70,17 @@ SweepOptions::Resolved SweepOptions::resolve(
   return resolved;
 }
 
+std::vector<std::string> SweepOptions::given(const CLI::App& app) const {
+  const std::vector<std::string> flags = {"--preset", "--d-model", "--d-latent", "--dtype",
+                                          "--eps",    "--backend", ranks_flag_,  "-t/--tokens",
+                                          "--warmup", "--iters",   "--mode",     "--seed"};
+  std::vector<std::string> found;
+  for (const std::string& flag : flags) {
+    // CLI11 finds an option by any one of its names: the last of "-t/--tokens".
+    const std::string name = flag.substr(flag.rfind('/') + 1);
+    if (app.count(name) > 0) found.push_back(flag);
+  }
+  return found;
+}
+
 }  // namespace lmoe::cli

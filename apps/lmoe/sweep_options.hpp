@@ -37,6 +37,10 @@ struct SweepOptions {
   Resolved resolve(const CLI::App& app,
                    std::vector<std::int64_t> (*default_tokens)(Backend backend)) const;
 
+  // The options of these that the command line gave ("-t/--tokens", "--iters", ...), in the order
+  // they were added: what a command that takes its sweep from a recorded file must refuse.
+  std::vector<std::string> given(const CLI::App& app) const;
+
  private:
   std::string ranks_flag_ = "-n/--ranks";
 };

@@ -151,7 +151,54 @@ struct BenchEnvironment {
   };
   std::optional<Gpu> gpu;                   // the cuda backend's device 0
   std::optional<std::string> nccl_version;  // builds with NCCL
+  // The NVIDIA kernel driver ("580.159.04", /proc/driver/nvidia/version): the cuda backend only.
+  std::optional<std::string> driver_version;
 };
 BenchEnvironment bench_environment(Backend backend);
+
+// ---- recorded sweeps ---------------------------------------------------------------------------
+
+// A sweep as `lmoe bench --json` records it: for what and where it ran, and every record. Tier
+// tables can be derived from it and checked against it on any machine (tier_tuning.hpp).
+struct BenchSweep {
+  std::string lmoe_version;  // "version"
+  std::string date_utc;      // "date"
+  std::string hostname;
+  Backend backend = Backend::cpu;
+  std::optional<BenchEnvironment::Gpu> gpu;
+  std::optional<std::string> nccl_version;
+  std::optional<std::string> driver_version;  // absent in files written before it was recorded
+  std::string preset;
+  TailDims dims;
+  DType dtype = DType::bf16;
+  float eps = 1e-5f;
+  int tp = 1;
+  std::vector<std::string> comms;
+  std::vector<TailTier> tiers;
+  std::vector<std::int64_t> tokens;
+  int warmup = 0, iters = 0;
+  std::uint64_t seed = 0;
+  std::int64_t check_max_tokens = 0;
+  bool fault_injected = false;
+  std::optional<std::string> tier_table;  // the table the policy loaded (its path)
+  BenchResult result;
+};
+
+// The sweep of `options` with its result, as `lmoe bench --json` records it.
+BenchSweep bench_sweep_of(const BenchOptions& options, const std::string& preset,
+                          const BenchEnvironment& environment, BenchResult result);
+
+// JSON text of the sweep: every field `lmoe bench --json` writes except those the tool adds
+// (definitions, policy_check, ok); docs/bench.md. Times are written in microseconds.
+std::string write_bench_json(const BenchSweep& sweep);
+
+// Reads what write_bench_json writes (keys it does not know are ignored, so a `--check-table`
+// file reads too). lmoe::Error naming `origin` and the field (a record's with its index:
+// "records[17].median_us") when a field is missing, of the wrong type or out of range, when a
+// record's "ok" disagrees with its fields, or when the file is not a bench sweep (a tier table,
+// another command's JSON). Times read back as written: seconds = microseconds / 1e6.
+BenchSweep read_bench_json(const std::string& json_text, const std::string& origin);
+// read_bench_json of a file; lmoe::Error naming the path when it cannot be read.
+BenchSweep read_bench_file(const std::string& path);
 
 }  // namespace lmoe

@@ -147,6 +147,14 @@ struct TableGpu {
   bool operator==(const TableGpu&) const = default;
 };
 
+// Where a table derived from a recorded sweep (`lmoe tune --from-sweep`) came from.
+struct TableSweepSource {
+  std::string path;         // the sweep file, as it was named
+  std::string date_utc;     // the sweep's own date (when it was measured)
+  std::string derived_utc;  // when the table was derived from it
+  bool operator==(const TableSweepSource&) const = default;
+};
+
 // What a table's measurements hold for. Matched against the running configuration: the hardware,
 // dims, dtype, tp, backend and comm must be equal; versions of software may differ with a warning.
 struct TableProvenance {
@@ -162,6 +170,8 @@ struct TableProvenance {
   // For the record only (not matched).
   std::string date_utc, hostname, preset, mode;
   int warmup = 0, iters = 0;
+  std::optional<float> eps;                      // absent in tables written before it was recorded
+  std::optional<TableSweepSource> derived_from;  // nullopt: measured by `lmoe tune` itself
   bool operator==(const TableProvenance& other) const;  // every field
 };
 
@@ -236,7 +246,37 @@ struct TuneResult {
 TuneResult tune_tiers(const BenchOptions& options, const std::string& preset,
                       const BenchProgressFn& progress = {});
 
+// ---- tables from recorded sweeps ----------------------------------------------------------------
+
+// The comm of a recorded sweep to derive a table from or check one with: `comm` when given (the
+// sweep must hold records of it), else the sweep's only comm. lmoe::Error naming `origin` and the
+// sweep's comms otherwise.
+std::string sweep_comm(const BenchSweep& sweep, const std::optional<std::string>& comm,
+                       const std::string& origin);
+
+// The configuration the sweep ran with `comm`, to match a table against it (match_tier_table): its
+// backend, GPU, kernel driver, CUDA and NCCL versions, lmoe version, tp, dims and dtype.
+RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm);
+
+// What tune_tiers does, from a recorded sweep instead of a measurement: the records of one comm
+// (sweep_comm) fitted exactly as tune_tiers fits its own, into a table whose provenance is the
+// sweep's (hardware and versions, dims, dtype, eps, tp, comm, date, mode, warm-up, iterations) with
+// derived_from = {origin, the sweep's date, now}. Records above the sweep's check_max_tokens were
+// not checked; their timings are used, as tune_tiers uses its own. lmoe::Error naming `origin`
+// when the comm failed in the sweep, the sweep did not time every tier at every T, or a record of
+// the comm was wrong (`ok` false: each such record by index, T and tier), as tune_tiers writes no
+// table then.
+TuneResult tune_from_sweep(const BenchSweep& sweep, const std::optional<std::string>& comm,
+                           const std::string& origin);
+
 // ---- checking a policy against a sweep ----------------------------------------------------------
+
+// The records with `chosen` set again, as `policy` chooses at each (comm, T): decide() with the
+// tiers the records declined there as declined. A tier without a record at (comm, T) counts as
+// able to run; when the policy chooses it, no record is chosen (check_choices: not timed). This is
+// how a table is checked against a recorded sweep (`lmoe bench --check-table --from-sweep`).
+std::vector<BenchRecord> choose_again(std::span<const BenchRecord> records,
+                                      const PolicyConfig& policy);
 
 // At one (comm, T) of a sweep: the policy's choice against the fastest tier measured.
 struct ChoiceCheck {

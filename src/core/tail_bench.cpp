@@ -14,6 +14,7 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tail_runner.hpp"
+#include "lmoe/tier_tuning.hpp"
 
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_device_info.hpp"
@@ -442,6 +443,7 @@ BenchEnvironment bench_environment(Backend backend) {
         info.name, std::to_string(info.compute_major) + "." + std::to_string(info.compute_minor),
         info.driver_version, info.runtime_version, info.device_count};
     environment.nccl_version = cuda::nccl_version();
+    environment.driver_version = nvidia_driver_version();
   }
 #else
   (void)backend;

@@ -16,11 +16,14 @@
 // Version 3 (written by `lmoe tune`): version 2 plus "ranges", the pieces of T the policy prefers a
 // tier in ([{"max_tokens": 45, "tier": "column"}, ..., {"max_tokens": null, "tier": "token"}]),
 // which rule when the table is loaded; the breakpoints stay for readers of version 2 and for when a
-// breakpoint variable of the environment sets the ranges aside.
+// breakpoint variable of the environment sets the ranges aside. Its provenance may add "eps" and
+// "derived_from" (the recorded sweep a table was derived from, `lmoe tune --from-sweep`), both
+// optional when reading.
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 
+#include "core/json_fields.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tier_policy.hpp"
 #include "lmoe/tier_tuning.hpp"
@@ -30,6 +33,7 @@ namespace lmoe {
 namespace {
 
 using nlohmann::json;
+using namespace json_fields;
 // Written tables keep their keys in a reading order (format and version first).
 using ordered = nlohmann::ordered_json;
 
@@ -41,64 +45,6 @@ std::int64_t token_count(const json& value, const std::string& where) {
     throw Error(where + ": expected a non-negative integer, got " + value.dump());
   }
   return value.get<std::int64_t>();
-}
-
-const json& field(const json& object, const std::string& key, const std::string& where) {
-  if (!object.is_object()) throw Error(where + ": expected an object");
-  const auto found = object.find(key);
-  if (found == object.end()) throw Error(where + ": missing \"" + key + "\"");
-  return *found;
-}
-
-std::string text_field(const json& object, const std::string& key, const std::string& where) {
-  const json& value = field(object, key, where);
-  if (!value.is_string())
-    throw Error(where + "." + key + ": expected a string, got " + value.dump());
-  return value.get<std::string>();
-}
-
-std::optional<std::string> optional_text(const json& object, const std::string& key,
-                                         const std::string& where) {
-  const json& value = field(object, key, where);
-  if (value.is_null()) return std::nullopt;
-  return text_field(object, key, where);
-}
-
-std::int64_t integer_field(const json& object, const std::string& key, const std::string& where,
-                           std::int64_t min) {
-  const json& value = field(object, key, where);
-  if (!value.is_number_integer() || value.get<std::int64_t>() < min ||
-      (value.is_number_unsigned() && value.get<std::uint64_t>() > INT64_MAX)) {
-    throw Error(where + "." + key + ": expected an integer >= " + std::to_string(min) + ", got " +
-                value.dump());
-  }
-  return value.get<std::int64_t>();
-}
-
-int int_field(const json& object, const std::string& key, const std::string& where, int min) {
-  const std::int64_t value = integer_field(object, key, where, min);
-  if (value > INT32_MAX) {
-    throw Error(where + "." + key + ": expected at most " + std::to_string(INT32_MAX) + ", got " +
-                std::to_string(value));
-  }
-  return static_cast<int>(value);
-}
-
-double microseconds_field(const json& object, const std::string& key, const std::string& where) {
-  const json& value = field(object, key, where);
-  if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0) {
-    throw Error(where + "." + key + ": expected a finite number >= 0, got " + value.dump());
-  }
-  return value.get<double>();
-}
-
-template <typename Parse>
-auto parsed(const std::string& where, Parse parse) {
-  try {
-    return parse();
-  } catch (const Error& error) {
-    throw Error(where + ": " + error.message());
-  }
 }
 
 ordered optional_json(const std::optional<std::string>& value) {
@@ -130,7 +76,12 @@ ordered provenance_json(const TableProvenance& p) {
           {"preset", p.preset},
           {"mode", p.mode},
           {"warmup", p.warmup},
-          {"iters", p.iters}};
+          {"iters", p.iters},
+          {"eps", p.eps ? ordered(*p.eps) : ordered()},
+          {"derived_from", p.derived_from ? ordered{{"path", p.derived_from->path},
+                                                    {"date", p.derived_from->date_utc},
+                                                    {"derived_date", p.derived_from->derived_utc}}
+                                          : ordered()}};
 }
 
 TableProvenance read_provenance(const json& object, const std::string& where) {
@@ -160,6 +111,17 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.mode = text_field(object, "mode", where);
   p.warmup = int_field(object, "warmup", where, 0);
   p.iters = int_field(object, "iters", where, 0);
+  // Optional: tables written before these were recorded lack them.
+  if (object.contains("eps") && !object["eps"].is_null()) {
+    p.eps = static_cast<float>(nonnegative_field(object, "eps", where));
+  }
+  if (object.contains("derived_from") && !object["derived_from"].is_null()) {
+    const json& source = object["derived_from"];
+    const std::string at = where + ".derived_from";
+    p.derived_from =
+        TableSweepSource{text_field(source, "path", at), text_field(source, "date", at),
+                         text_field(source, "derived_date", at)};
+  }
   return p;
 }
 
@@ -174,9 +136,9 @@ TierTiming read_timing(const json& object, const std::string& where) {
   if (!object.is_object()) throw Error(where + ": expected an object");
   if (object.contains("declined"))
     return TierTiming::declined_because(text_field(object, "declined", where));
-  return TierTiming::measured(microseconds_field(object, "median_us", where),
-                              microseconds_field(object, "p10_us", where),
-                              microseconds_field(object, "p90_us", where));
+  return TierTiming::measured(nonnegative_field(object, "median_us", where),
+                              nonnegative_field(object, "p10_us", where),
+                              nonnegative_field(object, "p90_us", where));
 }
 
 ordered tier_or_null(std::optional<TailTier> tier) {
@@ -266,13 +228,7 @@ ordered ranges_json(const std::vector<TierRange>& ranges) {
 }
 
 json parse_json(const std::string& json_text, const std::string& origin) {
-  json table;
-  try {
-    table = json::parse(json_text);
-  } catch (const json::exception& error) {
-    throw Error(origin + ": not valid JSON: " + error.what());
-  }
-  if (!table.is_object()) throw Error(origin + ": expected a JSON object at the top level");
+  json table = parse_object(json_text, origin);
   if (table.value("format", std::string()) != "lmoe-tier-table") {
     throw Error(origin + ": \"format\" must be \"lmoe-tier-table\"");
   }

@@ -338,7 +338,8 @@ bool TableProvenance::operator==(const TableProvenance& o) const {
          driver_version == o.driver_version && nccl_version == o.nccl_version && tp == o.tp &&
          dims.d_model == o.dims.d_model && dims.d_latent == o.dims.d_latent && dtype == o.dtype &&
          comm == o.comm && date_utc == o.date_utc && hostname == o.hostname && preset == o.preset &&
-         mode == o.mode && warmup == o.warmup && iters == o.iters;
+         mode == o.mode && warmup == o.warmup && iters == o.iters && eps == o.eps &&
+         derived_from == o.derived_from;
 }
 
 std::optional<std::string> nvidia_driver_version() {
@@ -510,6 +511,58 @@ std::vector<std::int64_t> default_tune_tokens(Backend backend) {
   return {tokens.begin(), tokens.end()};
 }
 
+namespace {
+
+// The grid of the table's comm in result.bench, and the ranges and breakpoints fitted to it: what
+// tune_tiers and tune_from_sweep share.
+void fit_table(TuneResult& result) {
+  TierTable& table = result.table;
+  table.grid = grid_from_records(result.bench.records, table.provenance.comm);
+  result.range_fit = find_ranges(table.grid);
+  table.ranges = result.range_fit.ranges;
+  result.breakpoint_fit = find_breakpoints(table.grid);
+  table.breakpoints = result.breakpoint_fit.breakpoints;
+}
+
+// The mode of the first record of `comm` that ran (every record of a comm runs in one mode).
+std::string mode_of(std::span<const BenchRecord> records, const std::string& comm) {
+  for (const BenchRecord& record : records) {
+    if (record.comm == comm && !record.declined) return std::string(bench_mode_name(record.mode));
+  }
+  return "";
+}
+
+// What a table fitted to the sweep's records of `comm` holds for, and where they were measured.
+TableProvenance provenance_of(const BenchSweep& sweep, const std::string& comm) {
+  TableProvenance p;
+  const RunningConfig ran = running_config_of(sweep, comm);
+  p.lmoe_version = ran.lmoe_version;
+  p.backend = ran.backend;
+  p.gpu = ran.gpu;
+  p.driver_version = ran.driver_version;
+  p.nccl_version = ran.nccl_version;
+  p.tp = ran.tp;
+  p.dims = ran.dims;
+  p.dtype = ran.dtype;
+  p.eps = sweep.eps;
+  p.comm = comm;
+  p.date_utc = sweep.date_utc;
+  p.hostname = sweep.hostname;
+  p.preset = sweep.preset;
+  p.warmup = sweep.warmup;
+  p.iters = sweep.iters;
+  p.mode = mode_of(sweep.result.records, comm);
+  return p;
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+}  // namespace
+
 TuneResult tune_tiers(const BenchOptions& options_in, const std::string& preset,
                       const BenchProgressFn& progress) {
   BenchOptions options = options_in;
@@ -524,37 +577,118 @@ TuneResult tune_tiers(const BenchOptions& options_in, const std::string& preset,
                 " failed: " + result.bench.comm_errors.front().error);
   }
   const std::string& comm = options.comms.front();
+  result.table.provenance = provenance_of(
+      bench_sweep_of(options, preset, bench_environment(options.backend), result.bench), comm);
+  fit_table(result);
+  return result;
+}
 
-  TierTable& table = result.table;
-  const BenchEnvironment environment = bench_environment(options.backend);
-  const RunningConfig running =
-      running_config(options.backend, options.tp, options.dims, options.dtype, comm);
-  TableProvenance& p = table.provenance;
-  p.lmoe_version = kVersion;
-  p.backend = options.backend;
-  p.gpu = running.gpu;
-  p.driver_version = running.driver_version;
-  p.nccl_version = running.nccl_version;
-  p.tp = options.tp;
-  p.dims = options.dims;
-  p.dtype = options.dtype;
-  p.comm = comm;
-  p.date_utc = environment.date_utc;
-  p.hostname = environment.hostname;
-  p.preset = preset;
-  p.warmup = options.warmup;
-  p.iters = options.iters;
-  for (const BenchRecord& record : result.bench.records) {
-    if (!record.declined) {
-      p.mode = std::string(bench_mode_name(record.mode));
-      break;
+// ---- tables from recorded sweeps ----------------------------------------------------------------
+
+std::string sweep_comm(const BenchSweep& sweep, const std::optional<std::string>& comm,
+                       const std::string& origin) {
+  std::vector<std::string> comms;  // with records, in the sweep's order
+  for (const std::string& name : sweep.comms) {
+    const bool has_records =
+        std::any_of(sweep.result.records.begin(), sweep.result.records.end(),
+                    [&](const BenchRecord& record) { return record.comm == name; });
+    if (has_records && std::find(comms.begin(), comms.end(), name) == comms.end()) {
+      comms.push_back(name);
     }
   }
-  table.grid = grid_from_records(result.bench.records, comm);
-  result.range_fit = find_ranges(table.grid);
-  table.ranges = result.range_fit.ranges;
-  result.breakpoint_fit = find_breakpoints(table.grid);
-  table.breakpoints = result.breakpoint_fit.breakpoints;
+  if (comm) {
+    LMOE_CHECK(std::find(comms.begin(), comms.end(), *comm) != comms.end(),
+               origin + ": no records of comm '" + *comm + "' (the sweep has " +
+                   (comms.empty() ? std::string("none") : joined(comms)) + ")");
+    return *comm;
+  }
+  LMOE_CHECK(!comms.empty(), origin + ": no records (the sweep recorded none)");
+  LMOE_CHECK(comms.size() == 1, origin + ": the sweep has records of several comms (" +
+                                    joined(comms) + "); say which with --comm");
+  return comms.front();
+}
+
+RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm) {
+  RunningConfig running;
+  running.backend = sweep.backend;
+  if (sweep.gpu) {
+    running.gpu = TableGpu{sweep.gpu->name, sweep.gpu->compute_capability,
+                           sweep.gpu->driver_version, sweep.gpu->runtime_version};
+  }
+  running.driver_version = sweep.driver_version;
+  running.nccl_version = sweep.nccl_version;
+  running.tp = sweep.tp;
+  running.dims = sweep.dims;
+  running.dtype = sweep.dtype;
+  running.comm = comm;
+  running.lmoe_version = sweep.lmoe_version;
+  return running;
+}
+
+TuneResult tune_from_sweep(const BenchSweep& sweep, const std::optional<std::string>& comm_in,
+                           const std::string& origin) {
+  const std::string comm = sweep_comm(sweep, comm_in, origin);
+  for (const BenchCommError& error : sweep.result.comm_errors) {
+    LMOE_CHECK(error.comm != comm, origin + ": comm " + comm + " failed in the sweep (" +
+                                       error.error + "); its records are not a whole sweep");
+  }
+  // A table is fitted over every tier: one the sweep did not time could have been the fastest.
+  std::vector<std::string> timed;
+  for (TailTier tier : sweep.tiers) timed.emplace_back(tier_name(tier));
+  for (TailTier tier : kAllTiers) {
+    LMOE_CHECK(std::find(sweep.tiers.begin(), sweep.tiers.end(), tier) != sweep.tiers.end(),
+               origin + ": tiers: the sweep timed " + joined(timed) +
+                   "; a table is fitted over every tier (fused, overlap, column, token), as "
+                   "`lmoe tune` times all four");
+  }
+
+  TuneResult result;
+  std::vector<std::string> wrong;
+  std::map<std::pair<std::int64_t, TailTier>, std::size_t> seen;
+  for (std::size_t i = 0; i < sweep.result.records.size(); ++i) {
+    const BenchRecord& record = sweep.result.records[i];
+    if (record.comm != comm) continue;
+    const std::string name = "records[" + std::to_string(i) +
+                             "] (T=" + std::to_string(record.tokens) + " " +
+                             std::string(tier_name(record.tier)) + ")";
+    const auto [at, fresh] = seen.emplace(std::make_pair(record.tokens, record.tier), i);
+    LMOE_CHECK(fresh, origin + ": " + name + " repeats records[" + std::to_string(at->second) +
+                          "] of comm " + comm);
+    if (!record.ok()) {
+      std::vector<std::string> why;
+      const Comparison& c = record.comparison;
+      if (c.beyond_bound > 0) {
+        why.push_back(std::to_string(c.beyond_bound) + " element(s) beyond the numerics contract");
+      }
+      if (!(c.normwise_error <= c.normwise_tolerance)) {
+        why.push_back("error against fp64 math " + std::to_string(c.normwise_error) + " above " +
+                      std::to_string(c.normwise_tolerance));
+      }
+      if (!record.ranks_identical) why.emplace_back("ranks' outputs differ");
+      wrong.push_back(name + ": " + joined(why));
+    }
+    result.bench.records.push_back(record);
+  }
+  if (!wrong.empty()) {
+    std::string message = origin + ": comm " + comm + ": ";
+    for (std::size_t i = 0; i < wrong.size(); ++i) message += (i == 0 ? "" : "; ") + wrong[i];
+    throw Error(message +
+                "; no table is derived from a sweep with a wrong output (as `lmoe tune` "
+                "writes none)");
+  }
+  for (std::int64_t tokens : sweep.tokens) {
+    for (TailTier tier : kAllTiers) {
+      LMOE_CHECK(seen.count({tokens, tier}),
+                 origin + ": no record of comm " + comm + " at T=" + std::to_string(tokens) +
+                     " for " + std::string(tier_name(tier)) + " (the sweep lists that T and tier)");
+    }
+  }
+
+  TableProvenance& p = result.table.provenance;
+  p = provenance_of(sweep, comm);
+  p.derived_from =
+      TableSweepSource{origin, sweep.date_utc, bench_environment(Backend::cpu).date_utc};
+  fit_table(result);
   return result;
 }
 
@@ -576,6 +710,22 @@ std::string_view verdict_name(ChoiceCheck::Verdict verdict) {
       return "nothing ran";
   }
   return "?";
+}
+
+std::vector<BenchRecord> choose_again(std::span<const BenchRecord> records,
+                                      const PolicyConfig& policy) {
+  std::map<std::pair<std::string, std::int64_t>, TierSupport> support;
+  for (const BenchRecord& record : records) {
+    TierSupport& at = support[{record.comm, record.tokens}];
+    if (record.declined) at.declined[static_cast<std::size_t>(record.tier)] = *record.declined;
+  }
+  std::vector<BenchRecord> chosen(records.begin(), records.end());
+  for (BenchRecord& record : chosen) {
+    const TierDecision decision =
+        decide(record.tokens, policy, support.at({record.comm, record.tokens}));
+    record.chosen = decision.tier == record.tier;
+  }
+  return chosen;
 }
 
 std::vector<ChoiceCheck> check_choices(std::span<const BenchRecord> records, double tolerance) {

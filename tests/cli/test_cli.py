@@ -1,7 +1,8 @@
 """End-to-end tests of the `lmoe` tool: `tail` on safetensors files (checked against an
 independent numpy implementation of the tail), malformed files, `explain`, `run --json`, bad
-environment variables, `bench`, `tune` and its tier tables, and scripts/plot_bench.py's data
-preparation. Usage: test_cli.py PATH_TO_LMOE"""
+environment variables, `bench`, `tune` and its tier tables, tables derived from and checked against
+recorded sweeps (`--from-sweep`, on a CPU sweep and on the H200 recordings of tests/data/), and
+scripts/plot_bench.py's data preparation. Usage: test_cli.py PATH_TO_LMOE"""
 
 import json
 import math
@@ -393,12 +394,13 @@ class BenchCommand(unittest.TestCase):
         "comm", "tokens", "tier", "status", "reason", "chosen", "mode", "mode_reason", "bytes", "bus_bytes",
         "median_us", "p10_us", "p90_us", "min_us", "max_us", "algbw_gbps", "busbw_gbps", "checked", "wrong",
         "bit_mismatches_vs_contract", "max_error_over_bound", "normwise_error_vs_fp64", "normwise_tolerance",
-        "ranks_identical", "ok", "iterations_us",
+        "ranks_identical", "ok", "iterations_us", "elements",
     ]
     DOC_FIELDS = [
         "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
         "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
         "fault_injected", "definitions", "records", "comm_errors", "tier_table", "policy_check", "ok",
+        "driver_version", "from_sweep",
     ]
 
     def bench(self, *args, env=None, check=True):
@@ -812,6 +814,266 @@ def load_plot_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return path, module
+
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+
+
+def fitted_ranges(grid_tokens, fastest):
+    """The ranges find_ranges gives when every T's fastest tier can run: equal neighbours merged,
+    boundaries at floor(sqrt(a*b)) (docs/tuning.md), written again here from the records."""
+    ranges = [{"max_tokens": None, "tier": fastest[grid_tokens[0]]}]
+    for a, b in zip(grid_tokens, grid_tokens[1:]):
+        if fastest[b] != ranges[-1]["tier"]:
+            ranges[-1]["max_tokens"] = math.isqrt(a * b)
+            ranges.append({"max_tokens": None, "tier": fastest[b]})
+    return ranges
+
+
+class RecordedSweeps(unittest.TestCase):
+    """`lmoe tune --from-sweep` and `lmoe bench --check-table --from-sweep`: nothing measured, the
+    records of a `lmoe bench --json` file used instead."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.sweep = os.path.join(cls.dir.name, "sweep.json")
+        # T=64 is above --check-max-tokens: its timings are used unchecked.
+        lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,4,16,64", "--warmup", "0",
+             "--iters", "3", "--check-max-tokens", "16", "--json", cls.sweep)
+        with open(cls.sweep) as f:
+            cls.doc = json.load(f)
+        cls.table = os.path.join(cls.dir.name, "derived.json")
+        cls.tuned = lmoe("tune", "--from-sweep", cls.sweep, "-o", cls.table)
+        with open(cls.table) as f:
+            cls.table_doc = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def path(self, name):
+        return os.path.join(self.dir.name, name)
+
+    def edited_sweep(self, name, edit):
+        doc = json.loads(json.dumps(self.doc))
+        edit(doc)
+        path = self.path(name)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+    def test_the_table_is_fitted_on_the_records_and_says_where_they_come_from(self):
+        doc, records = self.table_doc, self.doc["records"]
+        self.assertEqual(doc["version"], 3)
+        # Every tier's median, p10 and p90 are the records', to the nanosecond.
+        for point in doc["grid"]:
+            for tier, timing in point["tiers"].items():
+                (record,) = [r for r in records if (r["tokens"], r["tier"]) == (point["tokens"], tier)]
+                if record["status"] == "declined":
+                    self.assertEqual(timing["declined"], record["reason"])
+                    continue
+                for key in ["median_us", "p10_us", "p90_us"]:
+                    self.assertAlmostEqual(timing[key], record[key], places=3)
+        # The ranges, recomputed from the records.
+        fastest = {}
+        for t in [1, 4, 16, 64]:
+            ran = [r for r in records if r["tokens"] == t and r["status"] == "ran"]
+            fastest[t] = min(ran, key=lambda r: (r["median_us"], TIERS.index(r["tier"])))["tier"]
+        self.assertEqual(doc["ranges"], fitted_ranges([1, 4, 16, 64], fastest))
+        self.assertEqual(doc["fit"]["total_regret"], 0.0)
+        # The provenance is the sweep's, with where it was derived from.
+        p, sweep = doc["provenance"], self.doc
+        self.assertEqual((p["backend"], p["tp"], p["dtype"], p["comm"], p["preset"], p["mode"]),
+                         ("cpu", 2, "bf16", "threads", "small", "eager"))
+        self.assertEqual(p["dims"], {"d_model": 384, "d_latent": 192})
+        self.assertEqual((p["date"], p["hostname"], p["warmup"], p["iters"], p["lmoe_version"]),
+                         (sweep["date"], sweep["hostname"], 0, 3, sweep["version"]))
+        self.assertAlmostEqual(p["eps"], sweep["eps"])
+        self.assertEqual((p["derived_from"]["path"], p["derived_from"]["date"]), (self.sweep, sweep["date"]))
+        self.assertRegex(p["derived_from"]["derived_date"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+        # The printed table is `lmoe tune`'s, and says what was not checked.
+        out = self.tuned.stdout
+        self.assertIn(f"from the sweep recorded in {self.sweep} ({sweep['date']}", out)
+        self.assertIn("ranges: ", out)
+        self.assertIn("breakpoints: fused_max_tokens", out)
+        self.assertIn("# 4 timing(s) above T=16 were not checked against the numerics contract", out)
+        self.assertNotIn("[time", self.tuned.stderr)  # nothing measured, no progress
+
+    def test_the_derived_table_loads_and_is_refused_like_a_measured_one(self):
+        result = lmoe("explain", "--backend", "cpu", "--preset", "small", "--tp", "2", "-t", "50", "--comm", "threads",
+                      "--tier-table", self.table)
+        self.assertIn(f"evidence: table {self.table} measured at T=64 (nearest to T=50):", result.stdout)
+        self.assertIn("rule: ranges ", result.stdout)
+        for args, needle in [(["explain", "--tp", "4", "-t", "8"], "tp is 2 in the table, 4 here"),
+                             (["run", "-n", "2", "-t", "1", "--dtype", "f32"], "dtype is bf16 in the table, f32 here")]:
+            with self.subTest(args=args):
+                result = lmoe(args[0], "--backend", "cpu", "--preset", "small", *args[1:], "--tier-table", self.table,
+                              check=False)
+                self.assertEqual(result.returncode, 2, result.stdout)
+                self.assertIn(f"tier table {self.table} was measured for another configuration", result.stderr)
+                self.assertIn(needle, result.stderr)
+
+    def test_options_that_shape_a_measurement_are_refused(self):
+        out = self.path("never.json")
+        cases = [
+            (["tune", "--from-sweep", self.sweep, "-o", out, "-t", "1,2", "--iters", "3"],
+             "--from-sweep: -t/--tokens, --iters shape a measurement; with --from-sweep the configuration"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--tp", "2"], "--from-sweep: -n/--ranks/--tp shapes a measurement"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--backend", "cpu", "--preset", "small"],
+             "--from-sweep: --preset, --backend shape"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--check-max-tokens", "4"],
+             "--from-sweep: --check-max-tokens shapes a measurement"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--mode", "eager", "--seed", "3", "--warmup", "1"],
+             "--from-sweep: --warmup, --mode, --seed shape"),
+            (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "--tiers", "column"],
+             "--from-sweep: --tiers shapes a measurement"),
+            (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "-n", "2", "--no-check"],
+             "--from-sweep: -n/--ranks, --no-check shape"),
+            (["bench", "--from-sweep", self.sweep], "--from-sweep: needs --check-table"),
+            (["tune", "--from-sweep", self.table, "-o", out], f"{self.table}: is a tier table, not a recorded sweep"),
+            (["tune", "--from-sweep", self.path("missing.json"), "-o", out], "cannot read the sweep file"),
+        ]
+        for args, needle in cases:
+            with self.subTest(args=args):
+                result = lmoe(*args, check=False)
+                self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+                self.assertIn(needle, result.stderr)
+        self.assertFalse(os.path.exists(out))
+
+    def test_a_wrong_row_is_refused_and_named(self):
+        def make_wrong(doc):
+            (record,) = [r for r in doc["records"] if (r["tokens"], r["tier"]) == (4, "column")]
+            record["wrong"], record["ok"] = 2, False
+        path = self.edited_sweep("wrong.json", make_wrong)
+        index = next(i for i, r in enumerate(self.doc["records"]) if (r["tokens"], r["tier"]) == (4, "column"))
+        out = self.path("wrong_table.json")
+        result = lmoe("tune", "--from-sweep", path, "-o", out, check=False)
+        self.assertEqual(result.returncode, 2, result.stdout)
+        self.assertIn(f"{path}: comm threads: records[{index}] (T=4 column): 2 element(s) beyond the numerics "
+                      "contract", result.stderr)
+        self.assertFalse(os.path.exists(out))
+        # Checked against, the wrong row fails the run as it failed the sweep.
+        result = lmoe("bench", "--check-table", self.table, "--from-sweep", path, check=False)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertIn("SOME ROWS FAILED (1 row(s), 0 comm error(s))", result.stdout)
+        # A record whose "ok" contradicts its fields is refused as garbled.
+        path = self.edited_sweep("garbled.json", lambda d: d["records"][index].update(wrong=2))
+        result = lmoe("tune", "--from-sweep", path, "-o", out, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn(f"records[{index}].ok: the record says true but its fields say false", result.stderr)
+        path = self.edited_sweep("missing_field.json", lambda d: d["records"][index].pop("median_us"))
+        result = lmoe("tune", "--from-sweep", path, "-o", out, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn(f"{path}: records[{index}]: missing \"median_us\"", result.stderr)
+
+    def two_comm_sweep(self):
+        def add_p2p(doc):
+            doc["comms"].append("p2p")
+            doc["records"] += [dict(r, comm="p2p") for r in doc["records"]]
+        return self.edited_sweep("two_comms.json", add_p2p)
+
+    def test_several_comms_need_one_named(self):
+        path = self.two_comm_sweep()
+        out = self.path("p2p_table.json")
+        result = lmoe("tune", "--from-sweep", path, "-o", out, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn(f"{path}: the sweep has records of several comms (threads, p2p); say which with --comm",
+                      result.stderr)
+        lmoe("tune", "--from-sweep", path, "--comm", "p2p", "-o", out)
+        with open(out) as f:
+            self.assertEqual(json.load(f)["provenance"]["comm"], "p2p")
+        result = lmoe("tune", "--from-sweep", path, "--comm", "nccl", "-o", out, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("no records of comm 'nccl' (the sweep has threads, p2p)", result.stderr)
+        # The check takes the table's comm from a sweep of several.
+        result = lmoe("bench", "--check-table", self.table, "--from-sweep", path, check=False)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertNotIn(" p2p ", result.stdout)
+
+    def test_check_table_from_a_sweep_passes_and_fails_by_the_rule(self):
+        # Against the very records it was fitted on, every choice is the fastest.
+        out = self.path("check.json")
+        result = lmoe("bench", "--check-table", self.table, "--from-sweep", self.sweep, "--json", out)
+        self.assertIn(f"# policy check: tier table {self.table} against the sweep recorded in {self.sweep}", result.stdout)
+        self.assertIn("policy check ok (4 choice(s) judged)", result.stdout)
+        self.assertIn("nothing measured here", result.stdout)
+        with open(out) as f:
+            doc = json.load(f)
+        self.assertEqual((doc["from_sweep"], doc["tier_table"], doc["ok"]), (self.sweep, self.table, True))
+        self.assertEqual([c["verdict"] for c in doc["policy_check"]], ["fastest"] * 4)
+        self.assertEqual(doc["date"], self.doc["date"])  # the sweep's records, not a new measurement
+        # The output reads again as a sweep: a table derived from it is the same.
+        again = self.path("again.json")
+        lmoe("tune", "--from-sweep", out, "-o", again)
+        with open(again) as f:
+            self.assertEqual(json.load(f)["ranges"], self.table_doc["ranges"])
+
+        # Make the table's choice at T=4 ten times slower than the slowest run of any other tier
+        # there: the check fails there and only there.
+        chosen = next(p["chosen"] for p in self.table_doc["grid"] if p["tokens"] == 4)
+        def slow_down(doc):
+            at_4 = [r for r in doc["records"] if r["tokens"] == 4 and r["status"] == "ran"]
+            slow = 10 * max(r["max_us"] for r in at_4 if r["tier"] != chosen)
+            (r,) = [r for r in at_4 if r["tier"] == chosen]
+            for key in ["median_us", "p10_us", "p90_us", "min_us", "max_us"]:
+                r[key] = slow
+            r["iterations_us"] = [slow] * len(r["iterations_us"])
+        path = self.edited_sweep("slower.json", slow_down)
+        result = lmoe("bench", "--check-table", self.table, "--from-sweep", path, "--json", out, check=False)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertIn("POLICY CHECK FAILED (1 of 4 choice(s) slower than the rule allows)", result.stdout)
+        with open(out) as f:
+            checks = json.load(f)["policy_check"]
+        self.assertEqual([c["tokens"] for c in checks if not c["ok"]], [4])
+        self.assertEqual(next(c for c in checks if c["tokens"] == 4)["verdict"], "SLOWER")
+
+    def test_a_sweep_of_another_configuration_is_refused_by_field(self):
+        for name, edit, needle in [
+            ("tp4.json", lambda d: d.update(tp=4), "tp is 2 in the table, 4 here"),
+            ("dims.json", lambda d: d.update(d_model=512), "d_model is 384 in the table, 512 here"),
+            ("gpu.json", lambda d: d.update(backend="cuda"), "backend is cpu in the table, cuda here"),
+        ]:
+            with self.subTest(name=name):
+                path = self.edited_sweep(name, edit)
+                result = lmoe("bench", "--check-table", self.table, "--from-sweep", path, check=False)
+                self.assertEqual(result.returncode, 2, result.stdout)
+                self.assertIn(f"tier table {self.table} was measured for another configuration", result.stderr)
+                self.assertIn(needle, result.stderr)
+        path = self.edited_sweep("other_comm.json", lambda d: (d.update(comms=["p2p"]),
+                                                              [r.update(comm="p2p") for r in d["records"]]))
+        result = lmoe("bench", "--check-table", self.table, "--from-sweep", path, check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn(f"{path}: no records of comm 'threads' (the sweep has p2p)", result.stderr)
+
+    def test_the_h200_recordings(self):
+        bench, check = os.path.join(DATA_DIR, "bench_k3_tp2.json"), os.path.join(DATA_DIR, "check_k3_tp2.json")
+        table = self.path("tiers_k3_tp2_v3.json")
+        result = lmoe("tune", "--from-sweep", bench, "--comm", "nccl", "-o", table)
+        self.assertIn("ranges: column T<=45, overlap T<=512, token above (regret: total 0.0% over 8 T", result.stdout)
+        self.assertIn("(NVIDIA H200, cc 9.0), from the sweep recorded in", result.stdout)
+        with open(table) as f:
+            p = json.load(f)["provenance"]
+        self.assertEqual((p["gpu"]["name"], p["nccl_version"], p["tp"], p["comm"], p["iters"]),
+                         ("NVIDIA H200", "2.28.3", 2, "nccl", 50))
+        # Checked against the second sweep of that session: every choice is the fastest.
+        result = lmoe("bench", "--check-table", table, "--from-sweep", check)
+        self.assertIn("policy check ok (7 choice(s) judged)", result.stdout)
+        self.assertEqual(result.stdout.count(" fastest\n"), 7)
+        # The table `lmoe tune` wrote in that session (version 2, breakpoints) fails the same check,
+        # with the verdicts the GPU machine recorded.
+        old = os.path.join(DATA_DIR, "tiers_k3_tp2.json")
+        out = self.path("old_check.json")
+        result = lmoe("bench", "--check-table", old, "--from-sweep", check, "--json", out, check=False)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertIn("POLICY CHECK FAILED (1 of 7 choice(s) slower than the rule allows)", result.stdout)
+        self.assertIn("driver_version is '580.159.04' in the table, none here", result.stderr)
+        with open(out) as f:
+            judged = json.load(f)["policy_check"]
+        with open(check) as f:
+            recorded = json.load(f)["policy_check"]
+        self.assertEqual([(c["tokens"], c["chosen"], c["verdict"]) for c in judged],
+                         [(c["tokens"], c["chosen"], c["verdict"]) for c in recorded])
 
 
 class PlotScript(unittest.TestCase):

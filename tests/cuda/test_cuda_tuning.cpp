@@ -1,6 +1,7 @@
 // Tier tables on a GPU: the running configuration names this GPU, `tune` on the cuda backend writes
 // a table that fits this machine and reads back equal, LatentTail accepts it, and refuses it once
-// its GPU name or compute capability is another's. Every test skips without a GPU.
+// its GPU name or compute capability is another's; a table derived from a sweep recorded here fits
+// here too. Every test skips without a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -50,16 +51,22 @@ void build_tails(const lmoe::TierTable& table, int tp) {
   });
 }
 
-TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
-  SKIP_WITHOUT_GPU();
+// A short sweep at small dims on 2 ranks of the default comm.
+lmoe::BenchOptions small_sweep() {
   lmoe::BenchOptions options;
   options.backend = lmoe::Backend::cuda;
   options.dims = kSmall;
   options.tp = 2;
   options.tokens = {1, 8, 64};
+  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
   options.warmup = 1;
   options.iters = 3;
-  const lmoe::TuneResult tuned = lmoe::tune_tiers(options, "small");
+  return options;
+}
+
+TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TuneResult tuned = lmoe::tune_tiers(small_sweep(), "small");
   ASSERT_TRUE(tuned.ok());
   const lmoe::TierTable& table = tuned.table;
   ASSERT_TRUE(table.provenance.gpu);
@@ -99,6 +106,33 @@ TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
   } catch (const lmoe::Error& error) {
     EXPECT_THAT(error.message(), HasSubstr("gpu.compute_capability is 1.0 in the table"));
   }
+}
+
+// A sweep recorded here (`lmoe bench --json`), read back and fitted (`lmoe tune --from-sweep`),
+// gives a table that fits this machine with no warning: the recording names this GPU, its kernel
+// driver, CUDA and NCCL versions as running_config does.
+TEST(CudaTuning, ATableDerivedFromASweepRecordedHereFitsHere) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::BenchOptions options = small_sweep();
+  const lmoe::BenchSweep recorded = lmoe::read_bench_json(
+      lmoe::write_bench_json(lmoe::bench_sweep_of(options, "small",
+                                                  lmoe::bench_environment(lmoe::Backend::cuda),
+                                                  lmoe::run_tail_bench(options))),
+      "sweep.json");
+  ASSERT_TRUE(recorded.result.ok());
+  const std::string& comm = options.comms.front();
+  const lmoe::RunningConfig here =
+      lmoe::running_config(lmoe::Backend::cuda, 2, kSmall, lmoe::DType::bf16, comm);
+  const lmoe::RunningConfig there = lmoe::running_config_of(recorded, comm);
+  EXPECT_EQ(there.gpu, here.gpu);
+  EXPECT_EQ(there.driver_version, here.driver_version);
+  EXPECT_EQ(there.nccl_version, here.nccl_version);
+  EXPECT_EQ(there.lmoe_version, here.lmoe_version);
+
+  const lmoe::TuneResult derived = lmoe::tune_from_sweep(recorded, std::nullopt, "sweep.json");
+  ASSERT_TRUE(derived.table.provenance.derived_from);
+  EXPECT_EQ(derived.range_fit.total_regret, 0);
+  build_tails(lmoe::read_tier_table(lmoe::write_tier_table(derived.table), "t.json"), 2);
 }
 
 }  // namespace
