@@ -65,8 +65,8 @@ struct PolicyConfig {
   Setting<std::optional<TailTier>> forced_tier{std::nullopt, SettingSource::built_in, "default"};
   // Pieces of T, each preferring one tier (validate_tier_ranges' form). Non-empty: they rule and
   // the breakpoints above are not used to prefer a tier (overlap_disabled still declines overlap).
-  // A malformed list that reached here unvalidated prefers, for T, the first piece that holds T,
-  // else the last piece.
+  // LatentTail refuses a malformed list at construction (validate_tier_ranges, on every rank);
+  // decide() alone, given one, prefers the first piece that holds T, else the last piece.
   Setting<std::vector<TierRange>> ranges{{}, SettingSource::built_in, "default: none"};
   // Set when a table's ranges were set aside because breakpoint variables of the environment are
   // set (the ranges are then empty): the variables, e.g. "LMOE_FUSED_MAX_TOKENS=64".

@@ -3,6 +3,9 @@
 #include <cmath>
 #include <cstddef>
 
+#include "lmoe/error.hpp"
+#include "lmoe/tier_policy.hpp"
+
 namespace lmoe {
 
 namespace {
@@ -57,6 +60,14 @@ std::optional<std::string> validate_options(const TailOptions& options, int tp) 
   }
   if (options.max_tokens < 0) {
     return expected("max_tokens", "0 (grow on demand) or a positive token count", std::to_string(options.max_tokens));
+  }
+  // Ranges a caller builds by hand get the checks a table's get when it is read.
+  if (!options.policy.ranges.value.empty()) {
+    try {
+      validate_tier_ranges(options.policy.ranges.value, "policy.ranges");
+    } catch (const Error& error) {
+      return error.message();
+    }
   }
   return std::nullopt;
 }

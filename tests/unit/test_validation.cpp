@@ -453,6 +453,27 @@ TEST(LatentTailValidation, DModelMustBePositive) {
                     kOk);
 }
 
+TEST(LatentTailValidation, HandBuiltTierRangesAreCheckedLikeATablesOnEveryRank) {
+  using lmoe::TierRange;
+  auto with_ranges = [](std::vector<TierRange> ranges) {
+    return [ranges](int) {
+      TailOptions opts = options();
+      opts.policy.ranges.value = ranges;
+      return opts;
+    };
+  };
+  const auto weights = [](int) { return Weights(); };
+  expect_every_rank(construct_outcome(2, with_ranges({{64, TailTier::overlap}, {16, TailTier::column}, {std::nullopt, TailTier::token}}),
+                                      weights),
+                    "rank 0: policy.ranges[1].max_tokens: expected more than the previous piece's 64 (pieces rise in T), got 16");
+  expect_every_rank(construct_outcome(2, with_ranges({{64, TailTier::overlap}}), weights),
+                    "rank 0: policy.ranges[0].max_tokens: the last piece must be unbounded (null) so that every T has a tier, got 64");
+  expect_every_rank(
+      construct_outcome(2, with_ranges({{45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}}),
+                        weights),
+      kOk);
+}
+
 TEST(LatentTailValidation, DLatentMustBePositive) {
   expect_every_rank(construct_outcome(
                         2, [](int) { return options(kDModel, 0); }, [](int) { return Weights(); }),
