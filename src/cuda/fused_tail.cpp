@@ -84,16 +84,18 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
       std::min<std::int64_t>(col_tiles * most_splits, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
   const auto splits_for = [&](int blocks) { return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits); };
 
-  // Workspace: flags, then per parity routed, shared and stripe rows, then N.
+  // Workspace: flags, then per parity routed, shared and stripe rows (read by the peers), then this
+  // rank's own: N, its stripe of the shared sum (tp > 1), the tiles' split counters and fp32
+  // partials.
   params_.routed_offset = align256(sizeof(FusedFlags));
   params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
   params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
   params_.normed_offset = params_.routed_offset + 2 * params_.parity_bytes;
-  // This rank's own: the tiles' split counters and fp32 partials (sized for this rank's grid; the
-  // agreed grid is no larger, so its splits are no more).
+  // The partials are sized for this rank's grid: the agreed grid is no larger, so its splits are
+  // no more. With one rank the epilogue reads `shared` itself: no shared-sum stripe.
   params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
-  params_.tile_arrived_offset = params_.shared_sum_offset + align256(capacity_ * stripe * esize);
+  params_.tile_arrived_offset = params_.shared_sum_offset + (tp > 1 ? align256(capacity_ * stripe * esize) : 0);
   params_.partials_offset = params_.tile_arrived_offset + align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
   const std::int64_t local_splits = splits_for(grid);
   const std::int64_t partial_bytes =

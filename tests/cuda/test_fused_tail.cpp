@@ -41,29 +41,39 @@ const lmoe::TailDims kSmall{384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripe
 const lmoe::TailDims kK3{7168, 3584};
 const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
 
+// An environment variable set (or, with a null value, unset) for one scope, then restored.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* previous = std::getenv(name)) previous_ = previous;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (previous_) {
+      setenv(name_, previous_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> previous_;
+};
+
 // The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
 // which ranks spinning on each other need: these tests run p2p ranks on one GPU, opted in for the
 // duration of each test only (the library keeps p2p on a shared GPU opt-in, docs/p2p.md, and the
 // other tests of this binary see its default).
-class ScopedSharedGpu {
+class ScopedSharedGpu : public ScopedEnv {
  public:
-  ScopedSharedGpu() {
-    if (const char* value = std::getenv(kName)) previous_ = value;
-    setenv(kName, "1", 1);
-  }
-  ~ScopedSharedGpu() {
-    if (previous_) {
-      setenv(kName, previous_->c_str(), 1);
-    } else {
-      unsetenv(kName);
-    }
-  }
-  ScopedSharedGpu(const ScopedSharedGpu&) = delete;
-  ScopedSharedGpu& operator=(const ScopedSharedGpu&) = delete;
-
- private:
-  static constexpr const char* kName = "LMOE_P2P_SHARED_GPU";
-  std::optional<std::string> previous_;
+  ScopedSharedGpu() : ScopedEnv("LMOE_P2P_SHARED_GPU", "1") {}
 };
 
 class Fused : public ::testing::Test {
@@ -92,6 +102,20 @@ void expect_meets_contract(const lmoe::TailCase& c, const lmoe::CaseRun& result,
   *worst = std::max(*worst, cmp.max_error_over_bound);
 }
 
+// Random inputs within the contract's bound and crafted inputs bit for bit, at one (dims, dtype, tp, T).
+void expect_random_and_crafted_inputs_pass(lmoe::TailDims dims, DType dtype, int tp, std::int64_t tokens,
+                                           std::uint64_t seed, double* worst) {
+  const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, dtype, tp, tokens, seed);
+  expect_meets_contract(random, run_fused(random), worst);
+  const lmoe::TailCase exact = lmoe::make_exact_case(dims, dtype, tp, tokens, seed);
+  const lmoe::CaseRun exact_run = run_fused(exact);
+  EXPECT_TRUE(exact_run.ranks_identical);
+  const lmoe::Comparison cmp = lmoe::compare(exact_run.ranks[0].y.matrix(),
+                                             lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+                                             lmoe::exact_tail(exact));
+  EXPECT_EQ(cmp.bit_mismatches, 0);
+}
+
 class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {
  protected:
   static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
@@ -108,15 +132,7 @@ TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBit
   for (std::int64_t tokens : kIssueTokens) {
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
-    const lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
-    expect_meets_contract(random, run_fused(random), &worst);
-    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, dtype, tp, tokens, seed);
-    const lmoe::CaseRun exact_run = run_fused(exact);
-    EXPECT_TRUE(exact_run.ranks_identical);
-    const lmoe::Comparison cmp = lmoe::compare(exact_run.ranks[0].y.matrix(),
-                                               lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
-                                               lmoe::exact_tail(exact));
-    EXPECT_EQ(cmp.bit_mismatches, 0);
+    expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed, &worst);
   }
   std::printf("[ fused  ] tp=%d %-4s T=1…256 (11 sizes) max_err/bound=%.3f\n", tp,
               std::string(lmoe::dtype_name(dtype)).c_str(), worst);
@@ -141,15 +157,7 @@ TEST_F(Fused, KNotAMultipleOfTheChunkSplitKAndPartialColumnTiles) {
     for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{17}, std::int64_t{129}}) {
       SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
       const auto seed = 5u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
-      const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, DType::bf16, tp, tokens, seed);
-      expect_meets_contract(random, run_fused(random), &worst);
-      const lmoe::TailCase exact = lmoe::make_exact_case(dims, DType::bf16, tp, tokens, seed);
-      const lmoe::CaseRun exact_run = run_fused(exact);
-      EXPECT_TRUE(exact_run.ranks_identical);
-      EXPECT_EQ(lmoe::compare(exact_run.ranks[0].y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
-                              lmoe::exact_tail(exact))
-                    .bit_mismatches,
-                0);
+      expect_random_and_crafted_inputs_pass(dims, DType::bf16, tp, tokens, seed, &worst);
     }
   }
   std::printf("[ fused  ] d=448 l=528 tp 1/2/4 T 1/17/129 max_err/bound=%.3f\n", worst);
@@ -261,6 +269,32 @@ struct FusedRank {
                                                     static_cast<const float*>(gamma.data()), max_tokens);
   }
 };
+
+// LMOE_FUSED_TRACE: destroying the FusedTail prints when its blocks reached each phase of the last
+// call; without the variable nothing is printed.
+TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 12u);
+  const auto stderr_of_one_call = [&](const char* trace) {
+    const ScopedEnv env("LMOE_FUSED_TRACE", trace);
+    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+    ::testing::internal::CaptureStderr();
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 4);
+      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, nullptr);
+      cuda_ok(cudaStreamSynchronize(nullptr));
+    });
+    return ::testing::internal::GetCapturedStderr();
+  };
+  const std::string traced = stderr_of_one_call("1");
+  EXPECT_NE(traced.find("[ fused trace ] rank 0, grid "), std::string::npos) << traced;
+  for (const char* point : {"entry", "epoch", "normed", "rows done", "items done", "end"}) {
+    EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos) << point << "\n" << traced;
+  }
+  // With one rank there are no peers: no staging or stripe points.
+  EXPECT_EQ(traced.find("stripes arrived"), std::string::npos) << traced;
+  EXPECT_EQ(stderr_of_one_call(nullptr).find("[ fused trace ]"), std::string::npos);
+}
 
 // A rank that never calls: its peer's kernel gives up after the timeout, and both ranks get an
 // error well within 5 s instead of hanging.
