@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "lmoe/error.hpp"
 
@@ -28,10 +29,12 @@ inline std::string named(const std::string& where) {
   return where.ends_with(": ") ? where.substr(0, where.size() - 2) : where;
 }
 
-inline const json& field(const json& object, const std::string& key, const std::string& where) {
+// The key is taken by value (a view): a reference parameter bound to a temporary key would make
+// GCC 13 warn that the returned reference may dangle (-Wdangling-reference), which it cannot.
+inline const json& field(const json& object, std::string_view key, const std::string& where) {
   if (!object.is_object()) throw Error(named(where) + ": expected an object");
-  const auto found = object.find(key);
-  if (found == object.end()) throw Error(named(where) + ": missing \"" + key + "\"");
+  const auto found = object.find(std::string(key));
+  if (found == object.end()) throw Error(named(where) + ": missing \"" + std::string(key) + "\"");
   return *found;
 }
 
