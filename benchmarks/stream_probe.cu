@@ -224,6 +224,9 @@ int main(int argc, char** argv) {
         {"balanced", 64, 256, 6, 2, 1},  {"balanced", 32, 256, 8, 3, 1}, {"balanced", 16, 512, 8, 3, 1},
         {"balanced", 8, 1024, 8, 3, 1},  {"balanced", 64, 512, 3, 2, 1}, {"balanced", 32, 512, 6, 2, 1},
         {"balanced", 16, 1024, 6, 2, 1}, {"balanced", 64, 128, 4, 4, 1}, {"balanced", 32, 256, 4, 6, 1},
+        // Whole rows of K3's w_up (7168 bytes) per stage, as a GEMV would read them.
+        {"balanced", 4, 7168, 3, 2, 1},  {"balanced", 2, 7168, 6, 2, 1},  {"balanced", 8, 7168, 3, 1, 1},
+        {"balanced", 1, 7168, 12, 2, 1},
     };
     for (const Config& c : configs) {
       StreamParams p;
