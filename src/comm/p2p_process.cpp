@@ -20,7 +20,8 @@
 // granule, so that no unrelated allocation shares its pages); a process opens a peer's handle once
 // and closes it with cudaIpcCloseMemHandle; the exporter must not free an allocation while a peer
 // still maps it (undefined behaviour), so teardown is: every rank meets, closes what it opened,
-// meets again, and only then frees what it exported.
+// meets again, and only then frees what it exported; and a shared buffer (the fused workspace)
+// released by its owner is freed only once every rank reports its mapping closed.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -119,7 +121,8 @@ class P2pProcessGroup;
 // A shared buffer between processes: this rank's own allocation and its peers' mappings.
 class ProcessBuffer final : public P2pSharedBuffer {
  public:
-  ProcessBuffer(std::weak_ptr<P2pProcessGroup> group, int rank, int size) : group_(std::move(group)), rank_(rank) {
+  ProcessBuffer(std::weak_ptr<P2pProcessGroup> group, int rank, int size, std::uint64_t id)
+      : group_(std::move(group)), rank_(rank), id_(id) {
     bases_.assign(static_cast<std::size_t>(size), nullptr);
   }
   ~ProcessBuffer() override;
@@ -129,6 +132,7 @@ class ProcessBuffer final : public P2pSharedBuffer {
  private:
   std::weak_ptr<P2pProcessGroup> group_;
   int rank_;
+  std::uint64_t id_;  // the group's count of shared buffers before this one (the same on every rank)
 };
 
 class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_this<P2pProcessGroup> {
@@ -165,7 +169,7 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     const bool closed = met && control_->teardown_barrier(2);
     if (closed) {
       if (workspace_) cudaFree(workspace_);
-      for (void* own : retired_) cudaFree(own);
+      for (const auto& [id, own] : retired_) cudaFree(own);
     } else {
       // Freeing while a live peer may still map it is undefined behaviour; the process's exit
       // returns the memory instead.
@@ -245,10 +249,25 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
   }
 
   std::unique_ptr<P2pSharedBuffer> share_buffer(int, std::size_t bytes) override {
-    auto shared = std::make_unique<ProcessBuffer>(weak_from_this(), rank_, size_);
+    // Buffers are shared collectively, so the n-th one has id n on every rank. Each rank tells the
+    // others the lowest id it still maps (every buffer below it is closed here); an exported buffer
+    // below every rank's lowest is mapped nowhere any more and can be freed now.
+    struct Record {
+      cudaIpcMemHandle_t handle;
+      std::uint64_t lowest_open;
+    };
+    Record mine{};
+    std::uint64_t id = 0;
+    {
+      const std::lock_guard lock(buffers_mutex_);
+      id = next_buffer_id_++;
+      mine.lowest_open = open_buffers_.empty() ? id : *open_buffers_.begin();
+      open_buffers_.insert(id);
+    }
+    auto shared = std::make_unique<ProcessBuffer>(weak_from_this(), rank_, size_, id);
     std::string problem;
     void* own = nullptr;
-    cudaIpcMemHandle_t handle{};
+    cudaIpcMemHandle_t& handle = mine.handle;
     const auto step = [&](const char* call, cudaError_t status) {
       if (problem.empty() && status != cudaSuccess) problem = cuda_failure(call, status);
       return problem.empty();
@@ -260,13 +279,17 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
       step("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, own));
     }
     agree_all(problem);
-    std::vector<cudaIpcMemHandle_t> handles(static_cast<std::size_t>(size_));
-    all_gather(&handle, handles.data(), sizeof(handle), "share_buffer");
+    std::vector<Record> records(static_cast<std::size_t>(size_));
+    all_gather(&mine, records.data(), sizeof(Record), "share_buffer");
+    std::uint64_t closed_everywhere = id;
+    for (const Record& record : records) closed_everywhere = std::min(closed_everywhere, record.lowest_open);
+    free_retired_below(closed_everywhere);
     for (int peer = 0; peer < size_ && problem.empty(); ++peer) {
       if (peer == rank_) continue;
       void* mapped = nullptr;
       if (!step("cudaIpcOpenMemHandle (a peer's shared buffer)",
-                cudaIpcOpenMemHandle(&mapped, handles[static_cast<std::size_t>(peer)], cudaIpcMemLazyEnablePeerAccess))) {
+                cudaIpcOpenMemHandle(&mapped, records[static_cast<std::size_t>(peer)].handle,
+                                     cudaIpcMemLazyEnablePeerAccess))) {
         break;
       }
       shared->set_peer(peer, mapped);
@@ -275,11 +298,13 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     return shared;
   }
 
-  // An exported buffer whose owner is done with it: peers may still map it until they close
-  // theirs, so it is freed at teardown, after every rank has met (see the destructor).
-  void retire(void* own) {
-    const std::lock_guard lock(retired_mutex_);
-    retired_.push_back(own);
+  // A shared buffer this rank is done with (its peers' mappings closed): its own allocation may
+  // still be mapped by peers, so it is freed once every rank reports it closed (share_buffer) or
+  // at teardown, after every rank has met (see the destructor). `own` may be null.
+  void release(std::uint64_t id, void* own) {
+    const std::lock_guard lock(buffers_mutex_);
+    open_buffers_.erase(id);
+    if (own) retired_.emplace_back(id, own);
   }
 
  private:
@@ -299,14 +324,25 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     });
   }
 
+  void free_retired_below(std::uint64_t id) {
+    const std::lock_guard lock(buffers_mutex_);
+    std::erase_if(retired_, [&](const std::pair<std::uint64_t, void*>& retired) {
+      if (retired.first >= id) return false;
+      cudaFree(retired.second);
+      return true;
+    });
+  }
+
   const int rank_;
   SharedSegment segment_;
   std::optional<SharedControl> control_;
   bool registered_ = false;
   void* workspace_ = nullptr;          // this rank's flags and regions (exported)
   std::vector<void*> imported_;        // peers' workspaces as mapped here (null for this rank)
-  std::mutex retired_mutex_;
-  std::vector<void*> retired_;         // this rank's shared buffers, freed at teardown
+  std::mutex buffers_mutex_;
+  std::uint64_t next_buffer_id_ = 0;
+  std::set<std::uint64_t> open_buffers_;                     // ids of this rank's live shared buffers
+  std::vector<std::pair<std::uint64_t, void*>> retired_;     // released, exported, maybe still mapped
 };
 
 ProcessBuffer::~ProcessBuffer() {
@@ -314,10 +350,9 @@ ProcessBuffer::~ProcessBuffer() {
     if (static_cast<int>(r) != rank_ && bases_[r]) cudaIpcCloseMemHandle(bases_[r]);
   }
   void* own = bases_[static_cast<std::size_t>(rank_)];
-  if (!own) return;
   if (const auto group = group_.lock()) {
-    group->retire(own);
-  } else {
+    group->release(id_, own);
+  } else if (own) {
     cudaFree(own);
   }
 }
