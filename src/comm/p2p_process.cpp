@@ -63,6 +63,12 @@ struct Identity {
   std::uint64_t rank;
 };
 
+// How long setup waits for the other processes: the NCCL path's bound, or the group's timeout
+// when that is longer.
+std::chrono::milliseconds p2p_setup_timeout(const P2pLayout& layout) {
+  return std::max<std::chrono::milliseconds>(layout.timeout, std::chrono::seconds(120));
+}
+
 std::size_t round_up(std::size_t bytes, std::size_t granule) { return (bytes + granule - 1) / granule * granule; }
 
 template <std::size_t N>
@@ -184,6 +190,14 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
   // Setup after the segment is open and the layout agreed: status page registered, workspace
   // allocated, exported, exchanged and opened. Collective; every rank throws the same error.
   void join() {
+    // Processes reach setup at their own pace (context creation loads every module eagerly): its
+    // waits get the NCCL path's bound, the collectives' host path the group's timeout after it.
+    struct SetupBound {
+      SharedControl& control;
+      std::chrono::milliseconds after;
+      ~SetupBound() { control.set_timeout(after); }
+    } bound{*control_, layout_.timeout};
+    control_->set_timeout(p2p_setup_timeout(layout_));
     const int device = devices_[static_cast<std::size_t>(rank_)];
     std::string problem;
     cudaIpcMemHandle_t handle{};
@@ -239,7 +253,7 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
       flags_[static_cast<std::size_t>(peer)] = static_cast<cuda::P2pFlags*>(mapped);
       data_[static_cast<std::size_t>(peer)] = static_cast<std::byte*>(mapped) + p2p_flags_bytes();
     }
-    agree_all(problem);
+    agree_all(problem);  // its last barrier: every rank's mappings are in place before any round
   }
 
   void barrier(int, const char* operation) override { control_->barrier(operation); }
@@ -472,9 +486,7 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   // 3. Workspaces exported and opened over the segment's control path (bounded from here on).
   auto group = std::make_shared<P2pProcessGroup>(rank, size, layout, device, std::move(gpu_ids), std::move(segment));
   group->join();
-  auto comm = make_p2p_communicator(group, rank);
-  comm->barrier();  // over the segment: every rank's mappings are in place before any round
-  return comm;
+  return make_p2p_communicator(group, rank);
 }
 
 namespace {
@@ -538,9 +550,8 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
                 "mpirun with make_p2p_mpi_communicator)");
   }
   const int rank = launch->rank, size = launch->world_size;
-  // Processes start at their own pace: the wait for the others is the NCCL path's, not a round's.
-  const std::chrono::milliseconds startup = std::max<std::chrono::milliseconds>(
-      p2p_layout(options, false).timeout, std::chrono::seconds(120));
+  // Processes start at their own pace: the wait for the others is setup's, not a round's.
+  const std::chrono::milliseconds startup = p2p_setup_timeout(p2p_layout(options, false));
   SharedSegment segment;
   RecordRemover remover;
   if (rank == 0) {

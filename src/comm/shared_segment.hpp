@@ -57,6 +57,9 @@ class SharedControl {
   SharedControl(void* block, std::int32_t* abort_word, int rank, int size, std::chrono::milliseconds timeout)
       : block_(static_cast<Block*>(block)), abort_word_(abort_word), rank_(rank), size_(size), timeout_(timeout) {}
 
+  // The bound of every later wait (setup allows more than the collectives' timeout).
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
   // Throws CommunicatorAborted when the group is aborted while waiting; a peer missing past the
   // timeout aborts the group (naming it and `operation`) and throws.
   void barrier(const char* operation);
