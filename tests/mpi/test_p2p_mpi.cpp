@@ -1,5 +1,6 @@
-// The `p2p` communicator with one process per rank, under `mpirun -n N` (make_p2p_mpi_communicator:
-// workspaces exchanged as CUDA IPC handles, status and control in shared memory). The collectives
+// The `p2p` communicator with one process per rank, under `mpirun -n N` (make_p2p_mpi_communicator,
+// and make_p2p_env_communicator with the torchrun variables set from MPI's: workspaces exchanged as
+// CUDA IPC handles, status and control in shared memory). The collectives
 // bit for bit against the rank-order sum (one round and many rounds, unequal blocks, in place);
 // every tier against the contract, crafted exact inputs bit for bit, results identical on every
 // rank, eager and as a captured graph replayed; a stalled rank making every other rank fail within
@@ -20,11 +21,11 @@
 #include <thread>
 
 #include "comm/rank_order_reduce.hpp"
-#include "cuda/gpu_test_support.hpp"
-#include "mpi/mpi_gpu_test_support.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/gpu_test_support.hpp"
+#include "mpi/mpi_gpu_test_support.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/p2p_communicator.hpp"
@@ -37,7 +38,7 @@ using lmoe::DType;
 using lmoe::TailTier;
 using lmoe::cuda::DeviceBuffer;
 
-const lmoe::TailDims kSmall{384, 192};  // d divisible by 8·tp for tp ≤ 4 (fused)
+const lmoe::TailDims kSmall{384, 192};  // d divisible by 8·tp (fused) for tp ∈ {1, 2, 3, 4, 6, 8}
 std::string g_skip;                     // non-empty: why every test skips
 
 class P2pProcesses : public ::testing::Test {
