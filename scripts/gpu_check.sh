@@ -185,11 +185,11 @@ mpi_tests() {  # name, limit in seconds, processes, binary, environment (VAR=val
   local name=$1 limit=$2 ranks=$3 binary=$4; shift 4
   local exports=() assignment
   for assignment in "$@"; do exports+=(-x "${assignment%%=*}"); done
-  env "$@" timeout "$limit" mpirun -n "$ranks" --oversubscribe --allow-run-as-root "${exports[@]}" "$binary" \
+  env "$@" timeout "$limit" mpirun -n "$ranks" --oversubscribe --allow-run-as-root "${exports[@]}" "$binary" --gtest_color=no \
     >"$logs/$name.log" 2>&1
   rc[$name]=$?
   grep -E "^\[ p2p|skipped:" "$logs/$name.log" | cut -c1-300 | head -8
-  grep -E "PASSED|FAILED|SKIPPED|exception with" "$logs/$name.log" | sort -u | head -20
+  grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]|exception with" "$logs/$name.log" | sort -u | head -20
   [ "${rc[$name]}" -eq 124 ] && echo "gpu_check: $name stopped at $limit s"
 }
 
