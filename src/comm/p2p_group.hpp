@@ -80,8 +80,8 @@ class P2pGroup {
   virtual void abort_host(int rank, const std::string& why) = 0;
   // recv[r · bytes, (r + 1) · bytes) = rank r's `bytes` bytes of send.
   virtual void control_all_gather(int rank, const void* send, void* recv, std::size_t bytes) = 0;
-  // Collective: every rank allocates `bytes` (the same on every rank) of zeroed device memory on
-  // its GPU, and learns every rank's address as its kernels can use it.
+  // Collective: every rank allocates `bytes` (its own size) of zeroed device memory on its GPU, and
+  // learns every rank's address as its kernels can use it.
   virtual std::unique_ptr<P2pSharedBuffer> share_buffer(int rank, std::size_t bytes) = 0;
 
  protected:
