@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -70,6 +71,22 @@ std::shared_ptr<lmoe::Communicator> make(Bootstrap bootstrap, const lmoe::P2pOpt
 
 using mpi_test::on_every_rank;
 
+// What setup left behind on rank 0's side of the node: shared-memory segments it named and launch
+// records (both carry rank 0's pid). Empty once setup has ended, whichever way.
+std::vector<std::string> leftovers() {
+  int pid = static_cast<int>(::getpid());
+  MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::vector<std::string> found;
+  for (const auto& [folder, prefix] : {std::pair{"/dev/shm", "lmoe-p2p-"}, std::pair{"/tmp", "lmoe-p2p-id-"}}) {
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(prefix + std::to_string(pid) + "-", 0) == 0) found.push_back(entry.path().string());
+    }
+  }
+  return found;
+}
+
 int world_size() {
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -82,6 +99,7 @@ int world_size() {
 void check_collectives(Bootstrap bootstrap, const lmoe::P2pOptions& options) {
   auto comm = make(bootstrap, options);
   const int tp = comm->size(), rank = comm->rank();
+  EXPECT_EQ(leftovers(), std::vector<std::string>{});  // names removed once every rank has opened
   EXPECT_EQ(comm->backend_name(), "p2p");
   EXPECT_TRUE(comm->graph_capturable());
   cudaStream_t stream = nullptr;
@@ -267,6 +285,8 @@ TEST_P(P2pProcessesWithoutGpu, SetupFailsOnEveryRankAlike) {
     message = error.message();
   }
   EXPECT_EQ(message.rfind("p2p: rank 0: ", 0), 0u) << message;
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's setup has ended
+  EXPECT_EQ(leftovers(), std::vector<std::string>{});
   std::vector<char> mine(512, '\0'), all(512 * static_cast<std::size_t>(world_size()));
   std::memcpy(mine.data(), message.data(), std::min<std::size_t>(message.size(), 511));
   MPI_Allgather(mine.data(), 512, MPI_CHAR, all.data(), 512, MPI_CHAR, MPI_COMM_WORLD);
