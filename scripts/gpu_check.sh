@@ -181,13 +181,35 @@ if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
   done
 fi
 
+mpi_tests() {  # name, limit in seconds, processes, binary, environment (VAR=value ...)
+  local name=$1 limit=$2 ranks=$3 binary=$4; shift 4
+  local exports=() assignment
+  for assignment in "$@"; do exports+=(-x "${assignment%%=*}"); done
+  env "$@" timeout "$limit" mpirun -n "$ranks" --oversubscribe --allow-run-as-root "${exports[@]}" "$binary" --gtest_color=no \
+    >"$logs/$name.log" 2>&1
+  rc[$name]=$?
+  grep -E "^\[ p2p|skipped:" "$logs/$name.log" | cut -c1-300 | head -8
+  grep -E "^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \] [0-9]|exception with" "$logs/$name.log" | sort -u | head -20
+  [ "${rc[$name]}" -eq 124 ] && echo "gpu_check: $name stopped at $limit s"
+}
+
 if wants nccl && [ -x build/cuda/tests/lmoe_nccl_tests ]; then
   gtest nccl_tests 240 build/cuda/tests/lmoe_nccl_tests '*'
   if [ "$gpus" -ge 2 ] && [ -x build/cuda/tests/lmoe_nccl_mpi_tests ]; then
-    stage "nccl, one process per GPU (mpirun -n 2)"
-    timeout 120 mpirun -n 2 --allow-run-as-root build/cuda/tests/lmoe_nccl_mpi_tests >"$logs/nccl_mpi.log" 2>&1
-    rc[nccl_mpi]=$?
-    grep -E "PASSED|FAILED|SKIPPED" "$logs/nccl_mpi.log" | sort -u | head
+    stage "nccl, one process per GPU (mpirun -n $gpus)"
+    mpi_tests nccl_mpi 180 "$gpus" build/cuda/tests/lmoe_nccl_mpi_tests
+  fi
+fi
+if wants nccl && [ -x build/cuda/tests/lmoe_p2p_mpi_tests ]; then
+  # The p2p communicator between processes (CUDA IPC handles, shared-memory control path).
+  if [ "$gpus" -ge 2 ]; then
+    stage "p2p, one process per GPU (mpirun -n $gpus)"
+    mpi_tests p2p_mpi 300 "$gpus" build/cuda/tests/lmoe_p2p_mpi_tests
+  else
+    # Two processes on the one GPU (opt-in): IPC within a device; without MPS the GPU time-slices
+    # between the two contexts, so every round waits for a switch (slow, not a hang).
+    stage "p2p, two processes sharing one GPU (mpirun -n 2, LMOE_P2P_SHARED_GPU=1)"
+    mpi_tests p2p_mpi_shared 400 2 build/cuda/tests/lmoe_p2p_mpi_tests LMOE_P2P_SHARED_GPU=1 LMOE_P2P_DIAGNOSE=1
   fi
 fi
 

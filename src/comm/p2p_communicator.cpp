@@ -1,5 +1,6 @@
-// Host side of the P2P communicator: the group's workspaces and flags, rounds cut to the workspace,
-// and the status records that turn a device-side timeout or abort into an lmoe::Error.
+// Host side of the P2P communicator: a rank's collectives cut into rounds over its group's workspace,
+// the status records that turn a device-side timeout or abort into an lmoe::Error, and the group of
+// ranks that are threads of this process (the group of processes: p2p_process.cpp).
 #include "lmoe/p2p_communicator.hpp"
 
 #include <cuda_runtime_api.h>
@@ -13,6 +14,7 @@
 
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
+#include "comm/p2p_group.hpp"
 #include "comm/p2p_peer_access.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
@@ -44,71 +46,32 @@ const bool kSpinSafeEnvironment = [] {
   return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0 && setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
 }();
 
-constexpr std::size_t kDefaultRoundBytes = std::size_t{32} << 20;
-
-std::chrono::milliseconds default_timeout() {
-  if (const char* value = std::getenv("LMOE_P2P_TIMEOUT_MS")) {
-    char* end = nullptr;
-    const long long ms = std::strtoll(value, &end, 10);
-    LMOE_CHECK(end != value && *end == '\0' && ms > 0,
-               std::string("LMOE_P2P_TIMEOUT_MS: expected a positive number of milliseconds, got '") + value + "'");
-    return std::chrono::milliseconds(ms);
-  }
-  return std::chrono::seconds(10);
-}
-
-// Host-mapped pinned memory: the rounds write their status here, the host reads it without
-// synchronizing any stream.
-struct MappedStatus {
-  P2pStatus status[kP2pMaxRanks];
-  std::int32_t abort_flag;
-};
-
-class P2pGroup {
+// Ranks that are threads of this process: peers' workspaces are plain device pointers (peer
+// access between GPUs), the status records host memory of this process, the control path a host
+// barrier and pointers published in host slots.
+class P2pThreadGroup final : public P2pGroup {
  public:
-  P2pGroup(int size, const P2pOptions& options) : size_(size) {
-    LMOE_CHECK(size >= 1 && size <= kP2pMaxRanks, "p2p: number of ranks must be in [1, " +
-                                                      std::to_string(kP2pMaxRanks) + "], got " + std::to_string(size));
-    int visible = 0;
-    LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
-    devices_ = options.devices;
-    if (devices_.empty()) {
-      for (int r = 0; r < size; ++r) devices_.push_back(r % visible);
-    }
-    LMOE_CHECK(static_cast<int>(devices_.size()) == size,
-               "p2p: devices has " + std::to_string(devices_.size()) + " entries, expected one per rank (" +
-                   std::to_string(size) + ")");
-    for (int device : devices_) {
-      LMOE_CHECK(device >= 0 && device < visible, "p2p: device " + std::to_string(device) + " is not visible (" +
-                                                      std::to_string(visible) + " GPUs)");
-    }
+  P2pThreadGroup(int size, std::vector<int> devices, const P2pOptions& options)
+      : P2pGroup(size, p2p_layout(options, has_duplicates(devices))) {
+    devices_ = std::move(devices);
     std::vector<int> distinct = devices_;
     std::sort(distinct.begin(), distinct.end());
     distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-    const bool shared_gpu = distinct.size() < devices_.size();
-    blocks_ = options.blocks ? options.blocks : (shared_gpu ? 16 : kP2pMaxBlocks);
-    LMOE_CHECK(blocks_ >= 1 && blocks_ <= kP2pMaxBlocks,
-               "p2p: blocks must be in [1, " + std::to_string(kP2pMaxBlocks) + "], got " + std::to_string(blocks_));
-    // Each block stages into its own region of block_bytes_ (a multiple of 256, so every region is
-    // aligned for vectors and holds a whole number of 8-element slices in every dtype).
-    const std::size_t round_bytes = options.round_bytes ? options.round_bytes : kDefaultRoundBytes;
-    block_bytes_ = std::max<std::size_t>(256, round_bytes / static_cast<std::size_t>(blocks_) / 256 * 256);
-    timeout_ = options.timeout.count() > 0 ? options.timeout : default_timeout();
-    barrier_ = std::make_unique<HostBarrier>(size, timeout_);
+    for (int device : devices_) gpu_ids_.push_back(std::to_string(device));
+    barrier_ = std::make_unique<HostBarrier>(size, layout_.timeout);
     enable_peer_access(distinct);
 
     void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(MappedStatus), cudaHostAllocMapped | cudaHostAllocPortable));
-    mapped_ = static_cast<MappedStatus*>(mapped);
-    std::memset(mapped_, 0, sizeof(MappedStatus));
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pMappedStatus), cudaHostAllocMapped | cudaHostAllocPortable));
+    mapped_ = mapped_device_ = static_cast<P2pMappedStatus*>(mapped);
+    std::memset(mapped_, 0, sizeof(P2pMappedStatus));
 
-    data_.resize(static_cast<std::size_t>(size));
-    flags_.resize(static_cast<std::size_t>(size));
     for (int r = 0; r < size; ++r) {
       LMOE_CUDA_CHECK(cudaSetDevice(devices_[r]));
-      data_[r] = cuda::DeviceBuffer(2 * static_cast<std::size_t>(blocks_) * block_bytes_);
-      flags_[r] = cuda::DeviceBuffer(sizeof(cuda::P2pFlags));
-      LMOE_CUDA_CHECK(cudaMemset(flags_[r].data(), 0, flags_[r].bytes()));
+      workspaces_.emplace_back(p2p_workspace_bytes(layout_));
+      LMOE_CUDA_CHECK(cudaMemset(workspaces_.back().data(), 0, p2p_flags_bytes()));
+      flags_.push_back(static_cast<cuda::P2pFlags*>(workspaces_.back().data()));
+      data_.push_back(static_cast<std::byte*>(workspaces_.back().at(p2p_flags_bytes())));
     }
     for (int device : distinct) {
       LMOE_CUDA_CHECK(cudaSetDevice(device));
@@ -118,107 +81,48 @@ class P2pGroup {
     slots_.resize(static_cast<std::size_t>(size));
   }
 
-  ~P2pGroup() {
-    data_.clear();
-    flags_.clear();
+  ~P2pThreadGroup() override {
+    workspaces_.clear();
     cudaFreeHost(mapped_);
   }
 
-  int size() const { return size_; }
-  int device(int rank) const { return devices_[rank]; }
-  int ranks_on_device(int device) const {
-    return static_cast<int>(std::count(devices_.begin(), devices_.end(), device));
-  }
-  int blocks() const { return blocks_; }
-  std::size_t block_bytes() const { return block_bytes_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  HostBarrier& barrier() { return *barrier_; }
-  const void*& control_slot(int rank) { return slots_[static_cast<std::size_t>(rank)]; }
+  void barrier(int rank, const char* operation) override { barrier_->arrive_and_wait(rank, operation); }
+  void abort_host(int rank, const std::string& why) override { barrier_->abort(rank, why); }
 
-  P2pDeviceHandle handle(int rank) const {
-    P2pDeviceHandle h{};
-    h.rank = rank;
-    h.size = size_;
-    h.block_bytes = static_cast<std::int64_t>(block_bytes_);
-    h.max_blocks = blocks_;
-    for (int r = 0; r < size_; ++r) {
-      h.data[r] = static_cast<std::byte*>(data_[r].data());
-      h.flags[r] = static_cast<cuda::P2pFlags*>(flags_[r].data());
+  void control_all_gather(int rank, const void* send, void* recv, std::size_t bytes) override {
+    slots_[static_cast<std::size_t>(rank)] = send;
+    barrier_->arrive_and_wait(rank, "control_all_gather");
+    for (int peer = 0; peer < size_ && bytes; ++peer) {
+      std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(peer) * bytes,
+                  slots_[static_cast<std::size_t>(peer)], bytes);
     }
-    h.status = &mapped_->status[rank];
-    h.abort_flag = &mapped_->abort_flag;
-    h.timeout_ns = static_cast<std::uint64_t>(timeout_.count()) * 1000000ull;
-    return h;
+    barrier_->arrive_and_wait(rank, "control_all_gather");
   }
 
-  // Where every rank's blocks are, for a failure message: "rank r: entered/completed" per block,
-  // from the flags in device memory (read once the rounds have stopped, which a raised abort flag
-  // ensures). A stalled rank whose blocks never entered the round was not running at all (queued
-  // behind other work, or not resident); one that entered but did not complete was waiting. Then,
-  // for the block of the first timeout, the arrival each rank holds from every peer: a peer that
-  // completed the round while a rank still holds an older arrival from it points at the flags'
-  // visibility, not at scheduling.
-  std::string block_progress() {
-    std::string text;
-    int timed_out_block = -1;
-    for (int r = 0; r < size_ && timed_out_block < 0; ++r) {
-      if (mapped_->status[r].code == cuda::kP2pTimeout) timed_out_block = mapped_->status[r].block;
-    }
-    std::vector<cuda::P2pFlags> flags(static_cast<std::size_t>(size_));
-    for (int r = 0; r < size_; ++r) {
-      LMOE_CUDA_CHECK(cudaSetDevice(devices_[r]));
-      if (cudaMemcpy(&flags[r], flags_[r].data(), sizeof(cuda::P2pFlags), cudaMemcpyDeviceToHost) != cudaSuccess) {
-        cudaGetLastError();
-        return "";
-      }
-      text += "; rank " + std::to_string(r) + " blocks entered/completed:";
-      for (int b = 0; b < blocks_; ++b) {
-        text += " " + std::to_string(flags[r].entered[b]) + "/" + std::to_string(flags[r].epoch[b]);
-      }
-    }
-    if (timed_out_block >= 0 && timed_out_block < blocks_) {
-      text += "; arrivals held for block " + std::to_string(timed_out_block) + " (from rank 0 … " +
-              std::to_string(size_ - 1) + "):";
-      for (int r = 0; r < size_; ++r) {
-        text += " rank " + std::to_string(r) + " [";
-        for (int peer = 0; peer < size_; ++peer) {
-          text += (peer ? " " : "") + std::to_string(flags[r].arrive[timed_out_block][peer]);
-        }
-        text += "]";
-      }
-    }
-    return text;
-  }
-
-  // Raises the device-visible abort flag: rounds in flight stop spinning, later rounds fail at once.
-  void raise_abort() {
-    reinterpret_cast<volatile std::int32_t&>(mapped_->abort_flag) = 1;
-  }
-
-  // The first device-side failure in the group, as a message; empty when there is none.
-  std::string device_failure() const {
-    std::string aborted;
-    for (int r = 0; r < size_; ++r) {
-      const volatile P2pStatus& s = mapped_->status[r];
-      switch (s.code) {
-        case cuda::kP2pTimeout:
-          return "p2p: rank " + std::to_string(r) + " waited more than " + std::to_string(timeout_.count()) +
-                 " ms for rank " + std::to_string(s.peer) + " (round " + std::to_string(s.round) + ", block " +
-                 std::to_string(s.block) + "); the peer is stalled or never issued the same collective";
-        case cuda::kP2pConcurrentUse:
-          return "p2p: rank " + std::to_string(r) +
-                 " ran two collectives at the same time on one workspace (issue them in one order, or "
-                 "order the streams with events)";
-        case cuda::kP2pAborted:
-          if (aborted.empty()) aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
-          break;
-        default: break;
-      }
-    }
-    return aborted;
+  std::unique_ptr<P2pSharedBuffer> share_buffer(int rank, std::size_t bytes) override {
+    auto shared = std::make_unique<ThreadBuffer>(bytes, size_);
+    std::byte* mine = static_cast<std::byte*>(shared->own.data());
+    control_all_gather(rank, &mine, shared->bases(), sizeof(std::byte*));
+    return shared;
   }
 
  private:
+  // Every rank's pointer is valid on every rank (peer access, or the same GPU).
+  struct ThreadBuffer final : P2pSharedBuffer {
+    ThreadBuffer(std::size_t bytes, int size) : own(bytes) {
+      LMOE_CUDA_CHECK(cudaMemset(own.data(), 0, bytes));
+      LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can reach it
+      bases_.resize(static_cast<std::size_t>(size));
+    }
+    std::byte** bases() { return bases_.data(); }
+    cuda::DeviceBuffer own;
+  };
+
+  static bool has_duplicates(std::vector<int> devices) {
+    std::sort(devices.begin(), devices.end());
+    return std::adjacent_find(devices.begin(), devices.end()) != devices.end();
+  }
+
   void enable_peer_access(const std::vector<int>& distinct) {
     for (int from : distinct) {
       for (int to : distinct) {
@@ -238,17 +142,30 @@ class P2pGroup {
     }
   }
 
-  const int size_;
-  std::vector<int> devices_;
-  int blocks_ = 0;
-  std::size_t block_bytes_ = 0;
-  std::chrono::milliseconds timeout_{0};
   std::unique_ptr<HostBarrier> barrier_;
-  MappedStatus* mapped_ = nullptr;
-  std::vector<cuda::DeviceBuffer> data_;   // per rank: [parity][block] regions of block_bytes_
-  std::vector<cuda::DeviceBuffer> flags_;  // per rank: P2pFlags
-  std::vector<const void*> slots_;         // control_all_gather's host records
+  std::vector<cuda::DeviceBuffer> workspaces_;  // per rank: flags, then [parity][block] regions
+  std::vector<const void*> slots_;              // control_all_gather's host records
 };
+
+// The devices of a thread group: as given, or round-robin over the visible GPUs; checked.
+std::vector<int> thread_group_devices(int size, const P2pOptions& options) {
+  LMOE_CHECK(size >= 1 && size <= kP2pMaxRanks, "p2p: number of ranks must be in [1, " +
+                                                    std::to_string(kP2pMaxRanks) + "], got " + std::to_string(size));
+  int visible = 0;
+  LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
+  std::vector<int> devices = options.devices;
+  if (devices.empty()) {
+    for (int r = 0; r < size; ++r) devices.push_back(r % visible);
+  }
+  LMOE_CHECK(static_cast<int>(devices.size()) == size,
+             "p2p: devices has " + std::to_string(devices.size()) + " entries, expected one per rank (" +
+                 std::to_string(size) + ")");
+  for (int device : devices) {
+    LMOE_CHECK(device >= 0 && device < visible, "p2p: device " + std::to_string(device) + " is not visible (" +
+                                                    std::to_string(visible) + " GPUs)");
+  }
+  return devices;
+}
 
 class P2pCommunicator final : public Communicator, public P2pPeerAccess {
  public:
@@ -322,34 +239,34 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     }
   }
 
-  // Host records between threads, like the cuda-threads communicator: ranks agree before launching.
+  // Host records through the group's control path (host slots between threads, shared memory
+  // between processes): ranks agree before launching.
   void control_all_gather(const void* send, void* recv, std::size_t bytes) override {
     throw_if_failed("control_all_gather");
-    group_->control_slot(rank_) = send;
-    wait_for_peers("control_all_gather");
-    for (int peer = 0; peer < size(); ++peer) {
-      if (bytes) {
-        std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(peer) * bytes,
-                    group_->control_slot(peer), bytes);
-      }
-    }
-    wait_for_peers("control_all_gather");
+    host_wait("control_all_gather", [&] { group_->control_all_gather(rank_, send, recv, bytes); });
   }
 
   void barrier() override {
     throw_if_failed("barrier");
-    wait_for_peers("barrier");
+    host_wait("barrier", [&] { group_->barrier(rank_, "barrier"); });
     throw_if_failed("barrier");
   }
 
   void abort(const std::string& why) override {
     group_->raise_abort();
-    group_->barrier().abort(rank_, why);
+    group_->abort_host(rank_, why);
   }
 
   cuda::P2pDeviceHandle device_handle() const override { return handle_; }
-  int ranks_on_my_gpu() const override { return group_->ranks_on_device(group_->device(rank_)); }
+  int ranks_on_my_gpu() const override { return group_->ranks_on_gpu_of(rank_); }
   void throw_if_device_failed(const char* operation) override { throw_if_failed(operation); }
+  std::unique_ptr<P2pSharedBuffer> share_buffer(std::size_t bytes) override {
+    throw_if_failed("share_buffer");
+    LMOE_CUDA_CHECK(cudaSetDevice(group_->device(rank_)));
+    std::unique_ptr<P2pSharedBuffer> shared;
+    host_wait("share_buffer", [&] { shared = group_->share_buffer(rank_, bytes); });
+    return shared;
+  }
 
  private:
   static const void* offset(const void* base, std::size_t bytes) { return static_cast<const std::byte*>(base) + bytes; }
@@ -398,13 +315,14 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     std::string failure = group_->device_failure();
     if (failure.empty()) return;
     if (std::getenv("LMOE_P2P_DIAGNOSE")) failure += group_->block_progress();
-    group_->barrier().abort(rank_, failure);
+    group_->abort_host(rank_, failure);
     throw CommunicatorAborted(std::string(operation) + ": " + failure);
   }
 
-  void wait_for_peers(const char* operation) {
+  template <class Wait>
+  void host_wait(const char* operation, const Wait& wait) {
     try {
-      group_->barrier().arrive_and_wait(rank_, operation);
+      wait();
     } catch (const CommunicatorAborted&) {
       group_->raise_abort();
       throw_if_failed(operation);  // the device's reason is the root cause when there is one
@@ -419,14 +337,20 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
 
 }  // namespace
 
-std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num_ranks, const P2pOptions& options) {
+std::shared_ptr<Communicator> make_p2p_communicator(std::shared_ptr<P2pGroup> group, int rank) {
   (void)kSpinSafeEnvironment;
+  LMOE_CHECK(group && rank >= 0 && rank < group->size(), "p2p: rank " + std::to_string(rank) + " is not in the group");
+  return std::make_shared<P2pCommunicator>(std::move(group), rank);
+}
+
+std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num_ranks, const P2pOptions& options) {
   int current = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&current));
-  auto group = std::make_shared<P2pGroup>(num_ranks, options);
+  std::vector<int> devices = thread_group_devices(num_ranks, options);
+  auto group = std::make_shared<P2pThreadGroup>(num_ranks, std::move(devices), options);
   LMOE_CUDA_CHECK(cudaSetDevice(current));
   std::vector<std::shared_ptr<Communicator>> comms;
-  for (int rank = 0; rank < num_ranks; ++rank) comms.push_back(std::make_shared<P2pCommunicator>(group, rank));
+  for (int rank = 0; rank < num_ranks; ++rank) comms.push_back(make_p2p_communicator(group, rank));
   return comms;
 }
 

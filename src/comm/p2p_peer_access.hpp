@@ -1,8 +1,13 @@
 // What a kernel that talks to its peers directly (the fused tail) needs from the p2p
-// communicator, beyond the Communicator interface: the group's failure reporting and how many
-// ranks share this rank's GPU. Internal to the CUDA backend.
+// communicator, beyond the Communicator interface: the group's failure reporting, how many
+// ranks share this rank's GPU, and memory every rank's kernels can read. Internal to the CUDA
+// backend.
 #pragma once
 
+#include <cstddef>
+#include <memory>
+
+#include "comm/p2p_group.hpp"
 #include "cuda/p2p_types.hpp"
 
 namespace lmoe {
@@ -16,6 +21,11 @@ class P2pPeerAccess {
   virtual int ranks_on_my_gpu() const = 0;
   // Throws the group's first device-side failure (timeout, abort, concurrent use) as an error.
   virtual void throw_if_device_failed(const char* operation) = 0;
+  // Collective: `bytes` of zeroed device memory on every rank's GPU (sizes may differ between ranks:
+  // a peer reads only what the ranks lay out alike), with every rank's address as this rank's
+  // kernels can use it (a peer's own pointer between
+  // threads, its IPC mapping between processes). Keep it no longer than the communicator.
+  virtual std::unique_ptr<P2pSharedBuffer> share_buffer(std::size_t bytes) = 0;
 };
 
 }  // namespace lmoe

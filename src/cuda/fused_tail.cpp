@@ -101,9 +101,17 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   const std::int64_t partial_bytes =
       local_splits > 1 ? col_tiles * local_splits * capacity_ * kFusedTileCols * static_cast<std::int64_t>(sizeof(float)) : 0;
   const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
-  workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
-  LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
-  LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before any peer can reach them
+  if (peers_) {
+    // Every rank's workspace as this rank's kernel addresses it (a peer's pointer between threads,
+    // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
+    shared_workspace_ = peers_->share_buffer(static_cast<std::size_t>(bytes));
+    for (int r = 0; r < tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
+  } else {
+    workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
+    LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
+    LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before the first call
+    params_.workspace[0] = static_cast<std::byte*>(workspace_.data());
+  }
 
   params_.rank = comm.rank();
   params_.tp = tp;
@@ -117,21 +125,12 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
   // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
   params_.prefetch_weights = stripe * l * esize <= (std::int64_t{32} << 20);
-  params_.workspace[params_.rank] = static_cast<std::byte*>(workspace_.data());
   if (peers_) {
-    // Ranks exchange workspace addresses (threads of one process: the addresses are valid on
-    // every rank through peer access or a shared GPU) and take the smallest grid.
-    struct Record {
-      std::byte* workspace;
-      std::int64_t grid;
-    };
-    const Record mine{params_.workspace[params_.rank], grid};
-    std::vector<Record> all(static_cast<std::size_t>(tp));
-    comm.control_all_gather(&mine, all.data(), sizeof(Record));
-    for (int r = 0; r < tp; ++r) {
-      params_.workspace[r] = all[static_cast<std::size_t>(r)].workspace;
-      grid = std::min(grid, static_cast<int>(all[static_cast<std::size_t>(r)].grid));
-    }
+    // Ranks take the smallest grid.
+    const std::int64_t mine = grid;
+    std::vector<std::int64_t> all(static_cast<std::size_t>(tp));
+    comm.control_all_gather(&mine, all.data(), sizeof(mine));
+    for (int r = 0; r < tp; ++r) grid = std::min(grid, static_cast<int>(all[static_cast<std::size_t>(r)]));
     const P2pDeviceHandle h = peers_->device_handle();
     params_.status = h.status;
     params_.abort_flag = h.abort_flag;

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -15,6 +16,7 @@
 
 namespace lmoe {
 class P2pPeerAccess;
+class P2pSharedBuffer;
 }
 
 namespace lmoe::cuda {
@@ -62,7 +64,8 @@ class FusedTail {
   P2pPeerAccess* peers_ = nullptr;  // the p2p communicator's, with several ranks
   DType dtype_;
   std::int64_t capacity_ = 0;
-  DeviceBuffer workspace_;
+  DeviceBuffer workspace_;                              // one rank: its own workspace
+  std::unique_ptr<P2pSharedBuffer> shared_workspace_;   // several: every rank's, from the communicator
   DeviceBuffer trace_;  // LMOE_FUSED_TRACE only
   FusedTailParams params_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.

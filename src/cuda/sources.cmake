@@ -6,7 +6,9 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/p2p_launch.cu
   ${CMAKE_CURRENT_LIST_DIR}/fused_tail.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fused_tail_launch.cu
+  ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_group.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_communicator.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_process.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_executor.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_runner.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp

@@ -49,14 +49,6 @@ class Stream {
   cudaStream_t stream_ = nullptr;
 };
 
-std::vector<std::byte> random_values(std::size_t count, DType dtype, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<std::byte> bytes(count * lmoe::dtype_size(dtype));
-  for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
-  return bytes;
-}
-
 std::vector<std::byte> host_sum(const std::vector<std::vector<std::byte>>& inputs, std::size_t count, DType dtype) {
   std::vector<const void*> pointers;
   for (const auto& input : inputs) pointers.push_back(input.data());

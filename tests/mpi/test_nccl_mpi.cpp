@@ -16,6 +16,7 @@
 #include <string>
 
 #include "comm/rank_order_reduce.hpp"
+#include "mpi/mpi_gpu_test_support.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/device_buffer.hpp"
@@ -44,18 +45,6 @@ class NcclProcesses : public ::testing::TestWithParam<Bootstrap> {
     return bootstrap == Bootstrap::mpi ? lmoe::make_nccl_mpi_communicator() : lmoe::make_nccl_env_communicator();
   }
 };
-
-// Every rank's host bytes equal rank 0's (gathered over the communicator's host control path).
-bool identical_on_all_ranks(lmoe::Communicator& comm, const lmoe::HostTensor& tensor) {
-  std::vector<std::byte> all(tensor.nbytes() * static_cast<std::size_t>(comm.size()));
-  comm.control_all_gather(tensor.data(), all.data(), tensor.nbytes());
-  for (int r = 1; r < comm.size(); ++r) {
-    if (std::memcmp(all.data(), all.data() + tensor.nbytes() * static_cast<std::size_t>(r), tensor.nbytes()) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
 
 TEST_P(NcclProcesses, CollectivesOnExactInputsMatchTheRankOrderSum) {
   auto comm = make(GetParam());
@@ -113,43 +102,15 @@ TEST_P(NcclProcesses, EveryTierMeetsItsContract) {
         EXPECT_THROW(lmoe::run_case_rank(random, *comm, options), lmoe::Error);
         continue;
       }
-      const lmoe::RankRun run = lmoe::run_case_rank(random, *comm, options);
-      const lmoe::Comparison cmp = lmoe::compare(
-          run.y.matrix(), lmoe::reference_tail(random, lmoe::contract_of(tier), lmoe::ReductionOrder::unspecified),
-          lmoe::exact_tail(random));
-      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
-      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
-      EXPECT_TRUE(identical_on_all_ranks(*comm, run.y));
-
-      const lmoe::RankRun exact_run = lmoe::run_case_rank(exact, *comm, options);
-      EXPECT_EQ(lmoe::compare(exact_run.y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(tier)),
-                              lmoe::exact_tail(exact))
-                    .bit_mismatches,
-                0);
+      mpi_test::expect_contract(*comm, random, exact, options, lmoe::ReductionOrder::unspecified);
     }
   }
 }
 
 TEST_P(NcclProcesses, BadInputOnOneRankFailsEveryRankAlike) {
   auto comm = make(GetParam());
-  const int tp = comm->size();
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 1u);
-  lmoe::TailOptions options;
-  options.dims = c.dims;
-  options.backend = lmoe::Backend::cuda;
-  lmoe::LatentTail tail(options, *comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
-  const std::int64_t out_rows = comm->rank() == tp - 1 ? 3 : 4;
-  const lmoe::cuda::DeviceBuffer routed(4 * kSmall.d_latent * 2), shared(4 * kSmall.d_model * 2),
-      out(out_rows * kSmall.d_model * 2);
-  std::string message;
-  try {
-    tail.forward({routed.data(), DType::bf16, 4, kSmall.d_latent, kSmall.d_latent, lmoe::MemorySpace::device},
-                 {shared.data(), DType::bf16, 4, kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device},
-                 {out.data(), DType::bf16, out_rows, kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device});
-  } catch (const lmoe::Error& error) {
-    message = error.message();
-  }
-  EXPECT_EQ(message, "rank " + std::to_string(tp - 1) + ": out: expected shape [4, 384], got [3, 384]");
+  EXPECT_EQ(mpi_test::bad_output_shape_error(*comm, kSmall),
+            "rank " + std::to_string(comm->size() - 1) + ": out: expected shape [4, 384], got [3, 384]");
 }
 
 INSTANTIATE_TEST_SUITE_P(Bootstrap, NcclProcesses, ::testing::Values(Bootstrap::mpi, Bootstrap::env),
@@ -157,17 +118,9 @@ INSTANTIATE_TEST_SUITE_P(Bootstrap, NcclProcesses, ::testing::Values(Bootstrap::
 
 // Why this node cannot run the test (its processes outnumber its GPUs), agreed by every rank.
 std::string reason_to_skip() {
-  MPI_Comm node = MPI_COMM_NULL;
-  int rank = 0, local_size = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-  MPI_Comm_size(node, &local_size);
-  MPI_Comm_free(&node);
+  const int local_size = mpi_test::processes_on_this_node();
   const int visible = lmoe::cuda_device_count();
-  const int fits = local_size <= visible ? 1 : 0;
-  int all_fit = 0;
-  MPI_Allreduce(&fits, &all_fit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (all_fit) return {};
+  if (mpi_test::on_every_rank(local_size <= visible)) return {};
   return "needs one GPU per process: " + std::to_string(local_size) + " processes on a node with " +
          std::to_string(visible) + " GPU(s) visible";
 }
@@ -199,13 +152,5 @@ int main(int argc, char** argv) {
   lmoe::cpu::set_blas_threads(1);
   g_skip = reason_to_skip();
   set_launch_environment();
-  if (session.rank() != 0) {
-    // One report, from rank 0; a failure on any rank still fails the run through the exit code.
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  if (!g_skip.empty() && session.rank() == 0) std::printf("test_nccl_mpi: skipped: %s\n", g_skip.c_str());
-  const int result = RUN_ALL_TESTS();
-  if (result != 0) std::fprintf(stderr, "rank %d: tests failed\n", session.rank());
-  return result;
+  return mpi_test::run_all_tests(session.rank(), "test_nccl_mpi", g_skip);
 }
