@@ -24,6 +24,7 @@
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"
+#include "lmoe/tail_bench.hpp"
 
 namespace {
 
@@ -35,28 +36,6 @@ const lmoe::TailDims kSmall{384, 192};
 constexpr std::int64_t kMaxTokens = 200;
 constexpr DType kDtype = DType::bf16;
 const std::vector<std::int64_t> kTokens = {1, 2, 5, 16, 17, 64, 127, 128, 129, kMaxTokens};
-
-// An environment variable set for one scope, then restored.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* previous = std::getenv(name)) previous_ = previous;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
 
 std::string tier_label(std::optional<TailTier> tier) { return tier ? std::string(lmoe::tier_name(*tier)) : "policy"; }
 
@@ -318,7 +297,9 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
           EXPECT_NE(r.eager_errors[i].find("T=" + std::to_string(t)), std::string::npos) << r.eager_errors[i];
         }
       }
-      if (t > M) EXPECT_NE(first.replay_errors[i].find("outside [0, max_tokens=200]"), std::string::npos);
+      if (t > M) {
+        EXPECT_NE(first.replay_errors[i].find("outside [0, max_tokens=200]"), std::string::npos);
+      }
       continue;
     }
     const std::int64_t rows = bucket_of(buckets, t).max_tokens;
@@ -346,7 +327,9 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
     const lmoe::Comparison cmp = lmoe::compare(y, reference, lmoe::exact_tail(c));
     EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
     EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
-    if (tier) EXPECT_EQ(*ran, *tier);
+    if (tier) {
+      EXPECT_EQ(*ran, *tier);
+    }
   }
 }
 
@@ -449,6 +432,41 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     cudaGetLastError();
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
   });
+}
+
+// `lmoe bench --mode device-tokens`: each tier captured once and replayed for every T of the sweep,
+// every checked output within the contract; with a fault injected the same sweep must fail.
+TEST(DeviceTokensBench, OneGraphPerTierPassesTheCheckAtEveryT) {
+  SKIP_WITHOUT_GPU();
+  ScopedEnv shared_gpu("LMOE_P2P_SHARED_GPU", "1");
+  for (int tp : {1, 2}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    SCOPED_TRACE("tp=" + std::to_string(tp));
+    lmoe::BenchOptions options;
+    options.backend = lmoe::Backend::cuda;
+    options.dims = kSmall;
+    options.dtype = kDtype;
+    options.tp = tp;
+    options.tokens = {1, 3, 17, 64, 129};
+    options.comms = {"p2p"};
+    options.warmup = 1;
+    options.iters = 3;
+    options.mode = lmoe::BenchMode::device_tokens;
+    const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+    for (const lmoe::BenchCommError& error : result.comm_errors) ADD_FAILURE() << error.comm << ": " << error.error;
+    int ran = 0;
+    for (const lmoe::BenchRecord& record : result.records) {
+      if (record.declined) continue;
+      ++ran;
+      EXPECT_EQ(record.mode, lmoe::BenchMode::device_tokens);
+      EXPECT_TRUE(record.checked);
+      EXPECT_TRUE(record.ok()) << lmoe::tier_name(record.tier) << " T=" << record.tokens;
+    }
+    EXPECT_EQ(ran, tp == 1 ? 20 : 19);  // 4 tiers × 5 T; token declines T = 1 < tp = 2
+    EXPECT_TRUE(result.ok());
+    options.inject_fault = true;
+    EXPECT_FALSE(lmoe::run_tail_bench(options).ok());
+  }
 }
 
 }  // namespace
