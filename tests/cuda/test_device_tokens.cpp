@@ -124,6 +124,9 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
       }
       cuda_ok(cudaMemcpyAsync(tokens_device.data(), stage_tokens[i].data(), sizeof(std::int32_t),
                               cudaMemcpyDeviceToDevice, stream.get()));
+      // Every rank's staging is done before any rank's collectives spin (docs/p2p.md).
+      cuda_ok(cudaStreamSynchronize(stream.get()));
+      comm.barrier();
     };
     const auto tokens_ptr = static_cast<const std::int32_t*>(tokens_device.data());
 
