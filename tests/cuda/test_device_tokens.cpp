@@ -19,6 +19,7 @@
 #include "gpu_test_support.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/launchers.hpp"
 #include "cuda/owned_stream.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
@@ -56,6 +57,7 @@ struct RankResults {
   std::vector<std::string> eager_errors;        // per case: what the eager forward_device_tokens threw
   std::vector<std::string> replay_errors;       // per case: check_device_tokens after its replay
   std::string capture_error;
+  unsigned long long soak_differences = 0;  // bytes where a soak replay differed from its case's first replay
 };
 
 const lmoe::DeviceTokenBucket& bucket_of(const std::vector<lmoe::DeviceTokenBucket>& buckets, std::int64_t tokens) {
@@ -63,10 +65,12 @@ const lmoe::DeviceTokenBucket& bucket_of(const std::vector<lmoe::DeviceTokenBuck
 }
 
 // Captures forward_device_tokens once per rank and replays it for every T of `cases` (in order),
-// then runs the eager references on the same inputs. `tokens` may hold T outside [0, M]: no case data.
+// then `soak` more times with cases drawn at random (each compared on the device with its first
+// replay), then runs the eager references on the same inputs. `tokens` may hold T outside [0, M]:
+// no case data.
 std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp, std::optional<TailTier> tier,
                                            const std::vector<lmoe::TailCase>& cases,
-                                           const std::vector<std::int64_t>& tokens) {
+                                           const std::vector<std::int64_t>& tokens, int soak) {
   const std::int64_t d = kSmall.d_model, l = kSmall.d_latent, M = kMaxTokens;
   const std::size_t esize = lmoe::dtype_size(kDtype);
   std::vector<RankResults> results(static_cast<std::size_t>(tp));
@@ -185,6 +189,26 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     }
     comm.barrier();
 
+    // Many replays, their T drawn at random (the same draws on every rank): a body's state must not
+    // leak into the next replay, whichever bucket ran before.
+    std::vector<std::size_t> runnable;
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      if (tokens[i] >= 1 && tokens[i] <= M && mine.replay_errors[i].empty()) runnable.push_back(i);
+    }
+    const DeviceBuffer differences(sizeof(unsigned long long));
+    cuda_ok(cudaMemset(differences.data(), 0, differences.bytes()));
+    std::mt19937 draw(99);
+    for (int k = 0; k < soak && !runnable.empty(); ++k) {
+      const std::size_t i = runnable[std::uniform_int_distribution<std::size_t>(0, runnable.size() - 1)(draw)];
+      stage(i);
+      cuda_ok(cudaGraphLaunch(exec, stream.get()));
+      cuda_ok(lmoe::cuda::launch_count_differences(out.data(), replayed[i].data(), static_cast<std::int64_t>(out.bytes()),
+                                                   static_cast<unsigned long long*>(differences.data()), stream.get()));
+    }
+    cuda_ok(cudaStreamSynchronize(stream.get()));
+    cuda_ok(cudaMemcpy(&mine.soak_differences, differences.data(), sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    comm.barrier();
+
     // The eager references on the same inputs: forward_device_tokens (the whole output), and forward
     // at the bucket's size with its tier (rows < T).
     mine.eager_errors.resize(tokens.size());
@@ -266,7 +290,8 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
   std::vector<std::int64_t> tokens = order;
   for (std::int64_t t : {std::int64_t{0}, M + 1, std::int64_t{-1}}) tokens.push_back(t);
 
-  const std::vector<RankResults> ranks = run_device_tokens(comm, tp, tier, cases, tokens);
+  const int soak = tier ? 0 : 100;  // the policy's graph (every tier in one) replayed 100 more times
+  const std::vector<RankResults> ranks = run_device_tokens(comm, tp, tier, cases, tokens, soak);
   const RankResults& first = ranks[0];
   const auto& buckets = first.buckets;
   const bool none_runs =
@@ -278,7 +303,10 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
     }
     return;
   }
-  for (const RankResults& r : ranks) ASSERT_EQ(r.capture_error, "") << "rank " << (&r - ranks.data());
+  for (const RankResults& r : ranks) {
+    ASSERT_EQ(r.capture_error, "") << "rank " << (&r - ranks.data());
+    EXPECT_EQ(r.soak_differences, 0u) << "rank " << (&r - ranks.data()) << ": a soak replay differs from its first";
+  }
 
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const std::int64_t t = tokens[i];
