@@ -225,7 +225,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                     "(that call runs every bucket's GEMMs once, which a capture cannot)");
       }
     }
-    LMOE_CHECK(body_stream_ && body_side_stream_, "forward_device_tokens: no eager call before capture");
+    LMOE_CHECK(body_stream_ && body_side_stream_,
+               "forward_device_tokens: capture needs one call outside capture first (it makes the streams the "
+               "conditional bodies are captured on)");
     std::vector<cuda::TokenSwitchBucket> switch_buckets;
     for (const DeviceTokenBucket& bucket : buckets) switch_buckets.push_back({bucket.max_tokens, bucket.tier.has_value()});
     cuda::capture_token_switch(

@@ -462,6 +462,14 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     if (dropped) cudaGraphDestroy(dropped);
     cudaGetLastError();
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
+    // The policy picks fused (no GEMM) at every T here: refused all the same, for the body streams.
+    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    const std::string fused_captured = message(tail, routed_view, shared_view, tokens_ptr, stream.get());
+    dropped = nullptr;
+    cudaStreamEndCapture(stream.get(), &dropped);
+    if (dropped) cudaGraphDestroy(dropped);
+    cudaGetLastError();
+    EXPECT_NE(fused_captured.find("capture needs one call outside capture first"), std::string::npos) << fused_captured;
   });
 }
 
