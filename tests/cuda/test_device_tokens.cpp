@@ -1,10 +1,11 @@
 // One CUDA graph per tail, replayed with any T ≤ max_tokens (LatentTail::forward_device_tokens,
-// docs/graphs.md): every tier × comm (p2p, nccl; cuda-threads cannot be captured) captured once, then
-// replayed with T in a shuffled order on fresh inputs and poisoned outputs. Each replay is judged
-// against the CPU contract, its rows < T bit for bit against an eager forward at its bucket's size
-// and its whole output against the eager forward_device_tokens; rows from the bucket's end on must
-// keep their poison. T = 0 runs nothing; T outside [0, max_tokens], or in a bucket no tier runs,
-// runs nothing and is reported to the host. Every test skips where no GPU is visible.
+// docs/graphs.md): every tier × comm (p2p, nccl; cuda-threads cannot be captured) captured once,
+// then replayed with T in a shuffled order on fresh inputs and poisoned outputs. Each replay is
+// judged against the CPU contract, its rows < T bit for bit against an eager forward at its
+// bucket's size and its whole output against the eager forward_device_tokens; rows from the
+// bucket's end on must keep their poison. T = 0 runs nothing; T outside [0, max_tokens], or in a
+// bucket no tier runs, runs nothing and is reported to the host. Every test skips where no GPU is
+// visible.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -16,11 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_support.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/launchers.hpp"
 #include "cuda/owned_stream.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
@@ -38,7 +39,9 @@ constexpr std::int64_t kMaxTokens = 200;
 constexpr DType kDtype = DType::bf16;
 const std::vector<std::int64_t> kTokens = {1, 2, 5, 16, 17, 64, 127, 128, 129, kMaxTokens};
 
-std::string tier_label(std::optional<TailTier> tier) { return tier ? std::string(lmoe::tier_name(*tier)) : "policy"; }
+std::string tier_label(std::optional<TailTier> tier) {
+  return tier ? std::string(lmoe::tier_name(*tier)) : "policy";
+}
 
 void capture_ok(cudaError_t status, cudaStream_t stream) {
   if (status == cudaSuccess) return;
@@ -51,24 +54,30 @@ void capture_ok(cudaError_t status, cudaStream_t stream) {
 // What one rank saw; the host judges it after every rank has finished.
 struct RankResults {
   std::vector<lmoe::DeviceTokenBucket> buckets;
-  std::vector<lmoe::HostTensor> replayed;       // per case: out [M, d] after the graph's replay
-  std::vector<lmoe::HostTensor> eager_device;   // per case: out [M, d] after an eager forward_device_tokens
-  std::vector<lmoe::HostTensor> eager_bucket;   // per case: out [B, d] of forward at the bucket's size
-  std::vector<std::string> eager_errors;        // per case: what the eager forward_device_tokens threw
-  std::vector<std::string> replay_errors;       // per case: check_device_tokens after its replay
+  std::vector<lmoe::HostTensor> replayed;  // per case: out [M, d] after the graph's replay
+  std::vector<lmoe::HostTensor>
+      eager_device;  // per case: out [M, d] after an eager forward_device_tokens
+  std::vector<lmoe::HostTensor>
+      eager_bucket;                        // per case: out [B, d] of forward at the bucket's size
+  std::vector<std::string> eager_errors;   // per case: what the eager forward_device_tokens threw
+  std::vector<std::string> replay_errors;  // per case: check_device_tokens after its replay
   std::string capture_error;
-  unsigned long long soak_differences = 0;  // bytes where a soak replay differed from its case's first replay
+  unsigned long long soak_differences =
+      0;  // bytes where a soak replay differed from its case's first replay
 };
 
-const lmoe::DeviceTokenBucket& bucket_of(const std::vector<lmoe::DeviceTokenBucket>& buckets, std::int64_t tokens) {
-  return *std::find_if(buckets.begin(), buckets.end(), [&](const auto& b) { return tokens <= b.max_tokens; });
+const lmoe::DeviceTokenBucket& bucket_of(const std::vector<lmoe::DeviceTokenBucket>& buckets,
+                                         std::int64_t tokens) {
+  return *std::find_if(buckets.begin(), buckets.end(),
+                       [&](const auto& b) { return tokens <= b.max_tokens; });
 }
 
 // Captures forward_device_tokens once per rank and replays it for every T of `cases` (in order),
 // then `soak` more times with cases drawn at random (each compared on the device with its first
 // replay), then runs the eager references on the same inputs. `tokens` may hold T outside [0, M]:
 // no case data.
-std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp, std::optional<TailTier> tier,
+std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
+                                           std::optional<TailTier> tier,
                                            const std::vector<lmoe::TailCase>& cases,
                                            const std::vector<std::int64_t>& tokens, int soak) {
   const std::int64_t d = kSmall.d_model, l = kSmall.d_latent, M = kMaxTokens;
@@ -82,12 +91,15 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     options.rms_norm_eps = cases[0].eps;
     options.backend = lmoe::Backend::cuda;
     options.max_tokens = M;
-    lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+    lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(),
+                          cases[0].up_proj_weight.matrix());
     mine.buckets = tail.device_token_buckets(tier);
 
-    const DeviceBuffer routed(static_cast<std::size_t>(M * l) * esize), shared(static_cast<std::size_t>(M * d) * esize),
+    const DeviceBuffer routed(static_cast<std::size_t>(M * l) * esize),
+        shared(static_cast<std::size_t>(M * d) * esize),
         out(static_cast<std::size_t>(M * d) * esize), tokens_device(sizeof(std::int32_t));
-    const lmoe::ConstMatrixView routed_view{routed.data(), kDtype, M, l, l, lmoe::MemorySpace::device};
+    const lmoe::ConstMatrixView routed_view{
+        routed.data(), kDtype, M, l, l, lmoe::MemorySpace::device};
     const lmoe::MatrixView shared_view{shared.data(), kDtype, M, d, d, lmoe::MemorySpace::device};
     const lmoe::MatrixView out_view{out.data(), kDtype, M, d, d, lmoe::MemorySpace::device};
     const lmoe::cuda::OwnedStream stream;
@@ -101,7 +113,8 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
       stage_shared.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * d) * esize);
       stage_tokens.emplace_back(sizeof(std::int32_t));
       const auto value = static_cast<std::int32_t>(tokens[i]);
-      cuda_ok(cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
+      cuda_ok(
+          cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
       if (t > 0 && i < cases.size()) {
         cuda_ok(cudaMemcpy(stage_routed.back().data(), cases[i].routed.slice_matrix(rank).data,
                            static_cast<std::size_t>(t * l) * esize, cudaMemcpyHostToDevice));
@@ -121,10 +134,12 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
       cuda_ok(cudaMemsetAsync(shared.data(), 0xff, shared.bytes(), stream.get()));
       cuda_ok(cudaMemsetAsync(out.data(), 0xff, out.bytes(), stream.get()));
       if (t > 0 && i < cases.size()) {
-        cuda_ok(cudaMemcpyAsync(routed.data(), stage_routed[i].data(), static_cast<std::size_t>(t * l) * esize,
-                                cudaMemcpyDeviceToDevice, stream.get()));
-        cuda_ok(cudaMemcpyAsync(shared.data(), stage_shared[i].data(), static_cast<std::size_t>(t * d) * esize,
-                                cudaMemcpyDeviceToDevice, stream.get()));
+        cuda_ok(cudaMemcpyAsync(routed.data(), stage_routed[i].data(),
+                                static_cast<std::size_t>(t * l) * esize, cudaMemcpyDeviceToDevice,
+                                stream.get()));
+        cuda_ok(cudaMemcpyAsync(shared.data(), stage_shared[i].data(),
+                                static_cast<std::size_t>(t * d) * esize, cudaMemcpyDeviceToDevice,
+                                stream.get()));
       }
       cuda_ok(cudaMemcpyAsync(tokens_device.data(), stage_tokens[i].data(), sizeof(std::int32_t),
                               cudaMemcpyDeviceToDevice, stream.get()));
@@ -138,11 +153,13 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     cuda_ok(cudaMemsetAsync(routed.data(), 0, routed.bytes(), stream.get()));
     cuda_ok(cudaMemsetAsync(shared.data(), 0, shared.bytes(), stream.get()));
     const auto max_value = static_cast<std::int32_t>(M);
-    cuda_ok(cudaMemcpy(tokens_device.data(), &max_value, sizeof(max_value), cudaMemcpyHostToDevice));
+    cuda_ok(
+        cudaMemcpy(tokens_device.data(), &max_value, sizeof(max_value), cudaMemcpyHostToDevice));
     cuda_ok(cudaDeviceSynchronize());
     comm.barrier();
     try {
-      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier, stream.get());
+      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
+                                 stream.get());
     } catch (const lmoe::Error& error) {
       mine.capture_error = error.message();  // every rank alike (the ranks agreed first)
       return;
@@ -154,7 +171,8 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     {
       cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
       try {
-        tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier, stream.get());
+        tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
+                                   stream.get());
       } catch (const lmoe::Error& error) {
         cudaGraph_t dropped = nullptr;
         cudaStreamEndCapture(stream.get(), &dropped);
@@ -179,7 +197,8 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       stage(i);
       cuda_ok(cudaGraphLaunch(exec, stream.get()));
-      cuda_ok(cudaMemcpyAsync(replayed[i].data(), out.data(), out.bytes(), cudaMemcpyDeviceToDevice, stream.get()));
+      cuda_ok(cudaMemcpyAsync(replayed[i].data(), out.data(), out.bytes(), cudaMemcpyDeviceToDevice,
+                              stream.get()));
       cuda_ok(cudaStreamSynchronize(stream.get()));
       try {
         tail.check_device_tokens();
@@ -199,28 +218,33 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     cuda_ok(cudaMemset(differences.data(), 0, differences.bytes()));
     std::mt19937 draw(99);
     for (int k = 0; k < soak && !runnable.empty(); ++k) {
-      const std::size_t i = runnable[std::uniform_int_distribution<std::size_t>(0, runnable.size() - 1)(draw)];
+      const std::size_t i =
+          runnable[std::uniform_int_distribution<std::size_t>(0, runnable.size() - 1)(draw)];
       stage(i);
       cuda_ok(cudaGraphLaunch(exec, stream.get()));
-      cuda_ok(lmoe::cuda::launch_count_differences(out.data(), replayed[i].data(), static_cast<std::int64_t>(out.bytes()),
-                                                   static_cast<unsigned long long*>(differences.data()), stream.get()));
+      cuda_ok(lmoe::cuda::launch_count_differences(
+          out.data(), replayed[i].data(), static_cast<std::int64_t>(out.bytes()),
+          static_cast<unsigned long long*>(differences.data()), stream.get()));
     }
     cuda_ok(cudaStreamSynchronize(stream.get()));
-    cuda_ok(cudaMemcpy(&mine.soak_differences, differences.data(), sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    cuda_ok(cudaMemcpy(&mine.soak_differences, differences.data(), sizeof(unsigned long long),
+                       cudaMemcpyDeviceToHost));
     comm.barrier();
 
-    // The eager references on the same inputs: forward_device_tokens (the whole output), and forward
-    // at the bucket's size with its tier (rows < T).
+    // The eager references on the same inputs: forward_device_tokens (the whole output), and
+    // forward at the bucket's size with its tier (rows < T).
     mine.eager_errors.resize(tokens.size());
     mine.eager_bucket.resize(tokens.size());
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       stage(i);
       try {
-        tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier, stream.get());
+        tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
+                                   stream.get());
       } catch (const lmoe::Error& error) {
         mine.eager_errors[i] = error.message();
       }
-      cuda_ok(cudaMemcpyAsync(eager_device[i].data(), out.data(), out.bytes(), cudaMemcpyDeviceToDevice, stream.get()));
+      cuda_ok(cudaMemcpyAsync(eager_device[i].data(), out.data(), out.bytes(),
+                              cudaMemcpyDeviceToDevice, stream.get()));
       cuda_ok(cudaStreamSynchronize(stream.get()));
       comm.barrier();
       const std::int64_t t = tokens[i];
@@ -234,8 +258,8 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
       r.rows = s.rows = o.rows = rows;
       tail.forward(r, s, o, bucket.tier, stream.get());
       mine.eager_bucket[i] = lmoe::HostTensor(kDtype, {rows, d});
-      cuda_ok(cudaMemcpyAsync(mine.eager_bucket[i].data(), out.data(), mine.eager_bucket[i].nbytes(),
-                              cudaMemcpyDeviceToHost, stream.get()));
+      cuda_ok(cudaMemcpyAsync(mine.eager_bucket[i].data(), out.data(),
+                              mine.eager_bucket[i].nbytes(), cudaMemcpyDeviceToHost, stream.get()));
       cuda_ok(cudaStreamSynchronize(stream.get()));
       comm.barrier();
     }
@@ -244,8 +268,10 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       mine.replayed.emplace_back(kDtype, std::vector<std::int64_t>{M, d});
       mine.eager_device.emplace_back(kDtype, std::vector<std::int64_t>{M, d});
-      cuda_ok(cudaMemcpy(mine.replayed.back().data(), replayed[i].data(), out.bytes(), cudaMemcpyDeviceToHost));
-      cuda_ok(cudaMemcpy(mine.eager_device.back().data(), eager_device[i].data(), out.bytes(), cudaMemcpyDeviceToHost));
+      cuda_ok(cudaMemcpy(mine.replayed.back().data(), replayed[i].data(), out.bytes(),
+                         cudaMemcpyDeviceToHost));
+      cuda_ok(cudaMemcpy(mine.eager_device.back().data(), eager_device[i].data(), out.bytes(),
+                         cudaMemcpyDeviceToHost));
     }
     cuda_ok(cudaGraphExecDestroy(exec));
   });
@@ -283,36 +309,41 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
   std::shuffle(order.begin(), order.end(), std::mt19937(2026));
   std::vector<lmoe::TailCase> cases;
   for (std::int64_t t : order) {
-    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, kDtype, tp, t, 7000u + static_cast<std::uint64_t>(t)));
+    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, kDtype, tp, t,
+                                           7000u + static_cast<std::uint64_t>(t)));
     cases.back().norm_weight = cases.front().norm_weight;  // one tail, one set of weights
     cases.back().up_proj_weight = cases.front().up_proj_weight;
   }
   std::vector<std::int64_t> tokens = order;
   for (std::int64_t t : {std::int64_t{0}, M + 1, std::int64_t{-1}}) tokens.push_back(t);
 
-  const int soak = tier ? 0 : 100;  // the policy's graph (every tier in one) replayed 100 more times
+  const int soak =
+      tier ? 0 : 100;  // the policy's graph (every tier in one) replayed 100 more times
   const std::vector<RankResults> ranks = run_device_tokens(comm, tp, tier, cases, tokens, soak);
   const RankResults& first = ranks[0];
   const auto& buckets = first.buckets;
-  const bool none_runs =
-      std::none_of(buckets.begin(), buckets.end(), [](const auto& b) { return b.tier.has_value(); });
+  const bool none_runs = std::none_of(buckets.begin(), buckets.end(),
+                                      [](const auto& b) { return b.tier.has_value(); });
   if (none_runs) {
     // e.g. fused over NCCL with tp > 1: refused on every rank with the reason, before any capture.
     for (const RankResults& r : ranks) {
-      EXPECT_NE(r.capture_error.find("no tier can run any T"), std::string::npos) << r.capture_error;
+      EXPECT_NE(r.capture_error.find("no tier can run any T"), std::string::npos)
+          << r.capture_error;
     }
     return;
   }
   for (const RankResults& r : ranks) {
     ASSERT_EQ(r.capture_error, "") << "rank " << (&r - ranks.data());
-    EXPECT_EQ(r.soak_differences, 0u) << "rank " << (&r - ranks.data()) << ": a soak replay differs from its first";
+    EXPECT_EQ(r.soak_differences, 0u)
+        << "rank " << (&r - ranks.data()) << ": a soak replay differs from its first";
   }
 
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     const std::int64_t t = tokens[i];
     SCOPED_TRACE(tier_label(tier) + " T=" + std::to_string(t));
     const std::size_t row_bytes = static_cast<std::size_t>(d) * esize;
-    const std::optional<TailTier> ran = t >= 1 && t <= M ? bucket_of(buckets, t).tier : std::nullopt;
+    const std::optional<TailTier> ran =
+        t >= 1 && t <= M ? bucket_of(buckets, t).tier : std::nullopt;
     if (!ran) {
       // Nothing ran: out keeps its poison on every rank; T outside [0, M] or without a tier is
       // reported to the host after the replay and thrown by the eager call; T = 0 is no error.
@@ -323,9 +354,12 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
           EXPECT_EQ(r.replay_errors[i], "");
           EXPECT_EQ(r.eager_errors[i], "");
         } else {
-          EXPECT_NE(r.replay_errors[i].find("read T=" + std::to_string(t)), std::string::npos) << r.replay_errors[i];
-          EXPECT_NE(r.replay_errors[i].find("it ran nothing"), std::string::npos) << r.replay_errors[i];
-          EXPECT_NE(r.eager_errors[i].find("T=" + std::to_string(t)), std::string::npos) << r.eager_errors[i];
+          EXPECT_NE(r.replay_errors[i].find("read T=" + std::to_string(t)), std::string::npos)
+              << r.replay_errors[i];
+          EXPECT_NE(r.replay_errors[i].find("it ran nothing"), std::string::npos)
+              << r.replay_errors[i];
+          EXPECT_NE(r.eager_errors[i].find("T=" + std::to_string(t)), std::string::npos)
+              << r.eager_errors[i];
         }
       }
       if (t > M) {
@@ -339,12 +373,15 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
       EXPECT_EQ(r.replay_errors[i], "") << "rank " << rank;
       EXPECT_EQ(r.eager_errors[i], "") << "rank " << rank;
       // Rows < T: every rank alike, and the eager forward at the bucket's size bit for bit.
-      EXPECT_EQ(0, std::memcmp(r.replayed[i].data(), first.replayed[i].data(), static_cast<std::size_t>(t) * row_bytes))
+      EXPECT_EQ(0, std::memcmp(r.replayed[i].data(), first.replayed[i].data(),
+                               static_cast<std::size_t>(t) * row_bytes))
           << "rank " << rank;
-      EXPECT_EQ(0, std::memcmp(r.replayed[i].data(), r.eager_bucket[i].data(), static_cast<std::size_t>(t) * row_bytes))
+      EXPECT_EQ(0, std::memcmp(r.replayed[i].data(), r.eager_bucket[i].data(),
+                               static_cast<std::size_t>(t) * row_bytes))
           << "rank " << rank << ": replay against forward at T=" << rows;
       // The eager forward_device_tokens does what the replay does, to the bit, in every row.
-      EXPECT_EQ(0, std::memcmp(r.replayed[i].data(), r.eager_device[i].data(), r.replayed[i].nbytes()))
+      EXPECT_EQ(0,
+                std::memcmp(r.replayed[i].data(), r.eager_device[i].data(), r.replayed[i].nbytes()))
           << "rank " << rank << ": replay against the eager forward_device_tokens";
       // Rows from the bucket's end on are not touched.
       EXPECT_TRUE(all_poison(r.replayed[i].data() + static_cast<std::size_t>(rows) * row_bytes,
@@ -352,7 +389,8 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
           << "rank " << rank << ": rows >= " << rows << " were written";
     }
     const lmoe::TailCase& c = cases[i];
-    const auto reference = lmoe::reference_tail(c, lmoe::contract_of(*ran), lmoe::comm_reduction_order(comm));
+    const auto reference =
+        lmoe::reference_tail(c, lmoe::contract_of(*ran), lmoe::comm_reduction_order(comm));
     lmoe::ConstMatrixView y = first.replayed[i].matrix();
     y.rows = t;
     const lmoe::Comparison cmp = lmoe::compare(y, reference, lmoe::exact_tail(c));
@@ -368,9 +406,10 @@ std::vector<DeviceTokensParam> device_tokens_params() {
   std::vector<DeviceTokensParam> params;
   for (const char* comm : {"p2p", "nccl"}) {
     for (int tp : {1, 2}) {
-      for (std::optional<TailTier> tier : {std::optional<TailTier>{}, std::optional{TailTier::overlap},
-                                           std::optional{TailTier::column}, std::optional{TailTier::token},
-                                           std::optional{TailTier::fused}}) {
+      for (std::optional<TailTier> tier :
+           {std::optional<TailTier>{}, std::optional{TailTier::overlap},
+            std::optional{TailTier::column}, std::optional{TailTier::token},
+            std::optional{TailTier::fused}}) {
         params.push_back({comm, tp, tier});
       }
     }
@@ -378,13 +417,15 @@ std::vector<DeviceTokensParam> device_tokens_params() {
   return params;
 }
 
-INSTANTIATE_TEST_SUITE_P(CommTpTier, DeviceTokens, ::testing::ValuesIn(device_tokens_params()), [](const auto& info) {
-  return info.param.comm + "_tp" + std::to_string(info.param.tp) + "_" + tier_label(info.param.tier);
-});
+INSTANTIATE_TEST_SUITE_P(CommTpTier, DeviceTokens, ::testing::ValuesIn(device_tokens_params()),
+                         [](const auto& info) {
+                           return info.param.comm + "_tp" + std::to_string(info.param.tp) + "_" +
+                                  tier_label(info.param.tier);
+                         });
 
 // Over NCCL with tp > 1 and NCCL_GRAPH_MIXING_SUPPORT left at its default, NCCL's captured
-// collectives carry event nodes, which conditional bodies cannot hold: every tier that calls NCCL is
-// declined for T read on the device, with the variable named.
+// collectives carry event nodes, which conditional bodies cannot hold: every tier that calls NCCL
+// is declined for T read on the device, with the variable named.
 TEST(DeviceTokensNccl, MixingSupportDeclinesTheCollectiveTiers) {
   SKIP_WITHOUT_GPU();
   if (auto limit = lmoe::comm_group_limit("nccl", 2)) GTEST_SKIP() << *limit;
@@ -402,7 +443,8 @@ TEST(DeviceTokensNccl, MixingSupportDeclinesTheCollectiveTiers) {
   for (const auto& rank_buckets : buckets) {
     for (const lmoe::DeviceTokenBucket& bucket : rank_buckets) {
       EXPECT_FALSE(bucket.tier.has_value());
-      EXPECT_NE(bucket.reason.find("NCCL_GRAPH_MIXING_SUPPORT"), std::string::npos) << bucket.reason;
+      EXPECT_NE(bucket.reason.find("NCCL_GRAPH_MIXING_SUPPORT"), std::string::npos)
+          << bucket.reason;
     }
   }
 }
@@ -415,9 +457,10 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, kDtype, 1, 4, 9u);
   lmoe::run_comm_group("p2p", 1, [&](int, lmoe::Communicator& comm) {
     const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
-    const DeviceBuffer routed(static_cast<std::size_t>(16 * l) * 2), shared(static_cast<std::size_t>(16 * d) * 2),
-        tokens(sizeof(std::int32_t));
-    const lmoe::ConstMatrixView routed_view{routed.data(), kDtype, 16, l, l, lmoe::MemorySpace::device};
+    const DeviceBuffer routed(static_cast<std::size_t>(16 * l) * 2),
+        shared(static_cast<std::size_t>(16 * d) * 2), tokens(sizeof(std::int32_t));
+    const lmoe::ConstMatrixView routed_view{
+        routed.data(), kDtype, 16, l, l, lmoe::MemorySpace::device};
     const lmoe::MatrixView shared_view{shared.data(), kDtype, 16, d, d, lmoe::MemorySpace::device};
     const auto tokens_ptr = static_cast<const std::int32_t*>(tokens.data());
     const auto message = [&](lmoe::LatentTail& tail, lmoe::ConstMatrixView r, lmoe::MatrixView s,
@@ -435,8 +478,9 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     options.backend = lmoe::Backend::cuda;
     {
       lmoe::LatentTail growing(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
-      EXPECT_EQ(message(growing, routed_view, shared_view, tokens_ptr),
-                "forward_device_tokens needs TailOptions::max_tokens > 0 (the rows of its views), got 0");
+      EXPECT_EQ(
+          message(growing, routed_view, shared_view, tokens_ptr),
+          "forward_device_tokens needs TailOptions::max_tokens > 0 (the rows of its views), got 0");
     }
     options.max_tokens = 16;
     lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
@@ -452,11 +496,12 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     cuda_ok(cudaMemcpy(tokens.data(), &too_many, sizeof(too_many), cudaMemcpyHostToDevice));
     EXPECT_EQ(message(tail, routed_view, shared_view, tokens_ptr),
               "T=17 read from tokens_device is outside [0, max_tokens=16]");
-    // A capture before any eager call cannot run the GEMMs' first launches: refused by name (overlap:
-    // the policy would pick fused here, which has no GEMM).
+    // A capture before any eager call cannot run the GEMMs' first launches: refused by name
+    // (overlap: the policy would pick fused here, which has no GEMM).
     const lmoe::cuda::OwnedStream stream;
     cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    const std::string captured = message(tail, routed_view, shared_view, tokens_ptr, stream.get(), TailTier::overlap);
+    const std::string captured =
+        message(tail, routed_view, shared_view, tokens_ptr, stream.get(), TailTier::overlap);
     cudaGraph_t dropped = nullptr;
     cudaStreamEndCapture(stream.get(), &dropped);
     if (dropped) cudaGraphDestroy(dropped);
@@ -464,12 +509,15 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
     // The policy picks fused (no GEMM) at every T here: refused all the same, for the body streams.
     cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    const std::string fused_captured = message(tail, routed_view, shared_view, tokens_ptr, stream.get());
+    const std::string fused_captured =
+        message(tail, routed_view, shared_view, tokens_ptr, stream.get());
     dropped = nullptr;
     cudaStreamEndCapture(stream.get(), &dropped);
     if (dropped) cudaGraphDestroy(dropped);
     cudaGetLastError();
-    EXPECT_NE(fused_captured.find("capture needs one call outside capture first"), std::string::npos) << fused_captured;
+    EXPECT_NE(fused_captured.find("capture needs one call outside capture first"),
+              std::string::npos)
+        << fused_captured;
   });
 }
 
@@ -492,7 +540,8 @@ TEST(DeviceTokensBench, OneGraphPerTierPassesTheCheckAtEveryT) {
     options.iters = 3;
     options.mode = lmoe::BenchMode::device_tokens;
     const lmoe::BenchResult result = lmoe::run_tail_bench(options);
-    for (const lmoe::BenchCommError& error : result.comm_errors) ADD_FAILURE() << error.comm << ": " << error.error;
+    for (const lmoe::BenchCommError& error : result.comm_errors)
+      ADD_FAILURE() << error.comm << ": " << error.error;
     int ran = 0;
     for (const lmoe::BenchRecord& record : result.records) {
       if (record.declined) continue;

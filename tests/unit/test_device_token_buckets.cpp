@@ -1,5 +1,5 @@
-// The buckets of T behind LatentTail::forward_device_tokens (one CUDA graph for every T), and what the
-// entry point refuses on a backend that cannot read T on the device. The GPU side is
+// The buckets of T behind LatentTail::forward_device_tokens (one CUDA graph for every T), and what
+// the entry point refuses on a backend that cannot read T on the device. The GPU side is
 // tests/cuda/test_device_tokens.cpp.
 #include <gtest/gtest.h>
 
@@ -24,7 +24,8 @@ struct Expected {
   std::optional<TailTier> tier;
 };
 
-void expect_buckets(const std::vector<DeviceTokenBucket>& got, const std::vector<Expected>& expected) {
+void expect_buckets(const std::vector<DeviceTokenBucket>& got,
+                    const std::vector<Expected>& expected) {
   ASSERT_EQ(got.size(), expected.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
     SCOPED_TRACE("bucket " + std::to_string(i));
@@ -54,7 +55,8 @@ TEST(DeviceTokenBuckets, PowersOfTwoAndTheTiersBoundariesSplitThem) {
                   {33, 64, TailTier::fused},
                   {65, 128, TailTier::fused},
                   {129, 200, TailTier::overlap}});
-  // A boundary inside a power-of-two range splits it; the bucket ends (45, 64) get the tier chosen there.
+  // A boundary inside a power-of-two range splits it; the bucket ends (45, 64) get the tier chosen
+  // there.
   expect_buckets(lmoe::make_device_token_buckets(70, breakpoints(45, 65)),
                  {{1, 1, TailTier::fused},
                   {2, 2, TailTier::fused},
@@ -82,7 +84,10 @@ TEST(DeviceTokenBuckets, TWithoutATierGetsABucketWithTheReason) {
     if (t < 4) return {std::nullopt, "T=" + std::to_string(t) + " < tp=4"};
     return {TailTier::token, {}};
   });
-  expect_buckets(buckets, {{1, 1, std::nullopt}, {2, 2, std::nullopt}, {3, 3, std::nullopt}, {4, 4, TailTier::token},
+  expect_buckets(buckets, {{1, 1, std::nullopt},
+                           {2, 2, std::nullopt},
+                           {3, 3, std::nullopt},
+                           {4, 4, TailTier::token},
                            {5, 6, TailTier::token}});
   EXPECT_EQ(buckets[0].reason, "T=1 < tp=4");
   EXPECT_EQ(buckets[2].reason, "T=3 < tp=4");
@@ -102,9 +107,11 @@ TEST(DeviceTokenBuckets, TheCpuBackendRefusesTReadOnTheDevice) {
     EXPECT_EQ(buckets.back().max_tokens, 8);
     for (const DeviceTokenBucket& bucket : buckets) {
       EXPECT_FALSE(bucket.tier.has_value());
-      EXPECT_NE(bucket.reason.find("the cpu backend reads T on the host only"), std::string::npos) << bucket.reason;
+      EXPECT_NE(bucket.reason.find("the cpu backend reads T on the host only"), std::string::npos)
+          << bucket.reason;
     }
-    lmoe::HostTensor routed(lmoe::DType::bf16, {8, dims.d_latent}), shared(lmoe::DType::bf16, {8, dims.d_model});
+    lmoe::HostTensor routed(lmoe::DType::bf16, {8, dims.d_latent}),
+        shared(lmoe::DType::bf16, {8, dims.d_model});
     const std::int32_t tokens = 4;
     try {
       tail.forward_device_tokens(routed.matrix(), shared.matrix(), shared.matrix(), &tokens);
