@@ -73,7 +73,7 @@ if wants graphs; then
   gtest graphs_tests 400 build/cuda/tests/lmoe_cuda_tests '*DeviceToken*'
   for mode in graph device-tokens; do
     stage "lmoe bench --mode $mode (tp 1, p2p)"
-    timeout 150 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --mode "$mode" -t 1,2,4,8,16,32,64,128,256,512 --check-max-tokens 128 \
+    timeout 150 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --mode "$mode" -t 1,2,4,8,16,32,64,128,256,512 --check-max-tokens 16 \
       --json "$logs/graphs_$mode.json" >"$logs/graphs_$mode.log" 2>"$logs/graphs_$mode.err"
     rc[graphs_$mode]=$?
     cat "$logs/graphs_$mode.log"; tail -3 "$logs/graphs_$mode.err"
