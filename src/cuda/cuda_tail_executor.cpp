@@ -58,6 +58,20 @@ namespace {
 using cuda::check;
 using cuda::DeviceBuffer;
 
+// A stream that only captures (a conditional body's work): destroyed without a synchronize, which
+// the parent capture in progress would not allow; it never ran anything.
+class CaptureStream {
+ public:
+  CaptureStream() { LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~CaptureStream() { cudaStreamDestroy(stream_); }
+  CaptureStream(const CaptureStream&) = delete;
+  CaptureStream& operator=(const CaptureStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
  public:
   CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, float eps, ConstMatrixView norm_weight,
@@ -113,8 +127,6 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     cudaEventDestroy(join_);
     cudaEventDestroy(fork_);
     cudaStreamDestroy(side_stream_);
-    if (body_stream_) cudaStreamDestroy(body_stream_);
-    if (body_side_stream_) cudaStreamDestroy(body_side_stream_);
   }
 
   std::string_view backend_name() const override { return "cuda"; }
@@ -184,12 +196,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     return *tokens_read_back_;
   }
 
-  // Also makes the streams the bodies are captured on: here, outside any capture, on every rank.
   void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets, StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
-    if (!body_stream_) LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream_, cudaStreamNonBlocking));
-    if (!body_side_stream_) LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&body_side_stream_, cudaStreamNonBlocking));
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
     comm_.barrier();
@@ -225,17 +234,19 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                     "(that call runs every bucket's GEMMs once, which a capture cannot)");
       }
     }
-    LMOE_CHECK(body_stream_ && body_side_stream_,
-               "forward_device_tokens: capture needs one call outside capture first (it makes the streams the "
-               "conditional bodies are captured on)");
+    // The bodies are captured on streams of their own, alive only for the capture: the caller's
+    // stream is capturing the parent graph, and the executor's side stream may be part of that
+    // capture too (an earlier forward in it). No stream beyond the rank's usual ones stays alive
+    // while collectives spin (docs/p2p.md: streams beyond the GPU's queues share one).
+    const CaptureStream body_stream, body_side_stream;
     std::vector<cuda::TokenSwitchBucket> switch_buckets;
     for (const DeviceTokenBucket& bucket : buckets) switch_buckets.push_back({bucket.max_tokens, bucket.tier.has_value()});
     cuda::capture_token_switch(
-        stream, body_stream_, tokens_device, routed.rows, switch_buckets, token_status_,
+        stream, body_stream.get(), tokens_device, routed.rows, switch_buckets, token_status_,
         [&](std::size_t i, cudaStream_t body) {
           const std::int64_t rows = buckets[i].max_tokens;
           run_tier(*buckets[i].tier, first_rows(routed, rows), first_rows(shared, rows), first_rows(out, rows), body,
-                   body_side_stream_, tokens_device);
+                   body_side_stream.get(), tokens_device);
         });
   }
 
@@ -454,9 +465,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   std::optional<std::string> fused_unavailable_;
   bool spinning_peers_share_gpu_ = false;              // p2p ranks on this GPU besides this one
   std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
-  // forward_device_tokens: the streams its conditional bodies are captured on (made by the first
-  // eager call), and the replays' failure record (host-mapped) with the eager read-back of T.
-  cudaStream_t body_stream_ = nullptr, body_side_stream_ = nullptr;
+  // forward_device_tokens: the replays' failure record (host-mapped) with the eager read-back of T.
   struct PinnedFree {
     void operator()(void* p) const { cudaFreeHost(p); }
   };

@@ -450,7 +450,8 @@ TEST(DeviceTokensNccl, MixingSupportDeclinesTheCollectiveTiers) {
 }
 
 // The entry point's own refusals, on one rank: a tail without max_tokens, views of another row
-// count, a null T, and a capture before any eager call.
+// count, a null T, T beyond max_tokens read eagerly, and a capture of GEMM buckets before any eager
+// call; and a capture of fused buckets, which needs none.
 TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
   SKIP_WITHOUT_GPU();
   ScopedEnv shared_gpu("LMOE_P2P_SHARED_GPU", "1");
@@ -507,17 +508,44 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     if (dropped) cudaGraphDestroy(dropped);
     cudaGetLastError();
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
-    // The policy picks fused (no GEMM) at every T here: refused all the same, for the body streams.
+    // The policy picks fused (no GEMM) at every T here, which needs no eager call first: captured,
+    // instantiated and replayed with T = 5 on zeros, rows < 5 come out zero and the fused kernel
+    // (which reads T itself) leaves rows >= 5 as they were.
+    cuda_ok(cudaMemset(routed.data(), 0, routed.bytes()));
+    cuda_ok(cudaMemset(shared.data(), 0, shared.bytes()));
+    const lmoe::cuda::DeviceBuffer out(shared.bytes());
+    cuda_ok(cudaMemset(out.data(), 0xff, out.bytes()));
+    const std::int32_t five = 5;
+    cuda_ok(cudaMemcpy(tokens.data(), &five, sizeof(five), cudaMemcpyHostToDevice));
+    const lmoe::MatrixView out_view{out.data(), kDtype, 16, d, d, lmoe::MemorySpace::device};
     cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    const std::string fused_captured =
-        message(tail, routed_view, shared_view, tokens_ptr, stream.get());
-    dropped = nullptr;
-    cudaStreamEndCapture(stream.get(), &dropped);
-    if (dropped) cudaGraphDestroy(dropped);
-    cudaGetLastError();
-    EXPECT_NE(fused_captured.find("capture needs one call outside capture first"),
-              std::string::npos)
-        << fused_captured;
+    std::string fused_captured;
+    try {
+      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, std::nullopt, stream.get());
+    } catch (const lmoe::Error& error) {
+      fused_captured = error.message();
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream.get(), &graph);
+    ASSERT_EQ(fused_captured, "");
+    cuda_ok(ended);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    cuda_ok(instantiated);
+    cuda_ok(cudaGraphLaunch(exec, stream.get()));
+    cuda_ok(cudaStreamSynchronize(stream.get()));
+    cuda_ok(cudaGraphExecDestroy(exec));
+    EXPECT_NO_THROW(tail.check_device_tokens());
+    std::vector<std::uint16_t> y(static_cast<std::size_t>(16 * d));
+    cuda_ok(cudaMemcpy(y.data(), out.data(), out.bytes(), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < y.size(); ++i) {
+      if (i < static_cast<std::size_t>(5 * d)) {
+        ASSERT_EQ(y[i] & 0x7fff, 0) << "element " << i << " of a row < T";
+      } else {
+        ASSERT_EQ(y[i], 0xffff) << "element " << i << " of a row >= T was written";
+      }
+    }
   });
 }
 
