@@ -153,7 +153,12 @@ void capture_token_switch(cudaStream_t stream, cudaStream_t body_stream,
   const cudaGraph_t* bodies = node_params.conditional.phGraph_out;
 
   for (std::size_t i = 0; i < buckets.size(); ++i) {
-    if (!buckets[i].runs) continue;  // an empty body: the selector never picks it
+    if (!buckets[i].runs) {
+      // The selector never picks it; one empty node, so that no body is a graph without nodes.
+      cudaGraphNode_t empty = nullptr;
+      LMOE_CUDA_CHECK(cudaGraphAddEmptyNode(&empty, bodies[i], nullptr, 0));
+      continue;
+    }
     BodyCapture body(body_stream, bodies[i]);
     capture_body(i, body_stream);
     body.end();
