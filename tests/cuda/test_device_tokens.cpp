@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -287,6 +288,10 @@ struct DeviceTokensParam {
   int tp;
   std::optional<TailTier> tier;  // nullopt: the policy's choice per bucket
 };
+
+void PrintTo(const DeviceTokensParam& param, std::ostream* os) {
+  *os << param.comm << " tp=" << param.tp << " tier=" << tier_label(param.tier);
+}
 
 class DeviceTokens : public ::testing::TestWithParam<DeviceTokensParam> {
  protected:
