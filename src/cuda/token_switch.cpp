@@ -108,6 +108,19 @@ void capture_token_switch(cudaStream_t stream, cudaStream_t body_stream,
       cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph, nullptr, nullptr, nullptr));
   LMOE_CHECK(capture == cudaStreamCaptureStatusActive, "token switch: the stream is not capturing");
 
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    LMOE_CHECK(buckets[i].max_tokens >= 1 && buckets[i].max_tokens <= max_tokens &&
+                   (i == 0 || buckets[i].max_tokens > buckets[i - 1].max_tokens),
+               "token switch: bucket " + std::to_string(i) +
+                   " ends at T=" + std::to_string(buckets[i].max_tokens) +
+                   ", expected ascending ends in [1, max_tokens=" + std::to_string(max_tokens) +
+                   "]");
+  }
+  LMOE_CHECK(
+      buckets.back().max_tokens == max_tokens,
+      "token switch: the last bucket ends at T=" + std::to_string(buckets.back().max_tokens) +
+          ", expected max_tokens=" + std::to_string(max_tokens));
+
   // Every launch sets the condition (the selector always does); the default runs no body.
   const auto none = static_cast<unsigned int>(buckets.size());
   TokenSwitchParams params;
@@ -118,19 +131,9 @@ void capture_token_switch(cudaStream_t stream, cudaStream_t body_stream,
   params.buckets = static_cast<int>(buckets.size());
   params.status = status;
   for (std::size_t i = 0; i < buckets.size(); ++i) {
-    LMOE_CHECK(buckets[i].max_tokens >= 1 && buckets[i].max_tokens <= max_tokens &&
-                   (i == 0 || buckets[i].max_tokens > buckets[i - 1].max_tokens),
-               "token switch: bucket " + std::to_string(i) +
-                   " ends at T=" + std::to_string(buckets[i].max_tokens) +
-                   ", expected ascending ends in [1, max_tokens=" + std::to_string(max_tokens) +
-                   "]");
     params.bucket_max[i] = static_cast<std::int32_t>(buckets[i].max_tokens);
     params.runs[i] = buckets[i].runs ? 1 : 0;
   }
-  LMOE_CHECK(
-      buckets.back().max_tokens == max_tokens,
-      "token switch: the last bucket ends at T=" + std::to_string(buckets.back().max_tokens) +
-          ", expected max_tokens=" + std::to_string(max_tokens));
   check(launch_token_select(params, stream), "launch_token_select");
 
   // The switch goes after the selector (the stream's current dependencies), by hand: stream capture
