@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p p2pshared fused sanitize fusedbench profile layer baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer baseline probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +17,7 @@ logs="${OUT:-build/cuda/gpu_check}"
 mkdir -p "$logs"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 # The default: everything that fits a call's time; with several GPUs also the PyTorch baseline.
-default_stages="build tests p2p nccl kernels bench bench1"
+default_stages="build tests p2p graphs nccl kernels bench bench1"
 [ "$gpus" -ge 2 ] && default_stages="$default_stages baseline"
 stages="${LMOE_CHECK_STAGES:-$default_stages}"
 started=$(date +%s)
@@ -57,11 +57,27 @@ if wants tests; then
   # the fused tier (so that its soak does not run twice).
   excluded='P2p*:*p2p*'
   wants fused && excluded="$excluded:Fused*:*FusedParity*"
+  wants graphs && excluded="$excluded:*DeviceToken*"
   gtest cuda_tests 300 build/cuda/tests/lmoe_cuda_tests "-$excluded"
 fi
 
 if wants p2p; then
-  gtest p2p_tests 240 build/cuda/tests/lmoe_cuda_tests 'P2p*:*p2p*'
+  p2p_filter='P2p*:*p2p*'
+  wants graphs && p2p_filter="$p2p_filter:-*DeviceToken*"
+  gtest p2p_tests 240 build/cuda/tests/lmoe_cuda_tests "$p2p_filter"
+fi
+
+if wants graphs; then
+  # One CUDA graph for every T (docs/graphs.md), in a process of its own: NCCL reads
+  # NCCL_GRAPH_MIXING_SUPPORT (which the tests set to 0) once, when it first initializes.
+  gtest graphs_tests 400 build/cuda/tests/lmoe_cuda_tests '*DeviceToken*'
+  for mode in graph device-tokens; do
+    stage "lmoe bench --mode $mode (tp 1, p2p)"
+    timeout 150 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --mode "$mode" -t 1,2,4,8,16,32,64,128,256,512 --check-max-tokens 16 \
+      --json "$logs/graphs_$mode.json" >"$logs/graphs_$mode.log" 2>"$logs/graphs_$mode.err"
+    rc[graphs_$mode]=$?
+    cat "$logs/graphs_$mode.log"; tail -3 "$logs/graphs_$mode.err"
+  done
 fi
 
 if wants p2pshared; then

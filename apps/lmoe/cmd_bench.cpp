@@ -439,7 +439,8 @@ void add_bench_command(CLI::App& app) {
               kTimeDefinition +
               "\n  mode: graph = replays of one forward captured into a CUDA graph; eager = one "
               "LatentTail::forward "
-              "per iteration\n  chosen: * marks the tier the policy picks at this T\n  " +
+              "per iteration; device-tokens = replays of one graph per tier captured around "
+              "LatentTail::forward_device_tokens, T written to the device (docs/graphs.md)\n  chosen: * marks the tier the policy picks at this T\n  " +
               kWrongDefinition +
               "\nExits non-zero when an element is wrong, ranks' outputs differ, a comm fails or "
               "(--check-table) a choice is slower than allowed, after printing everything.\n"

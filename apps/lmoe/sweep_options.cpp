@@ -28,7 +28,8 @@ void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
                  "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
   app.add_option(
          "--mode", mode,
-         "auto (graph where the comm is capturable and the workspaces persistent), graph or eager")
+         "auto (graph where the comm is capturable and the workspaces persistent), graph, eager or "
+         "device-tokens (one graph per tier for every T, T read on the device)")
       ->capture_default_str();
   app.add_option("--seed", seed, "seed of the weights and inputs")->capture_default_str();
 }

@@ -55,6 +55,14 @@ struct TailOptions {
 
 class TailExecutor;
 
+// A range of T that LatentTail::forward_device_tokens runs alike: every T in [min_tokens,
+// max_tokens] runs `tier` on max_tokens rows (the fused tier reads T itself and runs T rows).
+struct DeviceTokenBucket {
+  std::int64_t min_tokens = 0, max_tokens = 0;
+  std::optional<TailTier> tier;  // nullopt: no tier runs these T (a replay with one runs nothing and records an error)
+  std::string reason;            // why no tier (empty when one runs)
+};
+
 class LatentTail {
  public:
   // norm_weight: l values ([l] or [1, l]); up_proj_weight: [d, l] (row-major, out × in). Both in
@@ -84,6 +92,29 @@ class LatentTail {
   // the policy's choice. Returns the tier that ran; nullopt for T = 0, which runs nothing.
   std::optional<TailTier> forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
                    std::optional<TailTier> tier = std::nullopt, StreamHandle stream = nullptr);
+
+  // The tail with T read on the device (cuda backend, TailOptions::max_tokens = M > 0; docs/graphs.md):
+  // routed [M, l], shared [M, d] and out [M, d] hold M rows, and T is *tokens_device (int32, device
+  // memory) when the work runs, so that a CUDA graph captured around this call replays correctly for
+  // any 0 ≤ T ≤ M written there before each replay. T runs in its bucket (device_token_buckets):
+  // rows < T of out get the tail; rows in [T, bucket's max_tokens) of out and shared hold
+  // unspecified values; rows from the bucket's max_tokens on are not touched. T = 0 runs nothing.
+  // `tier`: that tier in every bucket where it can run (none elsewhere), else the policy's choice.
+  //   Under capture: host work only (validation, the ranks' agreement exchange): a selector kernel
+  //   and one conditional body per bucket. A replay whose T is outside [0, M], or in a bucket no tier
+  //   runs, runs nothing and records the error for check_device_tokens().
+  //   Outside capture: reads T with one copy to the host (waits for the stream) and runs what a
+  //   replay would; a T it cannot run throws on every rank. The first such call also runs every
+  //   bucket's GEMMs once, which a capture cannot do: call it once before capturing.
+  void forward_device_tokens(ConstMatrixView routed, MatrixView shared, MatrixView out,
+                             const std::int32_t* tokens_device, std::optional<TailTier> tier = std::nullopt,
+                             StreamHandle stream = nullptr);
+  // The buckets forward_device_tokens runs, ascending, covering 1 … max_tokens.
+  std::vector<DeviceTokenBucket> device_token_buckets(std::optional<TailTier> tier = std::nullopt) const;
+  // Throws lmoe::Error when a replay since the last check read a T it could not run (and ran
+  // nothing), naming T; clears the record. forward and forward_device_tokens check first. Does not
+  // wait for the GPU: synchronize with the replays' stream before.
+  void check_device_tokens();
 
  private:
   struct Impl;

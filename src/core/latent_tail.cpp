@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <set>
 #include <vector>
 
+#include "core/device_token_buckets.hpp"
 #include "core/rank_agreement.hpp"
 #include "core/tail_executor.hpp"
 #include "core/validation.hpp"
@@ -52,7 +55,66 @@ struct LatentTail::Impl {
   bool exchange_records() const {
     return options.check_ranks_agree && comm.size() > 1;
   }
+
+  // forward_device_tokens: buckets per forced tier (key: the tier's index, -1 for the policy), made
+  // once (the policy does not change after construction), and the keys whose GEMMs have run.
+  mutable std::map<int, std::vector<DeviceTokenBucket>> device_buckets;
+  std::set<int> device_warmed;
+
+#ifdef LMOE_HAS_CUDA
+  DeviceTokensRunner* device_tokens() const { return dynamic_cast<DeviceTokensRunner*>(executor.get()); }
+#endif
+
+  // Why the backend cannot run `tier` with T read on the device; nullopt when it can.
+  std::optional<std::string> device_tokens_limit(TailTier tier) const {
+#ifdef LMOE_HAS_CUDA
+    if (const DeviceTokensRunner* runner = device_tokens()) return runner->device_tokens_limit(tier);
+#endif
+    (void)tier;
+    return "the " + std::string(backend_name(options.backend)) + " backend reads T on the host only";
+  }
+
+  // What a replay could not run since the last check, as the error message; clears the record.
+  std::optional<std::string> device_tokens_failure() {
+#ifdef LMOE_HAS_CUDA
+    if (DeviceTokensRunner* runner = device_tokens()) {
+      if (const auto failure = runner->take_device_tokens_failure()) {
+        std::string text = "a run with T read on the device read T=" + std::to_string(failure->tokens);
+        if (failure->out_of_range) {
+          text += ", outside [0, max_tokens=" + std::to_string(options.max_tokens) + "]";
+        } else {
+          text += ", which no tier runs here";
+          for (const auto& [key, buckets] : device_buckets) {
+            for (const DeviceTokenBucket& bucket : buckets) {
+              if (!bucket.tier && failure->tokens >= bucket.min_tokens && failure->tokens <= bucket.max_tokens) {
+                text += " (" + bucket.reason + ")";
+                break;
+              }
+            }
+          }
+        }
+        return text + "; it ran nothing (out untouched)";
+      }
+    }
+#endif
+    return std::nullopt;
+  }
 };
+
+std::vector<DeviceTokenBucket> make_device_token_buckets(
+    std::int64_t max_tokens, const std::function<DeviceTokenChoice(std::int64_t)>& choose) {
+  std::vector<DeviceTokenBucket> buckets;
+  const auto power_of_two = [](std::int64_t n) { return n > 0 && (n & (n - 1)) == 0; };
+  for (std::int64_t tokens = 1; tokens <= max_tokens; ++tokens) {
+    DeviceTokenChoice choice = choose(tokens);
+    if (buckets.empty() || choice.first != buckets.back().tier || power_of_two(tokens - 1)) {
+      buckets.push_back({tokens, tokens, choice.first, choice.first ? std::string() : std::move(choice.second)});
+    } else {
+      buckets.back().max_tokens = tokens;
+    }
+  }
+  return buckets;
+}
 
 LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
                        ConstMatrixView up_proj_weight)
@@ -172,8 +234,10 @@ const std::vector<std::string>& LatentTail::table_warnings() const { return impl
 std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
                                             std::optional<TailTier> tier, StreamHandle stream) {
   const std::int64_t tokens = routed.rows;
-  std::optional<std::string> error = validate_call(impl_->options, impl_->executor->memory_space(),
-                                                   routed, as_const(shared), as_const(out));
+  std::optional<std::string> error = impl_->device_tokens_failure();
+  if (!error) {
+    error = validate_call(impl_->options, impl_->executor->memory_space(), routed, as_const(shared), as_const(out));
+  }
   std::optional<TailTier> chosen;
   if (!error && tokens > 0) {
     if (tier) {
@@ -214,6 +278,134 @@ std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView s
   if (tokens == 0) return std::nullopt;
   impl_->executor->run(*chosen, routed, shared, out, stream);
   return chosen;
+}
+
+}  // namespace lmoe
+
+namespace lmoe {
+
+std::vector<DeviceTokenBucket> LatentTail::device_token_buckets(std::optional<TailTier> tier) const {
+  const std::int64_t max_tokens = impl_->options.max_tokens;
+  const int key = tier ? static_cast<int>(*tier) : -1;
+  if (const auto found = impl_->device_buckets.find(key); found != impl_->device_buckets.end()) return found->second;
+  const auto choose = [&](std::int64_t tokens) -> DeviceTokenChoice {
+    TierSupport can = support(tokens);
+    for (TailTier each : kAllTiers) {
+      auto& declined = can.declined[static_cast<std::size_t>(each)];
+      if (declined) continue;
+      if (auto limit = impl_->device_tokens_limit(each)) declined = "with T read on the device: " + *limit;
+    }
+    if (tier) {
+      if (const auto& declined = can.declined[static_cast<std::size_t>(*tier)]) {
+        return {std::nullopt, "tier " + std::string(tier_name(*tier)) + " cannot run T=" + std::to_string(tokens) +
+                                  ": " + *declined};
+      }
+      return {tier, {}};
+    }
+    TierDecision decision = lmoe::decide(tokens, impl_->options.policy, can);
+    return {decision.tier, decision.summary};
+  };
+  std::vector<DeviceTokenBucket> buckets = make_device_token_buckets(max_tokens, choose);
+  impl_->device_buckets[key] = buckets;
+  return buckets;
+}
+
+void LatentTail::check_device_tokens() {
+  if (auto failure = impl_->device_tokens_failure()) throw Error(*failure);
+}
+
+void LatentTail::forward_device_tokens(ConstMatrixView routed, MatrixView shared, MatrixView out,
+                                       const std::int32_t* tokens_device, std::optional<TailTier> tier,
+                                       StreamHandle stream) {
+  const TailOptions& opts = impl_->options;
+  const std::int64_t max_tokens = opts.max_tokens;
+  std::optional<std::string> error = impl_->device_tokens_failure();
+  if (!error && opts.backend != Backend::cuda) {
+    error = "forward_device_tokens needs the cuda backend, not " + std::string(backend_name(opts.backend));
+  }
+  if (!error && max_tokens <= 0) {
+    error = "forward_device_tokens needs TailOptions::max_tokens > 0 (the rows of its views), got " +
+            std::to_string(max_tokens);
+  }
+  if (!error && tokens_device == nullptr) error = "tokens_device: expected a device pointer to T (int32), got null";
+  if (!error) error = validate_call(opts, impl_->executor->memory_space(), routed, as_const(shared), as_const(out));
+  if (!error && routed.rows != max_tokens) {
+    error = "routed: expected max_tokens=" + std::to_string(max_tokens) + " rows (T is read on the device), got " +
+            std::to_string(routed.rows) + " rows";
+  }
+
+  std::vector<DeviceTokenBucket> buckets;
+  bool capture = false;
+  std::int64_t tokens = -1;  // read on the host outside capture
+  const DeviceTokenBucket* bucket = nullptr;
+#ifdef LMOE_HAS_CUDA
+  DeviceTokensRunner* runner = error ? nullptr : impl_->device_tokens();
+  if (!error && runner == nullptr) error = "forward_device_tokens: this backend cannot read T on the device";
+  if (!error) {
+    buckets = device_token_buckets(tier);
+    if (std::none_of(buckets.begin(), buckets.end(), [](const DeviceTokenBucket& b) { return b.tier.has_value(); })) {
+      error = "forward_device_tokens: no tier can run any T up to max_tokens=" + std::to_string(max_tokens) +
+              " with T read on the device (T=1: " + buckets.front().reason + ")";
+    }
+  }
+  if (!error) {
+    // The fused kernel's vector accesses need aligned buffers: asked of every tier that may run.
+    for (const DeviceTokenBucket& b : buckets) {
+      if (!b.tier) continue;
+      if (auto limit = impl_->executor->call_limit(*b.tier, routed, as_const(shared), as_const(out))) {
+        error = "tier " + std::string(tier_name(*b.tier)) + " cannot run on these buffers: " + *limit;
+        break;
+      }
+    }
+  }
+  if (!error) {
+    capture = runner->capturing(stream);
+    if (!capture) {
+      tokens = runner->read_device_tokens(tokens_device, stream);
+      if (tokens < 0 || tokens > max_tokens) {
+        error = "T=" + std::to_string(tokens) + " read from tokens_device is outside [0, max_tokens=" +
+                std::to_string(max_tokens) + "]";
+      } else if (tokens > 0) {
+        bucket = &*std::find_if(buckets.begin(), buckets.end(),
+                                [&](const DeviceTokenBucket& b) { return tokens <= b.max_tokens; });
+        if (!bucket->tier) error = "T=" + std::to_string(tokens) + " read from tokens_device: " + bucket->reason;
+      }
+    }
+  }
+#else
+  (void)tokens_device;
+  (void)tier;
+  (void)stream;
+  if (!error) error = "forward_device_tokens: the cuda backend is not built";
+#endif
+
+  // Under capture the ranks agree on the call's shape (T is not known yet); outside it, on T too.
+  if (impl_->exchange_records()) {
+    RankRecord mine;
+    mine.config_hash = impl_->config_hash;
+    mine.num_tokens = capture ? -max_tokens : tokens;
+    mine.tier = bucket && bucket->tier ? static_cast<std::int32_t>(*bucket->tier) : -1;
+    mine.ok = error ? 0 : 1;
+    set_text(mine, error ? *error : impl_->config_text);
+    throw_if_ranks_disagree(exchange(impl_->comm, mine), "configuration");
+  } else if (error) {
+    throw Error(*error);
+  }
+
+#ifdef LMOE_HAS_CUDA
+  if (capture) {
+    runner->capture_buckets(buckets, routed, shared, out, tokens_device, stream);
+    return;
+  }
+  const int key = tier ? static_cast<int>(*tier) : -1;
+  if (impl_->device_warmed.insert(key).second) runner->warm_up_buckets(buckets, stream);
+  if (tokens == 0) return;
+  const auto rows = [&](auto view) {
+    view.rows = bucket->max_tokens;
+    return view;
+  };
+  runner->run_bucket(*bucket->tier, rows(routed), rows(shared), rows(out), tokens_device, stream);
+#endif
 }
 
 }  // namespace lmoe

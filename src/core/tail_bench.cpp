@@ -70,13 +70,19 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
 }
 
 std::string_view bench_mode_name(BenchMode mode) {
-  return mode == BenchMode::graph ? "graph" : "eager";
+  switch (mode) {
+    case BenchMode::eager: return "eager";
+    case BenchMode::graph: return "graph";
+    case BenchMode::device_tokens: return "device-tokens";
+  }
+  return "eager";
 }
 
 BenchMode parse_bench_mode(std::string_view name) {
   if (name == "eager") return BenchMode::eager;
   if (name == "graph") return BenchMode::graph;
-  throw Error("unknown bench mode '" + std::string(name) + "': expected eager or graph");
+  if (name == "device-tokens") return BenchMode::device_tokens;
+  throw Error("unknown bench mode '" + std::string(name) + "': expected eager, graph or device-tokens");
 }
 
 std::vector<std::int64_t> default_bench_tokens(Backend backend) {
@@ -106,8 +112,9 @@ void validate_bench_options(const BenchOptions& options) {
              "bench: dims: expected positive d_model and d_latent, got " +
                  std::to_string(options.dims.d_model) + " and " +
                  std::to_string(options.dims.d_latent));
-  LMOE_CHECK(!(options.backend == Backend::cpu && options.mode == BenchMode::graph),
-             "bench: mode graph needs the cuda backend (the cpu backend has no graphs)");
+  LMOE_CHECK(!(options.backend == Backend::cpu && options.mode && *options.mode != BenchMode::eager),
+             "bench: mode " + std::string(bench_mode_name(options.mode.value_or(BenchMode::eager))) +
+                 " needs the cuda backend (the cpu backend has no graphs)");
   const std::vector<std::string> available = comm_backends(options.backend);
   std::string names;
   for (const std::string& name : available) names += (names.empty() ? "" : ", ") + name;
@@ -168,6 +175,11 @@ ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, st
     why_not = "comm '" + comm_name + "' cannot be captured (it synchronizes on the host)";
   }
   if (options.mode == BenchMode::eager) return {BenchMode::eager, "eager mode requested"};
+  if (options.mode == BenchMode::device_tokens) {
+    if (why_not) throw Error("bench: device-tokens mode cannot run: " + *why_not);
+    return {BenchMode::device_tokens, "one graph per tier for every T (read on the device), workspaces sized for T=" +
+                                          std::to_string(max_tokens)};
+  }
   if (!why_not) {
     return {BenchMode::graph,
             "comm '" + comm_name +
@@ -258,8 +270,16 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
       const Job& job = jobs[j];
       JobSlot& slot = slots[j];
       if (rank == 0) meter.report(first_progress_index + j, comm_name, job.tokens, job.tier);
-      const std::optional<std::string> declined =
-          tail.support(job.tokens).declined[static_cast<std::size_t>(job.tier)];
+      std::optional<std::string> declined = tail.support(job.tokens).declined[static_cast<std::size_t>(job.tier)];
+      if (!declined && mode.mode == BenchMode::device_tokens) {
+        // The tier's buckets with T read on the device (a bucket without it: the reason).
+        for (const DeviceTokenBucket& bucket : tail.device_token_buckets(job.tier)) {
+          if (job.tokens <= bucket.max_tokens) {
+            if (!bucket.tier) declined = bucket.reason;
+            break;
+          }
+        }
+      }
       if (rank == 0) {
         slot.declined = declined;
         slot.chosen = tail.decide(job.tokens).tier == job.tier;

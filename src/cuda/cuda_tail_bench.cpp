@@ -3,6 +3,7 @@
 // (T, tier) captured into a CUDA graph and replayed.
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -51,7 +52,8 @@ class CudaBenchRank final : public BenchRank {
         routed_(bytes(max_tokens * dims_.d_latent)),
         shared_(bytes(max_tokens * dims_.d_model)),
         pristine_shared_(bytes(max_tokens * dims_.d_model)),
-        out_(bytes(max_tokens * dims_.d_model)) {
+        out_(bytes(max_tokens * dims_.d_model)),
+        tokens_device_(sizeof(std::int32_t)) {
     LMOE_CHECK(comm.memory_space() == MemorySpace::device,
                "bench: the cuda backend needs a device communicator, got '" +
                    std::string(comm.backend_name()) + "'");
@@ -78,12 +80,23 @@ class CudaBenchRank final : public BenchRank {
                                                dtype_, shared_seed, stream()),
                 "launch_fill_bench_values");
     restore_and_poison();
+    const auto value = static_cast<std::int32_t>(num_tokens);
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_device_.data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream()));
     quiesce();
   }
 
   void prepare(TailTier tier, BenchMode mode) override {
     tier_ = tier;
     graph_.reset();
+    device_tokens_ = mode == BenchMode::device_tokens;
+    if (device_tokens_ && !device_graphs_.contains(tier)) {
+      // Captured once per tier, for every T: one eager call first (it runs every bucket's GEMMs once).
+      quiesce();
+      device_forward();
+      quiesce();
+      device_graphs_[tier] = capture([&] { device_forward(); });
+      quiesce();
+    }
     if (mode == BenchMode::graph) {
       // One eager call first: ranks that share a GPU run each GEMM shape once outside any
       // collective there (cuda_tail_executor.cpp, warm_up_gemms); and no rank instantiates while a
@@ -91,7 +104,7 @@ class CudaBenchRank final : public BenchRank {
       quiesce();
       eager_forward();
       quiesce();
-      capture();
+      graph_ = capture([&] { eager_forward(); });
       quiesce();
     }
   }
@@ -167,8 +180,19 @@ class CudaBenchRank final : public BenchRank {
                   view(out_, dims_.d_model), tier_, stream());
   }
 
+  // T read on the device (tokens_device_), the views holding every row of the buffers.
+  void device_forward() {
+    MatrixView routed = view(routed_, dims_.d_latent), shared = view(shared_, dims_.d_model),
+               out = view(out_, dims_.d_model);
+    routed.rows = shared.rows = out.rows = max_tokens_;
+    tail_.forward_device_tokens(routed, shared, out, static_cast<const std::int32_t*>(tokens_device_.data()), tier_,
+                                stream());
+  }
+
   void forward() {
-    if (graph_) {
+    if (device_tokens_) {
+      LMOE_CUDA_CHECK(cudaGraphLaunch(device_graphs_.at(tier_).get(), stream()));
+    } else if (graph_) {
       LMOE_CUDA_CHECK(cudaGraphLaunch(graph_.get(), stream()));
     } else {
       eager_forward();
@@ -176,11 +200,12 @@ class CudaBenchRank final : public BenchRank {
   }
 
   // Thread-local capture: the other ranks' threads capture their own streams at the same time.
-  void capture() {
+  template <typename Forward>
+  UniqueGraphExec capture(Forward&& issue) {
     LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
     cudaGraph_t graph = nullptr;
     try {
-      eager_forward();
+      issue();
     } catch (...) {
       // End the capture so the stream is usable again; the forward's error is the one to report.
       if (cudaStreamEndCapture(stream(), &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
@@ -192,7 +217,7 @@ class CudaBenchRank final : public BenchRank {
     const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     LMOE_CUDA_CHECK(instantiated);
-    graph_.reset(exec);
+    return UniqueGraphExec(exec);
   }
 
   LatentTail& tail_;
@@ -207,6 +232,9 @@ class CudaBenchRank final : public BenchRank {
   UniqueStream stream_;
   std::vector<UniqueEvent> starts_, stops_;
   UniqueGraphExec graph_;  // graph mode: one forward of tier_ at tokens_
+  DeviceBuffer tokens_device_;  // device-tokens mode: T, written by load_inputs
+  std::map<TailTier, UniqueGraphExec> device_graphs_;  // device-tokens mode: one per tier, every T
+  bool device_tokens_ = false;
   std::int64_t tokens_ = 0;
   TailTier tier_ = TailTier::overlap;
 };

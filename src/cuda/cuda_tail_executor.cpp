@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <set>
 #include <utility>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "cuda/device_buffer.hpp"
 #include "cuda/fused_tail.hpp"
 #include "cuda/launchers.hpp"
+#include "cuda/token_switch.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -55,7 +58,21 @@ namespace {
 using cuda::check;
 using cuda::DeviceBuffer;
 
-class CudaTailExecutor final : public TailExecutor {
+// A stream that only captures (a conditional body's work): destroyed without a synchronize, which
+// the parent capture in progress would not allow; it never ran anything.
+class CaptureStream {
+ public:
+  CaptureStream() { LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~CaptureStream() { cudaStreamDestroy(stream_); }
+  CaptureStream(const CaptureStream&) = delete;
+  CaptureStream& operator=(const CaptureStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
  public:
   CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, float eps, ConstMatrixView norm_weight,
                    ConstMatrixView up_proj_weight, std::int64_t max_tokens)
@@ -83,6 +100,14 @@ class CudaTailExecutor final : public TailExecutor {
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
+    // Where replays with T read on the device record what they could not run, and where that T is
+    // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
+    void* mapped = nullptr;
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
+    token_mapped_.reset(mapped);
+    std::memset(mapped, 0, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
+    token_status_ = static_cast<cuda::TokenSwitchStatus*>(mapped);
+    tokens_read_back_ = reinterpret_cast<std::int32_t*>(token_status_ + 1);
     if (fixed_capacity_) allocate_workspaces(max_tokens);
 
     if (const auto* peers = dynamic_cast<const P2pPeerAccess*>(&comm)) spinning_peers_share_gpu_ = peers->ranks_on_my_gpu() > 1;
@@ -129,26 +154,108 @@ class CudaTailExecutor final : public TailExecutor {
            StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    LMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) {
-      LMOE_CHECK(fixed_capacity_, "capturing a forward in a CUDA graph needs TailOptions::max_tokens > 0 "
-                                  "(workspaces allocated once, at construction)");
-      LMOE_CHECK(comm_.graph_capturable(), "the '" + std::string(comm_.backend_name()) +
-                                               "' communicator synchronizes on the host and cannot be captured in a "
-                                               "CUDA graph; use p2p or nccl");
-    }
+    const bool captured = capturing(stream);
+    if (captured) check_capturable();
     if (tier != TailTier::fused) reserve(routed.rows, stream);  // fused has its own fixed workspace
-    if (spinning_peers_share_gpu_ && capture == cudaStreamCaptureStatusNone && tier != TailTier::fused &&
+    if (spinning_peers_share_gpu_ && !captured && tier != TailTier::fused &&
         warmed_.insert({tier, routed.rows}).second) {
       warm_up_gemms(tier, routed.rows, stream);
     }
-    switch (tier) {
-      case TailTier::overlap: return run_overlap(routed, shared, out, stream);
-      case TailTier::column: return run_column(routed, shared, out, stream);
-      case TailTier::token: return run_token(routed, shared, out, stream);
-      case TailTier::fused: return run_fused(routed, shared, out, stream);
+    run_tier(tier, routed, shared, out, stream, side_stream_, nullptr);
+  }
+
+  // ---- T read on the device (DeviceTokensRunner; docs/graphs.md) ----
+
+  std::optional<std::string> device_tokens_limit(TailTier tier) const override {
+    // NCCL makes every captured collective wait for its previous one through event nodes unless
+    // NCCL_GRAPH_MIXING_SUPPORT=0 (its default is 1); a conditional body cannot hold event nodes, and
+    // instantiation would fail. With one rank no collective is issued.
+    if (comm_.backend_name() == "nccl" && comm_.size() > 1 && tier != TailTier::fused) {
+      const char* mixing = std::getenv("NCCL_GRAPH_MIXING_SUPPORT");
+      if (mixing == nullptr || std::string(mixing) != "0") {
+        return "over NCCL with tp > 1, captured collectives carry event-wait nodes (NCCL_GRAPH_MIXING_SUPPORT=" +
+               std::string(mixing ? mixing : "1 (default)") +
+               "), which a CUDA graph conditional body cannot hold; set NCCL_GRAPH_MIXING_SUPPORT=0 before "
+               "NCCL is initialized";
+      }
     }
+    return std::nullopt;
+  }
+
+  bool capturing(StreamHandle stream_handle) const override {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    LMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream_or_default(stream_handle), &capture));
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  std::int64_t read_device_tokens(const std::int32_t* tokens_device, StreamHandle stream_handle) override {
+    LMOE_CUDA_CHECK(cudaSetDevice(device_));
+    const cudaStream_t stream = cuda::stream_or_default(stream_handle);
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_read_back_, tokens_device, sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream));
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return *tokens_read_back_;
+  }
+
+  void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets, StreamHandle stream_handle) override {
+    LMOE_CUDA_CHECK(cudaSetDevice(device_));
+    const cudaStream_t stream = cuda::stream_or_default(stream_handle);
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+    comm_.barrier();
+    for (const DeviceTokenBucket& bucket : buckets) {
+      if (!bucket.tier || *bucket.tier == TailTier::fused) continue;
+      reserve(bucket.max_tokens, stream);
+      if (warmed_.insert({*bucket.tier, bucket.max_tokens}).second) issue_gemms(*bucket.tier, bucket.max_tokens, stream);
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    comm_.barrier();
+  }
+
+  void run_bucket(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
+                  const std::int32_t* tokens_device, StreamHandle stream_handle) override {
+    LMOE_CUDA_CHECK(cudaSetDevice(device_));
+    const cudaStream_t stream = cuda::stream_or_default(stream_handle);
+    if (tier != TailTier::fused) reserve(routed.rows, stream);
+    run_tier(tier, routed, shared, out, stream, side_stream_, tokens_device);
+  }
+
+  void capture_buckets(const std::vector<DeviceTokenBucket>& buckets, ConstMatrixView routed, MatrixView shared,
+                       MatrixView out, const std::int32_t* tokens_device, StreamHandle stream_handle) override {
+    LMOE_CUDA_CHECK(cudaSetDevice(device_));
+    const cudaStream_t stream = cuda::stream_or_default(stream_handle);
+    check_capturable();
+    // A GEMM shape's first launch may load a module, which fails a capture: every bucket's shapes
+    // must have run once before (warm_up_buckets, from the first eager call).
+    for (const DeviceTokenBucket& bucket : buckets) {
+      if (bucket.tier && *bucket.tier != TailTier::fused && !warmed_.contains({*bucket.tier, bucket.max_tokens})) {
+        throw Error("forward_device_tokens: bucket T in [" + std::to_string(bucket.min_tokens) + ", " +
+                    std::to_string(bucket.max_tokens) + "] (" + std::string(tier_name(*bucket.tier)) +
+                    ") has not run outside capture; call forward_device_tokens once before capturing it "
+                    "(that call runs every bucket's GEMMs once, which a capture cannot)");
+      }
+    }
+    // The bodies are captured on streams of their own, alive only for the capture: the caller's
+    // stream is capturing the parent graph, and the executor's side stream may be part of that
+    // capture too (an earlier forward in it). No stream beyond the rank's usual ones stays alive
+    // while collectives spin (docs/p2p.md: streams beyond the GPU's queues share one).
+    const CaptureStream body_stream, body_side_stream;
+    std::vector<cuda::TokenSwitchBucket> switch_buckets;
+    for (const DeviceTokenBucket& bucket : buckets) switch_buckets.push_back({bucket.max_tokens, bucket.tier.has_value()});
+    cuda::capture_token_switch(
+        stream, body_stream.get(), tokens_device, routed.rows, switch_buckets, token_status_,
+        [&](std::size_t i, cudaStream_t body) {
+          const std::int64_t rows = buckets[i].max_tokens;
+          run_tier(*buckets[i].tier, first_rows(routed, rows), first_rows(shared, rows), first_rows(out, rows), body,
+                   body_side_stream.get(), tokens_device);
+        });
+  }
+
+  std::optional<Failure> take_device_tokens_failure() override {
+    const std::int32_t code = token_status_->code;
+    if (code == cuda::kTokenSwitchOk) return std::nullopt;
+    const Failure failure{code == cuda::kTokenSwitchOutOfRange, token_status_->tokens};
+    token_status_->code = cuda::kTokenSwitchOk;
+    return failure;
   }
 
  private:
@@ -156,6 +263,31 @@ class CudaTailExecutor final : public TailExecutor {
   std::size_t bytes(std::int64_t elements) const { return static_cast<std::size_t>(elements) * esize_; }
   const void* w_up_rows(std::int64_t first_row) const { return w_up_.at(bytes(first_row * dims_.d_latent)); }
   static void* offset(void* base, std::size_t byte_offset) { return static_cast<std::byte*>(base) + byte_offset; }
+  template <typename View>
+  static View first_rows(View view, std::int64_t rows) {
+    view.rows = rows;
+    return view;
+  }
+
+  void check_capturable() const {
+    LMOE_CHECK(fixed_capacity_, "capturing a forward in a CUDA graph needs TailOptions::max_tokens > 0 "
+                                "(workspaces allocated once, at construction)");
+    LMOE_CHECK(comm_.graph_capturable(), "the '" + std::string(comm_.backend_name()) +
+                                             "' communicator synchronizes on the host and cannot be captured in a "
+                                             "CUDA graph; use p2p or nccl");
+  }
+
+  // `side` is the overlap tier's second stream: the executor's own, or inside a conditional body's
+  // capture one that takes part in no other capture. tokens_device: T for the fused kernel to read.
+  void run_tier(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
+                cudaStream_t side, const std::int32_t* tokens_device) {
+    switch (tier) {
+      case TailTier::overlap: return run_overlap(routed, shared, out, stream, side);
+      case TailTier::column: return run_column(routed, shared, out, stream);
+      case TailTier::token: return run_token(routed, shared, out, stream);
+      case TailTier::fused: return run_fused(routed, shared, out, stream, tokens_device);
+    }
+  }
 
   // Workspaces for up to `tokens` rows. Without max_tokens they grow on demand, which waits for the
   // stream's earlier work (the old buffers may still be in use); with it they never move.
@@ -189,6 +321,13 @@ class CudaTailExecutor final : public TailExecutor {
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
     comm_.barrier();
+    issue_gemms(tier, tokens, stream);
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    comm_.barrier();
+  }
+
+  // The GEMMs of `tier` at T = tokens on this rank's workspaces (which the call overwrites anyway).
+  void issue_gemms(TailTier tier, std::int64_t tokens, cudaStream_t stream) {
     const std::int64_t width = stripe_width();
     switch (tier) {
       case TailTier::overlap:
@@ -207,8 +346,6 @@ class CudaTailExecutor final : public TailExecutor {
       }
       case TailTier::fused: break;
     }
-    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    comm_.barrier();
   }
 
   // Where round(Σ_r x_r) of `count` elements is: all-reduced into `dst`, or with one rank x itself
@@ -242,15 +379,15 @@ class CudaTailExecutor final : public TailExecutor {
   // all-reduce runs on the side stream while the main stream does the norm and GEMM. It starts only
   // after the latent all-reduce has finished: a communicator runs one collective at a time (the P2P
   // workspace holds one round in flight; NCCL serializes a communicator's operations).
-  void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
+  void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream, cudaStream_t side) {
     const std::int64_t tokens = routed.rows;
     const void* latent = reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    const void* shared_sum = reduced(shared.data, shared_sum_.data(), tokens * dims_.d_model, side_stream_);
+    LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
+    const void* shared_sum = reduced(shared.data, shared_sum_.data(), tokens * dims_.d_model, side);
     norm(latent, tokens, stream);
     up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
-    LMOE_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    LMOE_CUDA_CHECK(cudaEventRecord(join_, side));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
     check(cuda::launch_add(up_.data(), shared_sum, out.data, tokens * dims_.d_model, dtype_, stream), "launch_add");
   }
@@ -299,9 +436,11 @@ class CudaTailExecutor final : public TailExecutor {
   }
 
   // fused: one kernel per rank (cuda/fused_tail.cuh); can_implement has declined where it cannot run.
-  void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
+  // With tokens_device the kernel reads T there (≤ the views' rows, which pick its shape).
+  void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
+                 const std::int32_t* tokens_device) {
     LMOE_CHECK(fused_ != nullptr, "fused cannot run here: " + fused_unavailable_.value_or("(no reason recorded)"));
-    fused_->run(routed.data, shared.data, out.data, routed.rows, stream);
+    fused_->run(routed.data, shared.data, out.data, routed.rows, stream, tokens_device);
   }
 
   Communicator& comm_;
@@ -326,6 +465,13 @@ class CudaTailExecutor final : public TailExecutor {
   std::optional<std::string> fused_unavailable_;
   bool spinning_peers_share_gpu_ = false;              // p2p ranks on this GPU besides this one
   std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
+  // forward_device_tokens: the replays' failure record (host-mapped) with the eager read-back of T.
+  struct PinnedFree {
+    void operator()(void* p) const { cudaFreeHost(p); }
+  };
+  std::unique_ptr<void, PinnedFree> token_mapped_;
+  cuda::TokenSwitchStatus* token_status_ = nullptr;
+  std::int32_t* tokens_read_back_ = nullptr;
 };
 
 }  // namespace

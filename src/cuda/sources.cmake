@@ -10,6 +10,8 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_communicator.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_process.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_executor.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/token_switch.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/token_switch_select.cu
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_runner.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_device_info.cpp

@@ -485,6 +485,7 @@ class BenchCommand(unittest.TestCase):
             (["--warmup", "-1"], "--warmup: expected >= 0"),
             (["--check-max-tokens", "-5"], "--check-max-tokens: expected >= 0, got -5"),
             (["--mode", "lazy"], "--mode: unknown bench mode 'lazy'"),
+            (["--mode", "device-tokens"], "mode device-tokens needs the cuda backend"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):

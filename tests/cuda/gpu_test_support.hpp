@@ -1,5 +1,5 @@
 // What every GPU test file needs: a clean skip where no GPU is visible, CUDA calls checked, and
-// random inputs for the collectives.
+// random inputs for the collectives, and scoped environment variables.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,7 +7,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_tail_executor.hpp"
@@ -30,3 +33,28 @@ inline std::vector<std::byte> random_values(std::size_t count, lmoe::DType dtype
   for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
   return bytes;
 }
+// An environment variable set (or, with a null value, unset) for one scope, then restored.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* previous = std::getenv(name)) previous_ = previous;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (previous_) {
+      setenv(name_, previous_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> previous_;
+};

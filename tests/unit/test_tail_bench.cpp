@@ -245,6 +245,8 @@ TEST(TailBench, BadOptionsNameTheOption) {
   options = small_options(2, {1});
   options.mode = lmoe::BenchMode::graph;
   EXPECT_THAT(message_of(options), HasSubstr("graph needs the cuda backend"));
+  options.mode = lmoe::BenchMode::device_tokens;
+  EXPECT_THAT(message_of(options), HasSubstr("device-tokens needs the cuda backend"));
   EXPECT_THROW(lmoe::run_tail_bench(options), lmoe::Error);
 }
 
@@ -264,6 +266,8 @@ TEST(BenchMode, NamesRoundTrip) {
   EXPECT_EQ(lmoe::parse_bench_mode("graph"), lmoe::BenchMode::graph);
   EXPECT_EQ(lmoe::parse_bench_mode("eager"), lmoe::BenchMode::eager);
   EXPECT_EQ(lmoe::bench_mode_name(lmoe::BenchMode::graph), "graph");
+  EXPECT_EQ(lmoe::parse_bench_mode("device-tokens"), lmoe::BenchMode::device_tokens);
+  EXPECT_EQ(lmoe::bench_mode_name(lmoe::BenchMode::device_tokens), "device-tokens");
   EXPECT_THROW(lmoe::parse_bench_mode("lazy"), lmoe::Error);
 }
 
