@@ -110,7 +110,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     tokens_read_back_ = reinterpret_cast<std::int32_t*>(token_status_ + 1);
     if (fixed_capacity_) allocate_workspaces(max_tokens);
 
-    if (const auto* peers = dynamic_cast<const P2pPeerAccess*>(&comm)) spinning_peers_share_gpu_ = peers->ranks_on_my_gpu() > 1;
+    // Every p2p rank with peers: they spin on the device, on this GPU or another (warm_up_gemms).
+    spinning_peers_ = comm.size() > 1 && dynamic_cast<const P2pPeerAccess*>(&comm) != nullptr;
 
     // The fused kernel, where this communicator and these dims allow it (collective with several
     // ranks: every rank reaches this point, and decides the same).
@@ -157,7 +158,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     const bool captured = capturing(stream);
     if (captured) check_capturable();
     if (tier != TailTier::fused) reserve(routed.rows, stream);  // fused has its own fixed workspace
-    if (spinning_peers_share_gpu_ && !captured && tier != TailTier::fused &&
+    if (spinning_peers_ && !captured && tier != TailTier::fused &&
         warmed_.insert({tier, routed.rows}).second) {
       warm_up_gemms(tier, routed.rows, stream);
     }
@@ -309,9 +310,12 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     capacity_ = rows;
   }
 
-  // Ranks that share a GPU and spin on each other (p2p): a cuBLASLt GEMM launched for the first time
-  // in a shape waits for the GPU's running kernels, i.e. for a peer's round that waits for this rank
-  // (measured on an H200 with lmoe_spin_probe, whatever CUDA_MODULE_LOADING says). So the first call
+  // p2p ranks spin on each other: a cuBLASLt GEMM launched for the first time in a shape waits for
+  // the GPU's running kernels, i.e. for a peer's round that waits for this rank (measured on an H200
+  // with lmoe_spin_probe, ranks sharing the GPU, whatever CUDA_MODULE_LOADING says). With one GPU per
+  // rank it happens too (two H200s, 2026-11-29: the token tier's first GEMM of a new shape on one
+  // rank held back its all-gather while its peer spun in that all-gather on the other GPU, until the
+  // 10 s bound; inferred from which round timed out). So the first call
   // of a (tier, T) runs its GEMMs once while no rank is inside a collective: every rank finishes
   // its earlier work and meets the others, runs the GEMMs on its own workspaces (the call itself
   // overwrites them), and meets them again. Every rank takes this path at the same call (same T and
@@ -463,7 +467,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ
   std::unique_ptr<cuda::FusedTail> fused_;
   std::optional<std::string> fused_unavailable_;
-  bool spinning_peers_share_gpu_ = false;              // p2p ranks on this GPU besides this one
+  bool spinning_peers_ = false;                        // p2p peers, which spin on the device
   std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
   // forward_device_tokens: the replays' failure record (host-mapped) with the eager read-back of T.
   struct PinnedFree {

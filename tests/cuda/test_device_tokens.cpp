@@ -434,7 +434,11 @@ INSTANTIATE_TEST_SUITE_P(CommTpTier, DeviceTokens, ::testing::ValuesIn(device_to
 TEST(DeviceTokensNccl, MixingSupportDeclinesTheCollectiveTiers) {
   SKIP_WITHOUT_GPU();
   if (auto limit = lmoe::comm_group_limit("nccl", 2)) GTEST_SKIP() << *limit;
-  ScopedEnv mixing("NCCL_GRAPH_MIXING_SUPPORT", "1");
+  // NCCL reads the variable once per process, when it first initializes (measured: a process whose
+  // NCCL started with it at 1 captures event-wait nodes even after it is set to 0). So NCCL starts
+  // here with 0, as the other tests of this process need, and the variable reads 1 only while the
+  // buckets are asked for (by both ranks at once, with no write in between).
+  ScopedEnv zero("NCCL_GRAPH_MIXING_SUPPORT", "0");
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, kDtype, 2, 4, 5u);
   std::vector<std::vector<lmoe::DeviceTokenBucket>> buckets(2);
   lmoe::run_comm_group("nccl", 2, [&](int rank, lmoe::Communicator& comm) {
@@ -443,7 +447,14 @@ TEST(DeviceTokensNccl, MixingSupportDeclinesTheCollectiveTiers) {
     options.backend = lmoe::Backend::cuda;
     options.max_tokens = 16;
     lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+    std::optional<ScopedEnv> one;
+    comm.barrier();
+    if (rank == 0) one.emplace("NCCL_GRAPH_MIXING_SUPPORT", "1");
+    comm.barrier();
     buckets[static_cast<std::size_t>(rank)] = tail.device_token_buckets();
+    comm.barrier();
+    if (rank == 0) one.reset();
+    comm.barrier();
   });
   for (const auto& rank_buckets : buckets) {
     for (const lmoe::DeviceTokenBucket& bucket : rank_buckets) {
