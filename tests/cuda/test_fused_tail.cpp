@@ -41,32 +41,6 @@ const lmoe::TailDims kSmall{384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripe
 const lmoe::TailDims kK3{7168, 3584};
 const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
 
-// An environment variable set (or, with a null value, unset) for one scope, then restored.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* previous = std::getenv(name)) previous_ = previous;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
-
 // The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
 // which ranks spinning on each other need: these tests run p2p ranks on one GPU, opted in for the
 // duration of each test only (the library keeps p2p on a shared GPU opt-in, docs/p2p.md, and the
