@@ -78,9 +78,12 @@ class LatentMoELayer {
   void forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
                         StreamHandle stream = nullptr);
 
-  // On the cuda backend this waits for the last forward's timing events.
+  // On the cuda backend this waits for the last forward's timing events (a captured forward has
+  // none: all zero).
   const LayerStageTimes& last_times() const;
-  // The last forward's routing in host memory (both backends keep a host copy), or nullptr.
+  // The last forward's routing in host memory (both backends keep a host copy of an eager
+  // forward's; the cuda backend's device path reads it on request, waiting for the router), or
+  // nullptr (a forward captured in a CUDA graph keeps its routing on the device).
   const Routing* last_routing() const;
 
  private:

@@ -23,7 +23,7 @@
 #include <cstdint>
 
 #include "cuda/dtype.cuh"
-#include "cuda/layer_kernels.cuh"
+#include "cuda/activation.cuh"
 #include "cuda/warp_mma.cuh"
 
 namespace lmoe::cuda {

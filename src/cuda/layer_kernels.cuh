@@ -11,9 +11,9 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/activation.cuh"
 #include "cuda/dtype.cuh"
 #include "cuda/layer_kernels.hpp"
-#include "lmoe/dims.hpp"
 
 namespace lmoe::cuda {
 
@@ -38,8 +38,6 @@ __device__ inline bool ranks_before(float value_a, int index_a, float value_b, i
   if (!nan_a && value_a != value_b) return value_a > value_b;
   return index_a < index_b;
 }
-
-__device__ inline float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
 // One block per token. Shared memory: scores [E], biased [E], group scores [n_group], group
 // eligibility [n_group], the selected ids [k].
@@ -163,48 +161,6 @@ __global__ void gather_rows_kernel(const T* __restrict__ src, const std::int32_t
        i < count * cols; i += stride) {
     const std::int64_t row = i / cols, col = i - row * cols;
     dst[i] = src[static_cast<std::int64_t>(rows[row]) * cols + col];
-  }
-}
-
-// What the activation kernel needs of LayerConfig, by value.
-struct ActivationParams {
-  int kind;  // ExpertActivation: 0 silu_glu, 1 situ_glu, 2 relu2
-  float beta;
-  float linear_beta;
-};
-
-inline ActivationParams activation_params_of(const LayerConfig& config) {
-  ActivationParams params{};
-  switch (config.activation) {
-    case ExpertActivation::silu_glu:
-      params.kind = 0;
-      break;
-    case ExpertActivation::situ_glu:
-      params.kind = 1;
-      break;
-    case ExpertActivation::relu2:
-      params.kind = 2;
-      break;
-  }
-  params.beta = config.activation_beta;
-  params.linear_beta = config.activation_linear_beta;
-  return params;
-}
-
-__device__ inline float activate(const ActivationParams& p, float gate, float up) {
-  switch (p.kind) {
-    case 0:
-      return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
-    case 1: {
-      const float gated =
-          __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));
-      return __fmul_rn(gated, __fmul_rn(p.linear_beta, tanhf(__fdiv_rn(up, p.linear_beta))));
-    }
-    default: {
-      // std::max(up, 0.0f): keeps −0 and NaN, as the CPU does (fmaxf would not).
-      const float positive = up < 0.0f ? 0.0f : up;
-      return __fmul_rn(positive, positive);
-    }
   }
 }
 

@@ -171,7 +171,7 @@ TEST(DeviceSlotSort, MatchesTheHostSortOnCraftedRoutings) {
 TEST(DeviceSlotSort, MatchesTheHostSortOnRandomRoutings) {
   SKIP_WITHOUT_GPU();
   for (const std::int64_t tokens : {1, 7, 64, 300, 8192}) {
-    for (const auto [experts, top_k] : {std::pair<std::int64_t, std::int64_t>{896, 16}, {64, 22}, {1024, 32}, {40, 3}}) {
+    for (const auto& [experts, top_k] : {std::pair<std::int64_t, std::int64_t>{896, 16}, {64, 22}, {1024, 32}, {40, 3}}) {
       SCOPED_TRACE("T=" + std::to_string(tokens) + " E=" + std::to_string(experts) + " k=" + std::to_string(top_k));
       expect_same_order(random_routing(tokens, experts, top_k, static_cast<std::uint32_t>(tokens * 31 + experts)),
                         experts, top_k);
@@ -293,7 +293,8 @@ void expect_matches_fp64(const Problem& p, const GemmRun& run, const HostTensor&
           magnitude += std::abs(product);
         }
         const double got = run.c[r * p.n + col];
-        const double bound = 2.0 * static_cast<double>(p.k + 2) * kUnit * magnitude + rounding * std::abs(exact);
+        const double accumulation = 2.0 * static_cast<double>(p.k + 2) * kUnit * magnitude;
+        const double bound = accumulation + rounding * (std::abs(exact) + accumulation);
         if (!(std::abs(got - exact) <= bound) && ++bad <= 5) {
           ADD_FAILURE() << "group " << g << " row " << r << " col " << col << ": " << got << " vs " << exact
                         << " (bound " << bound << ")";
@@ -379,9 +380,9 @@ INSTANTIATE_TEST_SUITE_P(
                                          GemmShape{256, 448}),
                        ::testing::Bool()),
     [](const auto& info) {
-      const auto& [dtype, shape, gather] = info.param;
-      return std::string(lmoe::dtype_name(dtype)) + "_n" + std::to_string(shape.n) + "_k" + std::to_string(shape.k) +
-             (gather ? "_gather" : "");
+      const GemmShape shape = std::get<1>(info.param);
+      return std::string(lmoe::dtype_name(std::get<0>(info.param))) + "_n" + std::to_string(shape.n) + "_k" +
+             std::to_string(shape.k) + (std::get<2>(info.param) ? "_gather" : "");
     });
 
 TEST(GroupedGemm, DecodeShapedGroupsMatchFp64) {
