@@ -50,6 +50,7 @@ struct Settings : lmoe::bench::TimerSettings {
   std::string preset = "kimi-k3";
   int tp = 8;
   std::vector<std::int64_t> tokens = {1, 16, 128, 1024, 8192};
+  std::vector<std::string> tiles = {"automatic"};
   bool with_loop = true;
   std::string json_path;
 };
@@ -100,18 +101,18 @@ Grouping draw_grouping(std::int64_t tokens, std::int64_t experts, std::int64_t t
 }
 
 void print_header() {
-  std::printf("%-5s %6s %7s %7s %10s %10s %10s %9s %7s %9s %7s\n", "op", "T", "rows", "experts", "median_us",
+  std::printf("%-14s %6s %7s %7s %10s %10s %10s %9s %7s %9s %7s\n", "op", "T", "rows", "experts", "median_us",
               "p10_us", "p90_us", "GB/s", "%copy", "TFLOP/s", "%gemm");
 }
 
-void print_row(const char* op, std::int64_t tokens, std::int64_t rows, std::int64_t experts, const Timing& t,
+void print_row(const std::string& op, std::int64_t tokens, std::int64_t rows, std::int64_t experts, const Timing& t,
                double gbps, double pct_copy, double tflops, double pct_gemm) {
-  std::printf("%-5s %6lld %7lld %7lld %10.2f %10.2f %10.2f %9.0f %7.1f %9.1f %7.1f\n", op,
+  std::printf("%-14s %6lld %7lld %7lld %10.2f %10.2f %10.2f %9.0f %7.1f %9.1f %7.1f\n", op.c_str(),
               static_cast<long long>(tokens), static_cast<long long>(rows), static_cast<long long>(experts),
               t.median_us, t.p10_us, t.p90_us, gbps, pct_copy, tflops, pct_gemm);
 }
 
-Json row_json(const char* op, std::int64_t tokens, const Timing& t, double gbps, double tflops) {
+Json row_json(const std::string& op, std::int64_t tokens, const Timing& t, double gbps, double tflops) {
   return {{"op", op},         {"tokens", tokens},   {"median_us", t.median_us},   {"p10_us", t.p10_us},
           {"p90_us", t.p90_us}, {"GBps", gbps},     {"TFLOPs", tflops},           {"ops_per_graph", t.inner}};
 }
@@ -125,6 +126,19 @@ int run(const Settings& settings) {
   const std::int64_t l = config.d_latent, inter = config.expert_intermediate / settings.tp;
   const std::int64_t experts = config.router.num_experts, top_k = config.router.top_k;
   const bool gated = lmoe::is_gated(config.activation);
+  std::vector<lmoe::cuda::GroupedTile> tiles;
+  for (const std::string& name : settings.tiles) {
+    bool known = false;
+    for (const auto tile : {lmoe::cuda::GroupedTile::automatic, lmoe::cuda::GroupedTile::m16,
+                            lmoe::cuda::GroupedTile::m64, lmoe::cuda::GroupedTile::m128,
+                            lmoe::cuda::GroupedTile::m128_wide}) {
+      if (name == lmoe::cuda::grouped_tile_name(tile)) {
+        tiles.push_back(tile);
+        known = true;
+      }
+    }
+    LMOE_CHECK(known, "--tiles: expected automatic, m16, m64, m128 or m128_wide, got " + name);
+  }
 
   int device = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -232,31 +246,37 @@ int run(const Settings& settings) {
       const double down_flops = 2.0 * static_cast<double>(slots) * static_cast<double>(inter * l);
       const double down_bytes = active * static_cast<double>(matrix) * 2 +
                                 static_cast<double>(slots) * static_cast<double>(inter * 2 + l * 4);
-      auto report_row = [&](const char* op, const Timing& t, double flops, double bytes) {
+      auto report_row = [&](const std::string& op, const Timing& t, double flops, double bytes) {
         const double gbps = bytes / (t.median_us * 1e3), tflops = flops / (t.median_us * 1e6);
         print_row(op, tokens, slots, static_cast<std::int64_t>(active + 0.5), t, gbps, 100.0 * gbps / copy_gbps, tflops,
                   100.0 * tflops / gemm_tflops);
         report["rows"].push_back(row_json(op, tokens, t, gbps, tflops));
       };
 
-      const Timing t_up = timer.time([&](int i) {
-        lmoe::cuda::GroupedGemmArgs args = up;
-        args.a = z.data();
-        args.a_rows = static_cast<const std::int32_t*>(tokens_of_rows[i % sets].data());
-        args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
-        lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(up)");
-      });
-      report_row("up", t_up, up_flops, up_bytes);
-      const Timing t_down = timer.time([&](int i) {
-        lmoe::cuda::GroupedGemmArgs args = down;
-        args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
-        lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(down)");
-      });
-      report_row("down", t_down, down_flops, down_bytes);
+      for (const lmoe::cuda::GroupedTile tile : tiles) {
+        // The tile `automatic` resolves to is named in the row.
+        up.tile = down.tile = tile;
+        const std::string up_tile = lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(up));
+        const std::string down_tile = lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(down));
+        const Timing t_up = timer.time([&](int i) {
+          lmoe::cuda::GroupedGemmArgs args = up;
+          args.a = z.data();
+          args.a_rows = static_cast<const std::int32_t*>(tokens_of_rows[i % sets].data());
+          args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
+          lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(up)");
+        });
+        report_row("up:" + up_tile, t_up, up_flops, up_bytes);
+        const Timing t_down = timer.time([&](int i) {
+          lmoe::cuda::GroupedGemmArgs args = down;
+          args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
+          lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(down)");
+        });
+        report_row("down:" + down_tile, t_down, down_flops, down_bytes);
+      }
 
       if (settings.with_loop) {
         // The host path: per active expert, cuBLASLt on its padded rows (A already gathered).
-        const Timing t_loop = timer.time([&](int i) {
+        const auto loop = [&](int i) {
           const Grouping& g = groupings[i % sets];
           for (std::int64_t e = 0; e < experts; ++e) {
             const std::int64_t first = g.first[e], rows = g.first[e + 1] - first;
@@ -275,8 +295,11 @@ int run(const Settings& settings) {
                      static_cast<float*>(slot_out.data()) + first * l, l, rows, l, inter, DType::bf16, DType::f32,
                      stream);
           }
-        });
-        report_row("loop", t_loop, up_flops + down_flops, up_bytes + down_bytes);
+        };
+        // Every routing's shapes once outside the capture: cuBLASLt plans them on first use.
+        for (int s = 0; s < sets; ++s) loop(s);
+        LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        report_row("loop", timer.time(loop), up_flops + down_flops, up_bytes + down_bytes);
       }
     }
   }
@@ -298,6 +321,8 @@ int main(int argc, char** argv) {
   app.add_option("-t,--tokens", settings.tokens, "token counts")->delimiter(',');
   app.add_option("--repeats", settings.repeats, "timed graph launches per row (median, p10, p90)");
   app.add_option("--warmup", settings.warmup, "untimed graph launches per row");
+  app.add_option("--tiles", settings.tiles, "tiles to time: automatic, m16, m64, m128, m128_wide")
+      ->delimiter(',');
   app.add_flag("!--no-loop", settings.with_loop, "skip the per-expert cuBLASLt loop");
   app.add_option("--json", settings.json_path, "write the results as JSON");
   CLI11_PARSE(app, argc, argv);

@@ -16,6 +16,8 @@ using M64 = GroupedShape<64, 128, 2, 4, 4, false>;
 using M64Gated = GroupedShape<64, 64, 2, 4, 4, true>;
 using M128 = GroupedShape<128, 128, 2, 4, 4, false>;
 using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
+using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
+using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
 
 bool gated_call(const GroupedGemmArgs& args) { return args.out == GroupedOut::activation && args.b2 != nullptr; }
 
@@ -43,7 +45,8 @@ template <typename T>
 cudaError_t prepare_typed() {
   for (const cudaError_t status : {prepare_shape<T, M16>(), prepare_shape<T, M16Gated>(), prepare_shape<T, M64>(),
                                    prepare_shape<T, M64Gated>(), prepare_shape<T, M128>(),
-                                   prepare_shape<T, M128Gated>()}) {
+                                   prepare_shape<T, M128Gated>(), prepare_shape<T, M128Wide>(),
+                                   prepare_shape<T, M128WideGated>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
@@ -71,12 +74,26 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
       return gated ? launch_shape<T, M16Gated>(args, params, stream) : launch_shape<T, M16>(args, params, stream);
     case GroupedTile::m64:
       return gated ? launch_shape<T, M64Gated>(args, params, stream) : launch_shape<T, M64>(args, params, stream);
+    case GroupedTile::m128_wide:
+      return gated ? launch_shape<T, M128WideGated>(args, params, stream)
+                   : launch_shape<T, M128Wide>(args, params, stream);
     default:
       return gated ? launch_shape<T, M128Gated>(args, params, stream) : launch_shape<T, M128>(args, params, stream);
   }
 }
 
 }  // namespace
+
+const char* grouped_tile_name(GroupedTile tile) {
+  switch (tile) {
+    case GroupedTile::automatic: return "automatic";
+    case GroupedTile::m16: return "m16";
+    case GroupedTile::m64: return "m64";
+    case GroupedTile::m128: return "m128";
+    case GroupedTile::m128_wide: return "m128_wide";
+  }
+  return "?";
+}
 
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args) {
   if (args.dtype != DType::bf16 && args.dtype != DType::f16) {

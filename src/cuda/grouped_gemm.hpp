@@ -26,7 +26,12 @@ enum class GroupedOut { f32, rounded, activation };
 
 // The block tile's rows; automatic picks by the average rows per group (max_rows / max_groups):
 // m16 for decode (≤ 16 rows per expert: the weights dominate), m64, m128 for large batches.
-enum class GroupedTile { automatic, m16, m64, m128 };
+// m128_wide: 128 rows × twice m128's columns (warp tiles of 64 × 64: more MMAs per shared byte,
+// more registers); only when asked for, until measurements say where it wins.
+enum class GroupedTile { automatic, m16, m64, m128, m128_wide };
+
+// "automatic", "m16", "m64", "m128", "m128_wide".
+const char* grouped_tile_name(GroupedTile tile);
 
 struct GroupedGemmArgs {
   const void* a = nullptr;             // [*, lda]: row r of the grouped space is A's row a_rows[r]

@@ -324,8 +324,8 @@ TEST_P(GroupedGemm, MatchesFp64OnRaggedGroupsWithEveryTile) {
   const GemmRun reference = run_grouped(p, dtype, GroupedOut::f32, GroupedTile::m64, nullptr, false);
   expect_matches_fp64(p, reference, p.b, 0.0);
   // The tiles sum K in the same order: the same bits whatever the shape.
-  for (const GroupedTile tile : {GroupedTile::m16, GroupedTile::m128, GroupedTile::automatic}) {
-    SCOPED_TRACE("tile " + std::to_string(static_cast<int>(tile)));
+  for (const GroupedTile tile : {GroupedTile::m16, GroupedTile::m128, GroupedTile::m128_wide, GroupedTile::automatic}) {
+    SCOPED_TRACE(std::string("tile ") + lmoe::cuda::grouped_tile_name(tile));
     const GemmRun run = run_grouped(p, dtype, GroupedOut::f32, tile, nullptr, false);
     EXPECT_EQ(run.raw, reference.raw);
   }
@@ -360,8 +360,8 @@ TEST_P(GroupedGemm, MatchesFp64OnRaggedGroupsWithEveryTile) {
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<std::uint8_t> want_bytes = to_host<std::uint8_t>(expected, expected.bytes());
-    for (const GroupedTile tile : {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128}) {
-      SCOPED_TRACE(std::string(lmoe::activation_name(activation)) + " tile " + std::to_string(static_cast<int>(tile)));
+    for (const GroupedTile tile : {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128, GroupedTile::m128_wide}) {
+      SCOPED_TRACE(std::string(lmoe::activation_name(activation)) + " tile " + lmoe::cuda::grouped_tile_name(tile));
       const GemmRun fused = run_grouped(p, dtype, GroupedOut::activation, tile, &config, gated);
       EXPECT_TRUE(std::equal(want_bytes.begin(), want_bytes.end(), fused.raw.begin()));
       for (std::int64_t i = p.rows * p.n; i < static_cast<std::int64_t>(fused.c.size()); ++i) {
