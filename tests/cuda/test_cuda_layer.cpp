@@ -697,6 +697,25 @@ TEST(CudaLayer, RefusesCapturesThatWouldGrowAndHostInputs) {
   });
 }
 
+// Host checks only: runs without a GPU too.
+TEST(CudaLayer, TheDevicePathSaysWhatItCannotRun) {
+  LayerConfig config = small_config();
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 4).has_value());
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::f16, 1).has_value());
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::f32, 1).value_or(""),
+              HasSubstr("dtype: the device path's grouped GEMM takes bf16 or f16, got f32"));
+  config.expert_intermediate = 6;  // 3 per rank at tp 2
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 3).has_value());
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::bf16, 2).value_or(""),
+              HasSubstr("expert_intermediate/tp=3: the grouped GEMM expects even row widths"));
+  config = small_config();
+  config.router.num_experts = 1024;
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 1).has_value());
+  config.router.num_experts = 1025;
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::bf16, 1).value_or(""),
+              HasSubstr("num_experts=1025 > 1024"));
+}
+
 TEST(CudaLayer, TheDevicePathRefusesF32WithTheReason) {
   SKIP_WITHOUT_GPU();
   const LayerConfig config = small_config();

@@ -179,8 +179,8 @@ TEST(DeviceSlotSort, MatchesTheHostSortOnRandomRoutings) {
   }
 }
 
+// Refused before any CUDA call: runs without a GPU too.
 TEST(DeviceSlotSort, RefusesMoreExpertsThanOneBlockScans) {
-  SKIP_WITHOUT_GPU();
   EXPECT_EQ(lmoe::cuda::launch_sort_slots(nullptr, 0, lmoe::cuda::kSortMaxExperts + 1, 1, 8, nullptr, nullptr,
                                           nullptr, nullptr),
             cudaErrorInvalidValue);
@@ -395,13 +395,14 @@ TEST(GroupedGemm, DecodeShapedGroupsMatchFp64) {
   expect_matches_fp64(p, run, p.b, 0.0);
 }
 
+// Host checks only (refused before any CUDA call): runs without a GPU too, on 16-byte aligned
+// host memory standing in for device pointers.
 TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
-  SKIP_WITHOUT_GPU();
-  const DeviceBuffer scratch(1 << 16);
+  alignas(16) static std::int32_t scratch[64];
   GroupedGemmArgs args;
-  args.a = args.b = scratch.data();
-  args.c = scratch.data();
-  args.first = static_cast<const std::int32_t*>(scratch.data());
+  args.a = args.b = scratch;
+  args.c = scratch;
+  args.first = scratch;
   args.groups = 4;
   args.n = 16;
   args.k = 64;
@@ -419,7 +420,7 @@ TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
   };
   GroupedGemmArgs bad = args;
   bad.dtype = DType::f32;
-  EXPECT_THAT(refused(bad), HasSubstr("dtype: expected bf16 or f16, got f32"));
+  EXPECT_THAT(refused(bad), HasSubstr("dtype: expected bf16 or f16 (tensor-core operands), got f32"));
   bad = args;
   bad.k = bad.lda = 63;
   EXPECT_THAT(refused(bad), HasSubstr("k: expected an even K"));
@@ -427,7 +428,7 @@ TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
   bad.groups = 1025;
   EXPECT_THAT(refused(bad), HasSubstr("groups: expected 1 … 1024, got 1025"));
   bad = args;
-  bad.b2 = scratch.data();
+  bad.b2 = scratch;
   EXPECT_THAT(refused(bad), HasSubstr("b2: expected null"));
   bad = args;
   bad.out = GroupedOut::activation;
@@ -435,8 +436,37 @@ TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
   lmoe::LayerConfig relu2;
   relu2.activation = lmoe::ExpertActivation::relu2;
   bad.activation = &relu2;
-  bad.b2 = scratch.data();
+  bad.b2 = scratch;
   EXPECT_THAT(refused(bad), HasSubstr("b2: expected the gate weights exactly when the activation is gated"));
+  bad = args;
+  bad.k = bad.lda = 62;  // even: 4-byte copies serve
+  EXPECT_FALSE(lmoe::cuda::grouped_gemm_unsupported(bad).has_value());
+  bad.a = reinterpret_cast<const char*>(scratch) + 2;  // rows no longer 4-byte aligned
+  EXPECT_THAT(refused(bad), HasSubstr("k: expected an even K"));
+  bad = args;
+  bad.lda = 63;
+  EXPECT_THAT(refused(bad), HasSubstr("lda, ldc: expected lda ≥ k = 64"));
+}
+
+// The tile `automatic` picks, by the average rows per group that can hold rows: each bound ±1.
+TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
+  GroupedGemmArgs args;
+  args.groups = 64;
+  args.max_groups = 16;
+  const auto tile_for = [&](std::int64_t rows) {
+    args.max_rows = rows;
+    return lmoe::cuda::grouped_gemm_tile(args);
+  };
+  EXPECT_EQ(tile_for(16 * 16), GroupedTile::m16);
+  EXPECT_EQ(tile_for(16 * 16 + 1), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 96), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 96 + 1), GroupedTile::m128);
+  args.max_groups = 1000;  // more than the groups: the groups bound it
+  args.max_rows = 64 * 16 + 1;
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m64);
+  args.tile = GroupedTile::m128_wide;  // asked for: kept
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m128_wide);
+  EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::m128_wide), "m128_wide");
 }
 
 }  // namespace
