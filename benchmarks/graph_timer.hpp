@@ -1,6 +1,6 @@
 // What the benchmark programs share: one operation timed as a CUDA graph of `inner` copies of it
-// (enough for about graph_target_us of GPU time), launched `repeats` times after `warmup`, with CUDA
-// events; per-operation median and 10th/90th percentiles. Host code; benchmarks only.
+// (enough for about graph_target_us of GPU time), launched `repeats` times after `warmup`, with
+// CUDA events; per-operation median and 10th/90th percentiles. Host code; benchmarks only.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -56,8 +56,9 @@ std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, 
   }
   const std::int64_t inter = config.expert_intermediate / tp;
   if (config.d_latent % 2 != 0 || inter % 2 != 0) {
-    return "d_latent=" + std::to_string(config.d_latent) + ", expert_intermediate/tp=" +
-           std::to_string(inter) + ": the grouped GEMM expects even row widths";
+    return "d_latent=" + std::to_string(config.d_latent) +
+           ", expert_intermediate/tp=" + std::to_string(inter) +
+           ": the grouped GEMM expects even row widths";
   }
   return std::nullopt;
 }
@@ -131,8 +132,8 @@ class CudaLayerExecutor final : public LayerExecutor {
         device_eager_(device_experts_requested()) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {
-      throw Error(std::string(kDeviceExpertsEnv) + "=1: the device path cannot run this layer: " +
-                  *device_limit_);
+      throw Error(std::string(kDeviceExpertsEnv) +
+                  "=1: the device path cannot run this layer: " + *device_limit_);
     }
     router_weight_ = upload(weights.router_weight);
     if (config.router.correction_bias) router_bias_ = upload(weights.router_bias);
@@ -559,7 +560,7 @@ class CudaLayerExecutor final : public LayerExecutor {
   std::int64_t inter_;         // this rank's slice of each routed expert's intermediate dim
   std::int64_t shared_width_;  // this rank's slice of the shared experts' intermediate dim
   std::optional<std::string> device_limit_;  // why the device path cannot run, or nullopt
-  bool device_eager_;                         // LMOE_LAYER_DEVICE_EXPERTS=1
+  bool device_eager_;                        // LMOE_LAYER_DEVICE_EXPERTS=1
   int device_ = 0;
 
   DeviceBuffer router_weight_;  // [E, d] fp32

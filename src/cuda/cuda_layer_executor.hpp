@@ -16,7 +16,8 @@ std::optional<std::string> cuda_layer_limit(const LayerConfig& config);
 
 // Why the routed experts cannot take the device path (sort and grouped GEMMs on the GPU, no host
 // read: capturable in a CUDA graph) for `config` at `tp` in `dtype`, or nullopt when they can.
-std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, DType dtype, int tp);
+std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, DType dtype,
+                                                     int tp);
 
 // Set to 1, the environment variable LMOE_LAYER_DEVICE_EXPERTS makes eager forwards take the
 // device path too (read when the executor is built); forwards on a capturing stream always do.

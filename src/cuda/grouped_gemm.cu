@@ -19,7 +19,9 @@ using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
 using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
 using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
 
-bool gated_call(const GroupedGemmArgs& args) { return args.out == GroupedOut::activation && args.b2 != nullptr; }
+bool gated_call(const GroupedGemmArgs& args) {
+  return args.out == GroupedOut::activation && args.b2 != nullptr;
+}
 
 int copy_bytes_of(const GroupedGemmArgs& args) {
   const auto aligned = [&](std::int64_t elements) {
@@ -37,28 +39,29 @@ int copy_bytes_of(const GroupedGemmArgs& args) {
 
 template <typename T, class Shape>
 cudaError_t prepare_shape() {
-  return cudaFuncSetAttribute(grouped_gemm_kernel<T, Shape>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Shape::kSharedBytes);
+  return cudaFuncSetAttribute(grouped_gemm_kernel<T, Shape>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSharedBytes);
 }
 
 template <typename T>
 cudaError_t prepare_typed() {
-  for (const cudaError_t status : {prepare_shape<T, M16>(), prepare_shape<T, M16Gated>(), prepare_shape<T, M64>(),
-                                   prepare_shape<T, M64Gated>(), prepare_shape<T, M128>(),
-                                   prepare_shape<T, M128Gated>(), prepare_shape<T, M128Wide>(),
-                                   prepare_shape<T, M128WideGated>()}) {
+  for (const cudaError_t status :
+       {prepare_shape<T, M16>(), prepare_shape<T, M16Gated>(), prepare_shape<T, M64>(),
+        prepare_shape<T, M64Gated>(), prepare_shape<T, M128>(), prepare_shape<T, M128Gated>(),
+        prepare_shape<T, M128Wide>(), prepare_shape<T, M128WideGated>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
 }
 
 template <typename T, class Shape>
-cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& params, cudaStream_t stream) {
+cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& params,
+                         cudaStream_t stream) {
   const auto kernel = grouped_gemm_kernel<T, Shape>;
   if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
   // Row tiles: Σ_g ceil(n_g / BM) ≤ max_rows / BM + (groups holding rows), one partial tile each.
-  const std::int64_t row_tiles =
-      (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM + std::min<std::int64_t>(args.max_groups, args.groups);
+  const std::int64_t row_tiles = (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM +
+                                 std::min<std::int64_t>(args.max_groups, args.groups);
   const std::int64_t col_tiles = (args.n + Shape::kColsN - 1) / Shape::kColsN;
   if (row_tiles > 65535 || col_tiles > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
@@ -67,18 +70,22 @@ cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& p
 }
 
 template <typename T>
-cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& params, cudaStream_t stream) {
+cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& params,
+                         cudaStream_t stream) {
   const bool gated = gated_call(args);
   switch (grouped_gemm_tile(args)) {
     case GroupedTile::m16:
-      return gated ? launch_shape<T, M16Gated>(args, params, stream) : launch_shape<T, M16>(args, params, stream);
+      return gated ? launch_shape<T, M16Gated>(args, params, stream)
+                   : launch_shape<T, M16>(args, params, stream);
     case GroupedTile::m64:
-      return gated ? launch_shape<T, M64Gated>(args, params, stream) : launch_shape<T, M64>(args, params, stream);
+      return gated ? launch_shape<T, M64Gated>(args, params, stream)
+                   : launch_shape<T, M64>(args, params, stream);
     case GroupedTile::m128_wide:
       return gated ? launch_shape<T, M128WideGated>(args, params, stream)
                    : launch_shape<T, M128Wide>(args, params, stream);
     default:
-      return gated ? launch_shape<T, M128Gated>(args, params, stream) : launch_shape<T, M128>(args, params, stream);
+      return gated ? launch_shape<T, M128Gated>(args, params, stream)
+                   : launch_shape<T, M128>(args, params, stream);
   }
 }
 
@@ -86,37 +93,47 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
 
 const char* grouped_tile_name(GroupedTile tile) {
   switch (tile) {
-    case GroupedTile::automatic: return "automatic";
-    case GroupedTile::m16: return "m16";
-    case GroupedTile::m64: return "m64";
-    case GroupedTile::m128: return "m128";
-    case GroupedTile::m128_wide: return "m128_wide";
+    case GroupedTile::automatic:
+      return "automatic";
+    case GroupedTile::m16:
+      return "m16";
+    case GroupedTile::m64:
+      return "m64";
+    case GroupedTile::m128:
+      return "m128";
+    case GroupedTile::m128_wide:
+      return "m128_wide";
   }
   return "?";
 }
 
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args) {
   if (args.dtype != DType::bf16 && args.dtype != DType::f16) {
-    return "dtype: expected bf16 or f16 (tensor-core operands), got " + std::string(dtype_name(args.dtype));
+    return "dtype: expected bf16 or f16 (tensor-core operands), got " +
+           std::string(dtype_name(args.dtype));
   }
   if (args.groups < 1 || args.groups > kGroupedMaxGroups) {
-    return "groups: expected 1 … " + std::to_string(kGroupedMaxGroups) + ", got " + std::to_string(args.groups);
+    return "groups: expected 1 … " + std::to_string(kGroupedMaxGroups) + ", got " +
+           std::to_string(args.groups);
   }
   if (args.n < 0 || args.k < 1) {
-    return "n, k: expected n ≥ 0 and k ≥ 1, got n=" + std::to_string(args.n) + " k=" + std::to_string(args.k);
+    return "n, k: expected n ≥ 0 and k ≥ 1, got n=" + std::to_string(args.n) +
+           " k=" + std::to_string(args.k);
   }
   if (args.max_rows < 0 || args.max_rows > 0x7fffffff || args.max_groups < 0) {
-    return "max_rows: expected 0 … 2³¹ − 1 and max_groups ≥ 0, got " + std::to_string(args.max_rows) + " and " +
-           std::to_string(args.max_groups);
+    return "max_rows: expected 0 … 2³¹ − 1 and max_groups ≥ 0, got " +
+           std::to_string(args.max_rows) + " and " + std::to_string(args.max_groups);
   }
   if (args.lda < args.k || args.ldc < args.n) {
-    return "lda, ldc: expected lda ≥ k = " + std::to_string(args.k) + " and ldc ≥ n = " + std::to_string(args.n);
+    return "lda, ldc: expected lda ≥ k = " + std::to_string(args.k) +
+           " and ldc ≥ n = " + std::to_string(args.n);
   }
   if (args.first == nullptr || args.a == nullptr || args.b == nullptr || args.c == nullptr) {
     return std::string("first, a, b, c: expected device pointers, got a null one");
   }
   if (args.out == GroupedOut::activation) {
-    if (args.activation == nullptr) return std::string("activation: expected the layer config for GroupedOut::activation");
+    if (args.activation == nullptr)
+      return std::string("activation: expected the layer config for GroupedOut::activation");
     if (is_gated(args.activation->activation) != (args.b2 != nullptr)) {
       return std::string("b2: expected the gate weights exactly when the activation is gated (") +
              std::string(activation_name(args.activation->activation)) + ")";
@@ -125,15 +142,16 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
     return std::string("b2: expected null unless out is GroupedOut::activation");
   }
   if (copy_bytes_of(args) == 0) {
-    return "k: expected an even K, lda and weight stride with 4-byte aligned operands, got k=" + std::to_string(args.k) +
-           " lda=" + std::to_string(args.lda);
+    return "k: expected an even K, lda and weight stride with 4-byte aligned operands, got k=" +
+           std::to_string(args.k) + " lda=" + std::to_string(args.lda);
   }
   return std::nullopt;
 }
 
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
   if (args.tile != GroupedTile::automatic) return args.tile;
-  const std::int64_t groups = std::max<std::int64_t>(1, std::min<std::int64_t>(args.max_groups, args.groups));
+  const std::int64_t groups =
+      std::max<std::int64_t>(1, std::min<std::int64_t>(args.max_groups, args.groups));
   const std::int64_t rows_per_group = (args.max_rows + groups - 1) / groups;
   if (rows_per_group <= 16) return GroupedTile::m16;
   if (rows_per_group <= 96) return GroupedTile::m64;
@@ -142,9 +160,12 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
 
 cudaError_t prepare_grouped_gemm(DType dtype) {
   switch (dtype) {
-    case DType::bf16: return prepare_typed<__nv_bfloat16>();
-    case DType::f16: return prepare_typed<__half>();
-    default: return cudaErrorInvalidValue;
+    case DType::bf16:
+      return prepare_typed<__nv_bfloat16>();
+    case DType::f16:
+      return prepare_typed<__half>();
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -22,15 +22,15 @@
 
 #include <cstdint>
 
-#include "cuda/dtype.cuh"
 #include "cuda/activation.cuh"
+#include "cuda/dtype.cuh"
 #include "cuda/warp_mma.cuh"
 
 namespace lmoe::cuda {
 
 // What the kernel reads, by value (host side: grouped_gemm.hpp).
 struct GroupedGemmParams {
-  const void* a;              // [rows, lda], or indexed through a_rows
+  const void* a;               // [rows, lda], or indexed through a_rows
   const std::int32_t* a_rows;  // null, or: row r of the grouped space reads A's row a_rows[r]
   std::int64_t lda;
   const void* b;   // [groups, N, K] (+ b_group_stride per group)
@@ -49,7 +49,7 @@ struct GroupedGemmParams {
 inline constexpr int kGroupedOutF32 = 0;
 inline constexpr int kGroupedOutRounded = 1;
 inline constexpr int kGroupedOutActivation = 2;
-inline constexpr int kGroupedTileK = 64;         // 16-bit elements: one 128-byte shared row
+inline constexpr int kGroupedTileK = 64;           // 16-bit elements: one 128-byte shared row
 inline constexpr int kGroupedMaxGroups = 32 * 32;  // warp 0's prefix: 32 groups per lane
 
 template <int kBM, int kBN, int kWM, int kWN, int kStagesT, bool kGatedT>
@@ -75,8 +75,9 @@ struct GroupedShape {
 // copy_bytes / 2): one cp.async, or 2 or 4 narrower ones; the parts at or past K are zeros.
 // Parts that are not read still get a mapped address (`base`).
 template <typename T>
-__device__ inline void grouped_copy16(std::uint32_t shared, const T* src, const T* base, std::int64_t k,
-                                      std::int64_t k_total, bool row_valid, int copy_bytes) {
+__device__ inline void grouped_copy16(std::uint32_t shared, const T* src, const T* base,
+                                      std::int64_t k, std::int64_t k_total, bool row_valid,
+                                      int copy_bytes) {
   if (copy_bytes == 16) {
     const bool valid = row_valid && k < k_total;
     cp_async16(shared, valid ? src : base, valid);
@@ -112,7 +113,8 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
     const int per = (p.groups + 31) / 32;
     const int g0 = min(lane * per, p.groups), g1 = min(g0 + per, p.groups);
     std::int64_t tiles = 0;
-    for (int g = g0; g < g1; ++g) tiles += (p.first[g + 1] - p.first[g] + Shape::kRowsM - 1) / Shape::kRowsM;
+    for (int g = g0; g < g1; ++g)
+      tiles += (p.first[g + 1] - p.first[g] + Shape::kRowsM - 1) / Shape::kRowsM;
     std::int64_t inclusive = tiles;
 #pragma unroll
     for (int offset = 1; offset < 32; offset *= 2) {
@@ -160,7 +162,8 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
       const int row = i >> 3, part = i & 7;
       const std::int64_t k = k0 + part * 8;
       const std::int64_t at = s_a_offset[row];
-      grouped_copy16(stage + swizzle128(row, part), a + (at < 0 ? 0 : at) + k, a, k, p.k, at >= 0, p.copy_bytes);
+      grouped_copy16(stage + swizzle128(row, part), a + (at < 0 ? 0 : at) + k, a, k, p.k, at >= 0,
+                     p.copy_bytes);
     }
     const std::uint32_t b_stage = stage + Shape::kRowsM * 128;
     for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
@@ -170,8 +173,8 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
       const std::int64_t k = k0 + part * 8;
       const bool valid = col < p.n;
       const T* matrix = gate ? b2 : b;
-      grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix, k, p.k, valid,
-                     p.copy_bytes);
+      grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix,
+                     k, p.k, valid, p.copy_bytes);
     }
   };
 
@@ -214,7 +217,8 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
 #pragma unroll
         for (int mat = 0; mat < kMats; ++mat) {
 #pragma unroll
-          for (int nt = 0; nt < Shape::kNTiles; ++nt) mma_m16n8k16<T>(acc[mat][mt][nt], af, bf[mat][nt]);
+          for (int nt = 0; nt < Shape::kNTiles; ++nt)
+            mma_m16n8k16<T>(acc[mat][mt][nt], af, bf[mat][nt]);
         }
       }
     }

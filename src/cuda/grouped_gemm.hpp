@@ -34,7 +34,7 @@ enum class GroupedTile { automatic, m16, m64, m128, m128_wide };
 const char* grouped_tile_name(GroupedTile tile);
 
 struct GroupedGemmArgs {
-  const void* a = nullptr;             // [*, lda]: row r of the grouped space is A's row a_rows[r]
+  const void* a = nullptr;  // [*, lda]: row r of the grouped space is A's row a_rows[r]
   const std::int32_t* a_rows = nullptr;  // [max_rows] device, or null: row r is A's row r
   std::int64_t lda = 0;
   const void* b = nullptr;   // [groups, N, K] row-major, group stride b_group_stride elements

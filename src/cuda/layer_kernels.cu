@@ -125,21 +125,20 @@ cudaError_t prepare_layer_kernels(DType dtype) {
   if (status != cudaSuccess) return status;
   const cudaError_t typed = with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
-    for (const void* kernel :
-         {reinterpret_cast<const void*>(to_float_kernel<T>),
-          reinterpret_cast<const void*>(gather_rows_kernel<T>),
-          reinterpret_cast<const void*>(activation_kernel<T>),
-          reinterpret_cast<const void*>(combine_kernel<T>)}) {
+    for (const void* kernel : {reinterpret_cast<const void*>(to_float_kernel<T>),
+                               reinterpret_cast<const void*>(gather_rows_kernel<T>),
+                               reinterpret_cast<const void*>(activation_kernel<T>),
+                               reinterpret_cast<const void*>(combine_kernel<T>)}) {
       if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, kernel);
     }
   });
   return status != cudaSuccess ? status : typed;
 }
 
-cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count, std::int64_t experts,
-                              std::int64_t top_k, std::int64_t row_align, std::int32_t* first,
-                              std::int32_t* row_of_slot, std::int32_t* token_of_row,
-                              cudaStream_t stream) {
+cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count,
+                              std::int64_t experts, std::int64_t top_k, std::int64_t row_align,
+                              std::int32_t* first, std::int32_t* row_of_slot,
+                              std::int32_t* token_of_row, cudaStream_t stream) {
   if (slot_count < 0 || experts < 1 || experts > kSortMaxExperts || top_k < 1 || row_align < 1 ||
       slot_count + (row_align - 1) * std::min(experts, slot_count) > 0x7fffffff) {
     return cudaErrorInvalidValue;

@@ -214,11 +214,12 @@ static_assert(kSortMaxExperts <= kSortThreads, "one expert per thread in the sca
 // position depends only on the ids, never on scheduling. An id outside 0 … E − 1 (the router
 // never writes one) is not placed: its slot reads grouped row 0.
 __global__ void __launch_bounds__(kSortThreads)
-    sort_slots_kernel(const std::int32_t* __restrict__ ids, std::int64_t slot_count, int experts, int top_k,
-                      int row_align, std::int32_t* __restrict__ first, std::int32_t* __restrict__ row_of_slot,
+    sort_slots_kernel(const std::int32_t* __restrict__ ids, std::int64_t slot_count, int experts,
+                      int top_k, int row_align, std::int32_t* __restrict__ first,
+                      std::int32_t* __restrict__ row_of_slot,
                       std::int32_t* __restrict__ token_of_row) {
   extern __shared__ int sort_smem[];
-  int* warp_counts = sort_smem;                   // [32][E]: counts, then each warp's first offset
+  int* warp_counts = sort_smem;  // [32][E]: counts, then each warp's first offset
   int* first_row = sort_smem + kSortWarps * experts;  // [E + 1]
   using Scan = cub::BlockScan<int, kSortThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -227,7 +228,8 @@ __global__ void __launch_bounds__(kSortThreads)
   for (int i = tid; i < kSortWarps * experts; i += kSortThreads) warp_counts[i] = 0;
   __syncthreads();
 
-  const std::int64_t begin = slot_count * warp / kSortWarps, end = slot_count * (warp + 1) / kSortWarps;
+  const std::int64_t begin = slot_count * warp / kSortWarps,
+                     end = slot_count * (warp + 1) / kSortWarps;
   int* my_counts = warp_counts + warp * experts;
   const unsigned lower_lanes = (1u << lane) - 1u;
   for (std::int64_t base = begin; base < end; base += 32) {
@@ -279,6 +281,5 @@ __global__ void __launch_bounds__(kSortThreads)
     __syncwarp();
   }
 }
-
 
 }  // namespace lmoe::cuda

@@ -53,8 +53,9 @@ inline constexpr std::int64_t kSortMaxExperts = 1024;
 // memory size), so that no forward loads a module: under lazy loading a kernel's first load may
 // wait for the GPU's running kernels, e.g. a p2p peer that spins on this rank (docs/p2p.md).
 cudaError_t prepare_layer_kernels(DType dtype);
-cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count, std::int64_t experts,
-                              std::int64_t top_k, std::int64_t row_align, std::int32_t* first,
-                              std::int32_t* row_of_slot, std::int32_t* token_of_row, cudaStream_t stream);
+cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count,
+                              std::int64_t experts, std::int64_t top_k, std::int64_t row_align,
+                              std::int32_t* first, std::int32_t* row_of_slot,
+                              std::int32_t* token_of_row, cudaStream_t stream);
 
 }  // namespace lmoe::cuda

@@ -16,7 +16,9 @@
     if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
   } while (0)
 
-inline void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
+inline void cuda_ok(cudaError_t status) {
+  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+}
 
 // An environment variable set (or, with a null value, unset) for one scope, then restored.
 class ScopedEnv {

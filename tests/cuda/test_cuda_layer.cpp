@@ -454,9 +454,8 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
 
     // The partials and y against fp64 math with the GPU's routing, y against the tail contract.
     const lmoe::ExactLayer exact = reference.run(x.matrix(), routing);
-    lmoe::testing::check_partials_and_y(
-        config, kEps, dtype, result, full, exact,
-        case_name(param) + " T=" + std::to_string(tokens));
+    lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
+                                        case_name(param) + " T=" + std::to_string(tokens));
 
     // Against the CPU layer: each rank's shared partial (it does not depend on the routing), and
     // y on the tokens both routed alike, within the layer's tolerances.
@@ -527,19 +526,21 @@ TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
   const auto [tp, tokens] = GetParam();
   const LayerConfig config = k3_like();
   const DType dtype = DType::bf16;
-  // p2p ranks share the GPU (opt-in, docs/p2p.md); the cuda-threads communicator cannot be captured.
+  // p2p ranks share the GPU (opt-in, docs/p2p.md); the cuda-threads communicator cannot be
+  // captured.
   const ScopedEnv shared_gpu("LMOE_P2P_SHARED_GPU", "1");
   const ScopedEnv device_path(lmoe::kDeviceExpertsEnv, "1");
   std::vector<HostTensor> inputs;
   for (std::uint64_t seed : {11u, 12u, 13u}) {
-    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, dtype, seed + 100 * tokens));
+    inputs.push_back(
+        lmoe::make_random_layer_input(config.d_model, tokens, dtype, seed + 100 * tokens));
   }
   const std::size_t x_bytes = inputs[0].nbytes();
   lmoe::run_comm_group("p2p", tp, [&](int rank, lmoe::Communicator& comm) {
     lmoe::LayerOptions options = options_of(config, lmoe::Backend::cuda, dtype);
     options.max_tokens = tokens;  // the tail's workspaces never move (and the layer's are there)
-    lmoe::LatentMoELayer layer(options, comm,
-                               lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed));
+    lmoe::LatentMoELayer layer(
+        options, comm, lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed));
     cudaStream_t stream = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const lmoe::cuda::DeviceBuffer x(x_bytes), y(x_bytes);
@@ -566,12 +567,14 @@ TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
     // warm the tail.
     {
       const std::size_t esize = lmoe::dtype_size(dtype);
-      const lmoe::cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * config.d_latent) * esize);
+      const lmoe::cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * config.d_latent) *
+                                            esize);
       const lmoe::cuda::DeviceBuffer shared(x_bytes);
       cuda_ok(cudaMemcpy(x.data(), inputs[0].data(), x_bytes, cudaMemcpyHostToDevice));
       layer.forward_partials(
           x_view,
-          {routed.data(), dtype, tokens, config.d_latent, config.d_latent, lmoe::MemorySpace::device},
+          {routed.data(), dtype, tokens, config.d_latent, config.d_latent,
+           lmoe::MemorySpace::device},
           {shared.data(), dtype, tokens, config.d_model, config.d_model, lmoe::MemorySpace::device},
           stream);
       cuda_ok(cudaStreamSynchronize(stream));
@@ -580,7 +583,8 @@ TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
     std::vector<std::vector<std::uint8_t>> eager;
     for (const HostTensor& input : inputs) eager.push_back(forward_into_y(input, nullptr));
     ASSERT_NE(layer.last_routing(), nullptr);
-    EXPECT_EQ(layer.last_routing()->expert_ids.size(), static_cast<std::size_t>(tokens * config.router.top_k));
+    EXPECT_EQ(layer.last_routing()->expert_ids.size(),
+              static_cast<std::size_t>(tokens * config.router.top_k));
 
     cudaGraph_t graph = nullptr;
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -603,7 +607,8 @@ TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
     for (const int i : {2, 0, 1, 0}) {
       SCOPED_TRACE("input " + std::to_string(i));
       const std::vector<std::uint8_t> replay = forward_into_y(inputs[i], exec);
-      EXPECT_TRUE(replay == eager[i]) << "rank " << rank << ": a replay's y differs from the eager forward's";
+      EXPECT_TRUE(replay == eager[i])
+          << "rank " << rank << ": a replay's y differs from the eager forward's";
     }
     cuda_ok(cudaGraphExecDestroy(exec));
     cuda_ok(cudaGraphDestroy(graph));
