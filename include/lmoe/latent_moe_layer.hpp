@@ -34,7 +34,9 @@ struct LayerOptions {
   // routing (per forward), so that a rank with bad input, another configuration or another routing
   // makes every rank fail with the same error. Must be the same on every rank.
   bool check_ranks_agree = true;
-  std::int64_t max_tokens = 0;  // the tail's (TailOptions::max_tokens)
+  // The tail's (TailOptions::max_tokens); the cuda layer also sizes its workspaces for it at
+  // construction, so that forwards of up to max_tokens can be captured in a CUDA graph at once.
+  std::int64_t max_tokens = 0;
 };
 
 // Seconds of each stage of the last forward on this rank: host wall time on the CPU backend, CUDA
@@ -76,9 +78,12 @@ class LatentMoELayer {
   void forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
                         StreamHandle stream = nullptr);
 
-  // On the cuda backend this waits for the last forward's timing events.
+  // On the cuda backend this waits for the last forward's timing events (a captured forward has
+  // none: all zero).
   const LayerStageTimes& last_times() const;
-  // The last forward's routing in host memory (both backends keep a host copy), or nullptr.
+  // The last forward's routing in host memory (both backends keep a host copy of an eager
+  // forward's; the cuda backend's device path reads it on request, waiting for the router), or
+  // nullptr (a forward captured in a CUDA graph keeps its routing on the device).
   const Routing* last_routing() const;
 
  private:

@@ -130,7 +130,7 @@ struct LatentMoELayer::Impl {
     if (!error && tokens < 0)
       error = "x: expected a non-negative token count, got " + std::to_string(tokens);
     if (!error) error = check_matrix("x", x, options.dtype, space, tokens, c.d_model);
-    if (!error) error = executor->cannot_run(stream);
+    if (!error) error = executor->cannot_run(tokens, stream);
     if (!error)
       error =
           check_matrix("routed", as_const(routed_out), options.dtype, space, tokens, c.d_latent);
@@ -166,7 +166,8 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
 
 #ifdef LMOE_HAS_CUDA
   if (opts.backend == Backend::cuda) {
-    impl_->executor = make_cuda_layer_executor(opts.config, opts.dtype, comm.size(), weights);
+    impl_->executor =
+        make_cuda_layer_executor(opts.config, opts.dtype, comm.size(), weights, opts.max_tokens);
   }
 #endif
   if (!impl_->executor) {

@@ -27,12 +27,15 @@ class LayerExecutor {
   // The last run's routing in host memory, or nullptr where it stays on the device.
   virtual const Routing* host_routing() const { return nullptr; }
 
-  // Why a forward cannot run on `stream` now (e.g. it is being captured into a CUDA graph), or
-  // nullopt. Asked on every rank before the ranks agree on the call, so that all fail together.
-  virtual std::optional<std::string> cannot_run(StreamHandle) const { return std::nullopt; }
+  // Why a forward of `tokens` tokens cannot run on `stream` now (e.g. it is being captured into a
+  // CUDA graph and the workspaces would have to grow), or nullopt. Asked on every rank before the
+  // ranks agree on the call, so that all fail together.
+  virtual std::optional<std::string> cannot_run(std::int64_t /*tokens*/, StreamHandle) const {
+    return std::nullopt;
+  }
   // Buffers of at least `tokens` rows in memory_space() for the partials routed [T, l] and shared
   // [T, d] that forward() hands to the tail; nullopt: host tensors of the caller serve. May wait
-  // for `stream` when they grow.
+  // for `stream` when they grow (where it cannot, e.g. under capture, the next cannot_run says so).
   virtual std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(std::int64_t,
                                                                            StreamHandle) {
     return std::nullopt;

@@ -2,19 +2,26 @@
 //
 //   main stream:  x → fp32 → router GEMM (fp32 logits) → route kernel → routing to the host
 //                 → latent z = round(x · W_downᵀ)
-//                 → host: counting sort of the slots by expert → slot order to the device
-//                 → gather z rows by expert → per active expert: up (and gate) GEMMs, fp32 out
-//                 → activation → per active expert: down GEMM, fp32 out → weighted combine
+//                 → routed experts, on one of two paths:
+//                   host:   counting sort of the slots by expert on the host → slot order to the
+//                           device → gather z rows by expert → per active expert: up (and gate)
+//                           cuBLASLt GEMMs, fp32 out → activation → per active expert: down GEMM
+//                   device: the same sort by a kernel → one grouped GEMM for every expert's up
+//                           (and gate) rows, gathering z's rows and applying the activation →
+//                           one grouped GEMM for the down rows (no host read: capturable)
+//                 → weighted combine
 //   side stream:  shared experts on x (forked at the start, joined at the end)
 //
-// The host reads each forward's routing (one device→host copy: ids and weights) to size the
-// experts' GEMMs, so a forward cannot be captured in a CUDA graph; a capturing stream is refused.
-// Stage times come from events, each stage's own pair on its own stream (docs/layer.md).
+// The host path reads each forward's routing (one device→host copy: ids and weights) to size the
+// experts' GEMMs, so it serves eager forwards only; a forward on a capturing stream takes the
+// device path (LMOE_LAYER_DEVICE_EXPERTS=1: eager ones too). Stage times come from events, each
+// stage's own pair on its own stream (docs/layer.md); a captured forward has none.
 #include "cuda/cuda_layer_executor.hpp"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -22,6 +29,7 @@
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/grouped_gemm.hpp"
 #include "cuda/layer_kernels.hpp"
 #include "lmoe/error.hpp"
 
@@ -32,6 +40,25 @@ std::optional<std::string> cuda_layer_limit(const LayerConfig& config) {
     return "num_experts=" + std::to_string(config.router.num_experts) + " > " +
            std::to_string(cuda::kMaxRouterExperts) +
            " (the cuda router holds a token's scores in shared memory)";
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, DType dtype,
+                                                     int tp) {
+  if (dtype != DType::bf16 && dtype != DType::f16) {
+    return "dtype: the device path's grouped GEMM takes bf16 or f16, got " +
+           std::string(dtype_name(dtype));
+  }
+  if (config.router.num_experts > cuda::kSortMaxExperts) {
+    return "num_experts=" + std::to_string(config.router.num_experts) + " > " +
+           std::to_string(cuda::kSortMaxExperts) + " (the device sort's one block)";
+  }
+  const std::int64_t inter = config.expert_intermediate / tp;
+  if (config.d_latent % 2 != 0 || inter % 2 != 0) {
+    return "d_latent=" + std::to_string(config.d_latent) +
+           ", expert_intermediate/tp=" + std::to_string(inter) +
+           ": the grouped GEMM expects even row widths";
   }
   return std::nullopt;
 }
@@ -87,15 +114,27 @@ cudaEvent_t make_event(bool timing) {
 
 void* offset(const DeviceBuffer& buffer, std::size_t byte_offset) { return buffer.at(byte_offset); }
 
+bool device_experts_requested() {
+  const char* value = std::getenv(kDeviceExpertsEnv);
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 class CudaLayerExecutor final : public LayerExecutor {
  public:
-  CudaLayerExecutor(const LayerConfig& config, DType dtype, int tp, const LayerWeights& weights)
+  CudaLayerExecutor(const LayerConfig& config, DType dtype, int tp, const LayerWeights& weights,
+                    std::int64_t max_tokens)
       : config_(config),
         dtype_(dtype),
         esize_(dtype_size(dtype)),
         inter_(config.expert_intermediate / tp),
-        shared_width_(config.shared_width() / tp) {
+        shared_width_(config.shared_width() / tp),
+        device_limit_(cuda_device_experts_limit(config, dtype, tp)),
+        device_eager_(device_experts_requested()) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
+    if (device_eager_ && device_limit_) {
+      throw Error(std::string(kDeviceExpertsEnv) +
+                  "=1: the device path cannot run this layer: " + *device_limit_);
+    }
     router_weight_ = upload(weights.router_weight);
     if (config.router.correction_bias) router_bias_ = upload(weights.router_bias);
     latent_down_ = upload(weights.latent_down);
@@ -115,6 +154,13 @@ class CudaLayerExecutor final : public LayerExecutor {
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // The side stream runs at the same time as the main one: a workspace of its own.
     side_gemm_ = std::make_unique<cuda::CublasLtGemm>();
+    sorted_first_ = DeviceBuffer(sizeof(std::int32_t) * (config.router.num_experts + 1));
+    check(cuda::prepare_layer_kernels(dtype_), "prepare_layer_kernels");
+    if (!device_limit_) check(cuda::prepare_grouped_gemm(dtype_), "prepare_grouped_gemm");
+    if (max_tokens > 0) {
+      reserve(max_tokens, cudaStreamPerThread);
+      grow_partials(max_tokens);
+    }
   }
 
   ~CudaLayerExecutor() override {
@@ -130,29 +176,52 @@ class CudaLayerExecutor final : public LayerExecutor {
 
   std::string_view backend_name() const override { return "cuda"; }
   MemorySpace memory_space() const override { return MemorySpace::device; }
-  const Routing* host_routing() const override { return &routing_; }
+  // An eager forward on the device path copies its routing to the host too, and the host reads
+  // it here, on request (waiting for the router); a captured forward has no host routing.
+  const Routing* host_routing() const override {
+    if (routing_pending_) {
+      LMOE_CUDA_CHECK(cudaSetDevice(device_));
+      LMOE_CUDA_CHECK(cudaEventSynchronize(router_end_));
+      const std::int64_t count = slots(routing_.num_tokens);
+      const auto* ids = static_cast<const std::int32_t*>(routing_host_.data());
+      routing_.expert_ids.assign(ids, ids + count);
+      const auto* weights = reinterpret_cast<const float*>(ids + count);
+      routing_.weights.assign(weights, weights + count);
+      routing_pending_ = false;
+    }
+    return captured_ ? nullptr : &routing_;
+  }
 
-  std::optional<std::string> cannot_run(StreamHandle handle) const override {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    LMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream_or_default(handle), &capture));
-    if (capture == cudaStreamCaptureStatusNone) return std::nullopt;
-    return std::string(
-        "stream: the cuda layer reads each forward's routing on the host (to size the experts' "
-        "GEMMs), so its forward cannot be captured in a CUDA graph yet; run it outside stream "
-        "capture (the tail alone can be captured: LatentTail with max_tokens)");
+  std::optional<std::string> cannot_run(std::int64_t tokens, StreamHandle handle) const override {
+    const bool partials_short = std::exchange(partials_short_, false);
+    if (!is_capturing(cuda::stream_or_default(handle))) return std::nullopt;
+    if (device_limit_) {
+      return "stream: a captured forward takes the cuda layer's device path (no host read of the "
+             "routing), which cannot run this layer: " +
+             *device_limit_;
+    }
+    if (tokens > capacity_ || partials_short) {
+      return "stream: T=" + std::to_string(tokens) +
+             " tokens need larger workspaces than the layer holds, and they cannot grow while the "
+             "stream is captured into a CUDA graph: set LayerOptions::max_tokens ≥ T, or run one "
+             "forward of at least T tokens before capturing";
+    }
+    return std::nullopt;
   }
 
   std::optional<std::pair<MatrixView, MatrixView>> partial_buffers(std::int64_t tokens,
                                                                    StreamHandle handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
-    // A capturing stream is refused by the call (cannot_run) before anything touches the buffers;
-    // growing them here would synchronize it and break the capture on this rank alone.
-    if (tokens > partial_capacity_ && !cannot_run(handle)) {
-      // The old buffers may still be read by the previous forward's tail.
-      LMOE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream_or_default(handle)));
-      partial_capacity_ = (tokens + 63) / 64 * 64;
-      routed_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_latent));
-      shared_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_model));
+    if (tokens > partial_capacity_) {
+      // Growing would synchronize a capturing stream and break the capture on this rank alone:
+      // the call's cannot_run refuses it instead, on every rank, before anything is launched.
+      if (is_capturing(cuda::stream_or_default(handle))) {
+        partials_short_ = true;
+      } else {
+        // The old buffers may still be read by the previous forward's tail.
+        LMOE_CUDA_CHECK(cudaStreamSynchronize(cuda::stream_or_default(handle)));
+        grow_partials(tokens);
+      }
     }
     const MatrixView routed{routed_partial_.data(), dtype_,           tokens,
                             config_.d_latent,       config_.d_latent, MemorySpace::device};
@@ -164,18 +233,21 @@ class CudaLayerExecutor final : public LayerExecutor {
   void run(ConstMatrixView x, MatrixView routed, MatrixView shared, LayerStageTimes& times,
            StreamHandle handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
-    if (auto why = cannot_run(handle)) throw Error(*why);
-    const cudaStream_t stream = cuda::stream_or_default(handle);
     const std::int64_t tokens = x.rows;
+    if (auto why = cannot_run(tokens, handle)) throw Error(*why);
+    const cudaStream_t stream = cuda::stream_or_default(handle);
     times = {};
     timed_ = false;
     tail_timed_ = false;
+    captured_ = is_capturing(stream);
+    routing_pending_ = false;
     routing_.num_tokens = tokens;
     routing_.top_k = config_.router.top_k;
     routing_.expert_ids.clear();
     routing_.weights.clear();
     if (tokens == 0) return;
     reserve(tokens, stream);
+    const bool device_path = captured_ || device_eager_;
 
     LMOE_CUDA_CHECK(cudaEventRecord(start_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, start_, 0));
@@ -191,10 +263,16 @@ class CudaLayerExecutor final : public LayerExecutor {
                tokens, config_.d_latent, config_.d_model, dtype_, dtype_, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(down_end_, stream));
 
-    run_routed_experts(tokens, routed, stream);
+    if (device_path) {
+      run_routed_experts_on_device(tokens, routed, stream);
+      routing_pending_ = !captured_;
+    } else {
+      run_routed_experts(tokens, routed, stream);
+    }
     LMOE_CUDA_CHECK(cudaEventRecord(experts_end_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, shared_end_, 0));
-    timed_ = true;
+    // Events recorded during a capture only order the captured work; they time nothing.
+    timed_ = !captured_;
   }
 
   bool begin_tail(StreamHandle handle) override {
@@ -203,7 +281,7 @@ class CudaLayerExecutor final : public LayerExecutor {
   }
   void end_tail(StreamHandle handle) override {
     LMOE_CUDA_CHECK(cudaEventRecord(tail_end_, cuda::stream_or_default(handle)));
-    tail_timed_ = true;
+    tail_timed_ = !captured_;
   }
 
   void finish_times(LayerStageTimes& times) override {
@@ -228,6 +306,18 @@ class CudaLayerExecutor final : public LayerExecutor {
   // a multiple of kExpertRowAlign.
   std::int64_t grouped_rows(std::int64_t slot_count) const {
     return slot_count + (kExpertRowAlign - 1) * std::min(config_.router.num_experts, slot_count);
+  }
+
+  static bool is_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    LMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  void grow_partials(std::int64_t tokens) {
+    partial_capacity_ = (tokens + 63) / 64 * 64;
+    routed_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_latent));
+    shared_partial_ = DeviceBuffer(bytes(partial_capacity_ * config_.d_model));
   }
 
   static double elapsed(cudaEvent_t begin, cudaEvent_t end) {
@@ -268,7 +358,8 @@ class CudaLayerExecutor final : public LayerExecutor {
     capacity_ = rows;
   }
 
-  // ids and weights [T, k] on the device, then in routing_host_ (the copy is on `stream`).
+  // ids and weights [T, k] on the device, then (eager forwards) in routing_host_, by a copy on
+  // `stream`.
   void route(ConstMatrixView x, cudaStream_t stream) {
     const std::int64_t tokens = x.rows, d = config_.d_model, experts = config_.router.num_experts;
     auto* ids = static_cast<std::int32_t*>(routing_device_.data());
@@ -283,9 +374,14 @@ class CudaLayerExecutor final : public LayerExecutor {
                              static_cast<const float*>(router_bias_.data()), tokens, config_.router,
                              ids, weights, stream),
           "launch_route");
-    // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one.
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(routing_host_.data(), ids, 2 * floats(slots(tokens)),
-                                    cudaMemcpyDeviceToHost, stream));
+    // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one
+    // (the host path at once; the device path's host_routing() waits for router_end_, and a
+    // forward's reserve() or this copy comes after the previous forward's router). A captured
+    // forward copies nothing: a graph's replays would overwrite it behind the host's back.
+    if (!captured_) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(routing_host_.data(), ids, 2 * floats(slots(tokens)),
+                                      cudaMemcpyDeviceToHost, stream));
+    }
   }
 
   // The host's copy of the routing, then the slots (t·k + j) grouped by expert, tokens ascending
@@ -377,6 +473,64 @@ class CudaLayerExecutor final : public LayerExecutor {
           "launch_combine");
   }
 
+  // The device path of run_routed_experts: the same rows, sums and roundings, sized on the device.
+  // The sort writes the host path's order bit for bit; the up GEMM reads z's rows through the
+  // sorted tokens (no gathered copy) and applies the activation to its fp32 accumulators (the
+  // activation kernel's formula); the down GEMM writes fp32 slot outputs; the combine is shared.
+  // Only the GEMMs' summation order over K differs from cuBLASLt's (docs/layer.md).
+  void run_routed_experts_on_device(std::int64_t tokens, MatrixView routed, cudaStream_t stream) {
+    const std::int64_t l = config_.d_latent, count = slots(tokens);
+    const std::int64_t experts = config_.router.num_experts;
+    const auto* ids = static_cast<const std::int32_t*>(routing_device_.data());
+    auto* first = static_cast<std::int32_t*>(sorted_first_.data());
+    auto* row_of_slot = static_cast<std::int32_t*>(order_device_.data());
+    std::int32_t* token_of_row = row_of_slot + count;
+    check(cuda::launch_sort_slots(ids, count, experts, config_.router.top_k, kExpertRowAlign, first,
+                                  row_of_slot, token_of_row, stream),
+          "launch_sort_slots");
+
+    cuda::GroupedGemmArgs up;
+    up.a = latent_.data();
+    up.a_rows = token_of_row;
+    up.lda = l;
+    up.b = expert_up_.data();
+    up.b2 = is_gated(config_.activation) ? expert_gate_.data() : nullptr;
+    up.b_group_stride = inter_ * l;
+    up.c = hidden_.data();
+    up.ldc = inter_;
+    up.n = inter_;
+    up.k = l;
+    up.first = first;
+    up.groups = static_cast<int>(experts);
+    up.max_rows = grouped_rows(count);
+    up.max_groups = std::min(experts, count);
+    up.dtype = dtype_;
+    up.out = cuda::GroupedOut::activation;
+    up.activation = &config_;
+    if (auto why = cuda::grouped_gemm_unsupported(up)) throw Error("experts' up GEMM: " + *why);
+    check(cuda::launch_grouped_gemm(up, stream), "launch_grouped_gemm(up)");
+
+    cuda::GroupedGemmArgs down = up;
+    down.a = hidden_.data();
+    down.a_rows = nullptr;
+    down.lda = inter_;
+    down.b = expert_down_.data();
+    down.b2 = nullptr;
+    down.c = slot_out_.data();
+    down.ldc = l;
+    down.n = l;
+    down.k = inter_;
+    down.out = cuda::GroupedOut::f32;
+    down.activation = nullptr;
+    if (auto why = cuda::grouped_gemm_unsupported(down)) throw Error("experts' down GEMM: " + *why);
+    check(cuda::launch_grouped_gemm(down, stream), "launch_grouped_gemm(down)");
+
+    const auto* weights = reinterpret_cast<const float*>(ids + count);
+    check(cuda::launch_combine(static_cast<const float*>(slot_out_.data()), row_of_slot, weights,
+                               routed.data, tokens, config_.router.top_k, l, dtype_, stream),
+          "launch_combine");
+  }
+
   // shared [T, d] = round(round(act(x · G_sᵀ, x · U_sᵀ)) · D_sᵀ) on the side stream; +0 without
   // shared experts.
   void run_shared_experts(ConstMatrixView x, MatrixView shared) {
@@ -405,6 +559,8 @@ class CudaLayerExecutor final : public LayerExecutor {
   std::size_t esize_;
   std::int64_t inter_;         // this rank's slice of each routed expert's intermediate dim
   std::int64_t shared_width_;  // this rank's slice of the shared experts' intermediate dim
+  std::optional<std::string> device_limit_;  // why the device path cannot run, or nullopt
+  bool device_eager_;                        // LMOE_LAYER_DEVICE_EXPERTS=1
   int device_ = 0;
 
   DeviceBuffer router_weight_;  // [E, d] fp32
@@ -427,6 +583,9 @@ class CudaLayerExecutor final : public LayerExecutor {
               tail_end_ = nullptr;
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
   bool timed_ = false, tail_timed_ = false;
+  bool captured_ = false;  // the last forward was captured (no times, no host routing)
+  mutable bool routing_pending_ = false;  // routing_host_ holds an eager device-path routing
+  mutable bool partials_short_ = false;   // partial_buffers could not grow under capture
 
   std::int64_t capacity_ = 0;    // tokens the workspaces hold
   DeviceBuffer x32_;             // [T, d] fp32
@@ -445,20 +604,22 @@ class CudaLayerExecutor final : public LayerExecutor {
   DeviceBuffer shared_up_acc_;       // [T, S_r] fp32
   DeviceBuffer shared_gate_acc_;     // [T, S_r] fp32 (gated)
   DeviceBuffer shared_hidden_;       // [T, S_r] storage dtype
-  std::vector<std::int64_t> first_;  // [E + 1] first gathered row of each expert
+  std::vector<std::int64_t> first_;  // [E + 1] first gathered row of each expert (host path)
+  DeviceBuffer sorted_first_;        // [E + 1] int32, the same on the device (device path)
 
   std::int64_t partial_capacity_ = 0;
   DeviceBuffer routed_partial_;  // [T, l] for forward()
   DeviceBuffer shared_partial_;  // [T, d]
 
-  Routing routing_;
+  mutable Routing routing_;
 };
 
 }  // namespace
 
 std::unique_ptr<LayerExecutor> make_cuda_layer_executor(const LayerConfig& config, DType dtype,
-                                                        int tp, const LayerWeights& weights) {
-  return std::make_unique<CudaLayerExecutor>(config, dtype, tp, weights);
+                                                        int tp, const LayerWeights& weights,
+                                                        std::int64_t max_tokens) {
+  return std::make_unique<CudaLayerExecutor>(config, dtype, tp, weights, max_tokens);
 }
 
 }  // namespace lmoe

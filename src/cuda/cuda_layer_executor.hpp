@@ -14,10 +14,22 @@ namespace lmoe {
 // (cuda_tier_limit) are checked by LatentTail.
 std::optional<std::string> cuda_layer_limit(const LayerConfig& config);
 
-// `weights` are validated by the caller; they are copied to the current device, here. Forwards
-// read the routing on the host (to size the experts' GEMMs), so they cannot be captured in a CUDA
-// graph: a forward on a capturing stream is refused with an lmoe::Error.
+// Why the routed experts cannot take the device path (sort and grouped GEMMs on the GPU, no host
+// read: capturable in a CUDA graph) for `config` at `tp` in `dtype`, or nullopt when they can.
+std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, DType dtype,
+                                                     int tp);
+
+// Set to 1, the environment variable LMOE_LAYER_DEVICE_EXPERTS makes eager forwards take the
+// device path too (read when the executor is built); forwards on a capturing stream always do.
+inline constexpr const char* kDeviceExpertsEnv = "LMOE_LAYER_DEVICE_EXPERTS";
+
+// `weights` are validated by the caller; they are copied to the current device, here. Eager
+// forwards read the routing on the host and launch one cuBLASLt GEMM per active expert (unless
+// LMOE_LAYER_DEVICE_EXPERTS=1); forwards on a capturing stream take the device path, which needs
+// workspaces for T tokens already there: max_tokens > 0 allocates them here, else an eager forward
+// of at least T tokens must come first (a capture that would grow them is refused).
 std::unique_ptr<LayerExecutor> make_cuda_layer_executor(const LayerConfig& config, DType dtype,
-                                                        int tp, const LayerWeights& weights);
+                                                        int tp, const LayerWeights& weights,
+                                                        std::int64_t max_tokens = 0);
 
 }  // namespace lmoe

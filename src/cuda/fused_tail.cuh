@@ -31,6 +31,7 @@
 #include "cuda/fused_tail_types.hpp"
 #include "cuda/p2p_protocol.cuh"
 #include "cuda/rms_norm.cuh"
+#include "cuda/warp_mma.cuh"
 
 namespace lmoe::cuda {
 
@@ -69,25 +70,6 @@ __device__ inline void fused_copy(const T* src, T* dst, std::int64_t n, bool pee
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     reinterpret_cast<V*>(dst)[i] = peer_source ? fused_load_cg(src + i * V::kSize) : reinterpret_cast<const V*>(src)[i];
-  }
-}
-
-// One tensor-core step: c[16 × 8] += a[16 × 16] · b[16 × 8] (fragments as the PTX ISA lays out
-// mma.m16n8k16: a row-major, b column-major, i.e. 8 rows of w_up with 16 consecutive k each).
-template <typename T>
-__device__ inline void fused_mma(float (&c)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 }
 
@@ -150,33 +132,6 @@ struct FusedShape {
   static constexpr int kSharedBytes = kStages * kStageBytes;
 };
 
-// Byte offset of 16-byte chunk `chunk` (0..7) of a stage row: chunks are XOR-swizzled by the row so
-// that the 8 rows one ldmatrix phase reads fall in different banks.
-__device__ inline std::uint32_t fused_swizzle(int row, int chunk) {
-  return static_cast<std::uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
-}
-
-// 16 bytes global → shared through L2 only (N was written by other blocks of this kernel, and L1
-// is not coherent with their stores); zeros when !valid (rows past T, K past l).
-__device__ inline void fused_cp_async16(std::uint32_t shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ inline void fused_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ inline void fused_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-__device__ inline void fused_ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t shared) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared)
-               : "memory");
-}
-__device__ inline void fused_ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t shared) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared) : "memory");
-}
 
 // Y's element (t, col) of this rank's stripe (stripe-local col) from its product u: round(u) plus
 // the rounded rank-order sum of the shared columns (phase 2's shared stripe; with one rank the
@@ -237,7 +192,7 @@ __device__ inline void fused_load_rows(const FusedTailParams& p, const T* normed
     const int row = i >> 3, chunk = i & 7;
     const std::int64_t k = k0 + chunk * 8;
     const bool valid = row < tokens && k < p.l;
-    fused_cp_async16(stage + fused_swizzle(row, chunk), valid ? normed + row * p.l + k : normed, valid);
+    cp_async16(stage + swizzle128(row, chunk), valid ? normed + row * p.l + k : normed, valid);
   }
 }
 template <typename T, int kRowsMax>
@@ -250,7 +205,7 @@ __device__ inline void fused_load_weights(const FusedTailParams& p, std::int64_t
     const int row = i >> 3, chunk = i & 7;
     const std::int64_t k = k0 + chunk * 8, col = col0 + row;
     const bool valid = col < p.stripe && k < p.l;
-    fused_cp_async16(weights + fused_swizzle(row, chunk), valid ? w + col * p.l + k : w, valid);
+    cp_async16(weights + swizzle128(row, chunk), valid ? w + col * p.l + k : w, valid);
   }
 }
 
@@ -266,7 +221,7 @@ __device__ inline void fused_prologue_weights(const FusedTailParams& p, std::int
   for (int i = 0; i < Shape::kStages - 1 && c0 + i < c1; ++i) {
     fused_load_weights<T, kRowsMax>(p, tile * kFusedTileCols, c0 + i, smem + i * Shape::kStageBytes);
   }
-  fused_cp_async_commit();
+  cp_async_commit();
 }
 
 // One work item: tile `tile` (columns [tile·64, tile·64 + 64) of the stripe), split s of K.
@@ -297,10 +252,10 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
       fused_load_rows<T, kRowsMax>(p, normed, tokens, rows, c0 + i, smem + i * Shape::kStageBytes);
     }
   }
-  fused_cp_async_commit();
-  fused_cp_async_wait<0>();
+  cp_async_commit();
+  cp_async_wait<0>();
   for (int i = 0; i < n; ++i) {
-    fused_cp_async_wait<Shape::kStages - 2>();
+    cp_async_wait<Shape::kStages - 2>();
     __syncthreads();  // chunk i is in every thread's view; every warp is done with chunk i - 1's stage
     const int next = i + Shape::kStages - 1;
     if (next < n) {
@@ -308,7 +263,7 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
       fused_load_weights<T, kRowsMax>(p, col0, c0 + next, stage);
       fused_load_rows<T, kRowsMax>(p, normed, tokens, rows, c0 + next, stage);
     }
-    fused_cp_async_commit();
+    cp_async_commit();
     const std::uint32_t a_stage = smem + (i % Shape::kStages) * Shape::kStageBytes;
     const std::uint32_t b_stage = a_stage + kRowsMax * Shape::kRowBytes;
 #pragma unroll
@@ -317,20 +272,20 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
 #pragma unroll
       for (int nt = 0; nt < Shape::kNTiles; ++nt) {
         const int row = (wn * Shape::kNTiles + nt) * 8 + (lane & 7);
-        fused_ldmatrix_x2(b[nt], b_stage + fused_swizzle(row, 2 * ks + ((lane >> 3) & 1)));
+        ldmatrix_x2(b[nt], b_stage + swizzle128(row, 2 * ks + ((lane >> 3) & 1)));
       }
 #pragma unroll
       for (int mt = 0; mt < Shape::kMTiles; ++mt) {
         const int m_tile = wm * Shape::kMTiles + mt;
         if (m_tile >= m_used) continue;  // the same for the whole warp
         std::uint32_t a[4];
-        fused_ldmatrix_x4(a, a_stage + fused_swizzle(m_tile * 16 + (lane & 15), 2 * ks + (lane >> 4)));
+        ldmatrix_x4(a, a_stage + swizzle128(m_tile * 16 + (lane & 15), 2 * ks + (lane >> 4)));
 #pragma unroll
-        for (int nt = 0; nt < Shape::kNTiles; ++nt) fused_mma<T>(acc[mt][nt], a, b[nt]);
+        for (int nt = 0; nt < Shape::kNTiles; ++nt) mma_m16n8k16<T>(acc[mt][nt], a, b[nt]);
       }
     }
   }
-  fused_cp_async_wait<0>();
+  cp_async_wait<0>();
   __syncthreads();  // the stages are free for the next item
 
   // Fragment element j of (mt, nt): row m_tile·16 + g (+8 for j ≥ 2), column 2q + (j & 1).
@@ -464,7 +419,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
       if (!p2p_wait_until(fused_report(p), &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
-    if (s_failed) return fused_cp_async_wait<0>();
+    if (s_failed) return cp_async_wait<0>();
     fused_trace(p, kTraceInputsArrived);
   }
 
@@ -479,7 +434,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
     if (!p2p_wait_until(fused_report(p), &own->rows_done, all_blocks, p.rank, e)) s_failed = 1;
   }
   __syncthreads();
-  if (s_failed) return fused_cp_async_wait<0>();
+  if (s_failed) return cp_async_wait<0>();
   fused_trace(p, kTraceRowsDone);
 
   // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring blocks).
@@ -498,7 +453,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
       if (!p2p_wait_until(fused_report(p), &own->stripes_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
     }
     __syncthreads();
-    if (s_failed) return fused_cp_async_wait<0>();
+    if (s_failed) return cp_async_wait<0>();
     fused_trace(p, kTraceStripesArrived);
     using V = Vec16<T>;
     const std::int64_t row_vectors = p.stripe / V::kSize;

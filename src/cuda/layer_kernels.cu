@@ -93,20 +93,7 @@ cudaError_t launch_activation(const float* gate, const float* up, void* out, std
                               const LayerConfig& config, DType dtype, cudaStream_t stream) {
   if (count < 0 || (is_gated(config.activation) && gate == nullptr)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  ActivationParams params{};
-  switch (config.activation) {
-    case ExpertActivation::silu_glu:
-      params.kind = 0;
-      break;
-    case ExpertActivation::situ_glu:
-      params.kind = 1;
-      break;
-    case ExpertActivation::relu2:
-      params.kind = 2;
-      break;
-  }
-  params.beta = config.activation_beta;
-  params.linear_beta = config.activation_linear_beta;
+  const ActivationParams params = activation_params_of(config);
   const float* gate_in = is_gated(config.activation) ? gate : nullptr;
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -126,6 +113,44 @@ cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
     combine_kernel<T><<<blocks_for(num_tokens * cols), kThreads, 0, stream>>>(
         slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
   });
+}
+
+cudaError_t prepare_layer_kernels(DType dtype) {
+  cudaFuncAttributes attributes{};
+  cudaError_t status = cudaFuncGetAttributes(&attributes, route_kernel);
+  if (status != cudaSuccess) return status;
+  status = cudaFuncSetAttribute(
+      sort_slots_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(sizeof(int) * ((kSortWarps + 1) * kSortMaxExperts + 1)));
+  if (status != cudaSuccess) return status;
+  const cudaError_t typed = with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (const void* kernel : {reinterpret_cast<const void*>(to_float_kernel<T>),
+                               reinterpret_cast<const void*>(gather_rows_kernel<T>),
+                               reinterpret_cast<const void*>(activation_kernel<T>),
+                               reinterpret_cast<const void*>(combine_kernel<T>)}) {
+      if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, kernel);
+    }
+  });
+  return status != cudaSuccess ? status : typed;
+}
+
+cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count,
+                              std::int64_t experts, std::int64_t top_k, std::int64_t row_align,
+                              std::int32_t* first, std::int32_t* row_of_slot,
+                              std::int32_t* token_of_row, cudaStream_t stream) {
+  if (slot_count < 0 || experts < 1 || experts > kSortMaxExperts || top_k < 1 || row_align < 1 ||
+      slot_count + (row_align - 1) * std::min(experts, slot_count) > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  const int shared_bytes = static_cast<int>(sizeof(int) * (kSortWarps * experts + experts + 1));
+  const cudaError_t status = cudaFuncSetAttribute(
+      sort_slots_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  if (status != cudaSuccess) return status;
+  sort_slots_kernel<<<1, kSortThreads, shared_bytes, stream>>>(
+      ids, slot_count, static_cast<int>(experts), static_cast<int>(top_k),
+      static_cast<int>(row_align), first, row_of_slot, token_of_row);
+  return cudaGetLastError();
 }
 
 }  // namespace lmoe::cuda

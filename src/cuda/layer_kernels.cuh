@@ -9,7 +9,11 @@
 
 #include <cstdint>
 
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/activation.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/layer_kernels.hpp"
 
 namespace lmoe::cuda {
 
@@ -34,8 +38,6 @@ __device__ inline bool ranks_before(float value_a, int index_a, float value_b, i
   if (!nan_a && value_a != value_b) return value_a > value_b;
   return index_a < index_b;
 }
-
-__device__ inline float sigmoid_rn(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
 // One block per token. Shared memory: scores [E], biased [E], group scores [n_group], group
 // eligibility [n_group], the selected ids [k].
@@ -162,30 +164,6 @@ __global__ void gather_rows_kernel(const T* __restrict__ src, const std::int32_t
   }
 }
 
-// What the activation kernel needs of LayerConfig, by value.
-struct ActivationParams {
-  int kind;  // ExpertActivation: 0 silu_glu, 1 situ_glu, 2 relu2
-  float beta;
-  float linear_beta;
-};
-
-__device__ inline float activate(const ActivationParams& p, float gate, float up) {
-  switch (p.kind) {
-    case 0:
-      return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
-    case 1: {
-      const float gated =
-          __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));
-      return __fmul_rn(gated, __fmul_rn(p.linear_beta, tanhf(__fdiv_rn(up, p.linear_beta))));
-    }
-    default: {
-      // std::max(up, 0.0f): keeps −0 and NaN, as the CPU does (fmaxf would not).
-      const float positive = up < 0.0f ? 0.0f : up;
-      return __fmul_rn(positive, positive);
-    }
-  }
-}
-
 template <typename T>
 __global__ void activation_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                                   T* __restrict__ out, std::int64_t count, ActivationParams p) {
@@ -212,6 +190,95 @@ __global__ void combine_kernel(const float* __restrict__ slot_out,
                       __fmul_rn(weights[first + j], slot_out[slot_rows[first + j] * cols + col]));
     }
     routed[i] = Storage<T>::store(sum);
+  }
+}
+
+// ---- the device path of the routed experts (docs/layer.md, "Capturable forwards") -------------
+
+inline constexpr int kSortThreads = 1024;
+inline constexpr int kSortWarps = kSortThreads / 32;
+static_assert(kSortMaxExperts <= kSortThreads, "one expert per thread in the scan");
+
+// The host path's counting sort (cuda_layer_executor.cpp, sort_slots) on the device, bit for bit:
+// the slots s = t·k + j grouped by expert in slot order (tokens ascending within an expert), each
+// expert's rows padded to a multiple of row_align with token 0; first [E + 1] the first grouped
+// row of each expert (padded), row_of_slot [S] each slot's grouped row, token_of_row [first[E]]
+// each grouped row's token. One block of 1024 threads; shared memory: per-warp counts [32][E]
+// and first [E + 1].
+//
+// The slots are cut into 32 contiguous segments, one per warp, walked 32 at a time; lanes with
+// the same expert find each other with __match_any_sync, so a lane's rank among them is the
+// number of lower lanes in its match mask. Pass 1 counts each expert's slots per segment; a
+// prefix over the segments (in segment order) and a block scan over the experts give every
+// (segment, expert) its first row; pass 2 walks the segments again and places each slot. Every
+// position depends only on the ids, never on scheduling. An id outside 0 … E − 1 (the router
+// never writes one) is not placed: its slot reads grouped row 0.
+__global__ void __launch_bounds__(kSortThreads)
+    sort_slots_kernel(const std::int32_t* __restrict__ ids, std::int64_t slot_count, int experts,
+                      int top_k, int row_align, std::int32_t* __restrict__ first,
+                      std::int32_t* __restrict__ row_of_slot,
+                      std::int32_t* __restrict__ token_of_row) {
+  extern __shared__ int sort_smem[];
+  int* warp_counts = sort_smem;  // [32][E]: counts, then each warp's first offset
+  int* first_row = sort_smem + kSortWarps * experts;  // [E + 1]
+  using Scan = cub::BlockScan<int, kSortThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  for (int i = tid; i < kSortWarps * experts; i += kSortThreads) warp_counts[i] = 0;
+  __syncthreads();
+
+  const std::int64_t begin = slot_count * warp / kSortWarps,
+                     end = slot_count * (warp + 1) / kSortWarps;
+  int* my_counts = warp_counts + warp * experts;
+  const unsigned lower_lanes = (1u << lane) - 1u;
+  for (std::int64_t base = begin; base < end; base += 32) {
+    const std::int64_t s = base + lane;
+    int e = s < end ? ids[s] : -1;
+    if (e >= experts) e = -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && (peers & lower_lanes) == 0) my_counts[e] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+
+  int total = 0, padded = 0;
+  if (tid < experts) {
+    for (int w = 0; w < kSortWarps; ++w) {
+      const int count = warp_counts[w * experts + tid];
+      warp_counts[w * experts + tid] = total;  // the expert's rows before segment w's
+      total += count;
+    }
+    padded = (total + row_align - 1) / row_align * row_align;
+  }
+  int start = 0, rows = 0;
+  Scan(scan_storage).ExclusiveSum(padded, start, rows);
+  if (tid < experts) {
+    first_row[tid] = start;
+    first[tid] = start;
+    for (int r = start + total; r < start + padded; ++r) token_of_row[r] = 0;
+  }
+  if (tid == 0) {
+    first_row[experts] = rows;
+    first[experts] = rows;
+  }
+  __syncthreads();
+
+  for (std::int64_t base = begin; base < end; base += 32) {
+    const std::int64_t s = base + lane;
+    int e = s < end ? ids[s] : -1;
+    if (e >= experts) e = -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0) {
+      const int row = first_row[e] + my_counts[e] + __popc(peers & lower_lanes);
+      row_of_slot[s] = row;
+      token_of_row[row] = static_cast<std::int32_t>(s / top_k);
+    } else if (s < end) {
+      row_of_slot[s] = 0;
+    }
+    __syncwarp();
+    if (e >= 0 && (peers & lower_lanes) == 0) my_counts[e] += __popc(peers);
+    __syncwarp();
   }
 }
 

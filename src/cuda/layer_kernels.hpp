@@ -44,4 +44,18 @@ cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
                            const float* weights, void* routed, std::int64_t num_tokens,
                            std::int64_t top_k, std::int64_t cols, DType dtype, cudaStream_t stream);
 
+// The routed slots sorted by expert on the device (the executor's host counting sort, bit for
+// bit): ids [S = T·k] → first [E + 1] (each expert's first grouped row, rows padded to a multiple
+// of row_align), row_of_slot [S], token_of_row [first[E]] (padding rows hold token 0; rows past
+// first[E] of a bound-sized buffer are left alone). E ≤ kSortMaxExperts; one block, no host read.
+inline constexpr std::int64_t kSortMaxExperts = 1024;
+// Loads every kernel of this file for `dtype` on the current device (and sets the sort's shared
+// memory size), so that no forward loads a module: under lazy loading a kernel's first load may
+// wait for the GPU's running kernels, e.g. a p2p peer that spins on this rank (docs/p2p.md).
+cudaError_t prepare_layer_kernels(DType dtype);
+cudaError_t launch_sort_slots(const std::int32_t* ids, std::int64_t slot_count,
+                              std::int64_t experts, std::int64_t top_k, std::int64_t row_align,
+                              std::int32_t* first, std::int32_t* row_of_slot,
+                              std::int32_t* token_of_row, cudaStream_t stream);
+
 }  // namespace lmoe::cuda

@@ -3,8 +3,11 @@
 // reorder the candidates, and the layer for tp ∈ {1, 2, 4} (ranks sharing one GPU, cuda-threads),
 // T ∈ {0, 1, 7, 64, 300}, bf16 (and f16, f32 at tp 2), on the small preset and on Kimi-K3- and
 // Nemotron-3-like configs scaled down: partials and y against fp64 math, y against the tail's
-// contract of its own partials, y and shared against the CPU layer. Plus graph capture and host
-// inputs refused.
+// contract of its own partials, y and shared against the CPU layer — on the host path of the
+// routed experts and on the device path (LMOE_LAYER_DEVICE_EXPERTS=1). The layer captured in a
+// CUDA graph once and replayed with new inputs, bit for bit against eager forwards, tp ∈ {1, 2}
+// (p2p) × T ∈ {1, 7, 64, 300}. Plus captures that would grow workspaces, the device path on f32,
+// and host inputs refused.
 // Every test skips where no GPU is visible.
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
@@ -20,6 +23,7 @@
 #include <random>
 
 #include "cpu/cpu_math.hpp"
+#include "cuda/cuda_layer_executor.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/layer_kernels.hpp"
 #include "gpu_test_support.hpp"
@@ -362,9 +366,12 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- the layer
 // ------------------------------------------------------------------------------------
 
+// device_experts: the routed experts take the device path in eager forwards too.
 std::vector<lmoe::LayerInputRun> run_layer(const LayerConfig& config, DType dtype,
                                            lmoe::Backend backend, int tp,
-                                           const std::vector<HostTensor>& inputs) {
+                                           const std::vector<HostTensor>& inputs,
+                                           bool device_experts = false) {
+  const ScopedEnv path(lmoe::kDeviceExpertsEnv, device_experts ? "1" : nullptr);
   lmoe::LayerRunOptions run;
   run.keep_partials = true;
   if (backend == lmoe::Backend::cpu) lmoe::cpu::set_blas_threads(1);
@@ -391,9 +398,13 @@ struct LayerCase {
   LayerConfig config;
   int tp;
   DType dtype = DType::bf16;
+  bool device_experts = false;  // the routed experts' device path (sort + grouped GEMMs)
 };
 
-void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name << "_tp" << c.tp; }
+std::string case_name(const LayerCase& c) {
+  return std::string(c.name) + "_tp" + std::to_string(c.tp) + (c.device_experts ? "_device" : "");
+}
+void PrintTo(const LayerCase& c, std::ostream* os) { *os << case_name(c); }
 
 class CudaLayerParity : public ::testing::TestWithParam<LayerCase> {};
 
@@ -411,7 +422,7 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
   const lmoe::LayerWeights full = lmoe::make_random_layer_weights(config, dtype, 1, 0, kWeightSeed);
   const lmoe::LayerReference reference(config, kEps, full);
   const std::vector<lmoe::LayerInputRun> gpu =
-      run_layer(config, dtype, lmoe::Backend::cuda, tp, inputs);
+      run_layer(config, dtype, lmoe::Backend::cuda, tp, inputs, param.device_experts);
   const std::vector<lmoe::LayerInputRun> cpu =
       run_layer(config, dtype, lmoe::Backend::cpu, tp, inputs);
 
@@ -443,9 +454,8 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
 
     // The partials and y against fp64 math with the GPU's routing, y against the tail contract.
     const lmoe::ExactLayer exact = reference.run(x.matrix(), routing);
-    lmoe::testing::check_partials_and_y(
-        config, kEps, dtype, result, full, exact,
-        std::string(param.name) + " tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+    lmoe::testing::check_partials_and_y(config, kEps, dtype, result, full, exact,
+                                        case_name(param) + " T=" + std::to_string(tokens));
 
     // Against the CPU layer: each rank's shared partial (it does not depend on the routing), and
     // y on the tokens both routed alike, within the layer's tolerances.
@@ -480,19 +490,150 @@ std::vector<LayerCase> layer_cases() {
   // The other storage dtypes, held to their own (tighter) tolerances.
   cases.push_back({"small_f16", small_config(), 2, DType::f16});
   cases.push_back({"small_f32", small_config(), 2, DType::f32});
+  // The device path of the routed experts (f32 has none), held to the same contract.
+  for (const LayerCase& host : std::vector<LayerCase>(cases)) {
+    if (host.dtype == DType::f32) continue;
+    LayerCase device = host;
+    device.device_experts = true;
+    cases.push_back(device);
+  }
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, CudaLayerParity, ::testing::ValuesIn(layer_cases()),
                          [](const ::testing::TestParamInfo<LayerCase>& info) {
-                           return std::string(info.param.name) + "_tp" +
-                                  std::to_string(info.param.tp);
+                           return case_name(info.param);
+                         });
+
+// ---- CUDA graphs
+// ----------------------------------------------------------------------------------
+
+struct CaptureCase {
+  int tp;
+  std::int64_t tokens;
+};
+
+void PrintTo(const CaptureCase& c, std::ostream* os) { *os << "tp" << c.tp << "_T" << c.tokens; }
+
+class CudaLayerCapture : public ::testing::TestWithParam<CaptureCase> {};
+
+// The whole forward (router, experts on the device path, shared experts on the side stream, the
+// tail over p2p) captured once, then replayed with other inputs in x: each replay's y equals an
+// eager forward's on the same input bit for bit (eager forwards take the device path here too, so
+// that both run the same kernels; the device path against fp64 and the CPU is CudaLayerParity's).
+TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, tokens] = GetParam();
+  const LayerConfig config = k3_like();
+  const DType dtype = DType::bf16;
+  // p2p ranks share the GPU (opt-in, docs/p2p.md); the cuda-threads communicator cannot be
+  // captured.
+  const ScopedEnv shared_gpu("LMOE_P2P_SHARED_GPU", "1");
+  const ScopedEnv device_path(lmoe::kDeviceExpertsEnv, "1");
+  std::vector<HostTensor> inputs;
+  for (std::uint64_t seed : {11u, 12u, 13u}) {
+    inputs.push_back(
+        lmoe::make_random_layer_input(config.d_model, tokens, dtype, seed + 100 * tokens));
+  }
+  const std::size_t x_bytes = inputs[0].nbytes();
+  lmoe::run_comm_group("p2p", tp, [&](int rank, lmoe::Communicator& comm) {
+    lmoe::LayerOptions options = options_of(config, lmoe::Backend::cuda, dtype);
+    options.max_tokens = tokens;  // the tail's workspaces never move (and the layer's are there)
+    lmoe::LatentMoELayer layer(
+        options, comm, lmoe::make_random_layer_weights(config, dtype, tp, rank, kWeightSeed));
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const lmoe::cuda::DeviceBuffer x(x_bytes), y(x_bytes);
+    const lmoe::ConstMatrixView x_view{x.data(),       dtype,          tokens,
+                                       config.d_model, config.d_model, lmoe::MemorySpace::device};
+    const lmoe::MatrixView y_view{y.data(),       dtype,          tokens,
+                                  config.d_model, config.d_model, lmoe::MemorySpace::device};
+    auto forward_into_y = [&](const HostTensor& input, cudaGraphExec_t graph) {
+      cuda_ok(cudaMemcpyAsync(x.data(), input.data(), x_bytes, cudaMemcpyHostToDevice, stream));
+      cuda_ok(cudaMemsetAsync(y.data(), 0xff, x_bytes, stream));
+      if (graph) {
+        cuda_ok(cudaGraphLaunch(graph, stream));
+      } else {
+        layer.forward(x_view, y_view, std::nullopt, stream);
+      }
+      cuda_ok(cudaStreamSynchronize(stream));
+      std::vector<std::uint8_t> out(x_bytes);
+      cuda_ok(cudaMemcpy(out.data(), y.data(), x_bytes, cudaMemcpyDeviceToHost));
+      return out;
+    };
+
+    // The layer's own stages once without the tail (no peer spins yet): their cuBLASLt plans and
+    // kernels are loaded before any rank waits for another (docs/p2p.md); the eager forwards then
+    // warm the tail.
+    {
+      const std::size_t esize = lmoe::dtype_size(dtype);
+      const lmoe::cuda::DeviceBuffer routed(static_cast<std::size_t>(tokens * config.d_latent) *
+                                            esize);
+      const lmoe::cuda::DeviceBuffer shared(x_bytes);
+      cuda_ok(cudaMemcpy(x.data(), inputs[0].data(), x_bytes, cudaMemcpyHostToDevice));
+      layer.forward_partials(
+          x_view,
+          {routed.data(), dtype, tokens, config.d_latent, config.d_latent,
+           lmoe::MemorySpace::device},
+          {shared.data(), dtype, tokens, config.d_model, config.d_model, lmoe::MemorySpace::device},
+          stream);
+      cuda_ok(cudaStreamSynchronize(stream));
+      comm.barrier();
+    }
+    std::vector<std::vector<std::uint8_t>> eager;
+    for (const HostTensor& input : inputs) eager.push_back(forward_into_y(input, nullptr));
+    ASSERT_NE(layer.last_routing(), nullptr);
+    EXPECT_EQ(layer.last_routing()->expert_ids.size(),
+              static_cast<std::size_t>(tokens * config.router.top_k));
+
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    std::string error;
+    try {
+      layer.forward(x_view, y_view, std::nullopt, stream);
+    } catch (const lmoe::Error& e) {
+      error = e.what();
+    }
+    cuda_ok(cudaStreamEndCapture(stream, &graph));
+    ASSERT_EQ(error, "");
+    ASSERT_NE(graph, nullptr);
+    EXPECT_EQ(layer.last_routing(), nullptr);  // a captured forward keeps its routing on the device
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+    comm.barrier();  // every rank's graph is ready before any replay spins on its peers
+
+    // Replays in another order than the eager forwards, each input twice: nothing of a replay
+    // may depend on the previous one's state.
+    for (const int i : {2, 0, 1, 0}) {
+      SCOPED_TRACE("input " + std::to_string(i));
+      const std::vector<std::uint8_t> replay = forward_into_y(inputs[i], exec);
+      EXPECT_TRUE(replay == eager[i])
+          << "rank " << rank << ": a replay's y differs from the eager forward's";
+    }
+    cuda_ok(cudaGraphExecDestroy(exec));
+    cuda_ok(cudaGraphDestroy(graph));
+    cuda_ok(cudaStreamDestroy(stream));
+  });
+}
+
+std::vector<CaptureCase> capture_cases() {
+  std::vector<CaptureCase> cases;
+  for (int tp : {1, 2}) {
+    for (std::int64_t tokens : {1, 7, 64, 300}) cases.push_back({tp, tokens});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Graphs, CudaLayerCapture, ::testing::ValuesIn(capture_cases()),
+                         [](const ::testing::TestParamInfo<CaptureCase>& info) {
+                           return "tp" + std::to_string(info.param.tp) + "_T" +
+                                  std::to_string(info.param.tokens);
                          });
 
 // ---- refusals
 // -------------------------------------------------------------------------------------
 
-TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
+TEST(CudaLayer, RefusesCapturesThatWouldGrowAndHostInputs) {
   SKIP_WITHOUT_GPU();
   const LayerConfig config = small_config();
   const std::int64_t tokens = 4;
@@ -523,8 +664,9 @@ TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
       EXPECT_THAT(error.what(), HasSubstr("x: expected device memory"));
     }
 
-    // A capture of the partials or of the whole forward (which has not run yet: the layer's own
-    // partial buffers would have to grow, which must not touch the capturing stream either).
+    // A capture of the partials or of the whole forward before any forward (and without
+    // max_tokens): the workspaces (and the layer's own partial buffers) would have to grow, which
+    // must not touch the capturing stream.
     cudaStream_t stream = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const lmoe::cuda::DeviceBuffer y(static_cast<std::size_t>(tokens * config.d_model) * esize);
@@ -546,7 +688,7 @@ TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
       cudaGraph_t graph = nullptr;
       cuda_ok(cudaStreamEndCapture(stream, &graph));
       if (graph) cudaGraphDestroy(graph);
-      EXPECT_THAT(message, HasSubstr("cannot be captured in a CUDA graph"));
+      EXPECT_THAT(message, HasSubstr("they cannot grow while the stream is captured"));
     }
 
     // The layer still runs afterwards, and writes every element.
@@ -556,6 +698,74 @@ TEST(CudaLayer, RefusesGraphCaptureAndHostInputs) {
     HostTensor out(DType::bf16, {tokens, config.d_latent});
     cuda_ok(cudaMemcpy(out.data(), routed.data(), routed.bytes(), cudaMemcpyDeviceToHost));
     for (std::int64_t j = 0; j < out.numel(); ++j) ASSERT_FALSE(std::isnan(out.get(j))) << j;
+    cuda_ok(cudaStreamDestroy(stream));
+  });
+}
+
+// Host checks only: runs without a GPU too.
+TEST(CudaLayer, TheDevicePathSaysWhatItCannotRun) {
+  LayerConfig config = small_config();
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 4).has_value());
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::f16, 1).has_value());
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::f32, 1).value_or(""),
+              HasSubstr("dtype: the device path's grouped GEMM takes bf16 or f16, got f32"));
+  config.expert_intermediate = 6;  // 3 per rank at tp 2
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 3).has_value());
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::bf16, 2).value_or(""),
+              HasSubstr("expert_intermediate/tp=3: the grouped GEMM expects even row widths"));
+  config = small_config();
+  config.router.num_experts = 1024;
+  EXPECT_FALSE(lmoe::cuda_device_experts_limit(config, DType::bf16, 1).has_value());
+  config.router.num_experts = 1025;
+  EXPECT_THAT(lmoe::cuda_device_experts_limit(config, DType::bf16, 1).value_or(""),
+              HasSubstr("num_experts=1025 > 1024"));
+}
+
+TEST(CudaLayer, TheDevicePathRefusesF32WithTheReason) {
+  SKIP_WITHOUT_GPU();
+  const LayerConfig config = small_config();
+  const std::int64_t tokens = 4;
+  lmoe::run_comm_group("cuda-threads", 1, [&](int, lmoe::Communicator& comm) {
+    const auto weights = [&] {
+      return lmoe::make_random_layer_weights(config, DType::f32, 1, 0, kWeightSeed);
+    };
+    {
+      const ScopedEnv device_path(lmoe::kDeviceExpertsEnv, "1");
+      try {
+        lmoe::LatentMoELayer layer(options_of(config, lmoe::Backend::cuda, DType::f32), comm,
+                                   weights());
+        ADD_FAILURE() << "LMOE_LAYER_DEVICE_EXPERTS=1 was accepted for an f32 layer";
+      } catch (const lmoe::Error& error) {
+        EXPECT_THAT(error.what(), HasSubstr("dtype: the device path's grouped GEMM takes bf16 or "
+                                            "f16, got f32"));
+      }
+    }
+    lmoe::LayerOptions options = options_of(config, lmoe::Backend::cuda, DType::f32);
+    options.max_tokens = tokens;
+    lmoe::LatentMoELayer layer(options, comm, weights());
+    const std::size_t bytes = static_cast<std::size_t>(tokens * config.d_model) * sizeof(float);
+    const lmoe::cuda::DeviceBuffer x(bytes), y(bytes);
+    cuda_ok(cudaMemset(x.data(), 0, bytes));
+    const lmoe::ConstMatrixView x_view{x.data(),       DType::f32,     tokens,
+                                       config.d_model, config.d_model, lmoe::MemorySpace::device};
+    const lmoe::MatrixView y_view{y.data(),       DType::f32,     tokens,
+                                  config.d_model, config.d_model, lmoe::MemorySpace::device};
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    layer.forward(x_view, y_view, std::nullopt, stream);  // eager: the host path serves f32
+    cuda_ok(cudaStreamSynchronize(stream));
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    std::string message;
+    try {
+      layer.forward(x_view, y_view, std::nullopt, stream);
+    } catch (const lmoe::Error& error) {
+      message = error.what();
+    }
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamEndCapture(stream, &graph));
+    if (graph) cudaGraphDestroy(graph);
+    EXPECT_THAT(message, HasSubstr("device path (no host read of the routing), which cannot run "
+                                   "this layer: dtype"));
     cuda_ok(cudaStreamDestroy(stream));
   });
 }

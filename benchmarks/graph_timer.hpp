@@ -1,0 +1,102 @@
+// What the benchmark programs share: one operation timed as a CUDA graph of `inner` copies of it
+// (enough for about graph_target_us of GPU time), launched `repeats` times after `warmup`, with
+// CUDA events; per-operation median and 10th/90th percentiles. Host code; benchmarks only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include "cuda/cuda_check.hpp"
+
+namespace lmoe::bench {
+
+struct TimerSettings {
+  int warmup = 5;
+  int repeats = 30;
+  double graph_target_us = 2000;  // GPU time of one timed graph launch
+};
+
+struct Timing {
+  double median_us = 0, p10_us = 0, p90_us = 0;  // per operation
+  int inner = 1;                                 // operations per graph launch
+};
+
+// The q-quantile of samples (nearest rank).
+inline double quantile(std::vector<double> samples, double q) {
+  std::sort(samples.begin(), samples.end());
+  const auto rank =
+      static_cast<std::size_t>(std::lround(q * static_cast<double>(samples.size() - 1)));
+  return samples[rank];
+}
+
+class Timer {
+ public:
+  Timer(const TimerSettings& settings, cudaStream_t stream) : settings_(settings), stream_(stream) {
+    LMOE_CUDA_CHECK(cudaEventCreate(&start_));
+    LMOE_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~Timer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+
+  // enqueue(i) puts the i-th operation on the stream (i selects a rotating buffer set).
+  Timing time(const std::function<void(int)>& enqueue) {
+    // Calibrate: the first calls also build cuBLASLt plans and load modules, outside any capture.
+    for (int i = 0; i < 2; ++i) enqueue(i);
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    LMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
+    enqueue(0);
+    LMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+    LMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float single_ms = 0;
+    LMOE_CUDA_CHECK(cudaEventElapsedTime(&single_ms, start_, stop_));
+    Timing timing;
+    timing.inner = static_cast<int>(std::clamp(
+        std::ceil(settings_.graph_target_us / std::max(1.0, single_ms * 1e3)), 1.0, 256.0));
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < timing.inner; ++i) enqueue(i);
+    LMOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    LMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+    for (int i = 0; i < settings_.warmup; ++i) LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(settings_.repeats));
+    for (cudaEvent_t& event : events) LMOE_CUDA_CHECK(cudaEventCreate(&event));
+    for (int r = 0; r < settings_.repeats; ++r) {
+      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r], stream_));
+      LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r + 1], stream_));
+    }
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<double> per_op_us;
+    for (int r = 0; r < settings_.repeats; ++r) {
+      float ms = 0;
+      LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, events[2 * r], events[2 * r + 1]));
+      per_op_us.push_back(ms * 1e3 / timing.inner);
+    }
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+    LMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    LMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    timing.median_us = quantile(per_op_us, 0.5);
+    timing.p10_us = quantile(per_op_us, 0.1);
+    timing.p90_us = quantile(per_op_us, 0.9);
+    return timing;
+  }
+
+ private:
+  const TimerSettings& settings_;
+  cudaStream_t stream_;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+}  // namespace lmoe::bench

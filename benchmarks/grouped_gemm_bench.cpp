@@ -1,0 +1,365 @@
+// lmoe_grouped_gemm_bench: the routed experts' grouped GEMMs (src/cuda/grouped_gemm.hpp) at one
+// model's expert dims / tp, against the GPU's two ceilings measured in the same run:
+//
+//   copy  device-to-device bandwidth (cudaMemcpyAsync; bytes read + written);
+//   gemm  the bf16 rate of CublasLtGemm on an 8192³ product;
+//   up    grouped up (and gate) GEMM with the activation: [T·k rows, l] → [T·k rows, I/tp];
+//   down  grouped down GEMM, fp32 out: [T·k rows, I/tp] → [T·k rows, l];
+//   loop  the host path's equivalent for comparison: one cuBLASLt GEMM per active expert (up, and
+//         gate where gated, and down, fp32 out), the same rows.
+//
+// For each T, routings are drawn as the router makes them (top-k distinct experts per token,
+// uniform); several routings rotate between launches so that the weights of one launch have left
+// L2 when its routing comes round again. TFLOP/s counts the T·k real rows (not the padding);
+// GB/s counts the active experts' weights plus the rows read and written once. Every operation
+// is timed as a CUDA graph (graph_timer.hpp). A benchmark is a program, not a test: it prints a
+// table (and --json FILE) and asserts nothing.
+#include <cuda_runtime_api.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/fast_random.hpp"
+#include "cuda/cublaslt_gemm.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/grouped_gemm.hpp"
+#include "graph_timer.hpp"
+#include "lmoe/dims.hpp"
+#include "lmoe/error.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::bench::Timer;
+using lmoe::bench::Timing;
+using lmoe::cuda::DeviceBuffer;
+using Json = nlohmann::json;
+
+struct Settings : lmoe::bench::TimerSettings {
+  std::string preset = "kimi-k3";
+  int tp = 8;
+  std::vector<std::int64_t> tokens = {1, 16, 128, 1024, 8192};
+  std::vector<std::string> tiles = {"automatic"};
+  bool with_loop = true;
+  std::string json_path;
+};
+
+constexpr std::int64_t kRowAlign = 8;  // the executor's padding of each expert's rows
+
+// A buffer of `elements` random bf16 values in [-1, 1) (never zeros, never NaN).
+DeviceBuffer random_device(std::size_t elements, std::uint64_t seed) {
+  std::vector<std::uint16_t> host(elements);
+  lmoe::SplitMix64 random{seed};
+  for (auto& value : host) {
+    const float f = 2.0f * static_cast<float>(random.uniform()) - 1.0f;
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &f, 4);
+    value = static_cast<std::uint16_t>(bits >> 16);
+  }
+  DeviceBuffer buffer(elements * 2);
+  LMOE_CUDA_CHECK(cudaMemcpy(buffer.data(), host.data(), buffer.bytes(), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+// One routing's grouped layout: first [E + 1] (padded), the real rows per expert, the tokens.
+struct Grouping {
+  std::vector<std::int32_t> first, token_of_row;
+  std::int64_t active = 0;
+};
+
+Grouping draw_grouping(std::int64_t tokens, std::int64_t experts, std::int64_t top_k,
+                       std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> all(static_cast<std::size_t>(experts)), ids;
+  std::iota(all.begin(), all.end(), 0);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(all.begin(), all.end(), rng);
+    ids.insert(ids.end(), all.begin(), all.begin() + top_k);
+  }
+  Grouping g;
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+  for (const std::int32_t e : ids) ++counts[e];
+  g.first.push_back(0);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    g.first.push_back(g.first.back() + static_cast<std::int32_t>((counts[e] + kRowAlign - 1) /
+                                                                 kRowAlign * kRowAlign));
+    g.active += counts[e] > 0;
+  }
+  g.token_of_row.assign(static_cast<std::size_t>(g.first.back()), 0);
+  std::vector<std::int32_t> next(g.first.begin(), g.first.end() - 1);
+  for (std::size_t s = 0; s < ids.size(); ++s)
+    g.token_of_row[next[ids[s]]++] = static_cast<std::int32_t>(s / top_k);
+  return g;
+}
+
+void print_header() {
+  std::printf("%-14s %6s %7s %7s %10s %10s %10s %9s %7s %9s %7s\n", "op", "T", "rows", "experts",
+              "median_us", "p10_us", "p90_us", "GB/s", "%copy", "TFLOP/s", "%gemm");
+}
+
+void print_row(const std::string& op, std::int64_t tokens, std::int64_t rows, std::int64_t experts,
+               const Timing& t, double gbps, double pct_copy, double tflops, double pct_gemm) {
+  std::printf("%-14s %6lld %7lld %7lld %10.2f %10.2f %10.2f %9.0f %7.1f %9.1f %7.1f\n", op.c_str(),
+              static_cast<long long>(tokens), static_cast<long long>(rows),
+              static_cast<long long>(experts), t.median_us, t.p10_us, t.p90_us, gbps, pct_copy,
+              tflops, pct_gemm);
+}
+
+Json row_json(const std::string& op, std::int64_t tokens, const Timing& t, double gbps,
+              double tflops) {
+  return {{"op", op},           {"tokens", tokens},        {"median_us", t.median_us},
+          {"p10_us", t.p10_us}, {"p90_us", t.p90_us},      {"GBps", gbps},
+          {"TFLOPs", tflops},   {"ops_per_graph", t.inner}};
+}
+
+int run(const Settings& settings) {
+  const lmoe::ModelPreset& preset = lmoe::find_preset(settings.preset);
+  LMOE_CHECK(preset.layer.has_value(),
+             "--preset: expected a preset with a layer, got " + settings.preset);
+  const lmoe::LayerConfig& config = *preset.layer;
+  LMOE_CHECK(settings.tp >= 1 && config.expert_intermediate % settings.tp == 0,
+             "--tp: expected a divisor of expert_intermediate = " +
+                 std::to_string(config.expert_intermediate));
+  const std::int64_t l = config.d_latent, inter = config.expert_intermediate / settings.tp;
+  const std::int64_t experts = config.router.num_experts, top_k = config.router.top_k;
+  const bool gated = lmoe::is_gated(config.activation);
+  std::vector<lmoe::cuda::GroupedTile> tiles;
+  for (const std::string& name : settings.tiles) {
+    bool known = false;
+    for (const auto tile : {lmoe::cuda::GroupedTile::automatic, lmoe::cuda::GroupedTile::m16,
+                            lmoe::cuda::GroupedTile::m64, lmoe::cuda::GroupedTile::m128,
+                            lmoe::cuda::GroupedTile::m128_wide}) {
+      if (name == lmoe::cuda::grouped_tile_name(tile)) {
+        tiles.push_back(tile);
+        known = true;
+      }
+    }
+    LMOE_CHECK(known, "--tiles: expected automatic, m16, m64, m128 or m128_wide, got " + name);
+  }
+
+  int device = 0;
+  LMOE_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp props{};
+  LMOE_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+  std::printf(
+      "# lmoe_grouped_gemm_bench: %s, %d SMs, L2 %d MiB\n# %s experts / tp=%d: E=%lld top-%lld, "
+      "l=%lld, "
+      "I/tp=%lld, %s, bf16; %d warm-up and %d timed graph launches per row\n",
+      props.name, props.multiProcessorCount, props.l2CacheSize >> 20, settings.preset.c_str(),
+      settings.tp, static_cast<long long>(experts), static_cast<long long>(top_k),
+      static_cast<long long>(l), static_cast<long long>(inter),
+      std::string(lmoe::activation_name(config.activation)).c_str(), settings.warmup,
+      settings.repeats);
+
+  cudaStream_t stream = nullptr;
+  LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Json report = {{"program", "lmoe_grouped_gemm_bench"},
+                 {"gpu", props.name},
+                 {"preset", settings.preset},
+                 {"tp", settings.tp},
+                 {"d_latent", l},
+                 {"intermediate_per_rank", inter},
+                 {"experts", experts},
+                 {"top_k", top_k},
+                 {"rows", Json::array()}};
+  {
+    Timer timer(settings, stream);
+    lmoe::cuda::CublasLtGemm gemm;
+
+    // The ceilings.
+    const std::size_t copy_bytes = std::size_t{1} << 30;
+    DeviceBuffer copy_src(copy_bytes), copy_dst(copy_bytes);
+    LMOE_CUDA_CHECK(cudaMemset(copy_src.data(), 1, copy_bytes));
+    const Timing copy = timer.time([&](int) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(copy_dst.data(), copy_src.data(), copy_bytes,
+                                      cudaMemcpyDeviceToDevice, stream));
+    });
+    const double copy_gbps = 2.0 * static_cast<double>(copy_bytes) / (copy.median_us * 1e3);
+    const std::int64_t square = 8192;
+    const DeviceBuffer ga = random_device(square * square, 1),
+                       gb = random_device(square * square, 2);
+    DeviceBuffer gc(static_cast<std::size_t>(square * square) * 2);
+    const Timing rate = timer.time([&](int) {
+      gemm.run(ga.data(), gb.data(), square, gc.data(), square, square, square, square, DType::bf16,
+               DType::bf16, stream);
+    });
+    const double gemm_tflops =
+        2.0 * static_cast<double>(square * square) * square / (rate.median_us * 1e6);
+    std::printf("# copy %.0f GB/s; bf16 GEMM %lld³ %.1f TFLOP/s\n", copy_gbps,
+                static_cast<long long>(square), gemm_tflops);
+    report["copy_GBps"] = copy_gbps;
+    report["gemm_TFLOPs"] = gemm_tflops;
+    print_header();
+
+    // Every expert's weights: [E, I/tp, l] up (and gate), [E, l, I/tp] down.
+    const std::size_t matrix = static_cast<std::size_t>(inter * l);
+    const DeviceBuffer w_up = random_device(matrix * experts, 3);
+    const DeviceBuffer w_gate = gated ? random_device(matrix * experts, 4) : DeviceBuffer();
+    const DeviceBuffer w_down = random_device(matrix * experts, 5);
+
+    for (const std::int64_t tokens : settings.tokens) {
+      const std::int64_t slots = tokens * top_k;
+      const std::int64_t bound = slots + (kRowAlign - 1) * std::min(experts, slots);
+      // Enough routings that one launch's weights have left L2 before its routing comes back.
+      const int sets = tokens <= 128 ? 8 : 2;
+      std::vector<Grouping> groupings;
+      std::vector<DeviceBuffer> firsts, tokens_of_rows;
+      for (int s = 0; s < sets; ++s) {
+        groupings.push_back(
+            draw_grouping(tokens, experts, top_k, 1000u + static_cast<std::uint32_t>(s)));
+        const Grouping& g = groupings.back();
+        firsts.emplace_back(g.first.size() * 4);
+        LMOE_CUDA_CHECK(cudaMemcpy(firsts.back().data(), g.first.data(), g.first.size() * 4,
+                                   cudaMemcpyHostToDevice));
+        tokens_of_rows.emplace_back(std::max<std::size_t>(g.token_of_row.size(), 1) * 4);
+        LMOE_CUDA_CHECK(cudaMemcpy(tokens_of_rows.back().data(), g.token_of_row.data(),
+                                   g.token_of_row.size() * 4, cudaMemcpyHostToDevice));
+      }
+      const DeviceBuffer z = random_device(static_cast<std::size_t>(tokens * l), 6);
+      const DeviceBuffer hidden = random_device(static_cast<std::size_t>(bound * inter), 7);
+      const DeviceBuffer gathered =
+          random_device(static_cast<std::size_t>(bound * l), 8);  // the host path's A
+      DeviceBuffer slot_out(static_cast<std::size_t>(bound * l) * 4);
+      DeviceBuffer up_acc(static_cast<std::size_t>(bound * inter) * 4),
+          gate_acc(static_cast<std::size_t>(bound * inter) * 4);
+      double active = 0;
+      for (const Grouping& g : groupings) active += static_cast<double>(g.active);
+      active /= sets;
+
+      lmoe::cuda::GroupedGemmArgs up;
+      up.lda = l;
+      up.b = w_up.data();
+      up.b2 = gated ? w_gate.data() : nullptr;
+      up.b_group_stride = inter * l;
+      up.c = hidden.data();
+      up.ldc = inter;
+      up.n = inter;
+      up.k = l;
+      up.groups = static_cast<int>(experts);
+      up.max_rows = bound;
+      up.max_groups = std::min(experts, slots);
+      up.out = lmoe::cuda::GroupedOut::activation;
+      up.activation = &config;
+      lmoe::cuda::GroupedGemmArgs down = up;
+      down.a = hidden.data();
+      down.lda = inter;
+      down.b = w_down.data();
+      down.b2 = nullptr;
+      down.c = slot_out.data();
+      down.ldc = l;
+      down.n = l;
+      down.k = inter;
+      down.out = lmoe::cuda::GroupedOut::f32;
+      down.activation = nullptr;
+
+      const double mats = gated ? 2.0 : 1.0;
+      const double up_flops =
+          2.0 * mats * static_cast<double>(slots) * static_cast<double>(inter * l);
+      const double up_bytes = mats * active * static_cast<double>(matrix) * 2 +
+                              static_cast<double>(slots) * static_cast<double>(l + inter) * 2;
+      const double down_flops = 2.0 * static_cast<double>(slots) * static_cast<double>(inter * l);
+      const double down_bytes = active * static_cast<double>(matrix) * 2 +
+                                static_cast<double>(slots) * static_cast<double>(inter * 2 + l * 4);
+      auto report_row = [&](const std::string& op, const Timing& t, double flops, double bytes) {
+        const double gbps = bytes / (t.median_us * 1e3), tflops = flops / (t.median_us * 1e6);
+        print_row(op, tokens, slots, static_cast<std::int64_t>(active + 0.5), t, gbps,
+                  100.0 * gbps / copy_gbps, tflops, 100.0 * tflops / gemm_tflops);
+        report["rows"].push_back(row_json(op, tokens, t, gbps, tflops));
+      };
+
+      for (const lmoe::cuda::GroupedTile tile : tiles) {
+        // The tile `automatic` resolves to is named in the row.
+        up.tile = down.tile = tile;
+        const std::string up_tile =
+            lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(up));
+        const std::string down_tile =
+            lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(down));
+        const Timing t_up = timer.time([&](int i) {
+          lmoe::cuda::GroupedGemmArgs args = up;
+          args.a = z.data();
+          args.a_rows = static_cast<const std::int32_t*>(tokens_of_rows[i % sets].data());
+          args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
+          lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream),
+                            "launch_grouped_gemm(up)");
+        });
+        report_row("up:" + up_tile, t_up, up_flops, up_bytes);
+        const Timing t_down = timer.time([&](int i) {
+          lmoe::cuda::GroupedGemmArgs args = down;
+          args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
+          lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream),
+                            "launch_grouped_gemm(down)");
+        });
+        report_row("down:" + down_tile, t_down, down_flops, down_bytes);
+      }
+
+      if (settings.with_loop) {
+        // The host path: per active expert, cuBLASLt on its padded rows (A already gathered).
+        const auto loop = [&](int i) {
+          const Grouping& g = groupings[i % sets];
+          for (std::int64_t e = 0; e < experts; ++e) {
+            const std::int64_t first = g.first[e], rows = g.first[e + 1] - first;
+            if (rows == 0) continue;
+            const auto* a = static_cast<const std::byte*>(gathered.data()) + first * l * 2;
+            gemm.run(a, static_cast<const std::byte*>(w_up.data()) + e * matrix * 2, l,
+                     static_cast<float*>(up_acc.data()) + first * inter, inter, rows, inter, l,
+                     DType::bf16, DType::f32, stream);
+            if (gated) {
+              gemm.run(a, static_cast<const std::byte*>(w_gate.data()) + e * matrix * 2, l,
+                       static_cast<float*>(gate_acc.data()) + first * inter, inter, rows, inter, l,
+                       DType::bf16, DType::f32, stream);
+            }
+            gemm.run(static_cast<const std::byte*>(hidden.data()) + first * inter * 2,
+                     static_cast<const std::byte*>(w_down.data()) + e * matrix * 2, inter,
+                     static_cast<float*>(slot_out.data()) + first * l, l, rows, l, inter,
+                     DType::bf16, DType::f32, stream);
+          }
+        };
+        // Every routing's shapes once outside the capture: cuBLASLt plans them on first use.
+        for (int s = 0; s < sets; ++s) loop(s);
+        LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        report_row("loop", timer.time(loop), up_flops + down_flops, up_bytes + down_bytes);
+      }
+    }
+  }
+  LMOE_CUDA_CHECK(cudaStreamDestroy(stream));
+  if (!settings.json_path.empty()) {
+    std::ofstream(settings.json_path) << report.dump(2) << "\n";
+    std::printf("# wrote %s\n", settings.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "lmoe_grouped_gemm_bench: the routed experts' grouped GEMMs against the GPU's ceilings"};
+  Settings settings;
+  app.add_option("--preset", settings.preset, "model preset whose expert dims to use");
+  app.add_option("--tp", settings.tp, "tensor-parallel ranks (each holds I/tp of every expert)");
+  app.add_option("-t,--tokens", settings.tokens, "token counts")->delimiter(',');
+  app.add_option("--repeats", settings.repeats, "timed graph launches per row (median, p10, p90)");
+  app.add_option("--warmup", settings.warmup, "untimed graph launches per row");
+  app.add_option("--tiles", settings.tiles, "tiles to time: automatic, m16, m64, m128, m128_wide")
+      ->delimiter(',');
+  app.add_flag("!--no-loop", settings.with_loop, "skip the per-expert cuBLASLt loop");
+  app.add_option("--json", settings.json_path, "write the results as JSON");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(settings);
+  } catch (const std::exception& error) {
+    std::cerr << "lmoe_grouped_gemm_bench: " << error.what() << "\n";
+    return 1;
+  }
+}

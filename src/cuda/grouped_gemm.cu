@@ -1,0 +1,197 @@
+#include "cuda/grouped_gemm.cuh"
+#include "cuda/grouped_gemm.hpp"
+
+#include <algorithm>
+
+namespace lmoe::cuda {
+
+namespace {
+
+// Tile shapes per (tile, gated): gated blocks hold up and gate rows, so they take half the columns
+// (the same shared bytes and accumulators per thread). m16 keeps 6 stages in flight: at decode the
+// weights are nearly all of a stage, and bytes in flight set the pace.
+using M16 = GroupedShape<16, 64, 1, 4, 6, false>;
+using M16Gated = GroupedShape<16, 32, 1, 4, 6, true>;
+using M64 = GroupedShape<64, 128, 2, 4, 4, false>;
+using M64Gated = GroupedShape<64, 64, 2, 4, 4, true>;
+using M128 = GroupedShape<128, 128, 2, 4, 4, false>;
+using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
+using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
+using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
+
+bool gated_call(const GroupedGemmArgs& args) {
+  return args.out == GroupedOut::activation && args.b2 != nullptr;
+}
+
+int copy_bytes_of(const GroupedGemmArgs& args) {
+  const auto aligned = [&](std::int64_t elements) {
+    const std::int64_t bytes = elements * 2;
+    const auto address = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    return args.k % elements == 0 && args.lda % elements == 0 && address(args.a) % bytes == 0 &&
+           address(args.b) % bytes == 0 && (args.b2 == nullptr || address(args.b2) % bytes == 0) &&
+           args.b_group_stride % elements == 0;
+  };
+  if (aligned(8)) return 16;
+  if (aligned(4)) return 8;
+  if (aligned(2)) return 4;
+  return 0;
+}
+
+template <typename T, class Shape>
+cudaError_t prepare_shape() {
+  return cudaFuncSetAttribute(grouped_gemm_kernel<T, Shape>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSharedBytes);
+}
+
+template <typename T>
+cudaError_t prepare_typed() {
+  for (const cudaError_t status :
+       {prepare_shape<T, M16>(), prepare_shape<T, M16Gated>(), prepare_shape<T, M64>(),
+        prepare_shape<T, M64Gated>(), prepare_shape<T, M128>(), prepare_shape<T, M128Gated>(),
+        prepare_shape<T, M128Wide>(), prepare_shape<T, M128WideGated>()}) {
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
+template <typename T, class Shape>
+cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& params,
+                         cudaStream_t stream) {
+  const auto kernel = grouped_gemm_kernel<T, Shape>;
+  if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
+  // Row tiles: Σ_g ceil(n_g / BM) ≤ max_rows / BM + (groups holding rows), one partial tile each.
+  const std::int64_t row_tiles = (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM +
+                                 std::min<std::int64_t>(args.max_groups, args.groups);
+  const std::int64_t col_tiles = (args.n + Shape::kColsN - 1) / Shape::kColsN;
+  if (row_tiles > 65535 || col_tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  kernel<<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& params,
+                         cudaStream_t stream) {
+  const bool gated = gated_call(args);
+  switch (grouped_gemm_tile(args)) {
+    case GroupedTile::m16:
+      return gated ? launch_shape<T, M16Gated>(args, params, stream)
+                   : launch_shape<T, M16>(args, params, stream);
+    case GroupedTile::m64:
+      return gated ? launch_shape<T, M64Gated>(args, params, stream)
+                   : launch_shape<T, M64>(args, params, stream);
+    case GroupedTile::m128_wide:
+      return gated ? launch_shape<T, M128WideGated>(args, params, stream)
+                   : launch_shape<T, M128Wide>(args, params, stream);
+    default:
+      return gated ? launch_shape<T, M128Gated>(args, params, stream)
+                   : launch_shape<T, M128>(args, params, stream);
+  }
+}
+
+}  // namespace
+
+const char* grouped_tile_name(GroupedTile tile) {
+  switch (tile) {
+    case GroupedTile::automatic:
+      return "automatic";
+    case GroupedTile::m16:
+      return "m16";
+    case GroupedTile::m64:
+      return "m64";
+    case GroupedTile::m128:
+      return "m128";
+    case GroupedTile::m128_wide:
+      return "m128_wide";
+  }
+  return "?";
+}
+
+std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args) {
+  if (args.dtype != DType::bf16 && args.dtype != DType::f16) {
+    return "dtype: expected bf16 or f16 (tensor-core operands), got " +
+           std::string(dtype_name(args.dtype));
+  }
+  if (args.groups < 1 || args.groups > kGroupedMaxGroups) {
+    return "groups: expected 1 … " + std::to_string(kGroupedMaxGroups) + ", got " +
+           std::to_string(args.groups);
+  }
+  if (args.n < 0 || args.k < 1) {
+    return "n, k: expected n ≥ 0 and k ≥ 1, got n=" + std::to_string(args.n) +
+           " k=" + std::to_string(args.k);
+  }
+  if (args.max_rows < 0 || args.max_rows > 0x7fffffff || args.max_groups < 0) {
+    return "max_rows: expected 0 … 2³¹ − 1 and max_groups ≥ 0, got " +
+           std::to_string(args.max_rows) + " and " + std::to_string(args.max_groups);
+  }
+  if (args.lda < args.k || args.ldc < args.n) {
+    return "lda, ldc: expected lda ≥ k = " + std::to_string(args.k) +
+           " and ldc ≥ n = " + std::to_string(args.n);
+  }
+  if (args.first == nullptr || args.a == nullptr || args.b == nullptr || args.c == nullptr) {
+    return std::string("first, a, b, c: expected device pointers, got a null one");
+  }
+  if (args.out == GroupedOut::activation) {
+    if (args.activation == nullptr)
+      return std::string("activation: expected the layer config for GroupedOut::activation");
+    if (is_gated(args.activation->activation) != (args.b2 != nullptr)) {
+      return std::string("b2: expected the gate weights exactly when the activation is gated (") +
+             std::string(activation_name(args.activation->activation)) + ")";
+    }
+  } else if (args.b2 != nullptr) {
+    return std::string("b2: expected null unless out is GroupedOut::activation");
+  }
+  if (copy_bytes_of(args) == 0) {
+    return "k: expected an even K, lda and weight stride with 4-byte aligned operands, got k=" +
+           std::to_string(args.k) + " lda=" + std::to_string(args.lda);
+  }
+  return std::nullopt;
+}
+
+GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
+  if (args.tile != GroupedTile::automatic) return args.tile;
+  const std::int64_t groups =
+      std::max<std::int64_t>(1, std::min<std::int64_t>(args.max_groups, args.groups));
+  const std::int64_t rows_per_group = (args.max_rows + groups - 1) / groups;
+  if (rows_per_group <= 16) return GroupedTile::m16;
+  if (rows_per_group <= 96) return GroupedTile::m64;
+  return GroupedTile::m128;
+}
+
+cudaError_t prepare_grouped_gemm(DType dtype) {
+  switch (dtype) {
+    case DType::bf16:
+      return prepare_typed<__nv_bfloat16>();
+    case DType::f16:
+      return prepare_typed<__half>();
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
+  if (grouped_gemm_unsupported(args)) return cudaErrorInvalidValue;
+  if (args.max_rows == 0 || args.max_groups == 0 || args.n == 0) return cudaSuccess;
+  GroupedGemmParams params{};
+  params.a = args.a;
+  params.a_rows = args.a_rows;
+  params.lda = args.lda;
+  params.b = args.b;
+  params.b2 = args.b2;
+  params.b_group_stride = args.b_group_stride;
+  params.c = args.c;
+  params.ldc = args.ldc;
+  params.n = args.n;
+  params.k = args.k;
+  params.first = args.first;
+  params.groups = args.groups;
+  params.out_mode = args.out == GroupedOut::f32       ? kGroupedOutF32
+                    : args.out == GroupedOut::rounded ? kGroupedOutRounded
+                                                      : kGroupedOutActivation;
+  params.copy_bytes = copy_bytes_of(args);
+  if (args.activation) params.act = activation_params_of(*args.activation);
+  return args.dtype == DType::bf16 ? launch_typed<__nv_bfloat16>(args, params, stream)
+                                   : launch_typed<__half>(args, params, stream);
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,72 @@
+// The grouped GEMM with device-resident group sizes (kernel: grouped_gemm.cuh): one launch
+// computes, for every group g with rows first[g] … first[g + 1],
+//
+//   C[rows of g, N] = A[rows of g, K] · B_gᵀ   (bf16 or f16 operands, fp32 accumulation),
+//
+// with C in fp32, rounded once to the operands' dtype, or (the experts' up projection) through the
+// activation: round(act(A · B2_gᵀ, A · B_gᵀ)) with B2 the gate weights (act of the up product alone
+// for relu2). The host never reads `first`, so the call can be captured in a CUDA graph; it needs
+// only a bound on the rows (max_rows ≥ first[groups]) and on the groups that hold rows.
+// cuBLAS(Lt) 13.0 has no grouped GEMM whose sizes stay on the device (cublasGemmGroupedBatchedEx
+// takes them in host arrays), hence this kernel. Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "lmoe/dims.hpp"
+#include "lmoe/dtype.hpp"
+
+namespace lmoe::cuda {
+
+enum class GroupedOut { f32, rounded, activation };
+
+// The block tile's rows; automatic picks by the average rows per group (max_rows / max_groups):
+// m16 for decode (≤ 16 rows per expert: the weights dominate), m64, m128 for large batches.
+// m128_wide: 128 rows × twice m128's columns (warp tiles of 64 × 64: more MMAs per shared byte,
+// more registers); only when asked for, until measurements say where it wins.
+enum class GroupedTile { automatic, m16, m64, m128, m128_wide };
+
+// "automatic", "m16", "m64", "m128", "m128_wide".
+const char* grouped_tile_name(GroupedTile tile);
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;  // [*, lda]: row r of the grouped space is A's row a_rows[r]
+  const std::int32_t* a_rows = nullptr;  // [max_rows] device, or null: row r is A's row r
+  std::int64_t lda = 0;
+  const void* b = nullptr;   // [groups, N, K] row-major, group stride b_group_stride elements
+  const void* b2 = nullptr;  // gate weights, same layout (GroupedOut::activation, gated), or null
+  std::int64_t b_group_stride = 0;
+  void* c = nullptr;  // [max_rows, ldc] in fp32 (GroupedOut::f32) or `dtype`
+  std::int64_t ldc = 0;
+  std::int64_t n = 0, k = 0;
+  const std::int32_t* first = nullptr;  // [groups + 1] device, non-decreasing from first[0] = 0
+  int groups = 0;
+  std::int64_t max_rows = 0;    // ≥ first[groups]
+  std::int64_t max_groups = 0;  // ≥ the groups with at least one row (sizes the grid)
+  DType dtype = DType::bf16;
+  GroupedOut out = GroupedOut::f32;
+  const LayerConfig* activation = nullptr;  // its activation, for GroupedOut::activation
+  GroupedTile tile = GroupedTile::automatic;
+};
+
+// Why the kernel cannot run `args` (nullopt when it can): the dtype, K's row pitch (K even; 16-byte
+// copies need K and lda multiples of 8, else 8- or 4-byte ones), the group count, a gate without
+// a gated activation. Names the argument and the expected value.
+std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args);
+
+// The tile `automatic` resolves to for these args.
+GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args);
+
+// Loads every kernel of `dtype` on the current device and sets its shared-memory size, so that no
+// later launch loads a module (a lazy load can wait for the GPU's running kernels — peers that
+// spin on this rank, docs/p2p.md). Launches do it themselves too; this only moves it earlier.
+cudaError_t prepare_grouped_gemm(DType dtype);
+
+// Enqueues the GEMM on `stream`; cudaErrorInvalidValue where grouped_gemm_unsupported says why.
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+}  // namespace lmoe::cuda
