@@ -158,6 +158,15 @@ if wants layer; then
     >"$logs/layer.log" 2>"$logs/layer.err"
   rc[layer]=$?
   cat "$logs/layer.log"; tail -3 "$logs/layer.err"
+  if [ -x build/cuda/benchmarks/lmoe_grouped_gemm_bench ]; then
+    # The routed experts' grouped GEMM (device path) at K3's expert dims, tp 8, against the
+    # per-expert cuBLASLt loop, the copy bandwidth and the GEMM rate of the same run.
+    stage "grouped GEMM benchmark (K3 experts, tp 8)"
+    timeout 120 build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 8 -t 1,16,128,1024,8192 \
+      --tiles automatic,m16,m64,m128,m128_wide --json "$logs/grouped_gemm.json" >"$logs/grouped_gemm.log" 2>&1
+    rc[grouped_gemm]=$?
+    cat "$logs/grouped_gemm.log"
+  fi
 fi
 
 if wants baseline; then
