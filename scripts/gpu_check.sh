@@ -243,6 +243,12 @@ if wants kernels && [ -x build/cuda/benchmarks/lmoe_kernel_bench ]; then
   timeout 180 build/cuda/benchmarks/lmoe_kernel_bench --json "$logs/kernels.json" >"$logs/kernels.log" 2>&1
   rc[kernels]=$?
   cat "$logs/kernels.log"
+  if [ -x build/cuda/benchmarks/lmoe_stream_probe ]; then
+    # The fused product's weight stream alone, by tile geometry and work split (docs/fused.md).
+    stage "weight stream probe (K3 w_up, and one tp-8 stripe)"
+    timeout 60 build/cuda/benchmarks/lmoe_stream_probe --json "$logs/stream_probe.json" 2>&1 | tee "$logs/stream_probe.log"
+    timeout 60 build/cuda/benchmarks/lmoe_stream_probe --rows 896 --json "$logs/stream_probe_896.json" 2>&1 | tee -a "$logs/stream_probe.log"
+  fi
 fi
 
 if wants bench; then

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/threads_communicator.hpp"
 
@@ -19,10 +20,7 @@ namespace lmoe {
 namespace {
 
 #ifdef LMOE_HAS_CUDA
-bool p2p_shared_gpu_allowed() {
-  const char* value = std::getenv("LMOE_P2P_SHARED_GPU");
-  return value && std::string_view(value) == "1";
-}
+bool p2p_shared_gpu_allowed() { return env_flag("LMOE_P2P_SHARED_GPU"); }
 #endif
 
 std::string joined(const std::vector<std::string>& names) {

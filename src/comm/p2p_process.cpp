@@ -41,6 +41,7 @@
 #include "comm/p2p_group.hpp"
 #include "comm/process_launch.hpp"
 #include "comm/shared_segment.hpp"
+#include "core/env_flag.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/p2p_launch.hpp"
 #include "lmoe/error.hpp"
@@ -391,10 +392,7 @@ std::string host_name() {
   return name;
 }
 
-bool shared_gpu_allowed() {
-  const char* value = std::getenv("LMOE_P2P_SHARED_GPU");
-  return value && std::string_view(value) == "1";
-}
+bool shared_gpu_allowed() { return env_flag("LMOE_P2P_SHARED_GPU"); }
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 
+#include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tier_tuning.hpp"
 
@@ -32,11 +33,6 @@ EnvLookup process_environment() {
 
 namespace {
 
-std::string lowercase(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
-}
 
 std::int64_t parse_token_count(const std::string& variable, const std::string& text) {
   const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
@@ -55,12 +51,6 @@ std::int64_t parse_token_count(const std::string& variable, const std::string& t
   return value;
 }
 
-bool parse_flag(const std::string& variable, const std::string& text) {
-  const std::string value = lowercase(text);
-  if (value == "1" || value == "true" || value == "yes" || value == "on") return true;
-  if (value == "0" || value == "false" || value == "no" || value == "off") return false;
-  throw Error(variable + "='" + text + "': expected 1, 0, true, false, yes, no, on or off");
-}
 
 // An unset or empty variable leaves the setting as it was.
 std::optional<std::string> read_variable(const EnvLookup& env, const std::string& name) {
@@ -228,7 +218,7 @@ PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::s
   from_env(config.overlap_max_tokens, "LMOE_OVERLAP_MAX_TOKENS", parse_token_count);
   from_env(config.column_max_tokens, "LMOE_COLUMN_MAX_TOKENS",
            [](const std::string& name, const std::string& text) -> std::optional<std::int64_t> {
-             if (lowercase(text) == "none") return std::nullopt;
+             if (ascii_lowercase(text) == "none") return std::nullopt;
              return parse_token_count(name, text);
            });
   from_env(config.overlap_disabled, "LMOE_DISABLE_OVERLAP", parse_flag);

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/env_flag.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
@@ -114,10 +115,6 @@ cudaEvent_t make_event(bool timing) {
 
 void* offset(const DeviceBuffer& buffer, std::size_t byte_offset) { return buffer.at(byte_offset); }
 
-bool device_experts_requested() {
-  const char* value = std::getenv(kDeviceExpertsEnv);
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
 
 class CudaLayerExecutor final : public LayerExecutor {
  public:
@@ -129,7 +126,7 @@ class CudaLayerExecutor final : public LayerExecutor {
         inter_(config.expert_intermediate / tp),
         shared_width_(config.shared_width() / tp),
         device_limit_(cuda_device_experts_limit(config, dtype, tp)),
-        device_eager_(device_experts_requested()) {
+        device_eager_(env_flag(kDeviceExpertsEnv)) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {
       throw Error(std::string(kDeviceExpertsEnv) +

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
 #include "tier_table_files.hpp"
 
@@ -836,3 +837,29 @@ TEST(TierPolicyNames, SourcesAndTiers) {
 }
 
 }  // namespace
+
+// Every yes/no variable (LMOE_DISABLE_OVERLAP, LMOE_P2P_SHARED_GPU, LMOE_LAYER_DEVICE_EXPERTS) reads
+// the same words, and a word that is none of them is an error naming the variable, not a quiet "no".
+TEST(EnvFlag, AcceptsTheSameWordsEverywhereAndNamesTheVariableOtherwise) {
+  constexpr const char* kName = "LMOE_TEST_ENV_FLAG";
+  unsetenv(kName);
+  EXPECT_FALSE(lmoe::env_flag(kName));
+  setenv(kName, "", 1);
+  EXPECT_FALSE(lmoe::env_flag(kName));
+  for (const char* yes : {"1", "true", "YES", "On"}) {
+    setenv(kName, yes, 1);
+    EXPECT_TRUE(lmoe::env_flag(kName)) << yes;
+  }
+  for (const char* no : {"0", "false", "No", "OFF"}) {
+    setenv(kName, no, 1);
+    EXPECT_FALSE(lmoe::env_flag(kName)) << no;
+  }
+  setenv(kName, "maybe", 1);
+  try {
+    lmoe::env_flag(kName);
+    ADD_FAILURE() << "'maybe' was read as a flag";
+  } catch (const lmoe::Error& e) {
+    EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("LMOE_TEST_ENV_FLAG='maybe'"));
+  }
+  unsetenv(kName);
+}

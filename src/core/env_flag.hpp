@@ -1,0 +1,17 @@
+// Yes/no settings from the environment, read one way everywhere: 1/0, true/false, yes/no, on/off
+// (any case); anything else is an lmoe::Error naming the variable, so a typo is never taken as "no".
+#pragma once
+
+#include <string>
+
+namespace lmoe {
+
+std::string ascii_lowercase(std::string text);
+
+// `text` as a flag; throws lmoe::Error naming `variable` when it is none of the accepted words.
+bool parse_flag(const std::string& variable, const std::string& text);
+
+// The variable `name` of the process environment as a flag; unset or empty: false.
+bool env_flag(const char* name);
+
+}  // namespace lmoe
