@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -56,6 +58,9 @@ std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& pro
 namespace {
 
 using cuda::check;
+
+// The most chunks the token tier's pipeline cuts T into (LMOE_TOKEN_CHUNKS).
+constexpr int kMaxTokenChunks = 8;
 using cuda::DeviceBuffer;
 
 // A stream that only captures (a conditional body's work): destroyed without a synchronize, which
@@ -99,6 +104,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    for (auto* events : {&scattered_, &added_}) {
+      for (cudaEvent_t& event : *events) LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    }
+    token_chunks_ = token_chunks_setting();
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
@@ -126,6 +135,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     cudaSetDevice(device_);
     cudaStreamSynchronize(side_stream_);
     cudaEventDestroy(join_);
+    for (auto* events : {&scattered_, &added_}) {
+      for (cudaEvent_t event : *events) cudaEventDestroy(event);
+    }
     cudaEventDestroy(fork_);
     cudaStreamDestroy(side_stream_);
   }
@@ -264,6 +276,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   std::size_t bytes(std::int64_t elements) const { return static_cast<std::size_t>(elements) * esize_; }
   const void* w_up_rows(std::int64_t first_row) const { return w_up_.at(bytes(first_row * dims_.d_latent)); }
   static void* offset(void* base, std::size_t byte_offset) { return static_cast<std::byte*>(base) + byte_offset; }
+  static const void* offset(const void* base, std::size_t byte_offset) {
+    return static_cast<const std::byte*>(base) + byte_offset;
+  }
   template <typename View>
   static View first_rows(View view, std::int64_t rows) {
     view.rows = rows;
@@ -285,7 +300,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     switch (tier) {
       case TailTier::overlap: return run_overlap(routed, shared, out, stream, side);
       case TailTier::column: return run_column(routed, shared, out, stream);
-      case TailTier::token: return run_token(routed, shared, out, stream);
+      case TailTier::token: return run_token(routed, shared, out, stream, side);
       case TailTier::fused: return run_fused(routed, shared, out, stream, tokens_device);
     }
   }
@@ -342,9 +357,12 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                    DType::f32, stream);
         break;
       case TailTier::token: {
-        const std::int64_t rows = split_token_rows(tokens, comm_.size(), dims_).rows(comm_.rank());
-        if (rows > 0) {
-          up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+        // Every chunk's row count (chunks of T differ by one row at most: one or two shapes).
+        for (const TokenChunk& chunk : token_chunks(tokens)) {
+          const std::int64_t rows = chunk.split.rows(comm_.rank());
+          if (rows > 0) {
+            up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+          }
         }
         break;
       }
@@ -419,24 +437,103 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one), receives
   // the reduced latent and shared rows, normalizes and up-projects only those; rows are all-gathered.
-  void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
-    const std::int64_t tokens = routed.rows;
-    const TokenRowSplit split = split_token_rows(tokens, comm_.size(), dims_);
-    const std::int64_t my_rows = split.rows(comm_.rank());
-    const bool one_rank = comm_.size() == 1;  // the scatter and gather are the identity
-    const void* latent = routed.data;
-    const void* shared_sum = shared.data;
-    if (!one_rank) {
+  //
+  // Pipelined over C chunks of rows (C = token_chunks(T); 1 unless LMOE_TOKEN_CHUNKS asks for more):
+  // each chunk's rows are split over the ranks as a whole T's are, so its reduce-scatters and its
+  // all-gather are ordinary ones over a contiguous slice of the rows, and this rank's rows of every
+  // chunk sit one after another in its workspaces. The collectives run on the side stream in one
+  // order on every rank (a communicator runs one collective at a time):
+  //   RS(0) | RS(1) AG(0) | RS(2) AG(1) | … | AG(C−1)      (RS: the latent's and shared's reduce-scatters)
+  // while the main stream normalizes, up-projects and adds chunk c as soon as RS(c) is done: chunk c's
+  // GEMM overlaps RS(c+1) and AG(c−1). Rows are computed exactly as without chunks (the contract is
+  // per row; only the GEMMs' row counts change).
+  struct TokenChunk {
+    std::int64_t first_row;   // of T
+    std::int64_t mine_first;  // this rank's first row of the chunk, in its own workspaces
+    TokenRowSplit split;
+  };
+
+  static int token_chunks_setting() {
+    const char* text = std::getenv("LMOE_TOKEN_CHUNKS");
+    if (text == nullptr || *text == '\0') return 1;
+    char* end = nullptr;
+    const long chunks = std::strtol(text, &end, 10);
+    LMOE_CHECK(end != text && *end == '\0' && chunks >= 1 && chunks <= kMaxTokenChunks,
+               "LMOE_TOKEN_CHUNKS: expected a count of chunks in [1, " + std::to_string(kMaxTokenChunks) + "], got \"" +
+                   text + "\"");
+    return static_cast<int>(chunks);
+  }
+
+  // The chunks of a T (as many as asked for, but every chunk at least one row per rank).
+  std::vector<TokenChunk> token_chunks(std::int64_t tokens) const {
+    const int tp = comm_.size();
+    const std::int64_t count = tp == 1 ? 1 : std::clamp<std::int64_t>(tokens / tp, 1, token_chunks_);
+    std::vector<TokenChunk> chunks;
+    std::int64_t mine = 0;
+    for (std::int64_t c = 0; c < count; ++c) {
+      const std::int64_t t0 = c * tokens / count, t1 = (c + 1) * tokens / count;
+      TokenChunk chunk{t0, mine, split_token_rows(t1 - t0, tp, dims_)};
+      mine += chunk.split.rows(comm_.rank());
+      chunks.push_back(std::move(chunk));
+    }
+    return chunks;
+  }
+
+  void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream, cudaStream_t side) {
+    const std::int64_t l = dims_.d_latent, d = dims_.d_model;
+    if (comm_.size() == 1) {  // the scatter and gather are the identity
+      norm(routed.data, routed.rows, stream);
+      up_project(normed_.data(), routed.rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
+      check(cuda::launch_add(up_.data(), shared.data, out.data, routed.rows * d, dtype_, stream), "launch_add");
+      return;
+    }
+    const std::vector<TokenChunk> chunks = token_chunks(routed.rows);
+    const int rank = comm_.rank();
+    if (chunks.size() == 1) {
+      const TokenRowSplit& split = chunks[0].split;
+      const std::int64_t my_rows = split.rows(rank);
       comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
       comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
-      latent = latent_.data();
-      shared_sum = shared_sum_.data();
+      norm(latent_.data(), my_rows, stream);
+      up_project(normed_.data(), my_rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
+      check(cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * d, dtype_, stream), "launch_add");
+      comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
+      return;
     }
-    norm(latent, my_rows, stream);
-    up_project(normed_.data(), my_rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
-    void* rows_out = one_rank ? out.data : up_.data();
-    check(cuda::launch_add(up_.data(), shared_sum, rows_out, my_rows * dims_.d_model, dtype_, stream), "launch_add");
-    if (!one_rank) comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
+    LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
+    const auto scatter = [&](std::size_t c) {
+      const TokenChunk& chunk = chunks[c];
+      comm_.reduce_scatter(offset(routed.data, bytes(chunk.first_row * l)), offset(latent_.data(), bytes(chunk.mine_first * l)),
+                           chunk.split.latent_counts, dtype_, side);
+      comm_.reduce_scatter(offset(shared.data, bytes(chunk.first_row * d)), offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
+                           chunk.split.model_counts, dtype_, side);
+      LMOE_CUDA_CHECK(cudaEventRecord(scattered_[c], side));
+    };
+    const auto gather = [&](std::size_t c) {
+      const TokenChunk& chunk = chunks[c];
+      LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, added_[c], 0));
+      comm_.all_gather(offset(up_.data(), bytes(chunk.mine_first * d)), offset(out.data, bytes(chunk.first_row * d)),
+                       chunk.split.model_counts, dtype_, side);
+    };
+    scatter(0);
+    for (std::size_t c = 0; c < chunks.size(); ++c) {
+      if (c + 1 < chunks.size()) scatter(c + 1);
+      const TokenChunk& chunk = chunks[c];
+      const std::int64_t rows = chunk.split.rows(rank);
+      void* up_rows = offset(up_.data(), bytes(chunk.mine_first * d));
+      LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, scattered_[c], 0));
+      // normed_ is reused from row 0: the main stream's next norm follows this GEMM.
+      norm(offset(latent_.data(), bytes(chunk.mine_first * l)), rows, stream);
+      up_project(normed_.data(), rows, w_up_.data(), d, up_rows, d, dtype_, stream);
+      check(cuda::launch_add(up_rows, offset(shared_sum_.data(), bytes(chunk.mine_first * d)), up_rows, rows * d, dtype_,
+                             stream),
+            "launch_add");
+      LMOE_CUDA_CHECK(cudaEventRecord(added_[c], stream));
+      gather(c);  // on the side stream after RS(c + 1): it waits for this chunk's rows, RS(c + 1) does not
+    }
+    LMOE_CUDA_CHECK(cudaEventRecord(join_, side));
+    LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   }
 
   // fused: one kernel per rank (cuda/fused_tail.cuh); can_implement has declined where it cannot run.
@@ -459,6 +556,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // token, pipelined: chunk c's reduce-scatters done (side stream), its rows added (main stream).
+  std::array<cudaEvent_t, kMaxTokenChunks> scattered_{}, added_{};
+  int token_chunks_ = 1;  // LMOE_TOKEN_CHUNKS
   std::int64_t capacity_ = 0;  // rows the workspaces hold
   DeviceBuffer latent_;        // [T, l] reduced latent (rows of this rank for token)
   DeviceBuffer normed_;        // [T, l]

@@ -437,3 +437,45 @@ TEST(CudaTail, DeclinesWhatItCannotRunWithAReason) {
 }
 
 }  // namespace
+
+// The token tier pipelined over chunks of rows (LMOE_TOKEN_CHUNKS, read when the tail is built):
+// chunk counts that divide T and that do not, more chunks than T / tp allows (clamped), eager and
+// captured, on every communicator with two ranks; each against the contract and every rank alike.
+TEST(CudaTokenChunks, EveryChunkCountMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  for (const char* comm : {"cuda-threads", "p2p", "nccl"}) {
+    if (auto limit = lmoe::comm_group_limit(comm, 2)) {
+      std::printf("[ chunks ] %s skipped: %s\n", comm, limit->c_str());
+      continue;
+    }
+    for (const char* chunks : {"2", "3", "8"}) {
+      ScopedEnv env("LMOE_TOKEN_CHUNKS", chunks);
+      for (std::int64_t tokens : {std::int64_t{2}, std::int64_t{5}, std::int64_t{37}, std::int64_t{300}}) {
+        for (bool graph : {false, true}) {
+          if (graph && std::string(comm) == "cuda-threads") continue;  // synchronizes on the host
+          SCOPED_TRACE(std::string(comm) + " chunks=" + chunks + " T=" + std::to_string(tokens) + (graph ? " graph" : ""));
+          const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 77u + tokens);
+          const lmoe::CaseRun result = run_gpu(c, TailTier::token, comm, graph);
+          EXPECT_TRUE(result.ranks_identical);
+          const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::token));
+          const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+          EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaTokenChunks, AChunkCountOutOfRangeIsAnErrorNamingTheVariable) {
+  SKIP_WITHOUT_GPU();
+  for (const char* bad : {"0", "9", "two"}) {
+    ScopedEnv env("LMOE_TOKEN_CHUNKS", bad);
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 5u);
+    try {
+      run_gpu(c, TailTier::token, "cuda-threads");
+      ADD_FAILURE() << "LMOE_TOKEN_CHUNKS=" << bad << " was accepted";
+    } catch (const lmoe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LMOE_TOKEN_CHUNKS"), std::string::npos) << e.what();
+    }
+  }
+}
