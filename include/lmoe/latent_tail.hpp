@@ -32,8 +32,7 @@ struct TailOptions {
   TailDims dims;
   float rms_norm_eps = 1e-5f;
   // false: N = round(Σ_r routed_r), no RMSNorm (Nemotron 3 feeds the routed sum straight to its
-  // latent up-projection); norm_weight is then ignored. The cpu backend only, for now: the cuda
-  // backend refuses it at construction.
+  // latent up-projection); norm_weight is then ignored. Both backends, every tier.
   bool latent_norm = true;
   DType dtype = DType::bf16;
   Backend backend = Backend::cpu;

@@ -49,11 +49,6 @@ std::string describe(const LayerOptions& options, const LayerWeights& weights) {
 std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
                                           const LayerWeights& weights) {
   if (auto error = validate_layer_config(options.config, tp)) return "layer config: " + *error;
-  if (!options.config.latent_norm && options.backend != Backend::cpu) {
-    return std::string(
-        "layer config: latent_norm is false (the model has no RMSNorm before the up-projection), which "
-        "only the cpu backend's tail runs for now");
-  }
   if (auto error = validate_layer_weights(options.config, options.dtype, tp, weights)) return error;
   if (options.backend == Backend::cuda) {
 #ifdef LMOE_HAS_CUDA

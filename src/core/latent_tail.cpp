@@ -122,10 +122,6 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   const TailOptions& opts = impl_->options;
   std::optional<std::string> error = validate_options(opts, comm.size());
   if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);
-  if (!error && !opts.latent_norm && opts.backend != Backend::cpu) {
-    error = "latent_norm = false (no RMSNorm before the up-projection) runs on the cpu backend only for now, not on " +
-            std::string(backend_name(opts.backend));
-  }
   if (!error && !backend_available(opts.backend)) {
     error = "backend " + std::string(backend_name(opts.backend)) +
             " is not available in this build or on this machine";
@@ -181,7 +177,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
                                              norm_weight, up_proj_weight);
   } else {
 #ifdef LMOE_HAS_CUDA
-    impl_->executor = make_cuda_tail_executor(comm, opts.dims, opts.dtype, opts.rms_norm_eps,
+    impl_->executor = make_cuda_tail_executor(comm, opts.dims, opts.dtype, opts.latent_norm, opts.rms_norm_eps,
                                               norm_weight, up_proj_weight, opts.max_tokens);
 #endif
   }

@@ -79,9 +79,10 @@ class CaptureStream {
 
 class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
  public:
-  CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, float eps, ConstMatrixView norm_weight,
-                   ConstMatrixView up_proj_weight, std::int64_t max_tokens)
-      : comm_(comm), dims_(dims), dtype_(dtype), esize_(dtype_size(dtype)), eps_(eps), fixed_capacity_(max_tokens > 0) {
+  CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
+                   ConstMatrixView norm_weight, ConstMatrixView up_proj_weight, std::int64_t max_tokens)
+      : comm_(comm), dims_(dims), dtype_(dtype), esize_(dtype_size(dtype)), latent_norm_(latent_norm), eps_(eps),
+        fixed_capacity_(max_tokens > 0) {
     if (comm.memory_space() != MemorySpace::device) {
       throw Error("the cuda backend needs a communicator of device buffers (cuda-threads, p2p, nccl), got '" +
                   std::string(comm.backend_name()) + "'");
@@ -126,7 +127,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     // ranks: every rank reaches this point, and decides the same).
     fused_unavailable_ = cuda::FusedTail::unavailable(comm, dims, dtype);
     if (!fused_unavailable_) {
-      fused_ = std::make_unique<cuda::FusedTail>(comm, dims, dtype, eps, w_up_rows(comm.rank() * stripe_width()),
+      fused_ = std::make_unique<cuda::FusedTail>(comm, dims, dtype, latent_norm, eps, w_up_rows(comm.rank() * stripe_width()),
                                                  static_cast<const float*>(gamma_.data()), max_tokens);
     }
   }
@@ -384,8 +385,15 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     norm(reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream), tokens, stream);
   }
 
-  // normed_ [rows, l] = round(rmsnorm(latent rows)).
+  // normed_ [rows, l] = round(rmsnorm(latent rows)); without the latent norm, the latent rows
+  // themselves (already rounded: N = round(Σ_r routed_r)).
   void norm(const void* latent, std::int64_t rows, cudaStream_t stream) {
+    if (!latent_norm_) {
+      if (rows > 0) {
+        LMOE_CUDA_CHECK(cudaMemcpyAsync(normed_.data(), latent, bytes(rows * dims_.d_latent), cudaMemcpyDeviceToDevice, stream));
+      }
+      return;
+    }
     check(cuda::launch_rms_norm(latent, static_cast<const float*>(gamma_.data()), normed_.data(), rows,
                                 dims_.d_latent, eps_, dtype_, stream),
           "launch_rms_norm");
@@ -548,6 +556,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   TailDims dims_;
   DType dtype_;
   std::size_t esize_;
+  bool latent_norm_;  // false: N is the reduced latent itself (no RMSNorm)
   float eps_;
   int device_ = 0;
   const bool fixed_capacity_;  // max_tokens was given: workspaces never move (capturable)
@@ -580,10 +589,11 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
 }  // namespace
 
-std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype, float eps,
-                                                      ConstMatrixView norm_weight, ConstMatrixView up_proj_weight,
-                                                      std::int64_t max_tokens) {
-  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, eps, norm_weight, up_proj_weight, max_tokens);
+std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm,
+                                                      float eps, ConstMatrixView norm_weight,
+                                                      ConstMatrixView up_proj_weight, std::int64_t max_tokens) {
+  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight,
+                                            max_tokens);
 }
 
 }  // namespace lmoe

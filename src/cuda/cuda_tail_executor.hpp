@@ -46,9 +46,10 @@ class DeviceTokensRunner {
 
 // Copies the weights to the current device. `comm` must be a device communicator. max_tokens > 0:
 // every workspace is allocated now, for that many tokens, so forwards can be captured in CUDA graphs
-// (when the communicator's collectives can be); 0: workspaces grow on demand.
+// (when the communicator's collectives can be); 0: workspaces grow on demand. latent_norm false:
+// N = round(Σ_r routed_r), no RMSNorm (norm_weight unused).
 std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                      float eps, ConstMatrixView norm_weight,
+                                                      bool latent_norm, float eps, ConstMatrixView norm_weight,
                                                       ConstMatrixView up_proj_weight, std::int64_t max_tokens);
 
 }  // namespace lmoe

@@ -55,7 +55,7 @@ std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims d
   return std::nullopt;
 }
 
-FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, const void* w_stripe,
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
                      const float* gamma, std::int64_t max_tokens)
     : comm_(comm), dtype_(dtype) {
   if (auto reason = unavailable(comm, dims, dtype)) throw Error(*reason);
@@ -121,6 +121,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, 
   params_.w_stripe = w_stripe;
   params_.gamma = gamma;
   params_.eps = eps;
+  params_.latent_norm = latent_norm;
   params_.capacity = capacity_;
   // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
   // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.

@@ -98,9 +98,10 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
     NormChunk<T> chunk;
 #pragma unroll
     for (int k = 0; k < kNormChunk; ++k) chunk.at(k) = Storage<T>::store(acc[k]);
-    lane_sum = add_chunk_squares(lane_sum, chunk);
+    if (p.latent_norm) lane_sum = add_chunk_squares(lane_sum, chunk);
     chunk.store(normed + c * kNormChunk);  // the reduced latent; normalized in place below
   }
+  if (!p.latent_norm) return;  // N is the reduced latent (the same for every block: no barrier skipped unevenly)
   const float rstd = rms_norm_rstd(row_sum_of_squares<8>(lane_sum, lane_sums), static_cast<int>(p.l), p.eps);
   for (std::int64_t c = lane; c < chunks; c += kNormLanes) {
     NormChunk<T> chunk;

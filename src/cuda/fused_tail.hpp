@@ -35,8 +35,9 @@ class FusedTail {
   // w_stripe: this rank's rows of w_up [stripe, l] on the device; gamma: fp32 [l] on the device;
   // both must outlive this object. max_tokens: 0 or more than kFusedMaxTokens gives the workspace
   // kFusedMaxTokens rows.
-  FusedTail(Communicator& comm, TailDims dims, DType dtype, float eps, const void* w_stripe, const float* gamma,
-            std::int64_t max_tokens);
+  // latent_norm false: N = round(Σ_r routed_r), no RMSNorm (gamma unused).
+  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
+            const float* gamma, std::int64_t max_tokens);
   ~FusedTail();
   FusedTail(const FusedTail&) = delete;
   FusedTail& operator=(const FusedTail&) = delete;

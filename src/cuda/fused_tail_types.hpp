@@ -58,6 +58,7 @@ struct FusedTailParams {
   const void* w_stripe = nullptr;     // [stripe, l]: w_up's rows of this rank's stripe
   const float* gamma = nullptr;       // [l], fp32
   float eps = 0;
+  bool latent_norm = true;            // false: N = the reduced latent itself (no RMSNorm)
   int grid = 1;                       // G, the same on every rank
   bool prefetch_weights = false;      // issue the stripe's L2 prefetch before waiting for peers
   // The stripe product: col_tiles tiles of kFusedTileCols columns, each split over `splits` ranges

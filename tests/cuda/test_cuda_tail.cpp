@@ -479,3 +479,41 @@ TEST(CudaTokenChunks, AChunkCountOutOfRangeIsAnErrorNamingTheVariable) {
     }
   }
 }
+
+// latent_norm = false (Nemotron 3): N is the reduced latent itself. Every tier, fused included,
+// on one and two ranks, against the contract; crafted exact inputs bit for bit; and the flag
+// changes the result.
+TEST(CudaTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
+  SKIP_WITHOUT_GPU();
+  for (const char* comm : kExactComms) {
+    for (int tp : {1, 2}) {
+      if (lmoe::comm_group_limit(comm, tp)) continue;
+      for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{7}, std::int64_t{129}}) {
+        lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 41u + static_cast<std::uint64_t>(tokens));
+        c.latent_norm = false;
+        lmoe::TailCase crafted = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens, 7u + static_cast<std::uint64_t>(tokens));
+        crafted.latent_norm = false;
+        for (TailTier tier : kGpuTiers) {
+          if (tier == TailTier::token && tokens < tp) continue;
+          if (tier == TailTier::fused && fused_declines(comm, tp, DType::bf16, tokens)) continue;
+          SCOPED_TRACE(std::string(comm) + " tp=" + std::to_string(tp) + " T=" + std::to_string(tokens) + " " +
+                       std::string(lmoe::tier_name(tier)));
+          const lmoe::CaseRun result = run_gpu(c, tier, comm);
+          EXPECT_TRUE(result.ranks_identical);
+          const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(),
+                                                     lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
+          EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+          const lmoe::CaseRun exact = run_gpu(crafted, tier, comm);
+          EXPECT_EQ(lmoe::compare(exact.ranks[0].y.matrix(), lmoe::reference_tail(crafted, lmoe::contract_of(tier)),
+                                  lmoe::exact_tail(crafted))
+                        .bit_mismatches,
+                    0);
+          lmoe::TailCase normed = c;
+          normed.latent_norm = true;
+          const lmoe::CaseRun with_norm = run_gpu(normed, tier, comm);
+          EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), result.ranks[0].y.data(), result.ranks[0].y.nbytes()));
+        }
+      }
+    }
+  }
+}

@@ -239,7 +239,7 @@ struct FusedRank {
                        cudaMemcpyHostToDevice));
     cuda_ok(cudaMemcpy(shared.data(), c.shared.slice_matrix(rank).data, static_cast<std::size_t>(t * d) * esize,
                        cudaMemcpyHostToDevice));
-    fused = std::make_unique<lmoe::cuda::FusedTail>(comm, c.dims, c.dtype, c.eps, w.data(),
+    fused = std::make_unique<lmoe::cuda::FusedTail>(comm, c.dims, c.dtype, c.latent_norm, c.eps, w.data(),
                                                     static_cast<const float*>(gamma.data()), max_tokens);
   }
 };
