@@ -40,6 +40,13 @@ __device__ inline Vec16<T> p2p_load_vector(const T* p) {
   return *reinterpret_cast<const Vec16<T>*>(&bits);
 }
 
+// Loads in flight per thread in the vector loops. A round's grid is at most kP2pMaxBlocks blocks
+// (they share the GPU with the GEMM the collective overlaps), and a peer's memory is a NVLink round
+// trip away (~1-2 µs): with one 16-byte load per thread in flight, 32 blocks of 512 threads keep
+// 256 KB outstanding, ~130-250 GB/s at best — what the tiers measured at large T (~75-85 GB/s busbw
+// at tp 2, against NCCL's 160-210). Issuing kP2pUnroll loads before the first store multiplies that.
+inline constexpr int kP2pUnroll = 4;
+
 // dst[i] = src[i] for i < n (src read through L2 when it is a peer's).
 template <typename T, bool kVector, bool kPeerSource>
 __device__ inline void p2p_copy(const T* src, T* dst, std::int64_t n) {
@@ -47,10 +54,19 @@ __device__ inline void p2p_copy(const T* src, T* dst, std::int64_t n) {
   if constexpr (kVector) {
     using V = Vec16<T>;
     const std::int64_t vectors = n / V::kSize;
-    for (std::int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
-      reinterpret_cast<V*>(dst)[i] =
-          kPeerSource ? p2p_load_vector(src + i * V::kSize) : reinterpret_cast<const V*>(src)[i];
+    const auto load = [&](std::int64_t i) {
+      return kPeerSource ? p2p_load_vector(src + i * V::kSize) : reinterpret_cast<const V*>(src)[i];
+    };
+    const std::int64_t stride = blockDim.x;
+    const std::int64_t unrolled = vectors / (stride * kP2pUnroll) * (stride * kP2pUnroll);
+    for (std::int64_t i = threadIdx.x; i < unrolled; i += stride * kP2pUnroll) {
+      V v[kP2pUnroll];
+#pragma unroll
+      for (int u = 0; u < kP2pUnroll; ++u) v[u] = load(i + u * stride);
+#pragma unroll
+      for (int u = 0; u < kP2pUnroll; ++u) reinterpret_cast<V*>(dst)[i + u * stride] = v[u];
     }
+    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride) reinterpret_cast<V*>(dst)[i] = load(i);
     done = vectors * V::kSize;
   }
   for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = kPeerSource ? p2p_load(src + i) : src[i];
@@ -73,21 +89,39 @@ __device__ inline void p2p_reduce(const P2pDeviceHandle& h, std::uint32_t parity
   if constexpr (kVector) {
     using V = Vec16<T>;
     const std::int64_t vectors = n / V::kSize;
-    for (std::int64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
-      float acc[V::kSize];
-      const V v0 = p2p_load_vector(input(0) + i * V::kSize);
+    // kU vectors per thread per step: every rank's kU loads are issued before they are summed (the
+    // sum itself stays in rank order, element by element).
+    const auto reduce_step = [&]<int kU>(std::int64_t i, std::int64_t stride) {
+      float acc[kU][V::kSize];
+      V v[kU];
 #pragma unroll
-      for (int k = 0; k < V::kSize; ++k) acc[k] = S::load(v0.v[k]);
-      for (int r = 1; r < h.size; ++r) {
-        const V vr = p2p_load_vector(input(r) + i * V::kSize);
+      for (int u = 0; u < kU; ++u) v[u] = p2p_load_vector(input(0) + (i + u * stride) * V::kSize);
 #pragma unroll
-        for (int k = 0; k < V::kSize; ++k) acc[k] = __fadd_rn(acc[k], S::load(vr.v[k]));
+      for (int u = 0; u < kU; ++u) {
+#pragma unroll
+        for (int k = 0; k < V::kSize; ++k) acc[u][k] = S::load(v[u].v[k]);
       }
-      V result;
+      for (int r = 1; r < h.size; ++r) {
 #pragma unroll
-      for (int k = 0; k < V::kSize; ++k) result.v[k] = S::store(acc[k]);
-      reinterpret_cast<V*>(out)[i] = result;
-    }
+        for (int u = 0; u < kU; ++u) v[u] = p2p_load_vector(input(r) + (i + u * stride) * V::kSize);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int k = 0; k < V::kSize; ++k) acc[u][k] = __fadd_rn(acc[u][k], S::load(v[u].v[k]));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        V result;
+#pragma unroll
+        for (int k = 0; k < V::kSize; ++k) result.v[k] = S::store(acc[u][k]);
+        reinterpret_cast<V*>(out)[i + u * stride] = result;
+      }
+    };
+    const std::int64_t stride = blockDim.x;
+    const std::int64_t unrolled = vectors / (stride * kP2pUnroll) * (stride * kP2pUnroll);
+    for (std::int64_t i = threadIdx.x; i < unrolled; i += stride * kP2pUnroll) reduce_step.template operator()<kP2pUnroll>(i, stride);
+    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride) reduce_step.template operator()<1>(i, stride);
     done = vectors * V::kSize;
   }
   for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
