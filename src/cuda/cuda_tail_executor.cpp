@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
+#include "comm/nccl_settings.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
@@ -61,6 +62,12 @@ using cuda::check;
 
 // The most chunks the token tier's pipeline cuts T into (LMOE_TOKEN_CHUNKS).
 constexpr int kMaxTokenChunks = 8;
+// Without LMOE_TOKEN_CHUNKS: two chunks from this T up, one below. Measured on two H200s (K3, tp 2,
+// docs/perf.md "Token chunks"): two chunks are 7-16 % faster than one from T = 4096 to 32768 over
+// NCCL and p2p; four are no faster than two there and slower below 16384 (each chunk's collectives
+// and GEMM are smaller, so fixed costs grow).
+constexpr int kDefaultTokenChunks = 2;
+constexpr std::int64_t kDefaultTokenChunksFrom = 4096;
 using cuda::DeviceBuffer;
 
 // A stream that only captures (a conditional body's work): destroyed without a synchronize, which
@@ -184,14 +191,11 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     // NCCL makes every captured collective wait for its previous one through event nodes unless
     // NCCL_GRAPH_MIXING_SUPPORT=0 (its default is 1); a conditional body cannot hold event nodes, and
     // instantiation would fail. With one rank no collective is issued.
+    // NCCL reads the variable once per process, at its first communicator: judge what it read.
     if (comm_.backend_name() == "nccl" && comm_.size() > 1 && tier != TailTier::fused) {
-      const char* mixing = std::getenv("NCCL_GRAPH_MIXING_SUPPORT");
-      if (mixing == nullptr || std::string(mixing) != "0") {
-        return "over NCCL with tp > 1, captured collectives carry event-wait nodes (NCCL_GRAPH_MIXING_SUPPORT=" +
-               std::string(mixing ? mixing : "1 (default)") +
-               "), which a CUDA graph conditional body cannot hold; set NCCL_GRAPH_MIXING_SUPPORT=0 before "
-               "NCCL is initialized";
-      }
+#ifdef LMOE_HAS_NCCL
+      return nccl_device_tokens_refusal(nccl_graph_mixing_in_effect());
+#endif
     }
     return std::nullopt;
   }
@@ -446,7 +450,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one), receives
   // the reduced latent and shared rows, normalizes and up-projects only those; rows are all-gathered.
   //
-  // Pipelined over C chunks of rows (C = token_chunks(T); 1 unless LMOE_TOKEN_CHUNKS asks for more):
+  // Pipelined over C chunks of rows (C = token_chunks(T): LMOE_TOKEN_CHUNKS, else 2 from T = 4096 up):
   // each chunk's rows are split over the ranks as a whole T's are, so its reduce-scatters and its
   // all-gather are ordinary ones over a contiguous slice of the rows, and this rank's rows of every
   // chunk sit one after another in its workspaces. The collectives run on the side stream in one
@@ -463,7 +467,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
   static int token_chunks_setting() {
     const char* text = std::getenv("LMOE_TOKEN_CHUNKS");
-    if (text == nullptr || *text == '\0') return 1;
+    if (text == nullptr || *text == '\0') return 0;  // the built-in rule (kDefaultTokenChunks)
     char* end = nullptr;
     const long chunks = std::strtol(text, &end, 10);
     LMOE_CHECK(end != text && *end == '\0' && chunks >= 1 && chunks <= kMaxTokenChunks,
@@ -472,10 +476,12 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     return static_cast<int>(chunks);
   }
 
-  // The chunks of a T (as many as asked for, but every chunk at least one row per rank).
+  // The chunks of a T (as many as asked for, or by the built-in rule, but every chunk at least one
+  // row per rank).
   std::vector<TokenChunk> token_chunks(std::int64_t tokens) const {
     const int tp = comm_.size();
-    const std::int64_t count = tp == 1 ? 1 : std::clamp<std::int64_t>(tokens / tp, 1, token_chunks_);
+    const int wanted = token_chunks_ != 0 ? token_chunks_ : (tokens >= kDefaultTokenChunksFrom ? kDefaultTokenChunks : 1);
+    const std::int64_t count = tp == 1 ? 1 : std::clamp<std::int64_t>(tokens / tp, 1, wanted);
     std::vector<TokenChunk> chunks;
     std::int64_t mine = 0;
     for (std::int64_t c = 0; c < count; ++c) {
@@ -567,7 +573,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // token, pipelined: chunk c's reduce-scatters done (side stream), its rows added (main stream).
   std::array<cudaEvent_t, kMaxTokenChunks> scattered_{}, added_{};
-  int token_chunks_ = 1;  // LMOE_TOKEN_CHUNKS
+  int token_chunks_ = 0;  // LMOE_TOKEN_CHUNKS; 0: the built-in rule
   std::int64_t capacity_ = 0;  // rows the workspaces hold
   DeviceBuffer latent_;        // [T, l] reduced latent (rows of this rank for token)
   DeviceBuffer normed_;        // [T, l]

@@ -448,7 +448,7 @@ TEST(CudaTokenChunks, EveryChunkCountMeetsTheContract) {
       std::printf("[ chunks ] %s skipped: %s\n", comm, limit->c_str());
       continue;
     }
-    for (const char* chunks : {"2", "3", "8"}) {
+    for (const char* chunks : {"1", "2", "3", "8"}) {
       ScopedEnv env("LMOE_TOKEN_CHUNKS", chunks);
       for (std::int64_t tokens : {std::int64_t{2}, std::int64_t{5}, std::int64_t{37}, std::int64_t{300}}) {
         for (bool graph : {false, true}) {
