@@ -1,9 +1,11 @@
 #include "comm/nccl_group.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "comm/aborted_error.hpp"
+#include "comm/nccl_settings.hpp"
 #include "lmoe/error.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -27,7 +29,22 @@ void pause(int round) {
 
 std::string milliseconds(std::chrono::milliseconds timeout) { return std::to_string(timeout.count()) + " ms"; }
 
+std::mutex g_settings_mutex;
+std::optional<std::string> g_graph_mixing;  // set at the process's first NCCL communicator
+
 }  // namespace
+
+void note_nccl_first_init() {
+  const std::lock_guard lock(g_settings_mutex);
+  if (g_graph_mixing) return;
+  const char* value = std::getenv("NCCL_GRAPH_MIXING_SUPPORT");
+  g_graph_mixing = value != nullptr && *value != '\0' ? std::string(value) : std::string("1");
+}
+
+std::optional<std::string> nccl_graph_mixing_in_effect() {
+  const std::lock_guard lock(g_settings_mutex);
+  return g_graph_mixing;
+}
 
 std::string nccl_failure(const std::string& call, ncclResult_t status, ncclComm_t comm) {
   std::string message = call + " failed: " + ncclGetErrorString(status);
@@ -111,6 +128,7 @@ void NcclGroup::init(const ncclUniqueId& id) {
   {
     // One group call, so that NCCL joins this thread's members concurrently (as ncclCommInitAll does).
     const DeviceScope restore_device(members_.front()->device);
+    note_nccl_first_init();
     check_nccl(ncclGroupStart(), "ncclGroupStart");
     for (auto& member : members_) {
       const std::lock_guard lock(member->mutex);
