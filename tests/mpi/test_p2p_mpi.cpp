@@ -193,8 +193,11 @@ TEST_F(P2pProcesses, EveryTierMeetsItsContractEagerAndCaptured) {
   }
 }
 
-// A rank that never issues the collective: its peers' rounds time out on the device, and every
-// rank, the stalled one included (its barrier is aborted by the others), gets an error naming it.
+// A rank that never issues the collective and stays away (busy elsewhere) past the timeout: its
+// peers' rounds time out on the device, and every rank, the stalled one included (its barrier is
+// aborted by the others), gets an error naming it. (Were the stalled rank to enter the barrier at
+// once, its own host wait for the peer stuck in the collective would race the device timeout, and
+// either could report first: a run on two H200s saw the barrier's report.)
 TEST_F(P2pProcesses, AStalledRankFailsEveryRankWithinTheTimeout) {
   if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
   lmoe::P2pOptions options;
@@ -207,7 +210,11 @@ TEST_F(P2pProcesses, AStalledRankFailsEveryRankWithinTheTimeout) {
   std::string message;
   try {
     comm->barrier();
-    if (comm->rank() != stalled) comm->all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
+    if (comm->rank() != stalled) {
+      comm->all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
+    } else {
+      std::this_thread::sleep_for(3 * options.timeout);
+    }
     cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
     comm->barrier();
   } catch (const lmoe::Error& error) {
