@@ -24,6 +24,7 @@ namespace {
 struct LayerCommand {
   ModelOptions model;
   int scale = 8;
+  std::int64_t experts = 0;  // 0: the preset's (scaled by --scale)
   int ranks = 2;
   std::vector<std::int64_t> tokens = {1, 7, 64, 300};
   std::string backend = "cpu";
@@ -112,7 +113,11 @@ void LayerCommand::execute() const {
   full.d_latent = resolved.dims.d_latent;
   // A checkpoint is loaded at the model's own dims; random weights are scaled down by --scale.
   const int divisor = load ? 1 : scale;
-  const LayerConfig config = scale_down(full, divisor);
+  LayerConfig config = scale_down(full, divisor);
+  if (experts > 0) {
+    LMOE_CHECK(!load, "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
+    config.router.num_experts = experts;
+  }
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
 
   const Backend chosen_backend = resolve_backend(backend);
@@ -314,6 +319,10 @@ void add_layer_command(CLI::App& app) {
          "--scale", command->scale,
          "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")
       ->capture_default_str();
+  sub->add_option("--experts", command->experts,
+                  "routed experts (default: the preset's, divided by --scale); e.g. --scale 1 --experts 112 runs "
+                  "the model's own dims with 1/8 of Kimi-K3's experts, to fit one GPU")
+      ->check(CLI::PositiveNumber);
   sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")
       ->capture_default_str();
   sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
