@@ -197,12 +197,45 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     check_counts(counts, "reduce_scatter");
     const cudaStream_t s = enter(stream);
     const std::size_t esize = dtype_size(dtype);
+    const std::size_t region = group_->block_bytes() / esize;
+    // Each round carries a piece of every rank's block, and every rank reduces its own piece in the
+    // same round (all blocks of all ranks reading at once). A block's region holds its slice of
+    // every piece: up to `slot` elements each, a whole number of 8-element slots.
+    const std::size_t slot = region / static_cast<std::size_t>(size()) / 8 * 8;
+    if (slot == 0) return reduce_scatter_whole(send, recv, counts, dtype, s);
+    const std::size_t blocks = static_cast<std::size_t>(group_->blocks());
+    const std::size_t per_piece = blocks * slot;
+    const std::size_t longest = *std::max_element(counts.begin(), counts.end());
+    std::vector<std::size_t> block_offset(counts.size(), 0);
+    std::partial_sum(counts.begin(), counts.end() - 1, block_offset.begin() + 1);
+    for (std::size_t start = 0; start < longest; start += per_piece) {
+      P2pRound round = make_round(P2pOp::reduce_scatter, send, offset(recv, start * esize));
+      std::size_t most = 0;
+      for (int r = 0; r < size(); ++r) {
+        const std::size_t count = counts[static_cast<std::size_t>(r)];
+        const std::size_t piece = start < count ? std::min(per_piece, count - start) : 0;
+        round.piece_offset[r] = static_cast<std::int64_t>(block_offset[static_cast<std::size_t>(r)] + start);
+        round.piece_count[r] = static_cast<std::int64_t>(piece);
+        most = std::max(most, piece);
+      }
+      // A block per ~4096 elements of the largest piece; every block's slice of a piece stays
+      // within its slot (g · unit ≥ most, unit ≤ slot, both multiples of 8).
+      const std::size_t unit = std::min<std::size_t>(4096, slot);
+      const int grid = static_cast<int>(std::clamp<std::size_t>((most + unit - 1) / unit, 1, blocks));
+      cuda::check(cuda::launch_p2p_round(handle_, round, grid, dtype, s), "reduce_scatter");
+    }
+  }
+
+  // reduce_scatter with regions too small for a slot per rank (f32, tp 16, the smallest regions):
+  // every rank stages all of its send buffer round by round and keeps the part of each round that
+  // falls in its own block.
+  void reduce_scatter_whole(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
+                            cudaStream_t s) {
+    const std::size_t esize = dtype_size(dtype);
     const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
     const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
     const std::size_t last = first + counts[static_cast<std::size_t>(rank_)];
     const std::size_t per_round = elements_per_round(esize);
-    // Every rank stages all of its send buffer (each block goes to its owner), round by round; a
-    // rank keeps the part of each round that falls in its own block.
     for (std::size_t start = 0; start < total; start += per_round) {
       const std::size_t n = std::min(per_round, total - start);
       const std::size_t lo = std::max(first, start), hi = std::min(last, start + n);

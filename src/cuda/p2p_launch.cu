@@ -16,6 +16,12 @@ bool vector_ok(const P2pDeviceHandle& h, const P2pRound& round) {
   constexpr std::int64_t kVec = Vec16<T>::kSize;
   if (!aligned16(round.send) || !aligned16(round.out) || h.block_bytes % 16 != 0) return false;
   if (round.op == P2pOp::reduce) return round.reduce_first % kVec == 0;
+  if (round.op == P2pOp::reduce_scatter) {
+    for (int r = 0; r < h.size; ++r) {
+      if (round.piece_offset[r] % kVec != 0) return false;
+    }
+    return true;
+  }
   for (int r = 0; r < h.size; ++r) {
     if (round.gather_offset[r] % kVec != 0) return false;
   }

@@ -72,6 +72,22 @@ __device__ inline void p2p_copy(const T* src, T* dst, std::int64_t n) {
   for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = kPeerSource ? p2p_load(src + i) : src[i];
 }
 
+// reduce_scatter rounds: block b's slice of piece q is p2p_block_slice(piece_count[q]); the
+// slices of every piece sit one after another in the block's region (each at a whole number of
+// 8-element slots, the same formula on every rank, so a peer finds piece q where it was staged).
+struct P2pPieceSlot {
+  P2pSlice slice;         // within the piece
+  std::int64_t at;        // where the slice starts in the block's region
+};
+__device__ inline P2pPieceSlot p2p_piece_slot(const P2pRound& round, int q) {
+  std::int64_t at = 0;
+  for (int p = 0; p < q; ++p) {
+    const std::int64_t per_block = (round.piece_count[p] + gridDim.x - 1) / gridDim.x;
+    at += (per_block + 7) / 8 * 8;
+  }
+  return {p2p_block_slice(round.piece_count[q]), at};
+}
+
 // Rank r's staging region of this block for a round of parity `parity`.
 template <typename T>
 __device__ inline T* p2p_region(const P2pDeviceHandle& h, int r, std::uint32_t parity) {
@@ -156,8 +172,14 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   const std::uint32_t e = epoch;
   const std::uint32_t parity = e & 1u;
 
-  // 1. Stage this block's slice of the send buffer into its region.
-  {
+  // 1. Stage this block's slice of the send buffer (of every piece) into its region.
+  if (round.op == P2pOp::reduce_scatter) {
+    for (int q = 0; q < h.size; ++q) {
+      const P2pPieceSlot slot = p2p_piece_slot(round, q);
+      p2p_copy<T, kVector, false>(static_cast<const T*>(round.send) + round.piece_offset[q] + slot.slice.first,
+                                  p2p_region<T>(h, h.rank, parity) + slot.at, slot.slice.last - slot.slice.first);
+    }
+  } else {
     const P2pSlice s = p2p_block_slice(round.stage_count[h.rank]);
     p2p_copy<T, kVector, false>(static_cast<const T*>(round.send) + s.first, p2p_region<T>(h, h.rank, parity),
                                 s.last - s.first);
@@ -172,7 +194,12 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   if (!failed) {
     // 4. Output from the peers' slices of the same parity.
     T* out = static_cast<T*>(round.out);
-    if (round.op == P2pOp::reduce) {
+    if (round.op == P2pOp::reduce_scatter) {
+      const P2pPieceSlot slot = p2p_piece_slot(round, h.rank);
+      if (slot.slice.first < slot.slice.last) {
+        p2p_reduce<T, kVector>(h, parity, slot.at, out + slot.slice.first, slot.slice.last - slot.slice.first);
+      }
+    } else if (round.op == P2pOp::reduce) {
       const P2pSlice s = p2p_block_slice(round.stage_count[h.rank]);
       const std::int64_t lo = max(s.first, round.reduce_first);
       const std::int64_t hi = min(s.last, round.reduce_first + round.reduce_count);

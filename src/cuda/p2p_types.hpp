@@ -53,7 +53,12 @@ struct P2pDeviceHandle {
 // stage_count[rank] elements from `send` into its own buffer; then
 //   reduce: out[i] = round(Σ_r staged_r[reduce_first + i]) in rank order, i < reduce_count;
 //   gather: out[gather_offset[r] + i] = staged_r[i] for every rank r, i < stage_count[r].
-enum class P2pOp : std::int32_t { reduce, gather };
+//   reduce_scatter: every rank stages one piece per rank q, piece_count[q] elements from
+//     send + piece_offset[q] (the same counts on every rank), and
+//     out[i] = round(Σ_r piece_r,rank[i]) in rank order, i < piece_count[rank]:
+//   every rank reduces its own piece in the same round, and every block holds a slice of every
+//   piece, so that all blocks of all ranks read at once (p2p_round.cuh).
+enum class P2pOp : std::int32_t { reduce, gather, reduce_scatter };
 
 struct P2pRound {
   P2pOp op;
@@ -64,6 +69,8 @@ struct P2pRound {
   std::int64_t reduce_count;
   std::int64_t gather_offset[kP2pMaxRanks];
   bool skip_own_gather;  // in-place all-gather: this rank's block of out is its send already
+  std::int64_t piece_offset[kP2pMaxRanks];  // reduce_scatter: piece q starts at send + piece_offset[q]
+  std::int64_t piece_count[kP2pMaxRanks];   // reduce_scatter: its elements (the same on every rank)
 };
 
 }  // namespace lmoe::cuda
