@@ -22,13 +22,20 @@ using M128 = GroupedShape<128, 128, 2, 4, 4, false>;
 using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
 using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
 using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
-using Wgmma = GroupedWgmmaShape<false>;
-using WgmmaGated = GroupedWgmmaShape<true>;
+using Wgmma = GroupedWgmmaShape<128, 5, false>;
+using WgmmaGated = GroupedWgmmaShape<128, 5, true>;
+using WgmmaM256 = GroupedWgmmaShape<256, 4, false>;
+using WgmmaM256Gated = GroupedWgmmaShape<256, 4, true>;
+
+template <class Shape>
+struct IsWgmmaShape : std::false_type {};
+template <int kRowsM, int kStages, bool kGated>
+struct IsWgmmaShape<GroupedWgmmaShape<kRowsM, kStages, kGated>> : std::true_type {};
 
 // The kernel of a (dtype, shape): the wgmma shapes have their own.
 template <typename T, class Shape>
 constexpr auto kernel_of() {
-  if constexpr (std::is_same_v<Shape, Wgmma> || std::is_same_v<Shape, WgmmaGated>) {
+  if constexpr (IsWgmmaShape<Shape>::value) {
     return grouped_gemm_wgmma_kernel<T, Shape>;
   } else {
     return grouped_gemm_kernel<T, Shape>;
@@ -70,7 +77,9 @@ cudaError_t prepare_typed() {
   // The wgmma kernels only where they can run (elsewhere their body is a trap).
   if (grouped_tile_unsupported(GroupedTile::wgmma, current_compute_capability()))
     return cudaSuccess;
-  for (const cudaError_t status : {prepare_shape<T, Wgmma>(), prepare_shape<T, WgmmaGated>()}) {
+  for (const cudaError_t status :
+       {prepare_shape<T, Wgmma>(), prepare_shape<T, WgmmaGated>(), prepare_shape<T, WgmmaM256>(),
+        prepare_shape<T, WgmmaM256Gated>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
@@ -108,6 +117,9 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
     case GroupedTile::wgmma:
       return gated ? launch_shape<T, WgmmaGated>(args, params, stream)
                    : launch_shape<T, Wgmma>(args, params, stream);
+    case GroupedTile::wgmma_m256:
+      return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
+                   : launch_shape<T, WgmmaM256>(args, params, stream);
     default:
       return gated ? launch_shape<T, M128Gated>(args, params, stream)
                    : launch_shape<T, M128>(args, params, stream);
@@ -130,14 +142,18 @@ const char* grouped_tile_name(GroupedTile tile) {
       return "m128_wide";
     case GroupedTile::wgmma:
       return "wgmma";
+    case GroupedTile::wgmma_m256:
+      return "wgmma_m256";
   }
   return "?";
 }
 
 std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability) {
   // wgmma is sm_90a's alone: not in sm_100a (tcgen05 replaced it) nor in later 9.x parts.
-  if (tile == GroupedTile::wgmma && compute_capability != 90) {
-    return "tile: wgmma expected a compute capability 9.0 device (Hopper, sm_90a), got " +
+  const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256;
+  if (wgmma && compute_capability != 90) {
+    return "tile: " + std::string(grouped_tile_name(tile)) +
+           " expected a compute capability 9.0 device (Hopper, sm_90a), got " +
            (compute_capability == 0 ? std::string("no device")
                                     : std::to_string(compute_capability / 10) + "." +
                                           std::to_string(compute_capability % 10));
@@ -183,8 +199,8 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
     return "k: expected an even K, lda and weight stride with 4-byte aligned operands, got k=" +
            std::to_string(args.k) + " lda=" + std::to_string(args.lda);
   }
-  // Only an explicit wgmma asks the device: automatic resolves to a tile the device runs.
-  if (args.tile == GroupedTile::wgmma)
+  // Only an explicit wgmma tile asks the device: automatic resolves to a tile the device runs.
+  if (args.tile == GroupedTile::wgmma || args.tile == GroupedTile::wgmma_m256)
     return grouped_tile_unsupported(args.tile, current_compute_capability());
   return std::nullopt;
 }

@@ -101,6 +101,7 @@ __device__ inline void grouped_copy16(std::uint32_t shared, const T* src, const 
 template <typename T>
 struct GroupedBlockTile {
   int group, row0, rows_here;
+  const std::int64_t* a_offset;  // shared: each tile row's element offset in A, or −1 past the end
   const T* b;
   const T* b2;
   std::int64_t col0;
@@ -111,7 +112,7 @@ struct GroupedBlockTile {
 // 16-byte chunks swizzled (swizzle128). All threads of the block call it; A rows past the group's
 // end (offset −1), B rows past N and k at or past K are zeros.
 template <typename T, class Shape>
-__device__ inline void grouped_load_chunk(const GroupedGemmParams& p, const std::int64_t* a_offset,
+__device__ inline void grouped_load_chunk(const GroupedGemmParams& p,
                                           const GroupedBlockTile<T>& tile, int a_rows_used, int c,
                                           std::uint32_t stage) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -120,7 +121,7 @@ __device__ inline void grouped_load_chunk(const GroupedGemmParams& p, const std:
   for (int i = tid; i < a_rows_used * 8; i += Shape::kThreads) {
     const int row = i >> 3, part = i & 7;
     const std::int64_t k = k0 + part * 8;
-    const std::int64_t at = a_offset[row];
+    const std::int64_t at = tile.a_offset[row];
     grouped_copy16(stage + swizzle128(row, part), a + (at < 0 ? 0 : at) + k, a, k, p.k, at >= 0,
                    p.copy_bytes);
   }
@@ -189,13 +190,13 @@ __device__ inline void grouped_locate_tile(const GroupedGemmParams& p, std::int6
   }
 }
 
-// Finds the block's tile (warp 0) and, when a group owns it, fills `a_offset` with the element
-// offset in A of each of its rows (through the a_rows gather; −1 past the group's end). All threads
-// of the block call it; the shared variables are the caller's.
+// Finds the block's tile (warp 0) and, when a group owns it, the element offset in A of each of its
+// rows (through the a_rows gather; −1 past the group's end), in shared memory. All threads of the
+// block call it, once.
 template <typename T, class Shape>
-__device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams& p,
-                                                         GroupedTileSpan& span,
-                                                         std::int64_t (&a_offset)[Shape::kRowsM]) {
+__device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams& p) {
+  __shared__ GroupedTileSpan span;
+  __shared__ std::int64_t a_offset[Shape::kRowsM];
   const int tid = static_cast<int>(threadIdx.x);
   if (tid < 32) grouped_locate_tile<Shape::kRowsM>(p, blockIdx.y, tid, span);
   __syncthreads();
@@ -208,6 +209,7 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
     const int row = tile.row0 + r;
     a_offset[r] = r < tile.rows_here ? (p.a_rows ? p.a_rows[row] : row) * p.lda : -1;
   }
+  tile.a_offset = a_offset;
   tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
   tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
   tile.col0 = static_cast<std::int64_t>(blockIdx.x) * Shape::kColsN;
@@ -218,10 +220,7 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
 template <typename T, class Shape>
 __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGemmParams p) {
   extern __shared__ __align__(128) unsigned char grouped_smem[];
-  __shared__ GroupedTileSpan s_span;
-  __shared__ std::int64_t s_a_offset[Shape::kRowsM];  // element offset of each tile row in A, or -1
-
-  const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p, s_span, s_a_offset);
+  const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p);
   if (tile.group < 0) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
@@ -232,7 +231,7 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
 
   auto load_chunk = [&](int c, std::uint32_t stage) {
-    grouped_load_chunk<T, Shape>(p, s_a_offset, tile, m_used * 16, c, stage);
+    grouped_load_chunk<T, Shape>(p, tile, m_used * 16, c, stage);
   };
 
   const int wm = warp / Shape::kWarpsN, wn = warp % Shape::kWarpsN;

@@ -30,9 +30,11 @@ enum class GroupedOut { f32, rounded, activation };
 // more registers); only when asked for, until measurements say where it wins.
 // wgmma: 128 rows × 128 weight rows on Hopper's warpgroup MMA (grouped_gemm_wgmma.cuh); compute
 // capability 9.0 only. automatic picks it there from kGroupedWgmmaMinRows rows per group.
-enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma };
+// wgmma_m256: 256 rows (an expert's weights streamed once for up to 256 rows); only when asked
+// for, until measurements say where it wins.
+enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 };
 
-// "automatic", "m16", "m64", "m128", "m128_wide", "wgmma".
+// "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256".
 const char* grouped_tile_name(GroupedTile tile);
 
 // The average rows per group from which automatic picks wgmma on compute 9.0: below it, most of a
@@ -65,7 +67,7 @@ struct GroupedGemmArgs {
 
 // Why the kernel cannot run `args` (nullopt when it can): the dtype, K's row pitch (K even; 16-byte
 // copies need K and lda multiples of 8, else 8- or 4-byte ones), the group count, a gate without
-// a gated activation, a tile the current device cannot run (wgmma off compute 9.0). Names the
+// a gated activation, a tile the current device cannot run (wgmma tiles off compute 9.0). Names the
 // argument and the expected value.
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args);
 

@@ -5,11 +5,14 @@
 //
 // Choices, and why:
 // - Block tile 128 rows × 128 B rows, two warpgroups (256 threads), each owning 64 of the rows and
-//   all 128 B rows: one m64n128k16 per warpgroup per k16 step. Gated blocks hold 64 up rows, then
-//   the 64 gate rows of the same columns, so the accumulator column c (up) and c + 64 (gate) of a
-//   row land in the same thread (d[i] and d[i + 32]) and the activation is computed in registers.
-//   A wider n256 tile would halve the A traffic per FLOP but doubles the accumulators (128
-//   registers) and, at K3's 146 rows per expert, the waste of the last column tile; 128 first.
+//   all 128 B rows: one m64n128k16 per warpgroup per k16 step. wgmma_m256: 256 rows, four
+//   warpgroups, 4 stages — an expert of up to 256 rows (K3 at T = 8192: ~146) in one row tile, so
+//   its weights are streamed once instead of twice; the benchmark says which wins. Gated blocks
+//   hold 64 up rows, then the 64 gate rows of the same columns, so the accumulator column c (up)
+//   and c + 64 (gate) of a row land in the same thread (d[i] and d[i + 32]) and the activation is
+//   computed in registers. A wider n256 tile would halve the A traffic per FLOP but doubles the
+//   accumulators (128 registers) and, at K3's 146 rows per expert, the waste of the last column
+//   tile; 128 first.
 // - A warpgroup whose 64 rows hold none of the group's rows issues no wgmma (a group of 146 rows
 //   has a second tile of 18 rows: one warpgroup works, the other only loads). Rows of a tile past
 //   the group's end are zeros up to the next 16 rows and are never stored; rows further on are not
@@ -36,20 +39,23 @@
 
 namespace lmoe::cuda {
 
-template <bool kGatedT>
+// kRowsM / 64 warpgroups, each 64 of the rows × all kBRows = 128 B rows.
+template <int kRowsMT, int kStagesT, bool kGatedT>
 struct GroupedWgmmaShape {
-  static constexpr int kRowsM = 128;
+  static constexpr int kRowsM = kRowsMT;
   static constexpr int kBRows = 128;  // wgmma's N: up rows, then gate rows
   static constexpr int kColsN = kGatedT ? kBRows / 2 : kBRows;  // output columns per block
   static constexpr bool kGated = kGatedT;
   static constexpr int kWarpgroups = kRowsM / 64;
   static constexpr int kThreads = kWarpgroups * 128;
-  static constexpr int kStages = 5;
+  static constexpr int kStages = kStagesT;
   static constexpr int kStageBytes = (kRowsM + kBRows) * 128;
   // Dynamic shared memory starts after the static variables: 1 KiB of slack to align it to 1024.
   static constexpr int kSharedBytes = kStages * kStageBytes + 1024;
+  static_assert(kRowsM % 64 == 0 && kRowsM <= 256, "whole m64 warpgroup tiles, ≤ 512 threads");
   static_assert(kStageBytes % 1024 == 0 && (kRowsM * 128) % 1024 == 0, "1024-byte swizzle atoms");
   static_assert(kStages >= 3, "a stage for the loads, one being multiplied, one draining");
+  static_assert(kSharedBytes + kRowsM * 8 + 64 <= 227 * 1024, "an H200 block's shared memory");
 };
 
 template <typename T, class Shape>
@@ -57,21 +63,16 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_wgmma_kernel(GroupedGemmParams p) {
 #if LMOE_HAS_WGMMA
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
-  __shared__ GroupedTileSpan s_span;
-  __shared__ std::int64_t s_a_offset[Shape::kRowsM];  // element offset of each tile row in A, or -1
-
-  const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p, s_span, s_a_offset);
+  const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p);
   if (tile.group < 0) return;
   const int tid = static_cast<int>(threadIdx.x);
-  const int warp = tid / 32, lane = tid % 32;
-  const int row0 = tile.row0, rows_here = tile.rows_here;
-  const std::int64_t col0 = tile.col0;
+  const int rows_here = tile.rows_here;
   const int a_rows_used = (rows_here + 15) / 16 * 16;
   const std::uint32_t smem =
       (static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_smem)) + 1023u) & ~1023u;
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
   auto load_chunk = [&](int c) {
-    grouped_load_chunk<T, Shape>(p, s_a_offset, tile, a_rows_used, c,
+    grouped_load_chunk<T, Shape>(p, tile, a_rows_used, c,
                                  smem + (c % Shape::kStages) * Shape::kStageBytes);
   };
 
@@ -124,16 +125,17 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 
   // Accumulator fragment of m64n128 (warpgroup_mma.cuh): d[4j + e] at row 16·w + lane / 4 +
   // 8·(e / 2), column 8j + 2·(lane % 4) + e % 2; gated blocks hold the gate 64 columns further.
-  const int row_base = warpgroup * 64 + (warp % 4) * 16 + lane / 4;
+  const int lane = tid % 32;
+  const int row_base = warpgroup * 64 + (tid / 32 % 4) * 16 + lane / 4;
   constexpr int kOutBlocks = Shape::kColsN / 8;
 #pragma unroll
   for (int j = 0; j < kOutBlocks; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = row_base + (e >= 2 ? 8 : 0);
-      const std::int64_t col = col0 + 8 * j + 2 * (lane % 4) + (e & 1);
+      const std::int64_t col = tile.col0 + 8 * j + 2 * (lane % 4) + (e & 1);
       if (r >= rows_here || col >= p.n) continue;
-      const std::int64_t at = static_cast<std::int64_t>(row0 + r) * p.ldc + col;
+      const std::int64_t at = static_cast<std::int64_t>(tile.row0 + r) * p.ldc + col;
       if constexpr (Shape::kGated) {
         grouped_store<T>(p, at, acc[4 * j + e], acc[4 * (j + kOutBlocks) + e]);
       } else {

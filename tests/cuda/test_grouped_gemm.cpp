@@ -1,8 +1,8 @@
 // The routed experts' device path, piece by piece: the device sort of the slots against the host
 // counting sort (bit for bit, on crafted and random routings), and the grouped GEMM against fp64 on
 // ragged groups (0, 1, 7, 8, 9 and 300 rows; K and N not multiples of any tile), every tile shape
-// bit-identical to the others (the wgmma tile, compute 9.0 only, also on 63, 64, 65, 128, 129 and
-// 200 rows), the rounded and activation outputs bit-identical to rounding and to
+// bit-identical to the others (the wgmma tiles, compute 9.0 only, also on 63, 64, 65, 128, 129,
+// 200 and 300 rows), the rounded and activation outputs bit-identical to rounding and to
 // the activation kernel applied to its fp32 output, and bad arguments refused with their reason.
 // Every test skips where no GPU is visible.
 #include <cuda_runtime_api.h>
@@ -416,31 +416,31 @@ TEST_P(GroupedGemm, MatchesFp64OnRaggedGroupsWithEveryTile) {
       {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128, GroupedTile::m128_wide});
 }
 
-// Why the wgmma tile cannot run on this GPU (printed by the skip), or nullopt.
+// Why the wgmma tiles cannot run on this GPU (printed by the skip), or nullopt.
 std::optional<std::string> wgmma_unavailable() {
   return lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma,
                                               lmoe::cuda::current_compute_capability());
 }
 
-// The wgmma tile (compute 9.0 only) on groups around its warpgroups' 64 rows and its block's 128:
-// empty, one row, 63, 64, 65, several tiles with a partial last one, 128 and 129.
-TEST_P(GroupedGemm, WgmmaTileMatchesFp64AndTheMmaSyncTiles) {
+// The wgmma tiles (compute 9.0 only) on groups around their warpgroups' 64 rows and their blocks'
+// 128 and 256: empty, one row, 63, 64, 65, 128, 129, 200, and 300 (a partial second tile of each).
+TEST_P(GroupedGemm, WgmmaTilesMatchFp64AndTheMmaSyncTiles) {
   SKIP_WITHOUT_GPU();
   if (const auto why = wgmma_unavailable()) GTEST_SKIP() << *why;
   const auto [dtype, shape, gather] = GetParam();
-  const std::vector<int> group_rows = {0, 1, 63, 64, 65, 200, 0, 128, 129, 17};
+  const std::vector<int> group_rows = {0, 1, 63, 64, 65, 200, 0, 128, 129, 17, 300};
   const Problem p = make_problem(group_rows, shape.n, shape.k, dtype, gather,
                                  11u + static_cast<std::uint32_t>(shape.k));
-
-  const GemmRun up = run_grouped(p, dtype, GroupedOut::f32, GroupedTile::wgmma, nullptr, false);
-  expect_matches_fp64(p, up, p.b, 0.0);
-  // K in the same order as the mma.sync tiles (chunks, then k16 steps; within a step the tensor
-  // cores'): the same bits, if Hopper's wgmma and mma.sync sum a k16 step alike.
   const GemmRun m64 = run_grouped(p, dtype, GroupedOut::f32, GroupedTile::m64, nullptr, false);
-  EXPECT_EQ(up.raw, m64.raw) << "wgmma's fp32 products differ in bits from mma.sync's (m64)";
-
-  expect_epilogues_match(p, dtype, up, GroupedTile::wgmma, GroupedTile::wgmma,
-                         {GroupedTile::wgmma});
+  for (const GroupedTile tile : {GroupedTile::wgmma, GroupedTile::wgmma_m256}) {
+    SCOPED_TRACE(std::string("tile ") + lmoe::cuda::grouped_tile_name(tile));
+    const GemmRun up = run_grouped(p, dtype, GroupedOut::f32, tile, nullptr, false);
+    expect_matches_fp64(p, up, p.b, 0.0);
+    // K in the same order as the mma.sync tiles (chunks, then k16 steps; within a step the tensor
+    // cores'): the same bits, if Hopper's wgmma and mma.sync sum a k16 step alike.
+    EXPECT_EQ(up.raw, m64.raw) << "wgmma's fp32 products differ in bits from mma.sync's (m64)";
+    expect_epilogues_match(p, dtype, up, tile, tile, {tile});
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -562,14 +562,18 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m128_wide);
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::m128_wide), "m128_wide");
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma), "wgmma");
+  EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_m256), "wgmma_m256");
 }
 
 // wgmma runs on compute 9.0 alone, and says so elsewhere; the mma.sync tiles run everywhere.
-TEST(GroupedGemm, WgmmaTileIsRefusedOffHopperWithTheReason) {
+TEST(GroupedGemm, WgmmaTilesAreRefusedOffHopperWithTheReason) {
   EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 90).has_value());
+  EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_m256, 90).has_value());
   EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 100).value_or(""),
               HasSubstr("tile: wgmma expected a compute capability 9.0 device (Hopper, sm_90a), "
                         "got 10.0"));
+  EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_m256, 89).value_or(""),
+              HasSubstr("tile: wgmma_m256 expected a compute capability 9.0 device"));
   EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 0).value_or(""),
               HasSubstr("got no device"));
   for (const int capability : {0, 89, 90, 100})
