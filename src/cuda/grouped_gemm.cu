@@ -149,7 +149,7 @@ const char* grouped_tile_name(GroupedTile tile) {
 }
 
 std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability) {
-  // wgmma is sm_90a's alone: not in sm_100a (tcgen05 replaced it) nor in later 9.x parts.
+  // wgmma is sm_90a's alone: sm_100a's tensor cores take tcgen05 instead.
   const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256;
   if (wgmma && compute_capability != 90) {
     return "tile: " + std::string(grouped_tile_name(tile)) +

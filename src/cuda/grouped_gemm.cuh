@@ -152,13 +152,13 @@ __device__ inline void grouped_store(const GroupedGemmParams& p, std::int64_t at
   }
 }
 
-// Which group owns row tile `row_tile` of kRowsM rows (warp 0 calls it): lane i sums the tiles of
-// groups [i·per, (i + 1)·per), a warp scan gives each lane its first tile, and the lane whose range
-// holds the tile walks its groups and writes the owner to `span` (group −1: no group owns it).
 struct GroupedTileSpan {
   int group, row0, row_end;  // the group, the tile's first row and the group's end (rows)
 };
 
+// Which group owns row tile `row_tile` of kRowsM rows (warp 0 calls it): lane i sums the tiles of
+// groups [i·per, (i + 1)·per), a warp scan gives each lane its first tile, and the lane whose range
+// holds the tile walks its groups and writes the owner to `span` (group −1: no group owns it).
 template <int kRowsM>
 __device__ inline void grouped_locate_tile(const GroupedGemmParams& p, std::int64_t row_tile,
                                            int lane, GroupedTileSpan& span) {

@@ -1,30 +1,30 @@
 // The grouped GEMM of grouped_gemm.cuh on Hopper's warpgroup MMA (wgmma, sm_90a only): the same
 // parameters, the same tile → group lookup, the same loads and the same epilogue formulas, with
-// the block's products issued by two warpgroups as asynchronous m64n128k16 wgmma steps that read
+// the block's products issued by its warpgroups as asynchronous m64n128k16 wgmma steps that read
 // both operands straight from shared memory (no ldmatrix, no fragment registers for A and B).
 //
 // Choices, and why:
-// - Block tile 128 rows × 128 B rows, two warpgroups (256 threads), each owning 64 of the rows and
-//   all 128 B rows: one m64n128k16 per warpgroup per k16 step. wgmma_m256: 256 rows, four
-//   warpgroups, 4 stages — an expert of up to 256 rows (K3 at T = 8192: ~146) in one row tile, so
-//   its weights are streamed once instead of twice; the benchmark says which wins. Gated blocks
-//   hold 64 up rows, then the 64 gate rows of the same columns, so the accumulator column c (up)
-//   and c + 64 (gate) of a row land in the same thread (d[i] and d[i + 32]) and the activation is
-//   computed in registers. A wider n256 tile would halve the A traffic per FLOP but doubles the
-//   accumulators (128 registers) and, at K3's 146 rows per expert, the waste of the last column
-//   tile; 128 first.
+// - Block tile 128 rows × 128 B rows (tile `wgmma`), two warpgroups (256 threads), each owning 64
+//   of the rows and all 128 B rows: one m64n128k16 per warpgroup per k16 step. `wgmma_m256`: 256
+//   rows, four warpgroups, 4 stages — an expert of up to 256 rows (K3 at T = 8192: ~146) in one
+//   row tile, so its weights are streamed once instead of twice; the benchmark says which wins.
+//   Gated blocks hold 64 up rows, then the 64 gate rows of the same columns, so the accumulator
+//   columns c (up) and c + 64 (gate) of a row land in the same thread (d[i] and d[i + 32]) and the
+//   activation is computed in registers. An n256 tile would halve the A traffic per FLOP but
+//   doubles the accumulators (128 registers per thread); 128 first.
 // - A warpgroup whose 64 rows hold none of the group's rows issues no wgmma (a group of 146 rows
-//   has a second tile of 18 rows: one warpgroup works, the other only loads). Rows of a tile past
-//   the group's end are zeros up to the next 16 rows and are never stored; rows further on are not
-//   loaded (whatever the stage holds only reaches output rows that are not stored: each output row
-//   depends on its own A row alone).
-// - Loads: cp.async 16-byte copies by all 256 threads (A rows are gathered through a_rows, which
+//   has a second 128-row tile of 18 rows: one warpgroup works, the other only loads). Rows of a
+//   tile past the group's end are zeros up to the next 16 rows and are never stored; rows further
+//   on are not loaded (whatever the stage holds only reaches output rows that are not stored: each
+//   output row depends on its own A row alone).
+// - Loads: cp.async 16-byte copies by all threads (A rows are gathered through a_rows, which
 //   Hopper's TMA cannot do), into the 128-byte swizzled layout that wgmma's descriptor reads
 //   (warpgroup_mma.cuh derives the address of every element); stages 1024-byte aligned.
-// - Pipeline of kStages = 5 stages: chunk i + 3 is loaded while chunk i is multiplied and chunk
-//   i − 1's wgmma may still run (wgmma_wait<1>: one group stays in flight across the barrier), so
-//   three chunks (96 KiB) of copies are in flight per block. The stage refilled at iteration i
-//   held chunk i − 2, whose wgmma every warpgroup waited for before the barrier of iteration i.
+// - Pipeline of kStages stages (5 for 128 rows, 4 for 256: 160 and 192 KiB): chunk
+//   i + kStages − 2 is loaded while chunk i is multiplied and chunk i − 1's wgmma may still run
+//   (wgmma_wait<1>: one group stays in flight across the barrier), so 96 KiB of copies are in
+//   flight per block. The stage refilled at iteration i held chunk i − 2, whose wgmma every
+//   warpgroup waited for before the barrier of iteration i.
 // - Summation order over K as in the other tiles: 64-wide chunks in order, in each the four k16
 //   steps in order, each a wgmma into accumulators that start at zero (the hardware's order inside
 //   a k16 step).
