@@ -32,6 +32,7 @@
 #include "core/fast_random.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/cuda_device_info.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "graph_timer.hpp"
@@ -139,13 +140,16 @@ int run(const Settings& settings) {
     bool known = false;
     for (const auto tile : {lmoe::cuda::GroupedTile::automatic, lmoe::cuda::GroupedTile::m16,
                             lmoe::cuda::GroupedTile::m64, lmoe::cuda::GroupedTile::m128,
-                            lmoe::cuda::GroupedTile::m128_wide}) {
+                            lmoe::cuda::GroupedTile::m128_wide, lmoe::cuda::GroupedTile::wgmma,
+                            lmoe::cuda::GroupedTile::wgmma_m256}) {
       if (name == lmoe::cuda::grouped_tile_name(tile)) {
         tiles.push_back(tile);
         known = true;
       }
     }
-    LMOE_CHECK(known, "--tiles: expected automatic, m16, m64, m128 or m128_wide, got " + name);
+    LMOE_CHECK(
+        known,
+        "--tiles: expected automatic, m16, m64, m128, m128_wide, wgmma or wgmma_m256, got " + name);
   }
 
   int device = 0;
@@ -279,6 +283,11 @@ int run(const Settings& settings) {
       };
 
       for (const lmoe::cuda::GroupedTile tile : tiles) {
+        if (const auto why = lmoe::cuda::grouped_tile_unsupported(
+                tile, lmoe::cuda::current_compute_capability())) {
+          std::printf("# %s skipped: %s\n", lmoe::cuda::grouped_tile_name(tile), why->c_str());
+          continue;
+        }
         // The tile `automatic` resolves to is named in the row.
         up.tile = down.tile = tile;
         const std::string up_tile =
@@ -351,7 +360,9 @@ int main(int argc, char** argv) {
   app.add_option("-t,--tokens", settings.tokens, "token counts")->delimiter(',');
   app.add_option("--repeats", settings.repeats, "timed graph launches per row (median, p10, p90)");
   app.add_option("--warmup", settings.warmup, "untimed graph launches per row");
-  app.add_option("--tiles", settings.tiles, "tiles to time: automatic, m16, m64, m128, m128_wide")
+  app.add_option("--tiles", settings.tiles,
+                 "tiles to time: automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 "
+                 "(compute 9.0)")
       ->delimiter(',');
   app.add_flag("!--no-loop", settings.with_loop, "skip the per-expert cuBLASLt loop");
   app.add_option("--json", settings.json_path, "write the results as JSON");

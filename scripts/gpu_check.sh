@@ -163,7 +163,7 @@ if wants layer; then
     # per-expert cuBLASLt loop, the copy bandwidth and the GEMM rate of the same run.
     stage "grouped GEMM benchmark (K3 experts, tp 8)"
     timeout 120 build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 8 -t 1,16,128,1024,8192 \
-      --tiles automatic,m16,m64,m128,m128_wide --json "$logs/grouped_gemm.json" >"$logs/grouped_gemm.log" 2>&1
+      --tiles automatic,m16,m64,m128,m128_wide,wgmma,wgmma_m256 --json "$logs/grouped_gemm.json" >"$logs/grouped_gemm.log" 2>&1
     rc[grouped_gemm]=$?
     cat "$logs/grouped_gemm.log"
   fi

@@ -2,6 +2,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
+#include <cstddef>
+
 #include "cuda/cuda_check.hpp"
 
 #ifdef LMOE_HAS_NCCL
@@ -22,6 +26,29 @@ DeviceInfo device_info(int device) {
   LMOE_CUDA_CHECK(cudaDriverGetVersion(&info.driver_version));
   LMOE_CUDA_CHECK(cudaRuntimeGetVersion(&info.runtime_version));
   return info;
+}
+
+int current_compute_capability() {
+  // One slot per device ordinal (0: not asked yet); a race only asks twice for the same value.
+  static std::array<std::atomic<int>, 64> cache{};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (static_cast<std::size_t>(device) < cache.size()) {
+    if (const int known = cache[device].load(std::memory_order_relaxed); known != 0) return known;
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int capability = 10 * major + minor;
+  if (static_cast<std::size_t>(device) < cache.size())
+    cache[device].store(capability, std::memory_order_relaxed);
+  return capability;
 }
 
 std::optional<std::string> nccl_version() {

@@ -18,6 +18,11 @@ struct DeviceInfo {
 // Throws lmoe::Error when the device cannot be queried.
 DeviceInfo device_info(int device = 0);
 
+// The current device's compute capability as 10·major + minor (90 for an H200), cached per device
+// (cheap enough to ask at every launch, and allowed while a stream captures a graph); 0 when no
+// device answers (no GPU), with the CUDA error cleared.
+int current_compute_capability();
+
 // "2.28.3" in builds with NCCL (LMOE_HAS_NCCL); nullopt otherwise.
 std::optional<std::string> nccl_version();
 

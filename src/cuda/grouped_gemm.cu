@@ -1,7 +1,11 @@
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/grouped_gemm.hpp"
+#include "cuda/grouped_gemm_wgmma.cuh"
 
 #include <algorithm>
+#include <type_traits>
+
+#include "cuda/cuda_device_info.hpp"
 
 namespace lmoe::cuda {
 
@@ -18,6 +22,25 @@ using M128 = GroupedShape<128, 128, 2, 4, 4, false>;
 using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
 using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
 using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
+using Wgmma = GroupedWgmmaShape<128, 5, false>;
+using WgmmaGated = GroupedWgmmaShape<128, 5, true>;
+using WgmmaM256 = GroupedWgmmaShape<256, 4, false>;
+using WgmmaM256Gated = GroupedWgmmaShape<256, 4, true>;
+
+template <class Shape>
+struct IsWgmmaShape : std::false_type {};
+template <int kRowsM, int kStages, bool kGated>
+struct IsWgmmaShape<GroupedWgmmaShape<kRowsM, kStages, kGated>> : std::true_type {};
+
+// The kernel of a (dtype, shape): the wgmma shapes have their own.
+template <typename T, class Shape>
+constexpr auto kernel_of() {
+  if constexpr (IsWgmmaShape<Shape>::value) {
+    return grouped_gemm_wgmma_kernel<T, Shape>;
+  } else {
+    return grouped_gemm_kernel<T, Shape>;
+  }
+}
 
 bool gated_call(const GroupedGemmArgs& args) {
   return args.out == GroupedOut::activation && args.b2 != nullptr;
@@ -39,8 +62,8 @@ int copy_bytes_of(const GroupedGemmArgs& args) {
 
 template <typename T, class Shape>
 cudaError_t prepare_shape() {
-  return cudaFuncSetAttribute(grouped_gemm_kernel<T, Shape>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSharedBytes);
+  return cudaFuncSetAttribute(kernel_of<T, Shape>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Shape::kSharedBytes);
 }
 
 template <typename T>
@@ -51,13 +74,21 @@ cudaError_t prepare_typed() {
         prepare_shape<T, M128Wide>(), prepare_shape<T, M128WideGated>()}) {
     if (status != cudaSuccess) return status;
   }
+  // The wgmma kernels only where they can run (elsewhere their body is a trap).
+  if (grouped_tile_unsupported(GroupedTile::wgmma, current_compute_capability()))
+    return cudaSuccess;
+  for (const cudaError_t status :
+       {prepare_shape<T, Wgmma>(), prepare_shape<T, WgmmaGated>(), prepare_shape<T, WgmmaM256>(),
+        prepare_shape<T, WgmmaM256Gated>()}) {
+    if (status != cudaSuccess) return status;
+  }
   return cudaSuccess;
 }
 
 template <typename T, class Shape>
 cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& params,
                          cudaStream_t stream) {
-  const auto kernel = grouped_gemm_kernel<T, Shape>;
+  const auto kernel = kernel_of<T, Shape>();
   if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
   // Row tiles: Σ_g ceil(n_g / BM) ≤ max_rows / BM + (groups holding rows), one partial tile each.
   const std::int64_t row_tiles = (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM +
@@ -83,6 +114,12 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
     case GroupedTile::m128_wide:
       return gated ? launch_shape<T, M128WideGated>(args, params, stream)
                    : launch_shape<T, M128Wide>(args, params, stream);
+    case GroupedTile::wgmma:
+      return gated ? launch_shape<T, WgmmaGated>(args, params, stream)
+                   : launch_shape<T, Wgmma>(args, params, stream);
+    case GroupedTile::wgmma_m256:
+      return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
+                   : launch_shape<T, WgmmaM256>(args, params, stream);
     default:
       return gated ? launch_shape<T, M128Gated>(args, params, stream)
                    : launch_shape<T, M128>(args, params, stream);
@@ -103,8 +140,25 @@ const char* grouped_tile_name(GroupedTile tile) {
       return "m128";
     case GroupedTile::m128_wide:
       return "m128_wide";
+    case GroupedTile::wgmma:
+      return "wgmma";
+    case GroupedTile::wgmma_m256:
+      return "wgmma_m256";
   }
   return "?";
+}
+
+std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability) {
+  // wgmma is sm_90a's alone: sm_100a's tensor cores take tcgen05 instead.
+  const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256;
+  if (wgmma && compute_capability != 90) {
+    return "tile: " + std::string(grouped_tile_name(tile)) +
+           " expected a compute capability 9.0 device (Hopper, sm_90a), got " +
+           (compute_capability == 0 ? std::string("no device")
+                                    : std::to_string(compute_capability / 10) + "." +
+                                          std::to_string(compute_capability % 10));
+  }
+  return std::nullopt;
 }
 
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args) {
@@ -145,17 +199,40 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
     return "k: expected an even K, lda and weight stride with 4-byte aligned operands, got k=" +
            std::to_string(args.k) + " lda=" + std::to_string(args.lda);
   }
+  // Only an explicit wgmma tile asks the device: automatic resolves to a tile the device runs.
+  if (args.tile == GroupedTile::wgmma || args.tile == GroupedTile::wgmma_m256)
+    return grouped_tile_unsupported(args.tile, current_compute_capability());
   return std::nullopt;
 }
 
-GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
-  if (args.tile != GroupedTile::automatic) return args.tile;
+namespace {
+
+// Average rows per group over the groups that can hold rows (the grid's own bound).
+std::int64_t rows_per_group(const GroupedGemmArgs& args) {
   const std::int64_t groups =
       std::max<std::int64_t>(1, std::min<std::int64_t>(args.max_groups, args.groups));
-  const std::int64_t rows_per_group = (args.max_rows + groups - 1) / groups;
-  if (rows_per_group <= 16) return GroupedTile::m16;
-  if (rows_per_group <= 96) return GroupedTile::m64;
+  return (args.max_rows + groups - 1) / groups;
+}
+
+}  // namespace
+
+GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capability) {
+  if (args.tile != GroupedTile::automatic) return args.tile;
+  const std::int64_t rows = rows_per_group(args);
+  if (rows <= 16) return GroupedTile::m16;
+  if (rows >= kGroupedWgmmaMinRows &&
+      !grouped_tile_unsupported(GroupedTile::wgmma, compute_capability)) {
+    return GroupedTile::wgmma;
+  }
+  if (rows <= 96) return GroupedTile::m64;
   return GroupedTile::m128;
+}
+
+GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
+  // Only an average that could pick wgmma asks the device.
+  const bool may_pick_wgmma =
+      args.tile == GroupedTile::automatic && rows_per_group(args) >= kGroupedWgmmaMinRows;
+  return grouped_gemm_tile(args, may_pick_wgmma ? current_compute_capability() : 0);
 }
 
 cudaError_t prepare_grouped_gemm(DType dtype) {

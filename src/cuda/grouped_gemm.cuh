@@ -96,86 +96,142 @@ __device__ inline void grouped_copy16(std::uint32_t shared, const T* src, const 
   }
 }
 
+// What a block works on: its row tile's group (−1: none, the block exits), the tile's first row
+// and its rows in the group, the group's weights and the block's first output column.
+template <typename T>
+struct GroupedBlockTile {
+  int group, row0, rows_here;
+  const std::int64_t* a_offset;  // shared: each tile row's element offset in A, or −1 past the end
+  const T* b;
+  const T* b2;
+  std::int64_t col0;
+};
+
+// Chunk c (k = 64c … 64c + 63) of the tile's first `a_rows_used` A rows and of its B rows (up rows,
+// then gate rows) into a stage: A at `stage`, B kRowsM rows of 128 bytes further, each row's
+// 16-byte chunks swizzled (swizzle128). All threads of the block call it; A rows past the group's
+// end (offset −1), B rows past N and k at or past K are zeros.
+template <typename T, class Shape>
+__device__ inline void grouped_load_chunk(const GroupedGemmParams& p,
+                                          const GroupedBlockTile<T>& tile, int a_rows_used, int c,
+                                          std::uint32_t stage) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const T* a = static_cast<const T*>(p.a);
+  const std::int64_t k0 = static_cast<std::int64_t>(c) * kGroupedTileK;
+  for (int i = tid; i < a_rows_used * 8; i += Shape::kThreads) {
+    const int row = i >> 3, part = i & 7;
+    const std::int64_t k = k0 + part * 8;
+    const std::int64_t at = tile.a_offset[row];
+    grouped_copy16(stage + swizzle128(row, part), a + (at < 0 ? 0 : at) + k, a, k, p.k, at >= 0,
+                   p.copy_bytes);
+  }
+  const std::uint32_t b_stage = stage + Shape::kRowsM * 128;
+  for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
+    const int row = i >> 3, part = i & 7;
+    const bool gate = Shape::kGated && row >= Shape::kColsN;
+    const std::int64_t col = tile.col0 + (gate ? row - Shape::kColsN : row);
+    const std::int64_t k = k0 + part * 8;
+    const bool valid = col < p.n;
+    const T* matrix = gate ? tile.b2 : tile.b;
+    grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix, k,
+                   p.k, valid, p.copy_bytes);
+  }
+}
+
+// One output element from its fp32 accumulators (the gate's: 0 when the block has none), in the
+// output mode's formula — the activation kernel's, so that fusing it changes no bit.
+template <typename T>
+__device__ inline void grouped_store(const GroupedGemmParams& p, std::int64_t at, float up,
+                                     float gate) {
+  if (p.out_mode == kGroupedOutF32) {
+    static_cast<float*>(p.c)[at] = up;
+  } else if (p.out_mode == kGroupedOutRounded) {
+    static_cast<T*>(p.c)[at] = Storage<T>::store(up);
+  } else {
+    static_cast<T*>(p.c)[at] = Storage<T>::store(activate(p.act, gate, up));
+  }
+}
+
+struct GroupedTileSpan {
+  int group, row0, row_end;  // the group, the tile's first row and the group's end (rows)
+};
+
+// Which group owns row tile `row_tile` of kRowsM rows (warp 0 calls it): lane i sums the tiles of
+// groups [i·per, (i + 1)·per), a warp scan gives each lane its first tile, and the lane whose range
+// holds the tile walks its groups and writes the owner to `span` (group −1: no group owns it).
+template <int kRowsM>
+__device__ inline void grouped_locate_tile(const GroupedGemmParams& p, std::int64_t row_tile,
+                                           int lane, GroupedTileSpan& span) {
+  if (lane == 0) span.group = -1;
+  const int per = (p.groups + 31) / 32;
+  const int g0 = min(lane * per, p.groups), g1 = min(g0 + per, p.groups);
+  std::int64_t tiles = 0;
+  for (int g = g0; g < g1; ++g) tiles += (p.first[g + 1] - p.first[g] + kRowsM - 1) / kRowsM;
+  std::int64_t inclusive = tiles;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const std::int64_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  __syncwarp();
+  std::int64_t start = inclusive - tiles;
+  if (row_tile >= start && row_tile < inclusive) {
+    for (int g = g0; g < g1; ++g) {
+      const int first = p.first[g], rows = p.first[g + 1] - first;
+      const std::int64_t count = (rows + kRowsM - 1) / kRowsM;
+      if (row_tile < start + count) {
+        span.group = g;
+        span.row0 = first + static_cast<int>((row_tile - start) * kRowsM);
+        span.row_end = first + rows;
+        break;
+      }
+      start += count;
+    }
+  }
+}
+
+// Finds the block's tile (warp 0) and, when a group owns it, the element offset in A of each of its
+// rows (through the a_rows gather; −1 past the group's end), in shared memory. All threads of the
+// block call it, once.
+template <typename T, class Shape>
+__device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams& p) {
+  __shared__ GroupedTileSpan span;
+  __shared__ std::int64_t a_offset[Shape::kRowsM];
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < 32) grouped_locate_tile<Shape::kRowsM>(p, blockIdx.y, tid, span);
+  __syncthreads();
+  GroupedBlockTile<T> tile{};
+  tile.group = span.group;
+  if (tile.group < 0) return tile;  // past the last tile of the last group: the grid is a bound
+  tile.row0 = span.row0;
+  tile.rows_here = min(span.row_end - tile.row0, Shape::kRowsM);
+  for (int r = tid; r < Shape::kRowsM; r += Shape::kThreads) {
+    const int row = tile.row0 + r;
+    a_offset[r] = r < tile.rows_here ? (p.a_rows ? p.a_rows[row] : row) * p.lda : -1;
+  }
+  tile.a_offset = a_offset;
+  tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
+  tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
+  tile.col0 = static_cast<std::int64_t>(blockIdx.x) * Shape::kColsN;
+  __syncthreads();
+  return tile;
+}
+
 template <typename T, class Shape>
 __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGemmParams p) {
   extern __shared__ __align__(128) unsigned char grouped_smem[];
-  __shared__ int s_group, s_row0, s_row_end;
-  __shared__ std::int64_t s_a_offset[Shape::kRowsM];  // element offset of each tile row in A, or -1
-
+  const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p);
+  if (tile.group < 0) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
-  const std::int64_t row_tile = blockIdx.y;
-
-  // Which group owns row tile y: lane i sums the tiles of groups [i·per, (i + 1)·per), a warp
-  // scan gives each lane its first tile, and the lane whose range holds y walks its groups.
-  if (warp == 0) {
-    if (lane == 0) s_group = -1;
-    const int per = (p.groups + 31) / 32;
-    const int g0 = min(lane * per, p.groups), g1 = min(g0 + per, p.groups);
-    std::int64_t tiles = 0;
-    for (int g = g0; g < g1; ++g)
-      tiles += (p.first[g + 1] - p.first[g] + Shape::kRowsM - 1) / Shape::kRowsM;
-    std::int64_t inclusive = tiles;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const std::int64_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-      if (lane >= offset) inclusive += other;
-    }
-    __syncwarp();
-    std::int64_t start = inclusive - tiles;
-    if (row_tile >= start && row_tile < inclusive) {
-      for (int g = g0; g < g1; ++g) {
-        const int first = p.first[g], rows = p.first[g + 1] - first;
-        const std::int64_t count = (rows + Shape::kRowsM - 1) / Shape::kRowsM;
-        if (row_tile < start + count) {
-          s_group = g;
-          s_row0 = first + static_cast<int>((row_tile - start) * Shape::kRowsM);
-          s_row_end = first + rows;
-          break;
-        }
-        start += count;
-      }
-    }
-  }
-  __syncthreads();
-  const int group = s_group;
-  if (group < 0) return;  // past the last tile of the last group: the grid is a bound
-  const int row0 = s_row0;
-  const int rows_here = min(s_row_end - row0, Shape::kRowsM);
-  for (int r = tid; r < Shape::kRowsM; r += Shape::kThreads) {
-    const int row = row0 + r;
-    s_a_offset[r] = r < rows_here ? (p.a_rows ? p.a_rows[row] : row) * p.lda : -1;
-  }
-  __syncthreads();
-
-  const T* a = static_cast<const T*>(p.a);
-  const T* b = static_cast<const T*>(p.b) + group * p.b_group_stride;
-  const T* b2 = Shape::kGated ? static_cast<const T*>(p.b2) + group * p.b_group_stride : nullptr;
-  const std::int64_t col0 = static_cast<std::int64_t>(blockIdx.x) * Shape::kColsN;
+  const int row0 = tile.row0, rows_here = tile.rows_here;
+  const std::int64_t col0 = tile.col0;
   const int m_used = (rows_here + 15) / 16;  // m-tiles holding rows of the group
   const std::uint32_t smem = static_cast<std::uint32_t>(__cvta_generic_to_shared(grouped_smem));
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
 
   auto load_chunk = [&](int c, std::uint32_t stage) {
-    const std::int64_t k0 = static_cast<std::int64_t>(c) * kGroupedTileK;
-    for (int i = tid; i < m_used * 16 * 8; i += Shape::kThreads) {
-      const int row = i >> 3, part = i & 7;
-      const std::int64_t k = k0 + part * 8;
-      const std::int64_t at = s_a_offset[row];
-      grouped_copy16(stage + swizzle128(row, part), a + (at < 0 ? 0 : at) + k, a, k, p.k, at >= 0,
-                     p.copy_bytes);
-    }
-    const std::uint32_t b_stage = stage + Shape::kRowsM * 128;
-    for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
-      const int row = i >> 3, part = i & 7;
-      const bool gate = Shape::kGated && row >= Shape::kColsN;
-      const std::int64_t col = col0 + (gate ? row - Shape::kColsN : row);
-      const std::int64_t k = k0 + part * 8;
-      const bool valid = col < p.n;
-      const T* matrix = gate ? b2 : b;
-      grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix,
-                     k, p.k, valid, p.copy_bytes);
-    }
+    grouped_load_chunk<T, Shape>(p, tile, m_used * 16, c, stage);
   };
 
   const int wm = warp / Shape::kWarpsN, wn = warp % Shape::kWarpsN;
@@ -239,15 +295,8 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
         const std::int64_t col = col0 + wn * Shape::kWarpCols + nt * 8 + 2 * q + (e & 1);
         if (r >= rows_here || col >= p.n) continue;
         const std::int64_t at = static_cast<std::int64_t>(row0 + r) * p.ldc + col;
-        const float up = acc[0][mt][nt][e];
-        if (p.out_mode == kGroupedOutF32) {
-          static_cast<float*>(p.c)[at] = up;
-        } else if (p.out_mode == kGroupedOutRounded) {
-          static_cast<T*>(p.c)[at] = Storage<T>::store(up);
-        } else {
-          const float gate = Shape::kGated ? acc[kMats - 1][mt][nt][e] : 0.0f;
-          static_cast<T*>(p.c)[at] = Storage<T>::store(activate(p.act, gate, up));
-        }
+        const float gate = Shape::kGated ? acc[kMats - 1][mt][nt][e] : 0.0f;
+        grouped_store<T>(p, at, acc[0][mt][nt][e], gate);
       }
     }
   }

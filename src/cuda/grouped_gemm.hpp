@@ -28,10 +28,22 @@ enum class GroupedOut { f32, rounded, activation };
 // m16 for decode (≤ 16 rows per expert: the weights dominate), m64, m128 for large batches.
 // m128_wide: 128 rows × twice m128's columns (warp tiles of 64 × 64: more MMAs per shared byte,
 // more registers); only when asked for, until measurements say where it wins.
-enum class GroupedTile { automatic, m16, m64, m128, m128_wide };
+// wgmma: 128 rows × 128 weight rows on Hopper's warpgroup MMA (grouped_gemm_wgmma.cuh); compute
+// capability 9.0 only. automatic picks it there from kGroupedWgmmaMinRows rows per group.
+// wgmma_m256: 256 rows (an expert's weights streamed once for up to 256 rows); only when asked
+// for, until measurements say where it wins.
+enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 };
 
-// "automatic", "m16", "m64", "m128", "m128_wide".
+// "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256".
 const char* grouped_tile_name(GroupedTile tile);
+
+// The average rows per group from which automatic picks wgmma on compute 9.0: below it, most of a
+// 128-row tile would be rows past the group's end.
+inline constexpr std::int64_t kGroupedWgmmaMinRows = 64;
+
+// Why `tile` cannot run on a device of compute capability `compute_capability` (10·major + minor,
+// 0: no device), nullopt when it can; automatic and the mma.sync tiles run everywhere.
+std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability);
 
 struct GroupedGemmArgs {
   const void* a = nullptr;  // [*, lda]: row r of the grouped space is A's row a_rows[r]
@@ -55,11 +67,14 @@ struct GroupedGemmArgs {
 
 // Why the kernel cannot run `args` (nullopt when it can): the dtype, K's row pitch (K even; 16-byte
 // copies need K and lda multiples of 8, else 8- or 4-byte ones), the group count, a gate without
-// a gated activation. Names the argument and the expected value.
+// a gated activation, a tile the current device cannot run (wgmma tiles off compute 9.0). Names the
+// argument and the expected value.
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args);
 
-// The tile `automatic` resolves to for these args.
+// The tile `automatic` resolves to for these args on the current device, or on a device of
+// compute capability `compute_capability` (10·major + minor; a pure function, for tests).
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args);
+GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capability);
 
 // Loads every kernel of `dtype` on the current device and sets its shared-memory size, so that no
 // later launch loads a module (a lazy load can wait for the GPU's running kernels — peers that

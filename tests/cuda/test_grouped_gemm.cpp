@@ -1,7 +1,8 @@
 // The routed experts' device path, piece by piece: the device sort of the slots against the host
 // counting sort (bit for bit, on crafted and random routings), and the grouped GEMM against fp64 on
 // ragged groups (0, 1, 7, 8, 9 and 300 rows; K and N not multiples of any tile), every tile shape
-// bit-identical to the others, the rounded and activation outputs bit-identical to rounding and to
+// bit-identical to the others (the wgmma tiles, compute 9.0 only, also on 63, 64, 65, 128, 129,
+// 200 and 300 rows), the rounded and activation outputs bit-identical to rounding and to
 // the activation kernel applied to its fp32 output, and bad arguments refused with their reason.
 // Every test skips where no GPU is visible.
 #include <cuda_runtime_api.h>
@@ -12,12 +13,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "cuda/cuda_device_info.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/layer_kernels.hpp"
@@ -325,6 +329,64 @@ void expect_matches_fp64(const Problem& p, const GemmRun& run, const HostTensor&
   }
 }
 
+// The fused activation of each tile against the activation kernel applied to the fp32 products
+// `up` and `gate` (the gate's from b2), bit for bit, for each activation; slack rows untouched.
+void expect_activation_matches(const Problem& p, DType dtype, const GemmRun& up,
+                               const GemmRun& gate, std::initializer_list<GroupedTile> tiles) {
+  for (const lmoe::ExpertActivation activation :
+       {lmoe::ExpertActivation::silu_glu, lmoe::ExpertActivation::situ_glu,
+        lmoe::ExpertActivation::relu2}) {
+    lmoe::LayerConfig config;
+    config.activation = activation;
+    config.activation_beta = 1.5f;
+    config.activation_linear_beta = 3.0f;
+    const bool gated = lmoe::is_gated(activation);
+    const std::size_t count = static_cast<std::size_t>(p.rows * p.n);
+    const DeviceBuffer up_in = to_device(std::vector<float>(up.c.begin(), up.c.begin() + count));
+    const DeviceBuffer gate_in =
+        to_device(std::vector<float>(gate.c.begin(), gate.c.begin() + count));
+    const DeviceBuffer expected(count * lmoe::dtype_size(dtype));
+    ASSERT_EQ(
+        lmoe::cuda::launch_activation(static_cast<const float*>(gate_in.data()),
+                                      static_cast<const float*>(up_in.data()), expected.data(),
+                                      static_cast<std::int64_t>(count), config, dtype, nullptr),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<std::uint8_t> want_bytes = to_host<std::uint8_t>(expected, expected.bytes());
+    for (const GroupedTile tile : tiles) {
+      SCOPED_TRACE(std::string(lmoe::activation_name(activation)) + " tile " +
+                   lmoe::cuda::grouped_tile_name(tile));
+      const GemmRun fused = run_grouped(p, dtype, GroupedOut::activation, tile, &config, gated);
+      EXPECT_TRUE(std::equal(want_bytes.begin(), want_bytes.end(), fused.raw.begin()));
+      for (std::int64_t i = p.rows * p.n; i < static_cast<std::int64_t>(fused.c.size()); ++i) {
+        ASSERT_TRUE(std::isnan(fused.c[i])) << "slack element " << i << " was written";
+      }
+    }
+  }
+}
+
+// The outputs computed from the fp32 products `f32` (of p.b): rounded once, by `rounded_tile`, the
+// fp32 result rounded bit for bit (and so within fp64's bound plus one rounding); the activation,
+// by each of `activation_tiles`, bit for bit the activation kernel on `f32` and the gate's
+// products (from b2, by `gate_tile`).
+void expect_epilogues_match(const Problem& p, DType dtype, const GemmRun& f32,
+                            GroupedTile rounded_tile, GroupedTile gate_tile,
+                            std::initializer_list<GroupedTile> activation_tiles) {
+  const double unit = dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;  // the storage roundoff
+  const GemmRun rounded = run_grouped(p, dtype, GroupedOut::rounded, rounded_tile, nullptr, false);
+  expect_matches_fp64(p, rounded, p.b, unit);
+  HostTensor want(dtype, {p.rows, p.n});
+  for (std::int64_t i = 0; i < want.numel(); ++i) want.set(i, f32.c[i]);
+  EXPECT_EQ(0, std::memcmp(want.data(), rounded.raw.data(), want.nbytes()));
+
+  Problem gate_problem = p;
+  std::swap(gate_problem.b, gate_problem.b2);
+  const GemmRun gate_f32 =
+      run_grouped(gate_problem, dtype, GroupedOut::f32, gate_tile, nullptr, false);
+  expect_matches_fp64(gate_problem, gate_f32, gate_problem.b, 0.0);
+  expect_activation_matches(p, dtype, f32, gate_f32, activation_tiles);
+}
+
 struct GemmShape {
   std::int64_t n, k;
 };
@@ -337,8 +399,6 @@ TEST_P(GroupedGemm, MatchesFp64OnRaggedGroupsWithEveryTile) {
   const std::vector<int> group_rows = {0, 1, 7, 8, 9, 300, 0, 17};
   const Problem p = make_problem(group_rows, shape.n, shape.k, dtype, gather,
                                  7u + static_cast<std::uint32_t>(shape.k));
-  const double unit =
-      dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;  // the storage dtype's roundoff
 
   const GemmRun reference =
       run_grouped(p, dtype, GroupedOut::f32, GroupedTile::m64, nullptr, false);
@@ -351,53 +411,35 @@ TEST_P(GroupedGemm, MatchesFp64OnRaggedGroupsWithEveryTile) {
     EXPECT_EQ(run.raw, reference.raw);
   }
 
-  // Rounded once: the fp32 result rounded, bit for bit (and so within fp64's bound plus one
-  // rounding).
-  const GemmRun rounded =
-      run_grouped(p, dtype, GroupedOut::rounded, GroupedTile::automatic, nullptr, false);
-  expect_matches_fp64(p, rounded, p.b, unit);
-  HostTensor want(dtype, {p.rows, p.n});
-  for (std::int64_t i = 0; i < want.numel(); ++i) want.set(i, reference.c[i]);
-  EXPECT_EQ(0, std::memcmp(want.data(), rounded.raw.data(), want.nbytes()));
+  expect_epilogues_match(
+      p, dtype, reference, GroupedTile::automatic, GroupedTile::m128,
+      {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128, GroupedTile::m128_wide});
+}
 
-  // The activation epilogue: bit for bit the activation kernel on the fp32 products (the gate's
-  // from b2), for each activation.
-  Problem gate_problem = p;
-  std::swap(gate_problem.b, gate_problem.b2);
-  const GemmRun gate_f32 =
-      run_grouped(gate_problem, dtype, GroupedOut::f32, GroupedTile::m128, nullptr, false);
-  expect_matches_fp64(gate_problem, gate_f32, gate_problem.b, 0.0);
-  for (const lmoe::ExpertActivation activation :
-       {lmoe::ExpertActivation::silu_glu, lmoe::ExpertActivation::situ_glu,
-        lmoe::ExpertActivation::relu2}) {
-    lmoe::LayerConfig config;
-    config.activation = activation;
-    config.activation_beta = 1.5f;
-    config.activation_linear_beta = 3.0f;
-    const bool gated = lmoe::is_gated(activation);
-    const std::size_t count = static_cast<std::size_t>(p.rows * p.n);
-    const DeviceBuffer up_in =
-        to_device(std::vector<float>(reference.c.begin(), reference.c.begin() + count));
-    const DeviceBuffer gate_in =
-        to_device(std::vector<float>(gate_f32.c.begin(), gate_f32.c.begin() + count));
-    const DeviceBuffer expected(count * lmoe::dtype_size(dtype));
-    ASSERT_EQ(
-        lmoe::cuda::launch_activation(static_cast<const float*>(gate_in.data()),
-                                      static_cast<const float*>(up_in.data()), expected.data(),
-                                      static_cast<std::int64_t>(count), config, dtype, nullptr),
-        cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<std::uint8_t> want_bytes = to_host<std::uint8_t>(expected, expected.bytes());
-    for (const GroupedTile tile :
-         {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128, GroupedTile::m128_wide}) {
-      SCOPED_TRACE(std::string(lmoe::activation_name(activation)) + " tile " +
-                   lmoe::cuda::grouped_tile_name(tile));
-      const GemmRun fused = run_grouped(p, dtype, GroupedOut::activation, tile, &config, gated);
-      EXPECT_TRUE(std::equal(want_bytes.begin(), want_bytes.end(), fused.raw.begin()));
-      for (std::int64_t i = p.rows * p.n; i < static_cast<std::int64_t>(fused.c.size()); ++i) {
-        ASSERT_TRUE(std::isnan(fused.c[i])) << "slack element " << i << " was written";
-      }
-    }
+// Why the wgmma tiles cannot run on this GPU (printed by the skip), or nullopt.
+std::optional<std::string> wgmma_unavailable() {
+  return lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma,
+                                              lmoe::cuda::current_compute_capability());
+}
+
+// The wgmma tiles (compute 9.0 only) on groups around their warpgroups' 64 rows and their blocks'
+// 128 and 256: empty, one row, 63, 64, 65, 128, 129, 200, and 300 (a partial second tile of each).
+TEST_P(GroupedGemm, WgmmaTilesMatchFp64AndTheMmaSyncTiles) {
+  SKIP_WITHOUT_GPU();
+  if (const auto why = wgmma_unavailable()) GTEST_SKIP() << *why;
+  const auto [dtype, shape, gather] = GetParam();
+  const std::vector<int> group_rows = {0, 1, 63, 64, 65, 200, 0, 128, 129, 17, 300};
+  const Problem p = make_problem(group_rows, shape.n, shape.k, dtype, gather,
+                                 11u + static_cast<std::uint32_t>(shape.k));
+  const GemmRun m64 = run_grouped(p, dtype, GroupedOut::f32, GroupedTile::m64, nullptr, false);
+  for (const GroupedTile tile : {GroupedTile::wgmma, GroupedTile::wgmma_m256}) {
+    SCOPED_TRACE(std::string("tile ") + lmoe::cuda::grouped_tile_name(tile));
+    const GemmRun up = run_grouped(p, dtype, GroupedOut::f32, tile, nullptr, false);
+    expect_matches_fp64(p, up, p.b, 0.0);
+    // K in the same order as the mma.sync tiles (chunks, then k16 steps; within a step the tensor
+    // cores'): the same bits, if Hopper's wgmma and mma.sync sum a k16 step alike.
+    EXPECT_EQ(up.raw, m64.raw) << "wgmma's fp32 products differ in bits from mma.sync's (m64)";
+    expect_epilogues_match(p, dtype, up, tile, tile, {tile});
   }
 }
 
@@ -427,9 +469,9 @@ TEST(GroupedGemm, DecodeShapedGroupsMatchFp64) {
   expect_matches_fp64(p, run, p.b, 0.0);
 }
 
-// Host checks only (refused before any CUDA call): runs without a GPU too, on 16-byte aligned
-// host memory standing in for device pointers.
-TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
+// Arguments the host checks accept, on 16-byte aligned host memory standing in for device
+// pointers (never launched).
+GroupedGemmArgs host_checked_args() {
   alignas(16) static std::int32_t scratch[64];
   GroupedGemmArgs args;
   args.a = args.b = scratch;
@@ -443,6 +485,13 @@ TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
   args.max_rows = 8;
   args.max_groups = 4;
   args.b_group_stride = 16 * 64;
+  return args;
+}
+
+// Host checks only (refused before any CUDA call): runs without a GPU too.
+TEST(GroupedGemm, RefusesWhatItCannotRunWithTheReason) {
+  alignas(16) static std::int32_t scratch[64];
+  const GroupedGemmArgs args = host_checked_args();
   ASSERT_FALSE(lmoe::cuda::grouped_gemm_unsupported(args).has_value());
 
   auto refused = [&](GroupedGemmArgs bad) {
@@ -487,20 +536,58 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   GroupedGemmArgs args;
   args.groups = 64;
   args.max_groups = 16;
-  const auto tile_for = [&](std::int64_t rows) {
+  constexpr int kBlackwell = 100, kHopper = 90;
+  const auto tile_for = [&](std::int64_t rows, int capability) {
     args.max_rows = rows;
-    return lmoe::cuda::grouped_gemm_tile(args);
+    return lmoe::cuda::grouped_gemm_tile(args, capability);
   };
-  EXPECT_EQ(tile_for(16 * 16), GroupedTile::m16);
-  EXPECT_EQ(tile_for(16 * 16 + 1), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * 96), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * 96 + 1), GroupedTile::m128);
+  EXPECT_EQ(tile_for(16 * 16, kBlackwell), GroupedTile::m16);
+  EXPECT_EQ(tile_for(16 * 16 + 1, kBlackwell), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 96, kBlackwell), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 96 + 1, kBlackwell), GroupedTile::m128);
+  // Compute 9.0: wgmma from kGroupedWgmmaMinRows rows per group.
+  constexpr std::int64_t kMin = lmoe::cuda::kGroupedWgmmaMinRows;
+  EXPECT_EQ(tile_for(16 * 16, kHopper), GroupedTile::m16);
+  EXPECT_EQ(tile_for(16 * (kMin - 1), kHopper), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * (kMin - 1) + 1, kHopper), GroupedTile::wgmma);
+  EXPECT_EQ(tile_for(16 * 96 + 1, kHopper), GroupedTile::wgmma);
+  EXPECT_EQ(tile_for(16 * 96 + 1, 0), GroupedTile::m128);  // no device
   args.max_groups = 1000;  // more than the groups: the groups bound it
   args.max_rows = 64 * 16 + 1;
-  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m64);
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, kBlackwell), GroupedTile::m64);
+  args.max_rows = 64 * (kMin - 1);
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, kHopper), GroupedTile::m64);
   args.tile = GroupedTile::m128_wide;  // asked for: kept
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, kHopper), GroupedTile::m128_wide);
   EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m128_wide);
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::m128_wide), "m128_wide");
+  EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma), "wgmma");
+  EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_m256), "wgmma_m256");
+}
+
+// wgmma runs on compute 9.0 alone, and says so elsewhere; the mma.sync tiles run everywhere.
+TEST(GroupedGemm, WgmmaTilesAreRefusedOffHopperWithTheReason) {
+  EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 90).has_value());
+  EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_m256, 90).has_value());
+  EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 100).value_or(""),
+              HasSubstr("tile: wgmma expected a compute capability 9.0 device (Hopper, sm_90a), "
+                        "got 10.0"));
+  EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_m256, 89).value_or(""),
+              HasSubstr("tile: wgmma_m256 expected a compute capability 9.0 device"));
+  EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 0).value_or(""),
+              HasSubstr("got no device"));
+  for (const int capability : {0, 89, 90, 100})
+    EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::m128, capability).has_value());
+  // Through the arguments: refused here exactly where this device is not compute 9.0.
+  GroupedGemmArgs args = host_checked_args();
+  args.tile = GroupedTile::wgmma;
+  const int capability = lmoe::cuda::current_compute_capability();
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_unsupported(args),
+            lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, capability))
+      << "capability " << capability;
+  if (capability != 90) {
+    EXPECT_EQ(lmoe::cuda::launch_grouped_gemm(args, nullptr), cudaErrorInvalidValue);
+  }
 }
 
 }  // namespace
