@@ -221,8 +221,8 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
   const std::int64_t rows = rows_per_group(args);
   if (rows <= 16) return GroupedTile::m16;
   if (rows >= kGroupedWgmmaMinRows &&
-      !grouped_tile_unsupported(GroupedTile::wgmma, compute_capability)) {
-    return GroupedTile::wgmma;
+      !grouped_tile_unsupported(GroupedTile::wgmma_m256, compute_capability)) {
+    return GroupedTile::wgmma_m256;
   }
   if (rows <= 96) return GroupedTile::m64;
   return GroupedTile::m128;
