@@ -47,7 +47,12 @@ struct LayerStageTimes {
   double experts = 0;
   double shared = 0;
   double tail = 0;
+  // The whole forward's wall time where stages overlap (cuda: shared runs on a second stream, so
+  // the sum of the stages counts that overlap twice): from the first stage's start to the tail's
+  // end. 0 where the stages run one after another (cpu), and total() is the wall time.
+  double forward = 0;
   double total() const { return router + down_projection + experts + shared + tail; }
+  double wall() const { return forward > 0 ? forward : total(); }
 };
 
 class LayerExecutor;

@@ -288,7 +288,10 @@ class CudaLayerExecutor final : public LayerExecutor {
     times.down_projection = elapsed(router_end_, down_end_);
     times.experts = elapsed(down_end_, experts_end_);
     times.shared = elapsed(shared_start_, shared_end_);
-    if (tail_timed_) times.tail = elapsed(tail_start_, tail_end_);
+    if (tail_timed_) {
+      times.tail = elapsed(tail_start_, tail_end_);
+      times.forward = elapsed(start_, tail_end_);
+    }
   }
 
  private:

@@ -306,6 +306,16 @@ class LayerCommand(unittest.TestCase):
             self.assertLessEqual(row["max_row_error_vs_fp64"], row["row_tolerance"])
             for stage in ["router_us", "down_projection_us", "experts_us", "shared_us", "tail_us", "total_us"]:
                 self.assertGreaterEqual(row[stage], 0)
+            # The cpu backend runs the stages one after another: its forward's wall time is their sum.
+            self.assertEqual(row["forward_us"], row["total_us"])
+
+    def test_experts_override_the_presets_count(self):
+        result = lmoe("layer", "--preset", "small", "--experts", "32", "-n", "1", "-t", "2", "--repeats", "1")
+        self.assertIn("32 experts", result.stdout)
+        self.assertIn("all rows ok", result.stdout)
+        bad = lmoe("layer", "--preset", "small", "--experts", "2", "-n", "1", "-t", "2", check=False)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("num_experts = 2", bad.stderr)
 
     def test_kimi_k3_scaled_down_runs(self):
         result = lmoe("layer", "--scale", "32", "-n", "2", "-t", "3", "--repeats", "1", "--tier", "overlap")
