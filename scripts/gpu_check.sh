@@ -158,6 +158,11 @@ if wants layer; then
     >"$logs/layer.log" 2>"$logs/layer.err"
   rc[layer]=$?
   cat "$logs/layer.log"; tail -3 "$logs/layer.err"
+  # Kimi-K3's own dims with 1/8 of its experts (fits one GPU), the device path, stage times and
+  # the forward's wall time per T (not checked: the fp64 and CPU references take minutes there).
+  stage "lmoe layer --backend cuda (K3 dims, 112 experts, tp 1, device experts)"
+  LMOE_LAYER_DEVICE_EXPERTS=1 timeout 150 build/cuda/lmoe layer --backend cuda -n 1 --scale 1 --experts 112 \
+    -t 1,16,128,1024,8192 --no-check --json "$logs/layer_cuda_k3_e112.json" 2>&1 | tail -8
   if [ -x build/cuda/benchmarks/lmoe_grouped_gemm_bench ]; then
     # The routed experts' grouped GEMM (device path) at K3's expert dims, tp 8, against the
     # per-expert cuBLASLt loop, the copy bandwidth and the GEMM rate of the same run.
@@ -249,6 +254,13 @@ if wants kernels && [ -x build/cuda/benchmarks/lmoe_kernel_bench ]; then
     timeout 60 build/cuda/benchmarks/lmoe_stream_probe --json "$logs/stream_probe.json" 2>&1 | tee "$logs/stream_probe.log"
     timeout 60 build/cuda/benchmarks/lmoe_stream_probe --rows 896 --json "$logs/stream_probe_896.json" 2>&1 | tee -a "$logs/stream_probe.log"
   fi
+fi
+
+if wants kernels && [ "$gpus" -ge 2 ] && [ -x build/cuda/benchmarks/lmoe_comm_bench ]; then
+  # The communicators' collectives alone, one rank per GPU (docs/p2p.md, "Bandwidth at large T").
+  stage "comm benchmark (p2p and NCCL, $gpus ranks)"
+  timeout 90 build/cuda/benchmarks/lmoe_comm_bench --comm p2p,nccl --bytes 1048576,8388608,67108864,268435456 \
+    --json "$logs/comm.json" 2>&1 | tee "$logs/comm.log"
 fi
 
 if wants bench; then
