@@ -31,17 +31,19 @@ enum class GroupedOut { f32, rounded, activation };
 // wgmma: 128 rows × 128 weight rows on Hopper's warpgroup MMA (grouped_gemm_wgmma.cuh); compute
 // capability 9.0 only; only when asked for.
 // wgmma_m256: 256 rows (an expert's weights streamed once for up to 256 rows); compute 9.0 only.
-// automatic picks it there above kGroupedWgmmaMinRows - 1 rows per group.
+// automatic picks it there from kGroupedWgmmaMinRows rows per group.
 enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 };
 
 // "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256".
 const char* grouped_tile_name(GroupedTile tile);
 
-// The average rows per group from which automatic picks wgmma_m256 on compute 9.0: above m64's
-// range. Measured on an H200 at Kimi-K3's experts, tp 8, T = 8192 (146 rows per expert): up+gate
-// 3.31 ms against 5.11 (wgmma), 5.97 (m64), 6.06 (m128_wide); down 3.14 against 4.31, 4.13, 3.98
-// (docs/perf.md). Between 64 and 96 rows not measured yet: m64 stays there.
-inline constexpr std::int64_t kGroupedWgmmaMinRows = 97;
+// The average rows per group from which automatic picks wgmma_m256 on compute 9.0. Measured on an
+// H200 at Kimi-K3's experts, tp 8 (docs/perf.md): at T = 8192 (146 rows per expert) up+gate 3.28 ms
+// against 5.92 (m64) and 6.04 (m128_wide), down 3.11 against 4.11 and 3.96; at T = 4096 (73 rows)
+// up+gate 2.63 against 3.50 and 4.17, down 2.20 against 2.39 and 2.12; at T = 1024 (18 rows) m64
+// wins (1.72 ms against 2.20). Between 18 and 73 rows not measured: the threshold sits at m64's
+// tile height.
+inline constexpr std::int64_t kGroupedWgmmaMinRows = 64;
 
 // Why `tile` cannot run on a device of compute capability `compute_capability` (10·major + minor,
 // 0: no device), nullopt when it can; automatic and the mma.sync tiles run everywhere.

@@ -547,9 +547,10 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   EXPECT_EQ(tile_for(16 * 96 + 1, kBlackwell), GroupedTile::m128);
   // Compute 9.0: wgmma_m256 from kGroupedWgmmaMinRows rows per group, m64's range below it.
   constexpr std::int64_t kMin = lmoe::cuda::kGroupedWgmmaMinRows;
-  EXPECT_EQ(kMin, 97);
+  EXPECT_EQ(kMin, 64);
   EXPECT_EQ(tile_for(16 * 16, kHopper), GroupedTile::m16);
   EXPECT_EQ(tile_for(16 * 16 + 1, kHopper), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 73, kHopper), GroupedTile::wgmma_m256);
   EXPECT_EQ(tile_for(16 * (kMin - 1), kHopper), GroupedTile::m64);
   EXPECT_EQ(tile_for(16 * (kMin - 1) + 1, kHopper), GroupedTile::wgmma_m256);
   EXPECT_EQ(tile_for(16 * 146, kHopper), GroupedTile::wgmma_m256);
