@@ -137,6 +137,12 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return function;
 }
 
+template <typename T>
+constexpr CUtensorMapDataType tensor_map_type() {
+  return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
 // The tensor map of weights `b` ([groups, N, K], K contiguous, b_group_stride between groups) as
 // a 3-D tensor (k, n, group) read in boxes of 64 k × `box_rows` rows × 1 group with the 128-byte
 // swizzle; elements outside it read as zeros.
@@ -144,9 +150,6 @@ template <typename T>
 cudaError_t weight_map(const GroupedGemmArgs& args, const void* b, int box_rows, CUtensorMap& map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
   if (encode == nullptr) return cudaErrorNotSupported;
-  constexpr CUtensorMapDataType kType = std::is_same_v<T, __nv_bfloat16>
-                                            ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.n),
                               static_cast<cuuint64_t>(args.groups)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.k) * sizeof(T),
@@ -155,8 +158,26 @@ cudaError_t weight_map(const GroupedGemmArgs& args, const void* b, int box_rows,
                              static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult status =
-      encode(&map, kType, 3, const_cast<void*>(b), dims, strides, box, element_strides,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      encode(&map, tensor_map_type<T>(), 3, const_cast<void*>(b), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The tensor map of the rows A ([max_rows, K], pitch lda) read in boxes of 64 k × 64 rows with
+// the 128-byte swizzle.
+template <typename T>
+cudaError_t rows_map(const GroupedGemmArgs& args, CUtensorMap& map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k),
+                              static_cast<cuuint64_t>(args.max_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.lda) * sizeof(T)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGroupedTileK), 64};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status =
+      encode(&map, tensor_map_type<T>(), 2, const_cast<void*>(args.a), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -188,8 +209,15 @@ cudaError_t launch_ws(const GroupedGemmArgs& args, const GroupedGemmParams& para
       return status;
     }
   }
-  grouped_gemm_wgmma_ws_kernel<T, Shape>
-      <<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(params, map_b, map_b2);
+  // A by TMA where it is not gathered (its whole 64-row boxes: the kernel's header); the map's
+  // rows are max_rows, at least one box of them.
+  const bool a_by_tma = args.a_rows == nullptr && args.max_rows >= 64;
+  CUtensorMap map_a = map_b;
+  if (a_by_tma) {
+    if (const cudaError_t status = rows_map<T>(args, map_a); status != cudaSuccess) return status;
+  }
+  grouped_gemm_wgmma_ws_kernel<T, Shape><<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(
+      params, map_b, map_b2, map_a, a_by_tma);
   return cudaGetLastError();
 }
 

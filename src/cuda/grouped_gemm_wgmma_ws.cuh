@@ -17,7 +17,10 @@
 // - A (the token rows, gathered through a_rows): the copy engine cannot gather on Hopper, so the
 //   producer's 128 threads issue cp.async copies of the tile's rows (zeros past K, none past the
 //   group's rows rounded up to 16) into the same swizzled layout and signal the stage's full
-//   barrier with cp.async.mbarrier.arrive.noinc.
+//   barrier with cp.async.mbarrier.arrive.noinc. Without a_rows (the down call: row r is A's row
+//   r), the tile's whole 64-row boxes inside the group come by TMA too (a 2-D map over
+//   [max_rows, K] with pitch lda) and only the rows after the last whole box by cp.async: a box
+//   never reaches past the group's rows, so never past A's end (the host knows only max_rows).
 // - Stage s: full[s] expects 128 + 1 arrivals (each producer thread's copies, plus thread 0's
 //   arrive.expect_tx for the B box bytes); empty[s] expects 8 (lane 0 of each consumer warp, once
 //   that warp's wgmma reading the stage has completed). 4 stages of 48 KiB. Consumers keep one
@@ -66,7 +69,8 @@ struct GroupedWgmmaWsShape {
 template <typename T, class Shape>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_wgmma_ws_kernel(GroupedGemmParams p, const __grid_constant__ CUtensorMap map_b,
-                                 const __grid_constant__ CUtensorMap map_b2) {
+                                 const __grid_constant__ CUtensorMap map_b2,
+                                 const __grid_constant__ CUtensorMap map_a, bool a_by_tma) {
 #if LMOE_HAS_WGMMA
   extern __shared__ __align__(1024) unsigned char wgmma_ws_smem[];
   __shared__ __align__(8) std::uint64_t full_bars[Shape::kStages];
@@ -103,6 +107,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     setmaxnreg<Shape::kProducerRegs, false>();
     const T* a = static_cast<const T*>(p.a);
     const int a_parts = (rows_here + 15) / 16 * 16 * 8;  // 16-byte parts of the rows used
+    const int a_boxes = a_by_tma ? rows_here / 64 : 0;   // whole 64-row boxes by TMA
     const int col0 = static_cast<int>(tile.col0);
     for (int c = 0; c < chunks; ++c) {
       const int s = c % Shape::kStages;
@@ -111,15 +116,19 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       const std::uint32_t stage = smem + s * Shape::kStageBytes;
       const std::uint32_t b_stage = stage + Shape::kRowsM * 128;
       if (tid == 0) {
-        mbarrier_arrive_expect_tx(full_bar(s), Shape::kBRows * 128);
+        mbarrier_arrive_expect_tx(full_bar(s), (Shape::kBRows + a_boxes * 64) * 128);
         tma_load_3d(b_stage, &map_b, full_bar(s), c * kGroupedTileK, col0, tile.group);
         if constexpr (Shape::kGated) {
           tma_load_3d(b_stage + Shape::kColsN * 128, &map_b2, full_bar(s), c * kGroupedTileK, col0,
                       tile.group);
         }
+        for (int box = 0; box < a_boxes; ++box) {
+          tma_load_2d(stage + box * 64 * 128, &map_a, full_bar(s), c * kGroupedTileK,
+                      tile.row0 + box * 64);
+        }
       }
       const std::int64_t k0 = static_cast<std::int64_t>(c) * kGroupedTileK;
-      for (int i = tid; i < a_parts; i += 128) {
+      for (int i = a_boxes * 64 * 8 + tid; i < a_parts; i += 128) {
         const int row = i >> 3, part = i & 7;
         const std::int64_t k = k0 + part * 8;
         const std::int64_t at = tile.a_offset[row];
@@ -160,10 +169,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     fence_proxy_async_shared();
     const std::uint32_t stage = smem + s * Shape::kStageBytes;
     const std::uint32_t b_rows = stage + Shape::kRowsM * 128;
-    wgmma_fence();
     // One branch per count of used slices (slice 1 is used only if slice 0 is), each a straight
     // run of wgmmas: a branch between two wgmmas makes ptxas fence the warpgroup before each.
     if (slice_used[Shape::kSlices - 1]) {
+      wgmma_fence();  // inside each branch: ptxas fences again at a branch after the fence
 #pragma unroll
       for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
 #pragma unroll
@@ -174,6 +183,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
         }
       }
     } else if (slice_used[0]) {
+      wgmma_fence();
       const std::uint32_t a_rows = stage + consumer * 64 * 128;
 #pragma unroll
       for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
@@ -201,6 +211,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   (void)p;
   (void)map_b;
   (void)map_b2;
+  (void)map_a;
+  (void)a_by_tma;
   __trap();  // no wgmma on this architecture: the host never launches it here
 #endif
 }

@@ -119,6 +119,25 @@ __device__ inline void tma_load_3d(std::uint32_t dst, const void* map, std::uint
 #endif
 }
 
+// The 2-D form of tma_load_3d: the box of `map` at (x, y), x the innermost.
+__device__ inline void tma_load_2d(std::uint32_t dst, const void* map, std::uint32_t bar, int x,
+                                   int y) {
+#if LMOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)x;
+  (void)y;
+  __trap();
+#endif
+}
+
 // Register reallocation between the warpgroups of a block launched with a register cap
 // (__launch_bounds__(threads, 1)): the producer gives registers back (kIncrease false), the
 // consumers take them. Every thread of the warpgroup executes it; kRegs a multiple of 8 in
