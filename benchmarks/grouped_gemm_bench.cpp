@@ -138,10 +138,11 @@ int run(const Settings& settings) {
   std::vector<lmoe::cuda::GroupedTile> tiles;
   for (const std::string& name : settings.tiles) {
     bool known = false;
-    for (const auto tile : {lmoe::cuda::GroupedTile::automatic, lmoe::cuda::GroupedTile::m16,
-                            lmoe::cuda::GroupedTile::m64, lmoe::cuda::GroupedTile::m128,
-                            lmoe::cuda::GroupedTile::m128_wide, lmoe::cuda::GroupedTile::wgmma,
-                            lmoe::cuda::GroupedTile::wgmma_m256}) {
+    for (const auto tile :
+         {lmoe::cuda::GroupedTile::automatic, lmoe::cuda::GroupedTile::m16,
+          lmoe::cuda::GroupedTile::m64, lmoe::cuda::GroupedTile::m128,
+          lmoe::cuda::GroupedTile::m128_wide, lmoe::cuda::GroupedTile::wgmma,
+          lmoe::cuda::GroupedTile::wgmma_m256, lmoe::cuda::GroupedTile::wgmma_ws}) {
       if (name == lmoe::cuda::grouped_tile_name(tile)) {
         tiles.push_back(tile);
         known = true;
@@ -149,7 +150,9 @@ int run(const Settings& settings) {
     }
     LMOE_CHECK(
         known,
-        "--tiles: expected automatic, m16, m64, m128, m128_wide, wgmma or wgmma_m256, got " + name);
+        "--tiles: expected automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 or wgmma_ws, "
+        "got " +
+            name);
   }
 
   int device = 0;
@@ -361,7 +364,7 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", settings.repeats, "timed graph launches per row (median, p10, p90)");
   app.add_option("--warmup", settings.warmup, "untimed graph launches per row");
   app.add_option("--tiles", settings.tiles,
-                 "tiles to time: automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 "
+                 "tiles to time: automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256, wgmma_ws "
                  "(compute 9.0)")
       ->delimiter(',');
   app.add_flag("!--no-loop", settings.with_loop, "skip the per-expert cuBLASLt loop");

@@ -1,6 +1,9 @@
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/grouped_gemm_wgmma.cuh"
+#include "cuda/grouped_gemm_wgmma_ws.cuh"
+
+#include <cudaTypedefs.h>  // the driver entry point's type; the pointer comes through the runtime
 
 #include <algorithm>
 #include <type_traits>
@@ -26,6 +29,8 @@ using Wgmma = GroupedWgmmaShape<128, 5, false>;
 using WgmmaGated = GroupedWgmmaShape<128, 5, true>;
 using WgmmaM256 = GroupedWgmmaShape<256, 4, false>;
 using WgmmaM256Gated = GroupedWgmmaShape<256, 4, true>;
+using WgmmaWs = GroupedWgmmaWsShape<false>;
+using WgmmaWsGated = GroupedWgmmaWsShape<true>;
 
 template <class Shape>
 struct IsWgmmaShape : std::false_type {};
@@ -33,9 +38,16 @@ template <int kRowsM, int kStages, bool kGated>
 struct IsWgmmaShape<GroupedWgmmaShape<kRowsM, kStages, kGated>> : std::true_type {};
 
 // The kernel of a (dtype, shape): the wgmma shapes have their own.
+template <class Shape>
+struct IsWgmmaWsShape : std::false_type {};
+template <bool kGated>
+struct IsWgmmaWsShape<GroupedWgmmaWsShape<kGated>> : std::true_type {};
+
 template <typename T, class Shape>
 constexpr auto kernel_of() {
-  if constexpr (IsWgmmaShape<Shape>::value) {
+  if constexpr (IsWgmmaWsShape<Shape>::value) {
+    return grouped_gemm_wgmma_ws_kernel<T, Shape>;
+  } else if constexpr (IsWgmmaShape<Shape>::value) {
     return grouped_gemm_wgmma_kernel<T, Shape>;
   } else {
     return grouped_gemm_kernel<T, Shape>;
@@ -79,10 +91,23 @@ cudaError_t prepare_typed() {
     return cudaSuccess;
   for (const cudaError_t status :
        {prepare_shape<T, Wgmma>(), prepare_shape<T, WgmmaGated>(), prepare_shape<T, WgmmaM256>(),
-        prepare_shape<T, WgmmaM256Gated>()}) {
+        prepare_shape<T, WgmmaM256Gated>(), prepare_shape<T, WgmmaWs>(),
+        prepare_shape<T, WgmmaWsGated>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
+}
+
+// The grid of a shape: (N tiles) × (a bound on the row tiles). Row tiles: Σ_g ceil(n_g / BM) ≤
+// max_rows / BM + (groups holding rows), one partial tile each. False when it exceeds the limits.
+template <class Shape>
+bool grid_of(const GroupedGemmArgs& args, dim3& grid) {
+  const std::int64_t row_tiles = (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM +
+                                 std::min<std::int64_t>(args.max_groups, args.groups);
+  const std::int64_t col_tiles = (args.n + Shape::kColsN - 1) / Shape::kColsN;
+  if (row_tiles > 65535 || col_tiles > 0x7fffffff) return false;
+  grid = dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  return true;
 }
 
 template <typename T, class Shape>
@@ -90,13 +115,109 @@ cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& p
                          cudaStream_t stream) {
   const auto kernel = kernel_of<T, Shape>();
   if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
-  // Row tiles: Σ_g ceil(n_g / BM) ≤ max_rows / BM + (groups holding rows), one partial tile each.
-  const std::int64_t row_tiles = (args.max_rows + Shape::kRowsM - 1) / Shape::kRowsM +
-                                 std::min<std::int64_t>(args.max_groups, args.groups);
-  const std::int64_t col_tiles = (args.n + Shape::kColsN - 1) / Shape::kColsN;
-  if (row_tiles > 65535 || col_tiles > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  dim3 grid;
+  if (!grid_of<Shape>(args, grid)) return cudaErrorInvalidValue;
   kernel<<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// cuTensorMapEncodeTiled, through the runtime's driver entry point (nothing links libcuda), looked
+// up once; null when the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 function = [] {
+    void* found = nullptr;
+    cudaDriverEntryPointQueryResult result{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault,
+                                         &result) != cudaSuccess ||
+        result != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found);
+  }();
+  return function;
+}
+
+template <typename T>
+constexpr CUtensorMapDataType tensor_map_type() {
+  return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// The tensor map of weights `b` ([groups, N, K], K contiguous, b_group_stride between groups) as
+// a 3-D tensor (k, n, group) read in boxes of 64 k × `box_rows` rows × 1 group with the 128-byte
+// swizzle; elements outside it read as zeros.
+template <typename T>
+cudaError_t weight_map(const GroupedGemmArgs& args, const void* b, int box_rows, CUtensorMap& map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.n),
+                              static_cast<cuuint64_t>(args.groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.k) * sizeof(T),
+                                 static_cast<cuuint64_t>(args.b_group_stride) * sizeof(T)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kGroupedTileK),
+                             static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status =
+      encode(&map, tensor_map_type<T>(), 3, const_cast<void*>(b), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The tensor map of the rows A ([max_rows, K], pitch lda) read in boxes of 64 k × 64 rows with
+// the 128-byte swizzle.
+template <typename T>
+cudaError_t rows_map(const GroupedGemmArgs& args, CUtensorMap& map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k),
+                              static_cast<cuuint64_t>(args.max_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.lda) * sizeof(T)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGroupedTileK), 64};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status =
+      encode(&map, tensor_map_type<T>(), 2, const_cast<void*>(args.a), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Whether the weights can be read by the copy engine: a row pitch and group stride of whole
+// 16-byte units (16-byte copies everywhere: copy_bytes_of), groups that do not overlap, and
+// coordinates that fit its 32-bit signed indices.
+bool tensor_map_fits(const GroupedGemmArgs& args) {
+  return copy_bytes_of(args) == 16 && args.b_group_stride >= args.n * args.k &&
+         args.n <= 0x7fffffff && args.k <= 0x7fffffff;
+}
+
+template <typename T, class Shape>
+cudaError_t launch_ws(const GroupedGemmArgs& args, const GroupedGemmParams& params,
+                      cudaStream_t stream) {
+  if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
+  dim3 grid;
+  if (!grid_of<Shape>(args, grid)) return cudaErrorInvalidValue;
+  CUtensorMap map_b{}, map_b2{};
+  if (const cudaError_t status = weight_map<T>(args, args.b, Shape::kBoxRows, map_b);
+      status != cudaSuccess) {
+    return status;
+  }
+  // Ungated blocks never read b2's map: b's stands in.
+  map_b2 = map_b;
+  if constexpr (Shape::kGated) {
+    if (const cudaError_t status = weight_map<T>(args, args.b2, Shape::kBoxRows, map_b2);
+        status != cudaSuccess) {
+      return status;
+    }
+  }
+  // A by TMA where it is not gathered (its whole 64-row boxes: the kernel's header); the map's
+  // rows are max_rows, at least one box of them.
+  const bool a_by_tma = args.a_rows == nullptr && args.max_rows >= 64;
+  CUtensorMap map_a = map_b;
+  if (a_by_tma) {
+    if (const cudaError_t status = rows_map<T>(args, map_a); status != cudaSuccess) return status;
+  }
+  grouped_gemm_wgmma_ws_kernel<T, Shape><<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(
+      params, map_b, map_b2, map_a, a_by_tma);
   return cudaGetLastError();
 }
 
@@ -120,6 +241,15 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
     case GroupedTile::wgmma_m256:
       return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
                    : launch_shape<T, WgmmaM256>(args, params, stream);
+    case GroupedTile::wgmma_ws:
+      // Weights the copy engine cannot address (K not a multiple of 8, odd strides): the
+      // wgmma_m256 kernel, the same rows per block and the same bits.
+      if (!tensor_map_fits(args)) {
+        return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
+                     : launch_shape<T, WgmmaM256>(args, params, stream);
+      }
+      return gated ? launch_ws<T, WgmmaWsGated>(args, params, stream)
+                   : launch_ws<T, WgmmaWs>(args, params, stream);
     default:
       return gated ? launch_shape<T, M128Gated>(args, params, stream)
                    : launch_shape<T, M128>(args, params, stream);
@@ -144,13 +274,16 @@ const char* grouped_tile_name(GroupedTile tile) {
       return "wgmma";
     case GroupedTile::wgmma_m256:
       return "wgmma_m256";
+    case GroupedTile::wgmma_ws:
+      return "wgmma_ws";
   }
   return "?";
 }
 
 std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability) {
   // wgmma is sm_90a's alone: sm_100a's tensor cores take tcgen05 instead.
-  const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256;
+  const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256 ||
+                     tile == GroupedTile::wgmma_ws;
   if (wgmma && compute_capability != 90) {
     return "tile: " + std::string(grouped_tile_name(tile)) +
            " expected a compute capability 9.0 device (Hopper, sm_90a), got " +
@@ -200,7 +333,8 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
            std::to_string(args.k) + " lda=" + std::to_string(args.lda);
   }
   // Only an explicit wgmma tile asks the device: automatic resolves to a tile the device runs.
-  if (args.tile == GroupedTile::wgmma || args.tile == GroupedTile::wgmma_m256)
+  if (args.tile == GroupedTile::wgmma || args.tile == GroupedTile::wgmma_m256 ||
+      args.tile == GroupedTile::wgmma_ws)
     return grouped_tile_unsupported(args.tile, current_compute_capability());
   return std::nullopt;
 }

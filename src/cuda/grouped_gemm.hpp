@@ -32,9 +32,14 @@ enum class GroupedOut { f32, rounded, activation };
 // capability 9.0 only; only when asked for.
 // wgmma_m256: 256 rows (an expert's weights streamed once for up to 256 rows); compute 9.0 only.
 // automatic picks it there from kGroupedWgmmaMinRows rows per group.
-enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256 };
+// wgmma_ws: wgmma_m256's block as a warp-specialized kernel (grouped_gemm_wgmma_ws.cuh): a
+// producer warpgroup loads the weights by TMA and the rows by cp.async into a ring of stages that
+// two consumer warpgroups multiply, mbarriers between them; compute 9.0 only; only when asked for.
+// Weights the tensor map cannot address (K, lda or the group stride not a multiple of 8 elements,
+// 16-byte copies impossible) run wgmma_m256's kernel instead (the same bits).
+enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256, wgmma_ws };
 
-// "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256".
+// "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256", "wgmma_ws".
 const char* grouped_tile_name(GroupedTile tile);
 
 // The average rows per group from which automatic picks wgmma_m256 on compute 9.0. Measured on an

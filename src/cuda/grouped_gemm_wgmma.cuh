@@ -58,6 +58,34 @@ struct GroupedWgmmaShape {
   static_assert(kSharedBytes + kRowsM * 8 + 64 <= 227 * 1024, "an H200 block's shared memory");
 };
 
+// Stores one warpgroup's m64n128 accumulators through the output mode (grouped_store): thread t
+// holds d[4j + e] at row 16·(t / 32 % 4) + t % 32 / 4 + 8·(e / 2) of its 64, column
+// 8j + 2·(t % 4) + e % 2 (warpgroup_mma.cuh); gated blocks hold the gate 64 columns further.
+// `row_base` is this thread's first row in the tile; rows past the group's end and columns past N
+// are not stored.
+template <typename T, class Shape>
+__device__ inline void grouped_wgmma_store(const GroupedGemmParams& p,
+                                           const GroupedBlockTile<T>& tile, const float (&acc)[64],
+                                           int row_base) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  constexpr int kOutBlocks = Shape::kColsN / 8;
+#pragma unroll
+  for (int j = 0; j < kOutBlocks; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = row_base + (e >= 2 ? 8 : 0);
+      const std::int64_t col = tile.col0 + 8 * j + 2 * (lane % 4) + (e & 1);
+      if (r >= tile.rows_here || col >= p.n) continue;
+      const std::int64_t at = static_cast<std::int64_t>(tile.row0 + r) * p.ldc + col;
+      if constexpr (Shape::kGated) {
+        grouped_store<T>(p, at, acc[4 * j + e], acc[4 * (j + kOutBlocks) + e]);
+      } else {
+        grouped_store<T>(p, at, acc[4 * j + e], 0.0f);
+      }
+    }
+  }
+}
+
 template <typename T, class Shape>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_wgmma_kernel(GroupedGemmParams p) {
@@ -123,26 +151,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   wgmma_pin(acc);
   if (!multiplies) return;
 
-  // Accumulator fragment of m64n128 (warpgroup_mma.cuh): d[4j + e] at row 16·w + lane / 4 +
-  // 8·(e / 2), column 8j + 2·(lane % 4) + e % 2; gated blocks hold the gate 64 columns further.
-  const int lane = tid % 32;
-  const int row_base = warpgroup * 64 + (tid / 32 % 4) * 16 + lane / 4;
-  constexpr int kOutBlocks = Shape::kColsN / 8;
-#pragma unroll
-  for (int j = 0; j < kOutBlocks; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = row_base + (e >= 2 ? 8 : 0);
-      const std::int64_t col = tile.col0 + 8 * j + 2 * (lane % 4) + (e & 1);
-      if (r >= rows_here || col >= p.n) continue;
-      const std::int64_t at = static_cast<std::int64_t>(tile.row0 + r) * p.ldc + col;
-      if constexpr (Shape::kGated) {
-        grouped_store<T>(p, at, acc[4 * j + e], acc[4 * (j + kOutBlocks) + e]);
-      } else {
-        grouped_store<T>(p, at, acc[4 * j + e], 0.0f);
-      }
-    }
-  }
+  grouped_wgmma_store<T, Shape>(p, tile, acc, warpgroup * 64 + (tid / 32 % 4) * 16 + tid % 32 / 4);
 #else
   (void)p;
   __trap();  // no wgmma on this architecture: the host never launches it here

@@ -432,7 +432,10 @@ TEST_P(GroupedGemm, WgmmaTilesMatchFp64AndTheMmaSyncTiles) {
   const Problem p = make_problem(group_rows, shape.n, shape.k, dtype, gather,
                                  11u + static_cast<std::uint32_t>(shape.k));
   const GemmRun m64 = run_grouped(p, dtype, GroupedOut::f32, GroupedTile::m64, nullptr, false);
-  for (const GroupedTile tile : {GroupedTile::wgmma, GroupedTile::wgmma_m256}) {
+  // wgmma_ws: its own kernel where K is a multiple of 8 (k 200, 448: the tensor map's rows),
+  // wgmma_m256's elsewhere.
+  for (const GroupedTile tile :
+       {GroupedTile::wgmma, GroupedTile::wgmma_m256, GroupedTile::wgmma_ws}) {
     SCOPED_TRACE(std::string("tile ") + lmoe::cuda::grouped_tile_name(tile));
     const GemmRun up = run_grouped(p, dtype, GroupedOut::f32, tile, nullptr, false);
     expect_matches_fp64(p, up, p.b, 0.0);
@@ -566,12 +569,21 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::m128_wide), "m128_wide");
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma), "wgmma");
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_m256), "wgmma_m256");
+  EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_ws), "wgmma_ws");
+  // wgmma_ws only when asked for: automatic never resolves to it.
+  for (const std::int64_t rows : {16 * 16, 16 * 146, 16 * 300}) {
+    EXPECT_NE(tile_for(rows, kHopper), GroupedTile::wgmma_ws) << rows;
+  }
 }
 
 // wgmma runs on compute 9.0 alone, and says so elsewhere; the mma.sync tiles run everywhere.
 TEST(GroupedGemm, WgmmaTilesAreRefusedOffHopperWithTheReason) {
   EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 90).has_value());
   EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_m256, 90).has_value());
+  EXPECT_FALSE(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_ws, 90).has_value());
+  EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_ws, 100).value_or(""),
+              HasSubstr("tile: wgmma_ws expected a compute capability 9.0 device (Hopper, "
+                        "sm_90a), got 10.0"));
   EXPECT_THAT(lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, 100).value_or(""),
               HasSubstr("tile: wgmma expected a compute capability 9.0 device (Hopper, sm_90a), "
                         "got 10.0"));
@@ -587,6 +599,13 @@ TEST(GroupedGemm, WgmmaTilesAreRefusedOffHopperWithTheReason) {
   const int capability = lmoe::cuda::current_compute_capability();
   EXPECT_EQ(lmoe::cuda::grouped_gemm_unsupported(args),
             lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma, capability))
+      << "capability " << capability;
+  if (capability != 90) {
+    EXPECT_EQ(lmoe::cuda::launch_grouped_gemm(args, nullptr), cudaErrorInvalidValue);
+  }
+  args.tile = GroupedTile::wgmma_ws;
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_unsupported(args),
+            lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma_ws, capability))
       << "capability " << capability;
   if (capability != 90) {
     EXPECT_EQ(lmoe::cuda::launch_grouped_gemm(args, nullptr), cudaErrorInvalidValue);

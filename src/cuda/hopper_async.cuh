@@ -1,0 +1,159 @@
+// Hopper's asynchronous building blocks for warp-specialized kernels (sm_90; setmaxnreg sm_90a):
+// shared-memory mbarriers (init, arrive, arrive with an expected transaction count, wait on a
+// phase's parity), the arrival of a thread's cp.async copies on an mbarrier, the bulk tensor copy
+// (TMA) of a 3-D box into shared memory completing on an mbarrier, and the register reallocation
+// between warpgroups. Only the sm_90a pass emits them (LMOE_HAS_WGMMA, warpgroup_mma.cuh: the
+// kernels that use them also issue wgmma); elsewhere they trap, and the host launches no kernel
+// that calls them off compute 9.0. Device code only.
+//
+// An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier")
+// counts the arrivals still expected in its current phase and the transaction bytes still due;
+// the phase completes when both reach zero, and the barrier moves to the next phase with the
+// arrival count it was initialised with. A waiter names the parity of the phase it waits for: a
+// fresh barrier is in phase 0, so waiting on parity 1 (the phase "before" it) returns at once —
+// which lets a producer treat every stage as empty in its first round.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/warpgroup_mma.cuh"
+
+namespace lmoe::cuda {
+
+// `count` arrivals per phase; thread 0 of the block calls it, then mbarrier_init_fence() and a
+// barrier before any other thread or the copy engine touches the barrier.
+__device__ inline void mbarrier_init(std::uint32_t bar, std::uint32_t count) {
+#if LMOE_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#else
+  (void)bar;
+  (void)count;
+  __trap();
+#endif
+}
+
+// Makes this thread's mbarrier_init()s visible to the async proxy (the copy engine completes
+// transactions on the barriers through it).
+__device__ inline void mbarrier_init_fence() {
+#if LMOE_HAS_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ inline void mbarrier_arrive(std::uint32_t bar) {
+#if LMOE_HAS_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#else
+  (void)bar;
+  __trap();
+#endif
+}
+
+// One arrival, and `bytes` more transaction bytes due in the current phase (the copy engine's
+// copies that complete on this barrier pay them off).
+__device__ inline void mbarrier_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+#if LMOE_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+#else
+  (void)bar;
+  (void)bytes;
+  __trap();
+#endif
+}
+
+// Returns once the phase of parity `parity` has completed (try_wait suspends the thread for a
+// while in hardware between polls, so the loop does not hammer shared memory).
+__device__ inline void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
+#if LMOE_HAS_WGMMA
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred ready;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, ready;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#else
+  (void)bar;
+  (void)parity;
+  __trap();
+#endif
+}
+
+// An arrival on `bar` once every cp.async this thread issued before it has landed. .noinc: the
+// arrival is one of the barrier's initial count (the barrier counts the copying threads).
+__device__ inline void cp_async_mbarrier_arrive_noinc(std::uint32_t bar) {
+#if LMOE_HAS_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+#else
+  (void)bar;
+  __trap();
+#endif
+}
+
+// The box of `map` (a __grid_constant__ kernel parameter) at element coordinates (x, y, z), x the
+// innermost, into shared memory at `dst` (the map's swizzle applied; 1024-byte aligned for the
+// 128-byte swizzle), completing its bytes on `bar`. Elements outside the tensor arrive as zeros
+// and still count as transaction bytes: every box pays the full box size.
+__device__ inline void tma_load_3d(std::uint32_t dst, const void* map, std::uint32_t bar, int x,
+                                   int y, int z) {
+#if LMOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)x;
+  (void)y;
+  (void)z;
+  __trap();
+#endif
+}
+
+// The 2-D form of tma_load_3d: the box of `map` at (x, y), x the innermost.
+__device__ inline void tma_load_2d(std::uint32_t dst, const void* map, std::uint32_t bar, int x,
+                                   int y) {
+#if LMOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)bar;
+  (void)x;
+  (void)y;
+  __trap();
+#endif
+}
+
+// Register reallocation between the warpgroups of a block launched with a register cap
+// (__launch_bounds__(threads, 1)): the producer gives registers back (kIncrease false), the
+// consumers take them. Every thread of the warpgroup executes it; kRegs a multiple of 8 in
+// 24 … 256.
+template <int kRegs, bool kIncrease>
+__device__ inline void setmaxnreg() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: 24 … 256, by 8");
+#if LMOE_HAS_WGMMA
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace lmoe::cuda
