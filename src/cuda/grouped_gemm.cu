@@ -356,7 +356,10 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
   if (rows <= 16) return GroupedTile::m16;
   if (rows >= kGroupedWgmmaMinRows &&
       !grouped_tile_unsupported(GroupedTile::wgmma_m256, compute_capability)) {
-    return GroupedTile::wgmma_m256;
+    // Rows read in place (no a_rows: the experts' down call): the warp-specialized tile, whose
+    // producer loads them by TMA too. Gathered rows (the up call): the producer warpgroup's cp.async
+    // of 256 rows falls behind at ~146 rows per expert, so wgmma_m256 (kGroupedWgmmaMinRows).
+    return args.a_rows == nullptr ? GroupedTile::wgmma_ws : GroupedTile::wgmma_m256;
   }
   if (rows <= 96) return GroupedTile::m64;
   return GroupedTile::m128;

@@ -31,10 +31,11 @@ enum class GroupedOut { f32, rounded, activation };
 // wgmma: 128 rows × 128 weight rows on Hopper's warpgroup MMA (grouped_gemm_wgmma.cuh); compute
 // capability 9.0 only; only when asked for.
 // wgmma_m256: 256 rows (an expert's weights streamed once for up to 256 rows); compute 9.0 only.
-// automatic picks it there from kGroupedWgmmaMinRows rows per group.
+// automatic picks it there from kGroupedWgmmaMinRows rows per group when rows are gathered.
 // wgmma_ws: wgmma_m256's block as a warp-specialized kernel (grouped_gemm_wgmma_ws.cuh): a
 // producer warpgroup loads the weights by TMA and the rows by cp.async into a ring of stages that
-// two consumer warpgroups multiply, mbarriers between them; compute 9.0 only; only when asked for.
+// two consumer warpgroups multiply, mbarriers between them; compute 9.0 only; automatic picks it
+// there from kGroupedWgmmaMinRows rows per group when A is read in place (no a_rows).
 // Weights the tensor map cannot address (K, lda or the group stride not a multiple of 8 elements,
 // 16-byte copies impossible) run wgmma_m256's kernel instead (the same bits).
 enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256, wgmma_ws };
@@ -42,12 +43,14 @@ enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256
 // "automatic", "m16", "m64", "m128", "m128_wide", "wgmma", "wgmma_m256", "wgmma_ws".
 const char* grouped_tile_name(GroupedTile tile);
 
-// The average rows per group from which automatic picks wgmma_m256 on compute 9.0. Measured on an
-// H200 at Kimi-K3's experts, tp 8 (docs/perf.md): at T = 8192 (146 rows per expert) up+gate 3.28 ms
-// against 5.92 (m64) and 6.04 (m128_wide), down 3.11 against 4.11 and 3.96; at T = 4096 (73 rows)
-// up+gate 2.63 against 3.50 and 4.17, down 2.20 against 2.39 and 2.12; at T = 1024 (18 rows) m64
-// wins (1.72 ms against 2.20). Between 18 and 73 rows not measured: the threshold sits at m64's
-// tile height.
+// The average rows per group from which automatic picks a wgmma tile on compute 9.0: wgmma_ws
+// where A is read in place (a_rows null), wgmma_m256 where rows are gathered. Measured on an H200 at
+// Kimi-K3's experts, tp 8 (docs/perf.md): at T = 8192 (146 rows per expert) up+gate (gathered)
+// 3.28 ms with wgmma_m256 against 4.20 (wgmma_ws), 5.92 (m64) and 6.04 (m128_wide); down (in place)
+// 2.71 with wgmma_ws against 3.19 (wgmma_m256), 4.11 and 3.96; at T = 4096 (73 rows) up+gate 2.63
+// (wgmma_m256) against 2.23 (wgmma_ws: faster there, but not at 146 rows), 3.50 and 4.17, down 1.84
+// (wgmma_ws) against 2.23, 2.39 and 2.12; at T = 1024 (18 rows) m64 wins (1.72 ms against 2.20).
+// Between 18 and 73 rows not measured: the threshold sits at m64's tile height.
 inline constexpr std::int64_t kGroupedWgmmaMinRows = 64;
 
 // Why `tile` cannot run on a device of compute capability `compute_capability` (10·major + minor,

@@ -548,15 +548,15 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   EXPECT_EQ(tile_for(16 * 16 + 1, kBlackwell), GroupedTile::m64);
   EXPECT_EQ(tile_for(16 * 96, kBlackwell), GroupedTile::m64);
   EXPECT_EQ(tile_for(16 * 96 + 1, kBlackwell), GroupedTile::m128);
-  // Compute 9.0: wgmma_m256 from kGroupedWgmmaMinRows rows per group, m64's range below it.
+  // Compute 9.0: a wgmma tile from kGroupedWgmmaMinRows rows per group (A read in place here:
+  // wgmma_ws; gathered rows below), m64's range below it.
   constexpr std::int64_t kMin = lmoe::cuda::kGroupedWgmmaMinRows;
   EXPECT_EQ(kMin, 64);
   EXPECT_EQ(tile_for(16 * 16, kHopper), GroupedTile::m16);
   EXPECT_EQ(tile_for(16 * 16 + 1, kHopper), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * 73, kHopper), GroupedTile::wgmma_m256);
+  EXPECT_EQ(tile_for(16 * 73, kHopper), GroupedTile::wgmma_ws);
   EXPECT_EQ(tile_for(16 * (kMin - 1), kHopper), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * (kMin - 1) + 1, kHopper), GroupedTile::wgmma_m256);
-  EXPECT_EQ(tile_for(16 * 146, kHopper), GroupedTile::wgmma_m256);
+  EXPECT_EQ(tile_for(16 * (kMin - 1) + 1, kHopper), GroupedTile::wgmma_ws);
   EXPECT_EQ(tile_for(16 * 96 + 1, 0), GroupedTile::m128);  // no device
   args.max_groups = 1000;  // more than the groups: the groups bound it
   args.max_rows = 64 * 16 + 1;
@@ -570,10 +570,18 @@ TEST(GroupedGemm, AutomaticTileFollowsTheRowsPerGroup) {
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma), "wgmma");
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_m256), "wgmma_m256");
   EXPECT_STREQ(lmoe::cuda::grouped_tile_name(GroupedTile::wgmma_ws), "wgmma_ws");
-  // wgmma_ws only when asked for: automatic never resolves to it.
-  for (const std::int64_t rows : {16 * 16, 16 * 146, 16 * 300}) {
-    EXPECT_NE(tile_for(rows, kHopper), GroupedTile::wgmma_ws) << rows;
-  }
+  // From kMin rows on Hopper: wgmma_ws where A is read in place, wgmma_m256 where rows are gathered.
+  args.tile = GroupedTile::automatic;
+  args.max_groups = 16;
+  EXPECT_EQ(tile_for(16 * 146, kHopper), GroupedTile::wgmma_ws);
+  EXPECT_EQ(tile_for(16 * kMin, kHopper), GroupedTile::wgmma_ws);
+  EXPECT_EQ(tile_for(16 * (kMin - 1), kHopper), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * 146, kBlackwell), GroupedTile::m128);
+  const std::int32_t gather_rows[1] = {0};
+  args.a_rows = gather_rows;  // only compared with null here
+  EXPECT_EQ(tile_for(16 * 146, kHopper), GroupedTile::wgmma_m256);
+  EXPECT_EQ(tile_for(16 * kMin, kHopper), GroupedTile::wgmma_m256);
+  EXPECT_EQ(tile_for(16 * 16, kHopper), GroupedTile::m16);
 }
 
 // wgmma runs on compute 9.0 alone, and says so elsewhere; the mma.sync tiles run everywhere.
