@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
+#include "core/token_chunks.hpp"
 #include "comm/nccl_settings.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
@@ -59,15 +60,6 @@ std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& pro
 namespace {
 
 using cuda::check;
-
-// The most chunks the token tier's pipeline cuts T into (LMOE_TOKEN_CHUNKS).
-constexpr int kMaxTokenChunks = 8;
-// Without LMOE_TOKEN_CHUNKS: two chunks from this T up, one below. Measured on two H200s (K3, tp 2,
-// docs/perf.md "Token chunks"): two chunks are 7-16 % faster than one from T = 4096 to 32768 over
-// NCCL and p2p; four are no faster than two there and slower below 16384 (each chunk's collectives
-// and GEMM are smaller, so fixed costs grow).
-constexpr int kDefaultTokenChunks = 2;
-constexpr std::int64_t kDefaultTokenChunksFrom = 4096;
 using cuda::DeviceBuffer;
 
 // A stream that only captures (a conditional body's work): destroyed without a synchronize, which
@@ -115,7 +107,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     for (auto* events : {&scattered_, &added_}) {
       for (cudaEvent_t& event : *events) LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     }
-    token_chunks_ = token_chunks_setting();
+    token_chunks_ = token_chunks_setting_from_environment();
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
@@ -465,23 +457,11 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     TokenRowSplit split;
   };
 
-  static int token_chunks_setting() {
-    const char* text = std::getenv("LMOE_TOKEN_CHUNKS");
-    if (text == nullptr || *text == '\0') return 0;  // the built-in rule (kDefaultTokenChunks)
-    char* end = nullptr;
-    const long chunks = std::strtol(text, &end, 10);
-    LMOE_CHECK(end != text && *end == '\0' && chunks >= 1 && chunks <= kMaxTokenChunks,
-               "LMOE_TOKEN_CHUNKS: expected a count of chunks in [1, " + std::to_string(kMaxTokenChunks) + "], got \"" +
-                   text + "\"");
-    return static_cast<int>(chunks);
-  }
-
   // The chunks of a T (as many as asked for, or by the built-in rule, but every chunk at least one
   // row per rank).
   std::vector<TokenChunk> token_chunks(std::int64_t tokens) const {
     const int tp = comm_.size();
-    const int wanted = token_chunks_ != 0 ? token_chunks_ : (tokens >= kDefaultTokenChunksFrom ? kDefaultTokenChunks : 1);
-    const std::int64_t count = tp == 1 ? 1 : std::clamp<std::int64_t>(tokens / tp, 1, wanted);
+    const std::int64_t count = token_chunk_count(tokens, tp, token_chunks_);
     std::vector<TokenChunk> chunks;
     std::int64_t mine = 0;
     for (std::int64_t c = 0; c < count; ++c) {
