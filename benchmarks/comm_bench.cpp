@@ -162,13 +162,26 @@ int main(int argc, char** argv) {
   app.add_option("--json", s.json_path, "also write the rows to this file");
   CLI11_PARSE(app, argc, argv);
   try {
-    int visible = 0;
-    LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
-    const int ranks = s.ranks > 0 ? s.ranks : visible;
+    // The arguments first, before any GPU work.
     for (const std::string& op : s.ops) {
       LMOE_CHECK(op == "all_reduce" || op == "reduce_scatter" || op == "all_gather",
                  "--ops: expected all_reduce, reduce_scatter or all_gather, got '" + op + "'");
     }
+    for (const std::string& comm : s.comms) {
+      LMOE_CHECK(comm == "p2p" || comm == "nccl" || comm == "cuda-threads",
+                 "--comm: expected p2p, nccl or cuda-threads, got '" + comm + "'");
+    }
+    LMOE_CHECK(s.iters >= 1 && s.warmup >= 0, "--iters, --warmup: expected iters >= 1 and warmup >= 0, got " +
+                                                  std::to_string(s.iters) + " and " + std::to_string(s.warmup));
+    LMOE_CHECK(s.ranks >= 0, "--ranks: expected a positive count (or 0: one per GPU), got " + std::to_string(s.ranks));
+    std::ofstream json_file;
+    if (!s.json_path.empty()) {
+      json_file.open(s.json_path);
+      LMOE_CHECK(json_file.good(), "--json: cannot write " + s.json_path);
+    }
+    int visible = 0;
+    LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
+    const int ranks = s.ranks > 0 ? s.ranks : visible;
     for (const std::int64_t bytes : s.bytes) {
       LMOE_CHECK(bytes >= 16 * ranks, "--bytes: expected at least 16 bytes per rank, got " + std::to_string(bytes));
     }
@@ -187,11 +200,7 @@ int main(int argc, char** argv) {
                                {"algbw_gbs", row.algbw}, {"busbw_gbs", row.busbw}, {"graph", row.graph}});
       }
     }
-    if (!s.json_path.empty()) {
-      std::ofstream file(s.json_path);
-      LMOE_CHECK(file.good(), "--json: cannot write " + s.json_path);
-      file << out.dump(2) << "\n";
-    }
+    if (json_file.is_open()) json_file << out.dump(2) << "\n";
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lmoe_comm_bench: error: %s\n", e.what());
     return 1;

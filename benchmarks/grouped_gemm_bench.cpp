@@ -293,8 +293,11 @@ int run(const Settings& settings) {
         }
         // The tile `automatic` resolves to is named in the row.
         up.tile = down.tile = tile;
+        // The up call gathers its rows (a_rows, set per launch below), which `automatic` weighs.
+        lmoe::cuda::GroupedGemmArgs up_gathered = up;
+        up_gathered.a_rows = static_cast<const std::int32_t*>(tokens_of_rows[0].data());
         const std::string up_tile =
-            lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(up));
+            lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(up_gathered));
         const std::string down_tile =
             lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(down));
         const Timing t_up = timer.time([&](int i) {

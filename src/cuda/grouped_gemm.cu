@@ -182,12 +182,12 @@ cudaError_t rows_map(const GroupedGemmArgs& args, CUtensorMap& map) {
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Whether the weights can be read by the copy engine: a row pitch and group stride of whole
-// 16-byte units (16-byte copies everywhere: copy_bytes_of), groups that do not overlap, and
-// coordinates that fit its 32-bit signed indices.
+// Whether the weights can be read by the copy engine: a driver that encodes tensor maps, a row
+// pitch and group stride of whole 16-byte units (16-byte copies everywhere: copy_bytes_of), groups
+// that do not overlap, and coordinates that fit its 32-bit signed indices.
 bool tensor_map_fits(const GroupedGemmArgs& args) {
-  return copy_bytes_of(args) == 16 && args.b_group_stride >= args.n * args.k &&
-         args.n <= 0x7fffffff && args.k <= 0x7fffffff;
+  return encode_tiled() != nullptr && copy_bytes_of(args) == 16 &&
+         args.b_group_stride >= args.n * args.k && args.n <= 0x7fffffff && args.k <= 0x7fffffff;
 }
 
 template <typename T, class Shape>
@@ -242,8 +242,8 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
       return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
                    : launch_shape<T, WgmmaM256>(args, params, stream);
     case GroupedTile::wgmma_ws:
-      // Weights the copy engine cannot address (K not a multiple of 8, odd strides): the
-      // wgmma_m256 kernel, the same rows per block and the same bits.
+      // Weights the copy engine cannot address (K not a multiple of 8, odd strides, no encoder in
+      // the driver): the wgmma_m256 kernel, the same rows per block and the same bits.
       if (!tensor_map_fits(args)) {
         return gated ? launch_shape<T, WgmmaM256Gated>(args, params, stream)
                      : launch_shape<T, WgmmaM256>(args, params, stream);

@@ -28,8 +28,8 @@
 // - Summation order over K as in the other tiles: 64-wide chunks in order, in each the four k16
 //   steps in order, each a wgmma into accumulators that start at zero — the same bits as m64.
 // The host launches it only on compute 9.0, with K, lda and the weight stride multiples of 8
-// elements and 16-byte aligned operands (the tensor map's row pitch); elsewhere it runs the
-// wgmma_m256 kernel (grouped_gemm.cu). Device code only.
+// elements and 16-byte aligned operands (the tensor map's row pitch), and a driver that encodes
+// tensor maps; elsewhere it runs the wgmma_m256 kernel (grouped_gemm.cu). Device code only.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)

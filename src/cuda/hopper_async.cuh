@@ -22,12 +22,11 @@ namespace lmoe::cuda {
 
 // `count` arrivals per phase; thread 0 of the block calls it, then mbarrier_init_fence() and a
 // barrier before any other thread or the copy engine touches the barrier.
-__device__ inline void mbarrier_init(std::uint32_t bar, std::uint32_t count) {
+__device__ inline void mbarrier_init([[maybe_unused]] std::uint32_t bar,
+                                     [[maybe_unused]] std::uint32_t count) {
 #if LMOE_HAS_WGMMA
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 #else
-  (void)bar;
-  (void)count;
   __trap();
 #endif
 }
@@ -42,31 +41,30 @@ __device__ inline void mbarrier_init_fence() {
 #endif
 }
 
-__device__ inline void mbarrier_arrive(std::uint32_t bar) {
+__device__ inline void mbarrier_arrive([[maybe_unused]] std::uint32_t bar) {
 #if LMOE_HAS_WGMMA
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 #else
-  (void)bar;
   __trap();
 #endif
 }
 
 // One arrival, and `bytes` more transaction bytes due in the current phase (the copy engine's
 // copies that complete on this barrier pay them off).
-__device__ inline void mbarrier_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+__device__ inline void mbarrier_arrive_expect_tx([[maybe_unused]] std::uint32_t bar,
+                                                 [[maybe_unused]] std::uint32_t bytes) {
 #if LMOE_HAS_WGMMA
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 #else
-  (void)bar;
-  (void)bytes;
   __trap();
 #endif
 }
 
 // Returns once the phase of parity `parity` has completed (try_wait suspends the thread for a
 // while in hardware between polls, so the loop does not hammer shared memory).
-__device__ inline void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
+__device__ inline void mbarrier_wait([[maybe_unused]] std::uint32_t bar,
+                                     [[maybe_unused]] std::uint32_t parity) {
 #if LMOE_HAS_WGMMA
   std::uint32_t done = 0;
   do {
@@ -79,19 +77,16 @@ __device__ inline void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
         : "memory");
   } while (done == 0);
 #else
-  (void)bar;
-  (void)parity;
   __trap();
 #endif
 }
 
 // An arrival on `bar` once every cp.async this thread issued before it has landed. .noinc: the
 // arrival is one of the barrier's initial count (the barrier counts the copying threads).
-__device__ inline void cp_async_mbarrier_arrive_noinc(std::uint32_t bar) {
+__device__ inline void cp_async_mbarrier_arrive_noinc([[maybe_unused]] std::uint32_t bar) {
 #if LMOE_HAS_WGMMA
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 #else
-  (void)bar;
   __trap();
 #endif
 }
@@ -100,8 +95,10 @@ __device__ inline void cp_async_mbarrier_arrive_noinc(std::uint32_t bar) {
 // innermost, into shared memory at `dst` (the map's swizzle applied; 1024-byte aligned for the
 // 128-byte swizzle), completing its bytes on `bar`. Elements outside the tensor arrive as zeros
 // and still count as transaction bytes: every box pays the full box size.
-__device__ inline void tma_load_3d(std::uint32_t dst, const void* map, std::uint32_t bar, int x,
-                                   int y, int z) {
+__device__ inline void tma_load_3d([[maybe_unused]] std::uint32_t dst,
+                                   [[maybe_unused]] const void* map,
+                                   [[maybe_unused]] std::uint32_t bar, [[maybe_unused]] int x,
+                                   [[maybe_unused]] int y, [[maybe_unused]] int z) {
 #if LMOE_HAS_WGMMA
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
@@ -109,19 +106,15 @@ __device__ inline void tma_load_3d(std::uint32_t dst, const void* map, std::uint
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
       : "memory");
 #else
-  (void)dst;
-  (void)map;
-  (void)bar;
-  (void)x;
-  (void)y;
-  (void)z;
   __trap();
 #endif
 }
 
 // The 2-D form of tma_load_3d: the box of `map` at (x, y), x the innermost.
-__device__ inline void tma_load_2d(std::uint32_t dst, const void* map, std::uint32_t bar, int x,
-                                   int y) {
+__device__ inline void tma_load_2d([[maybe_unused]] std::uint32_t dst,
+                                   [[maybe_unused]] const void* map,
+                                   [[maybe_unused]] std::uint32_t bar, [[maybe_unused]] int x,
+                                   [[maybe_unused]] int y) {
 #if LMOE_HAS_WGMMA
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
@@ -129,11 +122,6 @@ __device__ inline void tma_load_2d(std::uint32_t dst, const void* map, std::uint
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 #else
-  (void)dst;
-  (void)map;
-  (void)bar;
-  (void)x;
-  (void)y;
   __trap();
 #endif
 }

@@ -443,6 +443,9 @@ TEST_P(CudaLayerParity, MatchesFp64AndTheCpuLayer) {
     EXPECT_GT(times.experts, 0.0);
     EXPECT_GT(times.shared, 0.0);
     EXPECT_GT(times.tail, 0.0);
+    // The forward's wall time spans the first stage's start to the tail's end.
+    EXPECT_GE(times.forward, times.tail);
+    EXPECT_GT(times.forward, 0.0);
 
     // Many experts and top-k this large leave few tokens decisive under the worst-case bound, but
     // real fp32 differences are far smaller: a broken router (a wrong bias, order or group)
