@@ -126,7 +126,8 @@ class CudaLayerExecutor final : public LayerExecutor {
         inter_(config.expert_intermediate / tp),
         shared_width_(config.shared_width() / tp),
         device_limit_(cuda_device_experts_limit(config, dtype, tp)),
-        device_eager_(env_flag(kDeviceExpertsEnv)) {
+        device_eager_(env_flag(kDeviceExpertsEnv)),
+        serial_stages_(env_flag(kSerialStagesEnv)) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {
       throw Error(std::string(kDeviceExpertsEnv) +
@@ -247,10 +248,14 @@ class CudaLayerExecutor final : public LayerExecutor {
     const bool device_path = captured_ || device_eager_;
 
     LMOE_CUDA_CHECK(cudaEventRecord(start_, stream));
-    LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, start_, 0));
-    LMOE_CUDA_CHECK(cudaEventRecord(shared_start_, side_stream_));
-    run_shared_experts(x, shared);
-    LMOE_CUDA_CHECK(cudaEventRecord(shared_end_, side_stream_));
+    // The shared experts on the side stream, from `after` on `stream`.
+    const auto fork_shared_experts = [&](cudaEvent_t after) {
+      LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, after, 0));
+      LMOE_CUDA_CHECK(cudaEventRecord(shared_start_, side_stream_));
+      run_shared_experts(x, shared);
+      LMOE_CUDA_CHECK(cudaEventRecord(shared_end_, side_stream_));
+    };
+    if (!serial_stages_) fork_shared_experts(start_);
 
     route(x, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(router_end_, stream));
@@ -267,6 +272,7 @@ class CudaLayerExecutor final : public LayerExecutor {
       run_routed_experts(tokens, routed, stream);
     }
     LMOE_CUDA_CHECK(cudaEventRecord(experts_end_, stream));
+    if (serial_stages_) fork_shared_experts(experts_end_);
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, shared_end_, 0));
     // Events recorded during a capture only order the captured work; they time nothing.
     timed_ = !captured_;
@@ -437,7 +443,7 @@ class CudaLayerExecutor final : public LayerExecutor {
     const std::int64_t rows_total = sort_slots(tokens, stream);
     const auto* row_of_slot = static_cast<const std::int32_t*>(order_device_.data());
     const std::int32_t* token_of_row = row_of_slot + count;
-    check(cuda::launch_gather_rows(latent_.data(), token_of_row, gathered_.data(), rows_total, l,
+    check(cuda::launch_gather_rows(latent_.data(), l, token_of_row, gathered_.data(), rows_total, l,
                                    dtype_, stream),
           "launch_gather_rows");
 
@@ -475,8 +481,9 @@ class CudaLayerExecutor final : public LayerExecutor {
 
   // The device path of run_routed_experts: the same rows, sums and roundings, sized on the device.
   // The sort writes the host path's order bit for bit; the up GEMM reads z's rows through the
-  // sorted tokens (no gathered copy) and applies the activation to its fp32 accumulators (the
-  // activation kernel's formula); the down GEMM writes fp32 slot outputs; the combine is shared.
+  // sorted tokens (staged in gathered_ first where its tile loads rows by TMA) and applies the
+  // activation to its fp32 accumulators (the activation kernel's formula); the down GEMM writes
+  // fp32 slot outputs; the combine is shared.
   // Only the GEMMs' summation order over K differs from cuBLASLt's (docs/layer.md).
   void run_routed_experts_on_device(std::int64_t tokens, MatrixView routed, cudaStream_t stream) {
     const std::int64_t l = config_.d_latent, count = slots(tokens);
@@ -493,6 +500,8 @@ class CudaLayerExecutor final : public LayerExecutor {
     up.a = latent_.data();
     up.a_rows = token_of_row;
     up.lda = l;
+    // Where the warp-specialized tile pays, the launcher stages the gathered rows here first.
+    up.a_staging = gathered_.data();
     up.b = expert_up_.data();
     up.b2 = is_gated(config_.activation) ? expert_gate_.data() : nullptr;
     up.b_group_stride = inter_ * l;
@@ -561,6 +570,7 @@ class CudaLayerExecutor final : public LayerExecutor {
   std::int64_t shared_width_;  // this rank's slice of the shared experts' intermediate dim
   std::optional<std::string> device_limit_;  // why the device path cannot run, or nullopt
   bool device_eager_;                        // LMOE_LAYER_DEVICE_EXPERTS=1
+  bool serial_stages_;                       // LMOE_LAYER_SERIAL_STAGES=1
   int device_ = 0;
 
   DeviceBuffer router_weight_;  // [E, d] fp32

@@ -22,6 +22,10 @@ std::optional<std::string> cuda_device_experts_limit(const LayerConfig& config, 
 // Set to 1, the environment variable LMOE_LAYER_DEVICE_EXPERTS makes eager forwards take the
 // device path too (read when the executor is built); forwards on a capturing stream always do.
 inline constexpr const char* kDeviceExpertsEnv = "LMOE_LAYER_DEVICE_EXPERTS";
+// Set to 1: the shared experts run after the routed experts instead of beside them (on the side
+// stream, joined as usual), so that every stage's time is its own and not shared with another's
+// contention. For measuring stages (lmoe layer); a forward takes longer (docs/layer.md).
+inline constexpr const char* kSerialStagesEnv = "LMOE_LAYER_SERIAL_STAGES";
 
 // `weights` are validated by the caller; they are copied to the current device, here. Eager
 // forwards read the routing on the host and launch one cuBLASLt GEMM per active expert (unless

@@ -1,5 +1,6 @@
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/grouped_gemm.hpp"
+#include "cuda/layer_kernels.hpp"
 #include "cuda/grouped_gemm_wgmma.cuh"
 #include "cuda/grouped_gemm_wgmma_ws.cuh"
 
@@ -356,10 +357,12 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
   if (rows <= 16) return GroupedTile::m16;
   if (rows >= kGroupedWgmmaMinRows &&
       !grouped_tile_unsupported(GroupedTile::wgmma_m256, compute_capability)) {
-    // Rows read in place (no a_rows: the experts' down call): the warp-specialized tile, whose
-    // producer loads them by TMA too. Gathered rows (the up call): the producer warpgroup's cp.async
-    // of 256 rows falls behind at ~146 rows per expert, so wgmma_m256 (kGroupedWgmmaMinRows).
-    return args.a_rows == nullptr ? GroupedTile::wgmma_ws : GroupedTile::wgmma_m256;
+    // Rows read in place (no a_rows: the experts' down call) or staged there first (a_staging):
+    // the warp-specialized tile, whose producer loads them by TMA too. Gathered rows without
+    // staging: the producer warpgroup's cp.async of 256 rows falls behind at ~146 rows per
+    // expert, so wgmma_m256 (kGroupedWgmmaMinRows).
+    return args.a_rows == nullptr || args.a_staging != nullptr ? GroupedTile::wgmma_ws
+                                                               : GroupedTile::wgmma_m256;
   }
   if (rows <= 96) return GroupedTile::m64;
   return GroupedTile::m128;
@@ -383,9 +386,25 @@ cudaError_t prepare_grouped_gemm(DType dtype) {
   }
 }
 
-cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
-  if (grouped_gemm_unsupported(args)) return cudaErrorInvalidValue;
-  if (args.max_rows == 0 || args.max_groups == 0 || args.n == 0) return cudaSuccess;
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& given, cudaStream_t stream) {
+  if (grouped_gemm_unsupported(given)) return cudaErrorInvalidValue;
+  if (given.max_rows == 0 || given.max_groups == 0 || given.n == 0) return cudaSuccess;
+  GroupedGemmArgs args = given;
+  if (args.a_rows != nullptr && args.a_staging != nullptr &&
+      grouped_gemm_tile(args) == GroupedTile::wgmma_ws && tensor_map_fits(args)) {
+    // Gathered rows staged for the warp-specialized tile (a_staging); rows past first[groups]
+    // are neither copied nor read.
+    if (const cudaError_t status =
+            launch_gather_rows(args.a, args.lda, args.a_rows, args.a_staging, args.max_rows,
+                               args.k, args.dtype, stream, args.first + args.groups);
+        status != cudaSuccess) {
+      return status;
+    }
+    args.a = args.a_staging;
+    args.a_rows = nullptr;
+    args.lda = args.k;
+    args.tile = GroupedTile::wgmma_ws;
+  }
   GroupedGemmParams params{};
   params.a = args.a;
   params.a_rows = args.a_rows;

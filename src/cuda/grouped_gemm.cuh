@@ -190,6 +190,27 @@ __device__ inline void grouped_locate_tile(const GroupedGemmParams& p, std::int6
   }
 }
 
+// Row tiles per band of the launch order (grouped_raster).
+inline constexpr int kGroupedBandRows = 8;
+
+// The (column tile, row tile) of this block: the grid is [col tiles, row tiles], but blocks run
+// band by band of kGroupedBandRows consecutive row tiles, and within a band row tile fastest. A
+// band's rows (A) then stay in L2 across all its column tiles, and each column tile of the weights
+// serves the band's row tiles together. Row-major order (all column tiles of one row tile, then the
+// next) streamed a large expert's weights once per row tile: at Kimi-K3's experts on one GPU (an
+// up+gate matrix pair of 44 MB, ~5 row tiles of 256 rows per expert at T = 8192) they left L2
+// between row tiles.
+__device__ inline void grouped_raster(std::int64_t& col_tile, std::int64_t& row_tile) {
+  const std::int64_t cols = gridDim.x, rows = gridDim.y;
+  const std::int64_t id = static_cast<std::int64_t>(blockIdx.y) * cols + blockIdx.x;
+  const std::int64_t band = id / (kGroupedBandRows * cols);
+  const std::int64_t band_rows = min(static_cast<std::int64_t>(kGroupedBandRows),
+                                     rows - band * kGroupedBandRows);
+  const std::int64_t within = id - band * kGroupedBandRows * cols;
+  row_tile = band * kGroupedBandRows + within % band_rows;
+  col_tile = within / band_rows;
+}
+
 // Finds the block's tile (warp 0) and, when a group owns it, the element offset in A of each of its
 // rows (through the a_rows gather; −1 past the group's end), in shared memory. All threads of the
 // block call it, once.
@@ -198,7 +219,9 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
   __shared__ GroupedTileSpan span;
   __shared__ std::int64_t a_offset[Shape::kRowsM];
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid < 32) grouped_locate_tile<Shape::kRowsM>(p, blockIdx.y, tid, span);
+  std::int64_t col_tile = 0, row_tile = 0;
+  grouped_raster(col_tile, row_tile);
+  if (tid < 32) grouped_locate_tile<Shape::kRowsM>(p, row_tile, tid, span);
   __syncthreads();
   GroupedBlockTile<T> tile{};
   tile.group = span.group;
@@ -212,7 +235,7 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
   tile.a_offset = a_offset;
   tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
   tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
-  tile.col0 = static_cast<std::int64_t>(blockIdx.x) * Shape::kColsN;
+  tile.col0 = col_tile * Shape::kColsN;
   __syncthreads();
   return tile;
 }

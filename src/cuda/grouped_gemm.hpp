@@ -35,7 +35,8 @@ enum class GroupedOut { f32, rounded, activation };
 // wgmma_ws: wgmma_m256's block as a warp-specialized kernel (grouped_gemm_wgmma_ws.cuh): a
 // producer warpgroup loads the weights by TMA and the rows by cp.async into a ring of stages that
 // two consumer warpgroups multiply, mbarriers between them; compute 9.0 only; automatic picks it
-// there from kGroupedWgmmaMinRows rows per group when A is read in place (no a_rows).
+// there from kGroupedWgmmaMinRows rows per group when A is read in place (no a_rows) or when the
+// caller gives a_staging for gathered rows (they are then copied there first and read in place).
 // Weights the tensor map cannot address (K, lda or the group stride not a multiple of 8 elements,
 // 16-byte copies impossible) run wgmma_m256's kernel instead (the same bits).
 enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256, wgmma_ws };
@@ -61,6 +62,11 @@ struct GroupedGemmArgs {
   const void* a = nullptr;  // [*, lda]: row r of the grouped space is A's row a_rows[r]
   const std::int32_t* a_rows = nullptr;  // [max_rows] device, or null: row r is A's row r
   std::int64_t lda = 0;
+  // [max_rows, k] scratch in `dtype`, or null. With a_rows and the tile wgmma_ws, the launcher
+  // first copies the gathered rows (those below first[groups]) here, one pass, so that the tile's
+  // producer loads them by TMA (its cp.async of 256 gathered rows falls behind the consumers:
+  // docs/perf.md); the product and its bits are the same.
+  void* a_staging = nullptr;
   const void* b = nullptr;   // [groups, N, K] row-major, group stride b_group_stride elements
   const void* b2 = nullptr;  // gate weights, same layout (GroupedOut::activation, gated), or null
   std::int64_t b_group_stride = 0;

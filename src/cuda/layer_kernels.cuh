@@ -153,14 +153,18 @@ __global__ void to_float_kernel(const T* __restrict__ x, float* __restrict__ out
   }
 }
 
-template <typename T>
-__global__ void gather_rows_kernel(const T* __restrict__ src, const std::int32_t* __restrict__ rows,
-                                   T* __restrict__ dst, std::int64_t count, std::int64_t cols) {
+// V: the unit copied (16, 8, 4 or 2 bytes); pitches and cols in units of V.
+template <typename V>
+__global__ void gather_rows_kernel(const V* __restrict__ src, std::int64_t src_ld,
+                                   const std::int32_t* __restrict__ rows, V* __restrict__ dst,
+                                   std::int64_t count, std::int64_t cols,
+                                   const std::int32_t* __restrict__ count_device) {
+  if (count_device != nullptr) count = min(count, static_cast<std::int64_t>(*count_device));
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < count * cols; i += stride) {
     const std::int64_t row = i / cols, col = i - row * cols;
-    dst[i] = src[static_cast<std::int64_t>(rows[row]) * cols + col];
+    dst[i] = src[static_cast<std::int64_t>(rows[row]) * src_ld + col];
   }
 }
 

@@ -28,10 +28,13 @@ cudaError_t launch_route(const float* logits, const float* bias, std::int64_t nu
                          const RouterConfig& config, std::int32_t* ids, float* weights,
                          cudaStream_t stream);
 
-// dst [count, cols] = src [rows[i], :] for i < count; src and dst contiguous in `dtype`.
-cudaError_t launch_gather_rows(const void* src, const std::int32_t* rows, void* dst,
-                               std::int64_t count, std::int64_t cols, DType dtype,
-                               cudaStream_t stream);
+// dst [i, :cols] = src [rows[i], :cols] for i < count (pitches src_ld and cols elements of
+// `dtype`), or for i < min(count, *count_device) when count_device is set (a row count that
+// stays on the device, e.g. first[E] of the slot sort: rows past it are left alone). A bit copy,
+// 16 bytes at a time where the pitches and pointers allow.
+cudaError_t launch_gather_rows(const void* src, std::int64_t src_ld, const std::int32_t* rows,
+                               void* dst, std::int64_t count, std::int64_t cols, DType dtype,
+                               cudaStream_t stream, const std::int32_t* count_device = nullptr);
 
 // out [count] = round(act(gate, up)) (docs/numerics.md, "The layer"); gate is ignored (may be null)
 // for relu2.
