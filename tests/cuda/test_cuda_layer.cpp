@@ -705,6 +705,35 @@ TEST(CudaLayer, RefusesCapturesThatWouldGrowAndHostInputs) {
   });
 }
 
+// LMOE_LAYER_SERIAL_STAGES=1 moves the shared experts after the routed ones: the same kernels on
+// the same data, so the same bits, on both paths; a join that let the tail read `shared` early
+// would show here.
+TEST(CudaLayer, SerialStagesGiveTheSameBitsAsOverlappedOnes) {
+  SKIP_WITHOUT_GPU();
+  const LayerConfig config = small_config();
+  std::vector<HostTensor> inputs;
+  for (std::int64_t tokens : {1, 64, 300}) {
+    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, DType::bf16,
+                                                   900u + static_cast<std::uint64_t>(tokens)));
+  }
+  for (const bool device_experts : {false, true}) {
+    SCOPED_TRACE(device_experts ? "device path" : "host path");
+    const auto overlapped =
+        run_layer(config, DType::bf16, lmoe::Backend::cuda, 2, inputs, device_experts);
+    const ScopedEnv serial(lmoe::kSerialStagesEnv, "1");
+    const auto serial_run =
+        run_layer(config, DType::bf16, lmoe::Backend::cuda, 2, inputs, device_experts);
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      for (int r = 0; r < 2; ++r) {
+        const HostTensor& a = overlapped[i].ranks[r].y;
+        const HostTensor& b = serial_run[i].ranks[r].y;
+        ASSERT_EQ(a.nbytes(), b.nbytes());
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes())) << "input " << i << " rank " << r;
+      }
+    }
+  }
+}
+
 // Host checks only: runs without a GPU too.
 TEST(CudaLayer, TheDevicePathSaysWhatItCannotRun) {
   LayerConfig config = small_config();
