@@ -171,6 +171,13 @@ if wants layer; then
       --tiles automatic,m16,m64,m128,m128_wide,wgmma,wgmma_m256 --json "$logs/grouped_gemm.json" >"$logs/grouped_gemm.log" 2>&1
     rc[grouped_gemm]=$?
     cat "$logs/grouped_gemm.log"
+    # The same at the layer's shape on one GPU (112 experts, the whole intermediate): issue 6's
+    # GEMM-rate measure at T = 8192.
+    stage "grouped GEMM benchmark (K3 experts, tp 1, 112 experts)"
+    timeout 120 build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 1 --experts 112 -t 1024,8192 \
+      --tiles automatic,wgmma_m256 --json "$logs/grouped_gemm_e112.json" >"$logs/grouped_gemm_e112.log" 2>&1
+    rc[grouped_gemm_e112]=$?
+    cat "$logs/grouped_gemm_e112.log"
   fi
 fi
 
