@@ -45,7 +45,8 @@ enum class GroupedTile { automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256
 const char* grouped_tile_name(GroupedTile tile);
 
 // The average rows per group from which automatic picks a wgmma tile on compute 9.0: wgmma_ws
-// where A is read in place (a_rows null), wgmma_m256 where rows are gathered. Measured on an H200 at
+// where A is read in place (a_rows null) or staged (a_staging), wgmma_m256 where rows are gathered
+// without a staging buffer. Measured on an H200 at
 // Kimi-K3's experts, tp 8 (docs/perf.md): at T = 8192 (146 rows per expert) up+gate (gathered)
 // 3.28 ms with wgmma_m256 against 4.20 (wgmma_ws), 5.92 (m64) and 6.04 (m128_wide); down (in place)
 // 2.71 with wgmma_ws against 3.19 (wgmma_m256), 4.11 and 3.96; at T = 4096 (73 rows) up+gate 2.63
