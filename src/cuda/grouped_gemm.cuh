@@ -9,8 +9,9 @@
 // activation_kernel (layer_kernels.cuh) on the same fp32 accumulators, so fusing it changes no bit.
 //
 // One launch for every group; the host never reads the sizes. The grid is (N tiles) × (a bound
-// on the row tiles of all groups): block (x, y) finds the group that owns row tile y by a prefix
-// over the groups' tile counts (warp 0, from `first`), and exits when y is past the last one. A
+// on the row tiles of all groups): the block with linear id y·gridDim.x + x finds its tile, in
+// the launch order of grouped_locate_block, by a prefix over the groups' tile counts (warp 0,
+// from `first`), and exits when the id is past the last tile. A
 // tile never spans two groups, so a block streams one expert's weights; m-tiles past the group's
 // rows are neither loaded nor multiplied (decode: 8 rows per expert fill half an m16 tile).
 //
@@ -154,61 +155,61 @@ __device__ inline void grouped_store(const GroupedGemmParams& p, std::int64_t at
 
 struct GroupedTileSpan {
   int group, row0, row_end;  // the group, the tile's first row and the group's end (rows)
+  std::int64_t col_tile;
 };
 
-// Which group owns row tile `row_tile` of kRowsM rows (warp 0 calls it): lane i sums the tiles of
-// groups [i·per, (i + 1)·per), a warp scan gives each lane its first tile, and the lane whose range
-// holds the tile walks its groups and writes the owner to `span` (group −1: no group owns it).
+// Row tiles per band of the launch order (grouped_locate_block).
+inline constexpr int kGroupedBandRows = 8;
+
+// Which tile block `id` of the grid computes (warp 0 calls it). The launch order runs group by
+// group (an expert's blocks together), and inside a group band by band of up to kGroupedBandRows
+// row tiles, row tile fastest, then the next column tile. So an expert's weights come from HBM
+// once (a column tile of them serves all the band's row tiles while it is in L2) and the band's
+// rows (A) stay in L2 across the column tiles. Two orders measured worse at Kimi-K3's experts on
+// one GPU (an up+gate pair of 44 MB, ~5 row tiles of 256 rows per expert at T = 8192): all column
+// tiles of one row tile before the next streamed the weights once per row tile; bands of 8 row
+// tiles across groups split an expert over two bands about every other time, reading its weights
+// twice (10.8 GB from HBM per up call against 5.9 GB of weights and rows).
+//
+// Lane i sums the blocks (row tiles × column tiles) of groups [i·per, (i + 1)·per), a warp scan
+// gives each lane its first block, and the lane whose range holds `id` walks its groups and writes
+// the tile to `span` (group −1: no group owns it; the grid is a bound).
 template <int kRowsM>
-__device__ inline void grouped_locate_tile(const GroupedGemmParams& p, std::int64_t row_tile,
-                                           int lane, GroupedTileSpan& span) {
+__device__ inline void grouped_locate_block(const GroupedGemmParams& p, std::int64_t id,
+                                            std::int64_t cols, int lane, GroupedTileSpan& span) {
   if (lane == 0) span.group = -1;
   const int per = (p.groups + 31) / 32;
   const int g0 = min(lane * per, p.groups), g1 = min(g0 + per, p.groups);
-  std::int64_t tiles = 0;
-  for (int g = g0; g < g1; ++g) tiles += (p.first[g + 1] - p.first[g] + kRowsM - 1) / kRowsM;
-  std::int64_t inclusive = tiles;
+  std::int64_t blocks = 0;
+  for (int g = g0; g < g1; ++g) blocks += (p.first[g + 1] - p.first[g] + kRowsM - 1) / kRowsM;
+  blocks *= cols;
+  std::int64_t inclusive = blocks;
 #pragma unroll
   for (int offset = 1; offset < 32; offset *= 2) {
     const std::int64_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
     if (lane >= offset) inclusive += other;
   }
   __syncwarp();
-  std::int64_t start = inclusive - tiles;
-  if (row_tile >= start && row_tile < inclusive) {
-    for (int g = g0; g < g1; ++g) {
-      const int first = p.first[g], rows = p.first[g + 1] - first;
-      const std::int64_t count = (rows + kRowsM - 1) / kRowsM;
-      if (row_tile < start + count) {
-        span.group = g;
-        span.row0 = first + static_cast<int>((row_tile - start) * kRowsM);
-        span.row_end = first + rows;
-        break;
-      }
-      start += count;
+  std::int64_t start = inclusive - blocks;
+  if (id < start || id >= inclusive) return;
+  for (int g = g0; g < g1; ++g) {
+    const int first = p.first[g], rows = p.first[g + 1] - first;
+    const std::int64_t tiles = (rows + kRowsM - 1) / kRowsM;
+    if (id < start + tiles * cols) {
+      const std::int64_t within = id - start;
+      const std::int64_t band = within / (kGroupedBandRows * cols);
+      const std::int64_t band_rows =
+          min(static_cast<std::int64_t>(kGroupedBandRows), tiles - band * kGroupedBandRows);
+      const std::int64_t in_band = within - band * kGroupedBandRows * cols;
+      span.group = g;
+      span.row0 =
+          first + static_cast<int>((band * kGroupedBandRows + in_band % band_rows) * kRowsM);
+      span.row_end = first + rows;
+      span.col_tile = in_band / band_rows;
+      return;
     }
+    start += tiles * cols;
   }
-}
-
-// Row tiles per band of the launch order (grouped_raster).
-inline constexpr int kGroupedBandRows = 8;
-
-// The (column tile, row tile) of this block: the grid is [col tiles, row tiles], but blocks run
-// band by band of kGroupedBandRows consecutive row tiles, and within a band row tile fastest. A
-// band's rows (A) then stay in L2 across all its column tiles, and each column tile of the weights
-// serves the band's row tiles together. Row-major order (all column tiles of one row tile, then the
-// next) streamed a large expert's weights once per row tile: at Kimi-K3's experts on one GPU (an
-// up+gate matrix pair of 44 MB, ~5 row tiles of 256 rows per expert at T = 8192) they left L2
-// between row tiles.
-__device__ inline void grouped_raster(std::int64_t& col_tile, std::int64_t& row_tile) {
-  const std::int64_t cols = gridDim.x, rows = gridDim.y;
-  const std::int64_t id = static_cast<std::int64_t>(blockIdx.y) * cols + blockIdx.x;
-  const std::int64_t band = id / (kGroupedBandRows * cols);
-  const std::int64_t band_rows = min(static_cast<std::int64_t>(kGroupedBandRows),
-                                     rows - band * kGroupedBandRows);
-  const std::int64_t within = id - band * kGroupedBandRows * cols;
-  row_tile = band * kGroupedBandRows + within % band_rows;
-  col_tile = within / band_rows;
 }
 
 // Finds the block's tile (warp 0) and, when a group owns it, the element offset in A of each of its
@@ -219,9 +220,11 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
   __shared__ GroupedTileSpan span;
   __shared__ std::int64_t a_offset[Shape::kRowsM];
   const int tid = static_cast<int>(threadIdx.x);
-  std::int64_t col_tile = 0, row_tile = 0;
-  grouped_raster(col_tile, row_tile);
-  if (tid < 32) grouped_locate_tile<Shape::kRowsM>(p, row_tile, tid, span);
+  if (tid < 32) {
+    const std::int64_t cols = gridDim.x;
+    grouped_locate_block<Shape::kRowsM>(
+        p, static_cast<std::int64_t>(blockIdx.y) * cols + blockIdx.x, cols, tid, span);
+  }
   __syncthreads();
   GroupedBlockTile<T> tile{};
   tile.group = span.group;
@@ -235,7 +238,7 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
   tile.a_offset = a_offset;
   tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
   tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
-  tile.col0 = col_tile * Shape::kColsN;
+  tile.col0 = span.col_tile * Shape::kColsN;
   __syncthreads();
   return tile;
 }

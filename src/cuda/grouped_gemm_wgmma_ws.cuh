@@ -25,6 +25,9 @@
 //   arrive.expect_tx for the B box bytes); empty[s] expects 8 (lane 0 of each consumer warp, once
 //   that warp's wgmma reading the stage has completed). 4 stages of 48 KiB. Consumers keep one
 //   wgmma group in flight (wgmma_wait<1>): stage c − 1 is released while chunk c multiplies.
+// - Epilogue: the consumers park their accumulators in the stages (idle once both consumers'
+//   last wgmmas are done: a named barrier) and store from a loop, one output column per thread,
+//   so the activation's code exists once instead of once per accumulator register.
 // - Summation order over K as in the other tiles: 64-wide chunks in order, in each the four k16
 //   steps in order, each a wgmma into accumulators that start at zero — the same bits as m64.
 // The host launches it only on compute 9.0, with K, lda and the weight stride multiples of 8
@@ -57,8 +60,13 @@ struct GroupedWgmmaWsShape {
   static constexpr int kConsumerRegs = 232;
   // Dynamic shared memory starts after the static variables: 1 KiB of slack to align it to 1024.
   static constexpr int kSharedBytes = kStages * kStageBytes + 1024;
+  // The epilogue parks each consumer's accumulators in the stages: kSlices × 64 rows of kBRows
+  // floats, rows padded by 8 floats (two-way bank conflicts for the fragment's 8-byte writes).
+  static constexpr int kParkedPitch = kBRows + 8;
+  static constexpr int kParkedFloats = kSlices * 64 * kParkedPitch;
   static_assert(kRowsM == 64 * kConsumers * 2,
                 "two m64 slices per consumer (the kernel's branches)");
+  static_assert(kConsumers * kParkedFloats * 4 <= kStages * kStageBytes, "parking in the stages");
   static_assert(kStageBytes % 1024 == 0 && (kRowsM * 128) % 1024 == 0, "1024-byte swizzle atoms");
   static_assert(kSharedBytes + kRowsM * 8 + 2 * kStages * 8 + 64 <= 227 * 1024,
                 "an H200 block's shared memory");
@@ -94,8 +102,9 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const GroupedBlockTile<T> tile = grouped_block_tile<T, Shape>(p);
   if (tile.group < 0) return;
   const int rows_here = tile.rows_here;
-  const std::uint32_t smem =
-      (static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_ws_smem)) + 1023u) & ~1023u;
+  const std::uint32_t smem_base =
+      static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_ws_smem));
+  const std::uint32_t smem = (smem_base + 1023u) & ~1023u;  // the stages' 1024-byte swizzle atoms
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
   // Broadcast from lane 0 so that the compiler sees the role uniform over the warp (a wgmma under
   // a branch it takes for divergent makes ptxas serialize every wgmma of the kernel).
@@ -201,11 +210,41 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
 #pragma unroll
   for (int sl = 0; sl < Shape::kSlices; ++sl) wgmma_pin(acc[sl]);
 
-  const int row_in_slice = (tid / 32 % 4) * 16 + tid % 32 / 4;
+  // Epilogue through shared memory: once both consumers' wgmmas are done with the stages, each
+  // consumer parks its accumulators there and stores its rows from a loop, one column per thread.
+  // Unrolled over the accumulator registers instead (grouped_wgmma_store), Kimi-K3's activation
+  // (two tanh, an exp, three divisions) was inlined 128 times: 200 KB of code that every block
+  // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 13.0 now).
+  named_barrier_sync(1, Shape::kConsumers * 128);
+  float* parked = reinterpret_cast<float*>(wgmma_ws_smem + (smem - smem_base)) +
+                  consumer * Shape::kParkedFloats;
+  const int lane = tid % 32;
+  const int row_in_slice = (tid / 32 % 4) * 16 + lane / 4;
 #pragma unroll
   for (int sl = 0; sl < Shape::kSlices; ++sl) {
-    if (slice_used[sl])
-      grouped_wgmma_store<T, Shape>(p, tile, acc[sl], (2 * sl + consumer) * 64 + row_in_slice);
+#pragma unroll
+    for (int j = 0; j < Shape::kBRows / 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = sl * 64 + row_in_slice + 8 * half;
+        *reinterpret_cast<float2*>(parked + row * Shape::kParkedPitch + 8 * j + 2 * (lane % 4)) =
+            make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+      }
+    }
+  }
+  named_barrier_sync(2 + consumer, 128);
+  const int thread = tid % 128;
+  for (int sl = 0; sl < Shape::kSlices; ++sl) {
+    const int row0 = (2 * sl + consumer) * 64;  // the slice's first row in the tile
+    const int rows = min(64, rows_here - row0);
+#pragma unroll 2
+    for (int i = thread; i < rows * Shape::kColsN; i += 128) {
+      const int r = i / Shape::kColsN, col = i % Shape::kColsN;
+      if (tile.col0 + col >= p.n) continue;
+      const float* at = parked + (sl * 64 + r) * Shape::kParkedPitch + col;
+      grouped_store<T>(p, static_cast<std::int64_t>(tile.row0 + row0 + r) * p.ldc + tile.col0 + col,
+                       at[0], Shape::kGated ? at[Shape::kColsN] : 0.0f);
+    }
   }
 #else
   (void)p;

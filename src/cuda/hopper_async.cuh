@@ -144,4 +144,10 @@ __device__ inline void setmaxnreg() {
 #endif
 }
 
+// Barrier `id` (1 … 15; 0 is __syncthreads') over `threads` threads of the block, whole warps: a
+// subset of the warps synchronizes without the others.
+__device__ inline void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace lmoe::cuda
