@@ -56,6 +56,7 @@ struct Settings : lmoe::bench::TimerSettings {
   std::vector<std::string> tiles = {"automatic"};
   bool with_loop = true;
   bool staging = true;  // give the up call a staging buffer (wgmma_ws stages gathered rows there)
+  std::string activation;  // empty: the preset's
   std::string json_path;
 };
 
@@ -131,7 +132,20 @@ int run(const Settings& settings) {
   const lmoe::ModelPreset& preset = lmoe::find_preset(settings.preset);
   LMOE_CHECK(preset.layer.has_value(),
              "--preset: expected a preset with a layer, got " + settings.preset);
-  const lmoe::LayerConfig& config = *preset.layer;
+  lmoe::LayerConfig config = *preset.layer;
+  if (!settings.activation.empty()) {
+    bool known = false;
+    for (const auto activation :
+         {lmoe::ExpertActivation::silu_glu, lmoe::ExpertActivation::situ_glu,
+          lmoe::ExpertActivation::relu2}) {
+      if (settings.activation == lmoe::activation_name(activation)) {
+        config.activation = activation;
+        known = true;
+      }
+    }
+    LMOE_CHECK(known,
+               "--activation: expected silu_glu, situ_glu or relu2, got " + settings.activation);
+  }
   LMOE_CHECK(settings.tp >= 1 && config.expert_intermediate % settings.tp == 0,
              "--tp: expected a divisor of expert_intermediate = " +
                  std::to_string(config.expert_intermediate));
@@ -184,6 +198,7 @@ int run(const Settings& settings) {
                  {"tp", settings.tp},
                  {"d_latent", l},
                  {"intermediate_per_rank", inter},
+                 {"activation", std::string(lmoe::activation_name(config.activation))},
                  {"experts", experts},
                  {"top_k", top_k},
                  {"rows", Json::array()}};
@@ -395,6 +410,9 @@ int main(int argc, char** argv) {
                  "tiles to time: automatic, m16, m64, m128, m128_wide, wgmma, wgmma_m256, wgmma_ws "
                  "(compute 9.0)")
       ->delimiter(',');
+  app.add_option("--activation", settings.activation,
+                 "the experts' activation instead of the preset's: silu_glu, situ_glu (gated) or "
+                 "relu2 (not gated: no gate matrix); the epilogue's cost is the difference");
   app.add_flag("!--no-loop", settings.with_loop, "skip the per-expert cuBLASLt loop");
   app.add_flag(
       "!--no-staging", settings.staging,
