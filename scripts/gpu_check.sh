@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer layerprofile baseline probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -179,6 +179,35 @@ if wants layer; then
     rc[grouped_gemm_e112]=$?
     cat "$logs/grouped_gemm_e112.log"
   fi
+fi
+
+if wants layerprofile && command -v ncu >/dev/null; then
+  # Every kernel of the K3 layer's forward at T = 8192 (112 experts, one GPU, device path, stages
+  # one after another), timed by Nsight Compute: where the experts stage's time goes beyond its
+  # GEMMs. Sums per kernel name over the run's forwards (one warm-up and three timed), divided by 4.
+  stage "ncu: every kernel of a K3 layer forward (T = 8192, 112 experts)"
+  LMOE_LAYER_SERIAL_STAGES=1 LMOE_LAYER_DEVICE_EXPERTS=1 timeout 400 ncu --clock-control none \
+    --metrics gpu__time_duration.sum --csv --print-units base \
+    build/cuda/lmoe layer --backend cuda -n 1 --scale 1 --experts 112 -t 8192 --no-check \
+    >"$logs/ncu_layer.csv" 2>"$logs/ncu_layer.err"
+  rc[layerprofile]=$?
+  python3 - "$logs/ncu_layer.csv" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+name = head.index("Kernel Name") if "Kernel Name" in head else head.index("Function Name")
+metric, value = head.index("Metric Name"), head.index("Metric Value")
+total, count = collections.defaultdict(float), collections.Counter()
+for r in body:
+    if r[metric] == "gpu__time_duration.sum":
+        key = r[name].split("(")[0][:90]
+        total[key] += float(r[value].replace(",", "")) / 1e3
+        count[key] += 1
+print(f"{'kernel':92} {'launches':>8} {'us per forward':>15}")
+for key, us in sorted(total.items(), key=lambda kv: -kv[1]):
+    print(f"{key:92} {count[key]:8d} {us / 4:15.1f}")
+print(f"{'all':92} {sum(count.values()):8d} {sum(total.values()) / 4:15.1f}")
+PY
 fi
 
 if wants baseline; then
