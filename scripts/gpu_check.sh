@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -179,6 +179,24 @@ if wants layer; then
     rc[grouped_gemm_e112]=$?
     cat "$logs/grouped_gemm_e112.log"
   fi
+fi
+
+if wants grouped; then
+  # The experts' grouped GEMM alone, for work on its kernels: its tests (and the layer's, which run
+  # it), then the benchmark at the layer's one-GPU shape and at tp 8, for the tiles in
+  # LMOE_GROUPED_TILES (default: automatic and wgmma_m256).
+  gtest grouped_tests 300 build/cuda/tests/lmoe_cuda_tests \
+    '*GroupedGemm*:DeviceSlotSort.*:CudaLayer*:*CudaLayerParity*:*CudaLayerCapture*:CudaTokenChunks.*'
+  tiles="${LMOE_GROUPED_TILES:-automatic,wgmma_m256}"
+  for shape in "e112:--tp 1 --experts 112 -t 1024,8192" "tp8:--tp 8 -t 1024,4096,8192"; do
+    name=${shape%%:*}; args=${shape#*:}
+    stage "grouped GEMM benchmark ($name: $args; tiles $tiles)"
+    # shellcheck disable=SC2086
+    timeout 150 build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 $args --tiles "$tiles" \
+      --no-loop --json "$logs/grouped_$name.json" >"$logs/grouped_$name.log" 2>&1
+    rc[grouped_$name]=$?
+    cat "$logs/grouped_$name.log"
+  done
 fi
 
 if wants layerprofile && command -v ncu >/dev/null; then
