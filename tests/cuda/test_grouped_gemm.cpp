@@ -1,5 +1,6 @@
 // The routed experts' device path, piece by piece: the device sort of the slots against the host
-// counting sort (bit for bit, on crafted and random routings), and the grouped GEMM against fp64 on
+// counting sort (bit for bit, on crafted and random routings), the row gather (every copy width, a
+// source pitch, a row count on the device), and the grouped GEMM against fp64 on
 // ragged groups (0, 1, 7, 8, 9 and 300 rows; K and N not multiples of any tile), every tile shape
 // bit-identical to the others (the wgmma tiles, compute 9.0 only, also on 63, 64, 65, 128, 129,
 // 200 and 300 rows), the rounded and activation outputs bit-identical to rounding and to
@@ -201,6 +202,58 @@ TEST(DeviceSlotSort, RefusesMoreExpertsThanOneBlockScans) {
   EXPECT_EQ(lmoe::cuda::launch_sort_slots(nullptr, 0, lmoe::cuda::kSortMaxExperts + 1, 1, 8,
                                           nullptr, nullptr, nullptr, nullptr),
             cudaErrorInvalidValue);
+}
+
+// ---- the row gather (the staging of gathered rows, and the host path's gather)
+// -------------------
+
+// Every copy width: rows of 24, 12, 6 and 3 bf16 from a source pitch 8 elements wider (48, 24, 12
+// and 6 bytes per row, with a 64-, 40-, 28- and 22-byte pitch: 16-, 8-, 4- and 2-byte units); with
+// a row count read on the device, the rows past it are left alone.
+TEST(GatherRows, CopiesTheRowsAtEveryWidthUpToTheDeviceCount) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int32_t> rows = {3, 0, 9, 9, 5, 1, 7};
+  const std::int64_t count = static_cast<std::int64_t>(rows.size()), src_rows = 10;
+  for (const std::int64_t cols : {24, 12, 6, 3}) {
+    const std::int64_t src_ld = cols + 8;
+    std::vector<std::uint16_t> src(static_cast<std::size_t>(src_rows * src_ld));
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint16_t>(i * 7 + 1);
+    const DeviceBuffer d_src = to_device(src), d_rows = to_device(rows);
+    for (const std::int32_t device_count : {-1, 5, 0}) {  // -1: no device count
+      SCOPED_TRACE("cols " + std::to_string(cols) + ", device count " +
+                   std::to_string(device_count));
+      const DeviceBuffer d_count = to_device(std::vector<std::int32_t>{device_count});
+      DeviceBuffer dst(static_cast<std::size_t>(count * cols) * sizeof(std::uint16_t));
+      ASSERT_EQ(cudaMemset(dst.data(), 0xff, dst.bytes()), cudaSuccess);
+      ASSERT_EQ(lmoe::cuda::launch_gather_rows(
+                    d_src.data(), src_ld, static_cast<const std::int32_t*>(d_rows.data()),
+                    dst.data(), count, cols, DType::bf16, nullptr,
+                    device_count < 0 ? nullptr : static_cast<const std::int32_t*>(d_count.data())),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<std::uint16_t> got =
+          to_host<std::uint16_t>(dst, static_cast<std::size_t>(count * cols));
+      const std::int64_t copied = device_count < 0 ? count : device_count;
+      for (std::int64_t r = 0; r < count; ++r) {
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const std::uint16_t want =
+              r < copied ? src[static_cast<std::size_t>(rows[r] * src_ld + c)] : 0xffff;
+          ASSERT_EQ(got[static_cast<std::size_t>(r * cols + c)], want)
+              << "row " << r << " col " << c;
+        }
+      }
+    }
+  }
+}
+
+// Refused before any CUDA call: runs without a GPU too.
+TEST(GatherRows, RefusesASourcePitchNarrowerThanTheRows) {
+  EXPECT_EQ(
+      lmoe::cuda::launch_gather_rows(nullptr, 7, nullptr, nullptr, 4, 8, DType::bf16, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      lmoe::cuda::launch_gather_rows(nullptr, 8, nullptr, nullptr, -1, 8, DType::bf16, nullptr),
+      cudaErrorInvalidValue);
 }
 
 // ---- the grouped GEMM
