@@ -153,6 +153,34 @@ __device__ inline void grouped_store(const GroupedGemmParams& p, std::int64_t at
   }
 }
 
+// Four consecutive output elements (at … at + 3) from their fp32 accumulators by one vector
+// store: 16 bytes of fp32, or 8 of the storage dtype. The caller checks that `at` is a multiple of
+// 4 and the output 16-byte aligned (grouped_store4_fits). Each element's formula is
+// grouped_store's.
+template <typename T>
+__device__ inline void grouped_store4(const GroupedGemmParams& p, std::int64_t at, float4 up,
+                                      float4 gate) {
+  if (p.out_mode == kGroupedOutF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(p.c) + at) = up;
+    return;
+  }
+  const bool activation = p.out_mode == kGroupedOutActivation;
+  struct alignas(8) Four {
+    T v[4];
+  } out;
+  out.v[0] = Storage<T>::store(activation ? activate(p.act, gate.x, up.x) : up.x);
+  out.v[1] = Storage<T>::store(activation ? activate(p.act, gate.y, up.y) : up.y);
+  out.v[2] = Storage<T>::store(activation ? activate(p.act, gate.z, up.z) : up.z);
+  out.v[3] = Storage<T>::store(activation ? activate(p.act, gate.w, up.w) : up.w);
+  *reinterpret_cast<Four*>(static_cast<T*>(p.c) + at) = out;
+}
+
+// Whether grouped_store4 may write rows of C: ldc a multiple of 4 elements and C 16-byte aligned
+// (so every fourth element of a row is 8- or 16-byte aligned).
+__device__ inline bool grouped_store4_fits(const GroupedGemmParams& p) {
+  return p.ldc % 4 == 0 && reinterpret_cast<std::uintptr_t>(p.c) % 16 == 0;
+}
+
 struct GroupedTileSpan {
   int group, row0, row_end;  // the group, the tile's first row and the group's end (rows)
   std::int64_t col_tile;

@@ -74,6 +74,50 @@ struct GroupedWgmmaWsShape {
                 "the SM's register file");
 };
 
+// Named barriers of the kernel (0 is __syncthreads'): the consumers' (their wgmmas are done with
+// the stages), and every thread's (the accumulators are parked).
+inline constexpr int kWsStagesFreeBarrier = 1;
+inline constexpr int kWsParkedBarrier = 2;
+
+// The tile's parked accumulators (consumer w's 64-row slice s at parked + w · kParkedFloats +
+// s · 64 · kParkedPitch) through the output mode, by all kThreads threads: four consecutive
+// output columns per thread per step (one 16-byte read of the parked up and gate values each, one
+// vector store), consecutive threads on consecutive columns. Tile row q · 64 + r is slice q / 2 of
+// consumer q % 2, so the parked rows come in tile-row order. Columns past N, and outputs that
+// grouped_store4 cannot write, go one by one.
+template <typename T, class Shape>
+__device__ inline void grouped_ws_store_parked(const GroupedGemmParams& p,
+                                               const GroupedBlockTile<T>& tile,
+                                               const float* parked) {
+  constexpr int kQuads = Shape::kColsN / 4;  // four-column groups per row
+  static_assert(Shape::kColsN % 4 == 0 && Shape::kParkedPitch % 4 == 0, "16-byte parked reads");
+  const bool vector_fits = grouped_store4_fits(p);
+  const int quads = tile.rows_here * kQuads;
+#pragma unroll 1
+  for (int i = static_cast<int>(threadIdx.x); i < quads; i += Shape::kThreads) {
+    const int row = i / kQuads, col = i % kQuads * 4;
+    const int slice = row / 64, consumer = slice % Shape::kConsumers;
+    const float* at = parked + consumer * Shape::kParkedFloats +
+                      ((slice / Shape::kConsumers) * 64 + row % 64) * Shape::kParkedPitch + col;
+    const float4 up = *reinterpret_cast<const float4*>(at);
+    const float4 gate = Shape::kGated ? *reinterpret_cast<const float4*>(at + Shape::kColsN)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const std::int64_t out_col = tile.col0 + col;
+    const std::int64_t out = static_cast<std::int64_t>(tile.row0 + row) * p.ldc + out_col;
+    if (vector_fits && out_col + 4 <= p.n) {
+      grouped_store4<T>(p, out, up, gate);
+      continue;
+    }
+#pragma unroll 1
+    for (int e = 0; e < 4 && out_col + e < p.n; ++e) {
+      // Selects, not an indexed array (which would live in local memory).
+      const float u = e == 0 ? up.x : e == 1 ? up.y : e == 2 ? up.z : up.w;
+      const float g = e == 0 ? gate.x : e == 1 ? gate.y : e == 2 ? gate.z : gate.w;
+      grouped_store<T>(p, out + e, u, g);
+    }
+  }
+}
+
 template <typename T, class Shape>
 __global__ void __launch_bounds__(Shape::kThreads, 1)
     grouped_gemm_wgmma_ws_kernel(GroupedGemmParams p, const __grid_constant__ CUtensorMap map_b,
@@ -105,6 +149,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const std::uint32_t smem_base =
       static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_ws_smem));
   const std::uint32_t smem = (smem_base + 1023u) & ~1023u;  // the stages' 1024-byte swizzle atoms
+  // The epilogue's parking place: the stages, once every wgmma is done with them.
+  float* const parked = reinterpret_cast<float*>(wgmma_ws_smem + (smem - smem_base));
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
   // Broadcast from lane 0 so that the compiler sees the role uniform over the warp (a wgmma under
   // a branch it takes for divergent makes ptxas serialize every wgmma of the kernel).
@@ -146,106 +192,97 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
       }
       cp_async_mbarrier_arrive_noinc(full_bar(s));
     }
-    // Leave no copy of this thread in flight when it exits (the consumers wait for all of them
-    // through the full barriers anyway).
+    // No copy of this thread in flight past here (the consumers wait for all of them through the
+    // full barriers anyway).
     cp_async_commit();
     cp_async_wait<0>();
-    return;
-  }
-
-  // Consumers.
-  setmaxnreg<Shape::kConsumerRegs, true>();
-  const int consumer = warpgroup - 1;
-  bool slice_used[Shape::kSlices];
+    // Then to the epilogue below, a third of it: the producer's warps would idle while the
+    // consumers compute the activation (K3's costs ~2 ms of a 12.7 ms up call at T = 8192).
+  } else {
+    // Consumers.
+    setmaxnreg<Shape::kConsumerRegs, true>();
+    const int consumer = warpgroup - 1;
+    bool slice_used[Shape::kSlices];
 #pragma unroll
-  for (int sl = 0; sl < Shape::kSlices; ++sl) {
-    const int used = (2 * sl + consumer) * 64 < rows_here ? 1 : 0;
-    slice_used[sl] = __shfl_sync(0xffffffffu, used, 0) != 0;
-  }
-  float acc[Shape::kSlices][64];
+    for (int sl = 0; sl < Shape::kSlices; ++sl) {
+      const int used = (2 * sl + consumer) * 64 < rows_here ? 1 : 0;
+      slice_used[sl] = __shfl_sync(0xffffffffu, used, 0) != 0;
+    }
+    float acc[Shape::kSlices][64];
 #pragma unroll
-  for (int sl = 0; sl < Shape::kSlices; ++sl) {
+    for (int sl = 0; sl < Shape::kSlices; ++sl) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[sl][i] = 0.0f;
-    wgmma_pin(acc[sl]);  // the zeros are in the registers before the first wgmma reads them
-  }
-  const bool releases = tid % 32 == 0;  // lane 0 of each consumer warp arrives on empty
-  for (int c = 0; c < chunks; ++c) {
-    const int s = c % Shape::kStages;
-    mbarrier_wait(full_bar(s), static_cast<std::uint32_t>(c / Shape::kStages) & 1u);
-    // The producer's cp.async copies (generic proxy) of A, visible to wgmma's reads (async proxy);
-    // the B box came through the async proxy already.
-    fence_proxy_async_shared();
-    const std::uint32_t stage = smem + s * Shape::kStageBytes;
-    const std::uint32_t b_rows = stage + Shape::kRowsM * 128;
-    // One branch per count of used slices (slice 1 is used only if slice 0 is), each a straight
-    // run of wgmmas: a branch between two wgmmas makes ptxas fence the warpgroup before each.
-    if (slice_used[Shape::kSlices - 1]) {
-      wgmma_fence();  // inside each branch: ptxas fences again at a branch after the fence
+      for (int i = 0; i < 64; ++i) acc[sl][i] = 0.0f;
+      wgmma_pin(acc[sl]);  // the zeros are in the registers before the first wgmma reads them
+    }
+    const bool releases = tid % 32 == 0;  // lane 0 of each consumer warp arrives on empty
+    for (int c = 0; c < chunks; ++c) {
+      const int s = c % Shape::kStages;
+      mbarrier_wait(full_bar(s), static_cast<std::uint32_t>(c / Shape::kStages) & 1u);
+      // The producer's cp.async copies (generic proxy) of A, visible to wgmma's reads (async
+      // proxy); the B box came through the async proxy already.
+      fence_proxy_async_shared();
+      const std::uint32_t stage = smem + s * Shape::kStageBytes;
+      const std::uint32_t b_rows = stage + Shape::kRowsM * 128;
+      // One branch per count of used slices (slice 1 is used only if slice 0 is), each a straight
+      // run of wgmmas: a branch between two wgmmas makes ptxas fence the warpgroup before each.
+      if (slice_used[Shape::kSlices - 1]) {
+        wgmma_fence();  // inside each branch: ptxas fences again at a branch after the fence
 #pragma unroll
-      for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
+        for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
 #pragma unroll
-        for (int sl = 0; sl < Shape::kSlices; ++sl) {
-          const std::uint32_t a_rows = stage + (2 * sl + consumer) * 64 * 128;
-          wgmma_m64n128k16<T>(acc[sl], wgmma_descriptor_128b(a_rows + ks * 32),
+          for (int sl = 0; sl < Shape::kSlices; ++sl) {
+            const std::uint32_t a_rows = stage + (2 * sl + consumer) * 64 * 128;
+            wgmma_m64n128k16<T>(acc[sl], wgmma_descriptor_128b(a_rows + ks * 32),
+                                wgmma_descriptor_128b(b_rows + ks * 32));
+          }
+        }
+      } else if (slice_used[0]) {
+        wgmma_fence();
+        const std::uint32_t a_rows = stage + consumer * 64 * 128;
+#pragma unroll
+        for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
+          wgmma_m64n128k16<T>(acc[0], wgmma_descriptor_128b(a_rows + ks * 32),
                               wgmma_descriptor_128b(b_rows + ks * 32));
         }
       }
-    } else if (slice_used[0]) {
-      wgmma_fence();
-      const std::uint32_t a_rows = stage + consumer * 64 * 128;
-#pragma unroll
-      for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
-        wgmma_m64n128k16<T>(acc[0], wgmma_descriptor_128b(a_rows + ks * 32),
-                            wgmma_descriptor_128b(b_rows + ks * 32));
-      }
+      wgmma_commit();
+      // Chunk c − 1's group is done: its stage goes back to the producer. Chunk c's group still
+      // owns `acc`: nothing may touch it before the next wgmma or the final wait.
+      wgmma_wait<1>();
+      if (c > 0 && releases) mbarrier_arrive(empty_bar((c - 1) % Shape::kStages));
     }
-    wgmma_commit();
-    // Chunk c − 1's group is done: its stage goes back to the producer. Chunk c's group still
-    // owns `acc`: nothing may touch it before the next wgmma or the final wait.
-    wgmma_wait<1>();
-    if (c > 0 && releases) mbarrier_arrive(empty_bar((c - 1) % Shape::kStages));
-  }
-  wgmma_wait<0>();
+    wgmma_wait<0>();
 #pragma unroll
-  for (int sl = 0; sl < Shape::kSlices; ++sl) wgmma_pin(acc[sl]);
+    for (int sl = 0; sl < Shape::kSlices; ++sl) wgmma_pin(acc[sl]);
 
-  // Epilogue through shared memory: once both consumers' wgmmas are done with the stages, each
-  // consumer parks its accumulators there and stores its rows from a loop, one column per thread.
-  // Unrolled over the accumulator registers instead (grouped_wgmma_store), Kimi-K3's activation
-  // (two tanh, an exp, three divisions) was inlined 128 times: 200 KB of code that every block
-  // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 13.0 now).
-  named_barrier_sync(1, Shape::kConsumers * 128);
-  float* parked = reinterpret_cast<float*>(wgmma_ws_smem + (smem - smem_base)) +
-                  consumer * Shape::kParkedFloats;
-  const int lane = tid % 32;
-  const int row_in_slice = (tid / 32 % 4) * 16 + lane / 4;
+    // Epilogue through shared memory: once both consumers' wgmmas are done with the stages, each
+    // consumer parks its accumulators there and stores its rows from a loop, one column per thread.
+    // Unrolled over the accumulator registers instead (grouped_wgmma_store), Kimi-K3's activation
+    // (two tanh, an exp, three divisions) was inlined 128 times: 200 KB of code that every block
+    // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 13.0 now).
+    named_barrier_sync(kWsStagesFreeBarrier, Shape::kConsumers * 128);
+    float* const consumer_parked = parked + consumer * Shape::kParkedFloats;
+    const int lane = tid % 32;
+    const int row_in_slice = (tid / 32 % 4) * 16 + lane / 4;
 #pragma unroll
-  for (int sl = 0; sl < Shape::kSlices; ++sl) {
+    for (int sl = 0; sl < Shape::kSlices; ++sl) {
 #pragma unroll
-    for (int j = 0; j < Shape::kBRows / 8; ++j) {
+      for (int j = 0; j < Shape::kBRows / 8; ++j) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = sl * 64 + row_in_slice + 8 * half;
-        *reinterpret_cast<float2*>(parked + row * Shape::kParkedPitch + 8 * j + 2 * (lane % 4)) =
-            make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          const int row = sl * 64 + row_in_slice + 8 * half;
+          *reinterpret_cast<float2*>(consumer_parked + row * Shape::kParkedPitch + 8 * j +
+                                     2 * (lane % 4)) =
+              make_float2(acc[sl][4 * j + 2 * half], acc[sl][4 * j + 2 * half + 1]);
+        }
       }
     }
   }
-  named_barrier_sync(2 + consumer, 128);
-  const int thread = tid % 128;
-  for (int sl = 0; sl < Shape::kSlices; ++sl) {
-    const int row0 = (2 * sl + consumer) * 64;  // the slice's first row in the tile
-    const int rows = min(64, rows_here - row0);
-#pragma unroll 2
-    for (int i = thread; i < rows * Shape::kColsN; i += 128) {
-      const int r = i / Shape::kColsN, col = i % Shape::kColsN;
-      if (tile.col0 + col >= p.n) continue;
-      const float* at = parked + (sl * 64 + r) * Shape::kParkedPitch + col;
-      grouped_store<T>(p, static_cast<std::int64_t>(tile.row0 + row0 + r) * p.ldc + tile.col0 + col,
-                       at[0], Shape::kGated ? at[Shape::kColsN] : 0.0f);
-    }
-  }
+  // Every warpgroup: the parked accumulators to C (one copy of this code, run under the producer's
+  // register limit too).
+  named_barrier_sync(kWsParkedBarrier, Shape::kThreads);
+  grouped_ws_store_parked<T, Shape>(p, tile, parked);
 #else
   (void)p;
   (void)map_b;
