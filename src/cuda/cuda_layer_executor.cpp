@@ -1,6 +1,7 @@
 // The layer's stages before the tail on one GPU, with the CPU executor's dataflow:
 //
-//   main stream:  x → fp32 → router GEMM (fp32 logits) → route kernel → routing to the host
+//   main stream:  router GEMM (fp32 logits: bf16 x against the weight's three bf16 parts, else
+//                 x in fp32 against the fp32 weight) → route kernel → routing to the host
 //                 → latent z = round(x · W_downᵀ)
 //                 → routed experts, on one of two paths:
 //                   host:   counting sort of the slots by expert on the host → slot order to the
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "core/env_flag.hpp"
+#include "core/router_weight_split.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
@@ -115,7 +117,6 @@ cudaEvent_t make_event(bool timing) {
 
 void* offset(const DeviceBuffer& buffer, std::size_t byte_offset) { return buffer.at(byte_offset); }
 
-
 class CudaLayerExecutor final : public LayerExecutor {
  public:
   CudaLayerExecutor(const LayerConfig& config, DType dtype, int tp, const LayerWeights& weights,
@@ -127,13 +128,20 @@ class CudaLayerExecutor final : public LayerExecutor {
         shared_width_(config.shared_width() / tp),
         device_limit_(cuda_device_experts_limit(config, dtype, tp)),
         device_eager_(env_flag(kDeviceExpertsEnv)),
-        serial_stages_(env_flag(kSerialStagesEnv)) {
+        serial_stages_(env_flag(kSerialStagesEnv)),
+        split_router_(dtype == DType::bf16) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {
       throw Error(std::string(kDeviceExpertsEnv) +
                   "=1: the device path cannot run this layer: " + *device_limit_);
     }
-    router_weight_ = upload(weights.router_weight);
+    // A bf16 layer's router GEMM runs on tensor cores over the weight split into three bf16 parts
+    // (every product exact, sums in fp32: the router contract); others convert x to fp32.
+    if (split_router_) {
+      router_parts_ = upload(split_router_weight_bf16(weights.router_weight));
+    } else {
+      router_weight_ = upload(weights.router_weight);
+    }
     if (config.router.correction_bias) router_bias_ = upload(weights.router_bias);
     latent_down_ = upload(weights.latent_down);
     expert_gate_ = upload(weights.expert_gate);
@@ -345,8 +353,9 @@ class CudaLayerExecutor final : public LayerExecutor {
     const std::int64_t experts = config_.router.num_experts, slot_rows = slots(rows);
     const std::int64_t group_rows = grouped_rows(slot_rows);
     const bool gated = is_gated(config_.activation);
-    x32_ = DeviceBuffer(floats(rows * d));
-    logits_ = DeviceBuffer(floats(rows * experts));
+    x32_ = split_router_ ? DeviceBuffer() : DeviceBuffer(floats(rows * d));
+    router_x_ = split_router_ ? DeviceBuffer(bytes(rows * d)) : DeviceBuffer();
+    logits_ = DeviceBuffer(floats(rows * experts * (split_router_ ? 3 : 1)));
     routing_device_ = DeviceBuffer(2 * floats(slot_rows));  // ids [T·k] int32, weights [T·k] fp32
     routing_host_ = PinnedBuffer(2 * floats(slot_rows));
     // int32: the row of each slot, then the token of each grouped row.
@@ -370,15 +379,26 @@ class CudaLayerExecutor final : public LayerExecutor {
     const std::int64_t tokens = x.rows, d = config_.d_model, experts = config_.router.num_experts;
     auto* ids = static_cast<std::int32_t*>(routing_device_.data());
     auto* weights = reinterpret_cast<float*>(ids + slots(tokens));
-    // The router weight is fp32: x is converted exactly, and the GEMM accumulates in fp32.
-    check(
-        cuda::launch_to_float(x.data, static_cast<float*>(x32_.data()), tokens * d, dtype_, stream),
-        "launch_to_float");
-    gemm_->run(x32_.data(), router_weight_.data(), d, logits_.data(), experts, tokens, experts, d,
-               DType::f32, DType::f32, stream);
+    if (split_router_) {
+      // [T, 3E] fp32: x times each bf16 part of the weight (exact products, fp32 sums); the route
+      // kernel adds each expert's three. x is copied first into a buffer of this executor: the
+      // GEMM's algorithm depends on its operands' alignment, and every rank must route alike
+      // whatever the alignment of its caller's x.
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(router_x_.data(), x.data, bytes(tokens * d),
+                                      cudaMemcpyDeviceToDevice, stream));
+      gemm_->run(router_x_.data(), router_parts_.data(), d, logits_.data(), 3 * experts, tokens,
+                 3 * experts, d, DType::bf16, DType::f32, stream);
+    } else {
+      // The router weight is fp32: x is converted exactly, and the GEMM accumulates in fp32.
+      check(cuda::launch_to_float(x.data, static_cast<float*>(x32_.data()), tokens * d, dtype_,
+                                  stream),
+            "launch_to_float");
+      gemm_->run(x32_.data(), router_weight_.data(), d, logits_.data(), experts, tokens, experts, d,
+                 DType::f32, DType::f32, stream);
+    }
     check(cuda::launch_route(static_cast<const float*>(logits_.data()),
                              static_cast<const float*>(router_bias_.data()), tokens, config_.router,
-                             ids, weights, stream),
+                             ids, weights, stream, split_router_ ? 3 : 1),
           "launch_route");
     // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one
     // (the host path at once; the device path's host_routing() waits for router_end_, and a
@@ -571,9 +591,11 @@ class CudaLayerExecutor final : public LayerExecutor {
   std::optional<std::string> device_limit_;  // why the device path cannot run, or nullopt
   bool device_eager_;                        // LMOE_LAYER_DEVICE_EXPERTS=1
   bool serial_stages_;                       // LMOE_LAYER_SERIAL_STAGES=1
+  bool split_router_;                        // bf16 x: the router GEMM over router_parts_
   int device_ = 0;
 
-  DeviceBuffer router_weight_;  // [E, d] fp32
+  DeviceBuffer router_weight_;  // [E, d] fp32 (not split_router_)
+  DeviceBuffer router_parts_;   // [3E, d] bf16 (split_router_): core/router_weight_split.hpp
   DeviceBuffer router_bias_;    // [E] fp32, or empty
   DeviceBuffer latent_down_;    // [l, d]
   DeviceBuffer expert_gate_;    // [E, I_r, l], or empty (relu2)
@@ -598,7 +620,8 @@ class CudaLayerExecutor final : public LayerExecutor {
   mutable bool partials_short_ = false;   // partial_buffers could not grow under capture
 
   std::int64_t capacity_ = 0;    // tokens the workspaces hold
-  DeviceBuffer x32_;             // [T, d] fp32
+  DeviceBuffer x32_;             // [T, d] fp32 (not split_router_)
+  DeviceBuffer router_x_;        // [T, d] bf16 (split_router_): x where the router GEMM reads it
   DeviceBuffer logits_;          // [T, E] fp32
   DeviceBuffer routing_device_;  // ids [T·k] int32, then weights [T·k] fp32
   PinnedBuffer routing_host_;    // the same, on the host

@@ -52,12 +52,13 @@ cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType
 
 cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
                          const RouterConfig& config, std::int32_t* ids, float* weights,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, int logit_parts) {
   if (num_tokens < 0 || num_tokens > 0x7fffffff || config.num_experts < 1 ||
       config.num_experts > kMaxRouterExperts || config.top_k < 1 ||
       config.top_k > config.num_experts || config.n_group < 1 ||
       config.num_experts % config.n_group != 0 || config.topk_group < 1 ||
-      config.topk_group > config.n_group || (config.correction_bias && bias == nullptr)) {
+      config.topk_group > config.n_group || (config.correction_bias && bias == nullptr) ||
+      logit_parts < 1 || logit_parts > 3) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
@@ -70,6 +71,7 @@ cudaError_t launch_route(const float* logits, const float* bias, std::int64_t nu
   params.has_bias = config.correction_bias;
   params.renormalize = config.renormalize;
   params.scale = config.routed_scaling_factor;
+  params.parts = logit_parts;
   const std::size_t shared_bytes =
       sizeof(float) * static_cast<std::size_t>(2 * config.num_experts + config.n_group) +
       sizeof(int) * static_cast<std::size_t>(config.n_group + config.top_k);

@@ -27,6 +27,7 @@ struct RouterParams {
   bool has_bias;
   bool renormalize;
   float scale;
+  int parts;  // each expert's logit is the sum of this many values (a split weight's GEMM outputs)
 };
 
 // The CPU router's ranking (src/core/router.cpp, ranks_before): larger first, equal values
@@ -58,21 +59,32 @@ __global__ void route_kernel(const float* __restrict__ logits, const float* __re
   __shared__ float softmax_max, softmax_sum;
 
   const std::int64_t token = blockIdx.x;
-  const float* row = logits + token * p.experts;
+  const float* row = logits + token * p.experts * p.parts;
   const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
 
+  // The logits first (in `scores`): part 0, plus part 1, plus part 2, in that order.
+  for (int e = tid; e < p.experts; e += threads) {
+    float logit = row[e];
+    for (int part = 1; part < p.parts; ++part) logit = __fadd_rn(logit, row[part * p.experts + e]);
+    scores[e] = logit;
+  }
+  __syncthreads();
   if (!p.softmax) {
-    for (int e = tid; e < p.experts; e += threads) scores[e] = sigmoid_rn(row[e]);
+    for (int e = tid; e < p.experts; e += threads) scores[e] = sigmoid_rn(scores[e]);
   } else {
     // The max and the sum in id order, by one thread: the CPU's sequential order (and its
     // std::max, which keeps the first of equal values and skips NaN after the first element).
     if (tid == 0) {
-      float max_logit = row[0];
-      for (int e = 1; e < p.experts; ++e) max_logit = max_logit < row[e] ? row[e] : max_logit;
+      float max_logit = scores[0];
+      for (int e = 1; e < p.experts; ++e) {
+        max_logit = max_logit < scores[e] ? scores[e] : max_logit;
+      }
       softmax_max = max_logit;
     }
     __syncthreads();
-    for (int e = tid; e < p.experts; e += threads) scores[e] = expf(__fsub_rn(row[e], softmax_max));
+    for (int e = tid; e < p.experts; e += threads) {
+      scores[e] = expf(__fsub_rn(scores[e], softmax_max));
+    }
     __syncthreads();
     if (tid == 0) {
       float sum = 0.0f;

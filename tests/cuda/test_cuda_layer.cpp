@@ -22,6 +22,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/router_weight_split.hpp"
 #include "cpu/cpu_math.hpp"
 #include "cuda/cuda_layer_executor.hpp"
 #include "cuda/device_buffer.hpp"
@@ -79,8 +80,10 @@ std::vector<float> to_float(const HostTensor& tensor) {
 // ---- the router kernel on given logits
 // -----------------------------------------------------------
 
+// logits: [T, parts·E] (launch_route's logit_parts).
 lmoe::Routing route_on_gpu(const std::vector<float>& logits, std::int64_t tokens,
-                           const std::vector<float>& bias, const RouterConfig& config) {
+                           const std::vector<float>& bias, const RouterConfig& config,
+                           int parts = 1) {
   const std::int64_t k = config.top_k;
   lmoe::cuda::DeviceBuffer d_logits(logits.size() * sizeof(float));
   lmoe::cuda::DeviceBuffer d_bias(bias.size() * sizeof(float));
@@ -98,7 +101,7 @@ lmoe::Routing route_on_gpu(const std::vector<float>& logits, std::int64_t tokens
   EXPECT_EQ(lmoe::cuda::launch_route(static_cast<const float*>(d_logits.data()),
                                      static_cast<const float*>(d_bias.data()), tokens, config,
                                      static_cast<std::int32_t*>(d_ids.data()),
-                                     static_cast<float*>(d_weights.data()), nullptr),
+                                     static_cast<float*>(d_weights.data()), nullptr, parts),
             cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   lmoe::Routing routing;
@@ -183,6 +186,47 @@ TEST_P(CudaRouterSameLogits, SelectsTheCpuRoutersExperts) {
   }
 }
 
+// A bf16 layer's router GEMM gives each logit as three parts (x times each bf16 part of the split
+// weight): the kernel's sum of the parts must route exactly as the logit itself. Here the logits
+// themselves are split (H + M + L = logit exactly; non-finite ones whole in H), so the routing must
+// match the unsplit one bit for bit, ids and weights.
+TEST_P(CudaRouterSameLogits, ThreeLogitPartsRouteAsTheirSum) {
+  SKIP_WITHOUT_GPU();
+  const RouterConfig& config = GetParam().config;
+  const std::int64_t tokens = 64, experts = config.num_experts;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(experts) - 1);
+  HostTensor logits(DType::f32, {tokens, experts});
+  for (std::int64_t i = 0; i < logits.numel(); ++i) logits.set(i, normal(rng));
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), -0.0f};
+  for (std::int64_t t = 0; t < 8; ++t) {
+    for (float special : specials) logits.set(t * experts + pick(rng), special);
+  }
+  std::vector<float> bias;
+  if (config.correction_bias) {
+    for (std::int64_t e = 0; e < experts; ++e) bias.push_back(static_cast<float>(e % 4) / 16.0f);
+  }
+  const HostTensor split = lmoe::split_router_weight_bf16(logits);  // [3T, E]: H, then M, then L
+  std::vector<float> parts(static_cast<std::size_t>(3 * tokens * experts));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t q = 0; q < 3; ++q) {
+      for (std::int64_t e = 0; e < experts; ++e) {
+        parts[static_cast<std::size_t>((t * 3 + q) * experts + e)] =
+            split.get((q * tokens + t) * experts + e);
+      }
+    }
+  }
+  const lmoe::Routing whole = route_on_gpu(to_float(logits), tokens, bias, config);
+  const lmoe::Routing summed = route_on_gpu(parts, tokens, bias, config, 3);
+  EXPECT_EQ(summed.expert_ids, whole.expert_ids);
+  ASSERT_EQ(summed.weights.size(), whole.weights.size());
+  EXPECT_EQ(0, std::memcmp(summed.weights.data(), whole.weights.data(),
+                           whole.weights.size() * sizeof(float)));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Configs, CudaRouterSameLogits,
     ::testing::Values(
@@ -203,9 +247,12 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- the router from x and the weights, against the CPU router
 // -----------------------------------
 
-// Whether fp32 rounding can reorder token t's candidates. Each side's fp32 logit lies within
-// γ_d·A of the exact dot product (A = max_e Σ_i |x_ti|·|W_ei|, γ_d = d·u/(1 − d·u)), so the
-// two sides' logits differ by ≤ 2γ_d·A; the sigmoid is ¼-Lipschitz, so scores differ by ≤ ½γ_d·A
+// Whether fp32 rounding can reorder token t's candidates. The CPU's fp32 logit lies within γ_d·A
+// of the exact dot product (A = max_e Σ_i |x_ti|·|W_ei|, γ_d = d·u/(1 − d·u)). The GPU's, for a
+// bf16 layer, sums 3d exact products on tensor cores and then three fp32 parts: assuming each
+// tensor-core sum within 2u (they may truncate instead of rounding), within 2γ_(d+2)·A. So the two
+// sides' logits differ by ≤ 3γ_(d+2)·A; the sigmoid is ¼-Lipschitz, so scores differ by
+// ≤ ¾γ_(d+2)·A
 // plus each side's own rounding of the sigmoid (expf within 2 ulp, the add and the division half
 // an ulp each: ≤ 4u of a score ≤ 1, 8u for both) and of the bias addition (|b| < 2: 2u for
 // both). Two candidates can swap only when their biased scores are within twice that, `gap`;
@@ -218,11 +265,12 @@ struct Decisiveness {
 Decisiveness decisive_tokens(const std::vector<float>& logits, const std::vector<double>& magnitude,
                              std::int64_t tokens, std::int64_t d, const std::vector<float>& bias,
                              const RouterConfig& config) {
-  const double gamma = static_cast<double>(d) * kUnit / (1.0 - static_cast<double>(d) * kUnit);
+  const double terms = static_cast<double>(d + 2);  // the dot product, then adding three parts
+  const double gamma = terms * kUnit / (1.0 - terms * kUnit);
   const std::int64_t experts = config.num_experts, group_size = experts / config.n_group;
   Decisiveness result;
   for (std::int64_t t = 0; t < tokens; ++t) {
-    const double score_tol = 0.5 * gamma * magnitude[static_cast<std::size_t>(t)] + 8 * kUnit;
+    const double score_tol = 0.75 * gamma * magnitude[static_cast<std::size_t>(t)] + 8 * kUnit;
     const double gap = 2 * (score_tol + 2 * kUnit);
     std::vector<double> b(static_cast<std::size_t>(experts));
     for (std::int64_t e = 0; e < experts; ++e) {
