@@ -35,4 +35,10 @@ struct alignas(16) Vec16 {
   T v[kSize];
 };
 
+// Four T, for a thread that turns one float4 of fp32 values into four stored ones.
+template <typename T>
+struct alignas(4 * sizeof(T)) Vec4 {
+  T v[4];
+};
+
 }  // namespace lmoe::cuda

@@ -56,17 +56,31 @@ __global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* out, std::int6
 
 // stripe[r, c] = round(stripe[r, c] + acc[r, c]): the column tier's "accumulator plus C, rounded
 // once", with the GEMM's unrounded fp32 accumulator acc [rows, cols] (contiguous) and a column stripe
-// of a wider storage-dtype matrix (row stride ld).
-template <typename T>
+// of a wider storage-dtype matrix (row stride ld). kVector: cols and ld multiples of four, acc
+// 16-byte aligned and the stripe aligned to four elements, so a thread moves four columns at once.
+template <typename T, bool kVector>
 __global__ void accumulate_stripe_kernel(T* stripe, std::int64_t ld, const float* __restrict__ acc,
                                          std::int64_t rows, std::int64_t cols) {
   using S = Storage<T>;
+  constexpr int kWidth = kVector ? 4 : 1;  // columns per thread
+  const std::int64_t units = cols / kWidth;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  const std::int64_t count = rows * cols;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const std::int64_t row = i / cols, col = i - row * cols;
-    T& element = stripe[row * ld + col];
-    element = S::store(__fadd_rn(acc[i], S::load(element)));
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < rows * units; i += stride) {
+    const std::int64_t row = i / units, col = (i - row * units) * kWidth;
+    if constexpr (kVector) {
+      const float4 a = reinterpret_cast<const float4*>(acc)[i];
+      auto* element = reinterpret_cast<Vec4<T>*>(stripe + row * ld + col);
+      Vec4<T> c = *element;
+      c.v[0] = S::store(__fadd_rn(a.x, S::load(c.v[0])));
+      c.v[1] = S::store(__fadd_rn(a.y, S::load(c.v[1])));
+      c.v[2] = S::store(__fadd_rn(a.z, S::load(c.v[2])));
+      c.v[3] = S::store(__fadd_rn(a.w, S::load(c.v[3])));
+      *element = c;
+    } else {
+      T& element = stripe[row * ld + col];
+      element = S::store(__fadd_rn(acc[i], S::load(element)));
+    }
   }
 }
 

@@ -1,6 +1,9 @@
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "cuda/elementwise.cuh"
+#include "cuda/elementwise_grid.hpp"
 #include "cuda/alignment.hpp"
 #include "cuda/launchers.hpp"
 #include "cuda/rms_norm.cuh"
@@ -11,14 +14,9 @@ namespace {
 
 static_assert(kMaxReduceInputs == kMaxPeers);
 
-constexpr int kThreads = 256;
-// Ranks that share a GPU run their collectives side by side; a modest grid per launch leaves room
-// for the others (DESIGN.md §4), and the grid-stride loops cover any size.
-constexpr std::int64_t kMaxBlocks = 128;
+constexpr int kThreads = kElementwiseThreads;
 
-int blocks_for(std::int64_t work_items) {
-  return static_cast<int>(std::clamp<std::int64_t>((work_items + kThreads - 1) / kThreads, 1, kMaxBlocks));
-}
+int blocks_for(std::int64_t work_items) { return elementwise_blocks(work_items); }
 
 template <typename T>
 cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std::int64_t count,
@@ -106,20 +104,26 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
                                      std::int64_t cols, DType dtype, cudaStream_t stream) {
   if (rows < 0 || cols < 0 || ld < cols) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
-  const int blocks = blocks_for(rows * cols);
+  const auto launch = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    // Rows of four-column multiples keep every row's float4s and Vec4s aligned.
+    const bool vector = cols % 4 == 0 && ld % 4 == 0 && aligned16(acc) &&
+                        reinterpret_cast<std::uintptr_t>(typed) % sizeof(Vec4<T>) == 0;
+    if (vector) {
+      accumulate_stripe_kernel<T, true>
+          <<<blocks_for(rows * cols / 4), kThreads, 0, stream>>>(typed, ld, acc, rows, cols);
+    } else {
+      accumulate_stripe_kernel<T, false>
+          <<<blocks_for(rows * cols), kThreads, 0, stream>>>(typed, ld, acc, rows, cols);
+    }
+    return cudaGetLastError();
+  };
   switch (dtype) {
-    case DType::f32:
-      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(stripe), ld, acc, rows, cols);
-      break;
-    case DType::f16:
-      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(stripe), ld, acc, rows, cols);
-      break;
-    case DType::bf16:
-      accumulate_stripe_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(stripe), ld, acc, rows,
-                                                                cols);
-      break;
+    case DType::f32: return launch(static_cast<float*>(stripe));
+    case DType::f16: return launch(static_cast<__half*>(stripe));
+    case DType::bf16: return launch(static_cast<__nv_bfloat16*>(stripe));
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,

@@ -1,5 +1,7 @@
 #include <algorithm>
 
+#include "cuda/alignment.hpp"
+#include "cuda/elementwise_grid.hpp"
 #include "cuda/layer_kernels.cuh"
 #include "cuda/layer_kernels.hpp"
 
@@ -7,16 +9,9 @@ namespace lmoe::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-// Ranks that share a GPU run side by side; a modest grid per launch leaves room for the others
-// (DESIGN.md §4), and the grid-stride loops cover any size.
-constexpr std::int64_t kMaxBlocks = 128;
-constexpr std::int64_t kMaxGatherBlocks = 4096;
+constexpr int kThreads = kElementwiseThreads;
 
-int blocks_for(std::int64_t work_items) {
-  return static_cast<int>(
-      std::clamp<std::int64_t>((work_items + kThreads - 1) / kThreads, 1, kMaxBlocks));
-}
+int blocks_for(std::int64_t work_items) { return elementwise_blocks(work_items); }
 
 // Calls fn(T{}) with T the storage type of `dtype`.
 template <typename Fn>
@@ -94,13 +89,9 @@ cudaError_t launch_gather_rows(const void* src, std::int64_t src_ld, const std::
     using V = decltype(unit);
     const std::int64_t per = static_cast<std::int64_t>(sizeof(V) / esize);
     const std::int64_t units = cols / per;
-    // A wider grid than blocks_for's: with one 16-byte load in flight per thread, 128 blocks keep
-    // 0.5 MB in flight (~0.5 TB/s); the staging of a large grouped GEMM copies ~1 GB.
-    const int blocks = static_cast<int>(
-        std::clamp<std::int64_t>((count * units + kThreads - 1) / kThreads, 1, kMaxGatherBlocks));
-    gather_rows_kernel<V><<<blocks, kThreads, 0, stream>>>(static_cast<const V*>(src), src_ld / per,
-                                                           rows, static_cast<V*>(dst), count, units,
-                                                           count_device);
+    gather_rows_kernel<V><<<blocks_for(count * units), kThreads, 0, stream>>>(
+        static_cast<const V*>(src), src_ld / per, rows, static_cast<V*>(dst), count, units,
+        count_device);
     return cudaGetLastError();
   };
   if (spread % 16 == 0) return launch(uint4{});
@@ -117,8 +108,15 @@ cudaError_t launch_activation(const float* gate, const float* up, void* out, std
   const float* gate_in = is_gated(config.activation) ? gate : nullptr;
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
-    activation_kernel<T><<<blocks_for(count), kThreads, 0, stream>>>(
-        gate_in, up, static_cast<T*>(out), count, params);
+    const bool vector = aligned16(up) && (gate_in == nullptr || aligned16(gate_in)) &&
+                        reinterpret_cast<std::uintptr_t>(out) % sizeof(Vec4<T>) == 0;
+    if (vector) {
+      activation_kernel<T, true><<<blocks_for(count / 4 + 1), kThreads, 0, stream>>>(
+          gate_in, up, static_cast<T*>(out), count, params);
+    } else {
+      activation_kernel<T, false><<<blocks_for(count), kThreads, 0, stream>>>(
+          gate_in, up, static_cast<T*>(out), count, params);
+    }
   });
 }
 
@@ -130,8 +128,16 @@ cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
   if (num_tokens == 0 || cols == 0) return cudaSuccess;
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
-    combine_kernel<T><<<blocks_for(num_tokens * cols), kThreads, 0, stream>>>(
-        slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
+    // Rows of four-column multiples keep every row's float4s and Vec4s aligned.
+    const bool vector = cols % 4 == 0 && aligned16(slot_out) &&
+                        reinterpret_cast<std::uintptr_t>(routed) % sizeof(Vec4<T>) == 0;
+    if (vector) {
+      combine_kernel<T, true><<<blocks_for(num_tokens * cols / 4), kThreads, 0, stream>>>(
+          slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
+    } else {
+      combine_kernel<T, false><<<blocks_for(num_tokens * cols), kThreads, 0, stream>>>(
+          slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
+    }
   });
 }
 
@@ -146,8 +152,10 @@ cudaError_t prepare_layer_kernels(DType dtype) {
   const cudaError_t typed = with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
     for (const void* kernel : {reinterpret_cast<const void*>(to_float_kernel<T>),
-                               reinterpret_cast<const void*>(activation_kernel<T>),
-                               reinterpret_cast<const void*>(combine_kernel<T>)}) {
+                               reinterpret_cast<const void*>(activation_kernel<T, false>),
+                               reinterpret_cast<const void*>(activation_kernel<T, true>),
+                               reinterpret_cast<const void*>(combine_kernel<T, false>),
+                               reinterpret_cast<const void*>(combine_kernel<T, true>)}) {
       if (status == cudaSuccess) status = cudaFuncGetAttributes(&attributes, kernel);
     }
   });

@@ -180,32 +180,89 @@ __global__ void gather_rows_kernel(const V* __restrict__ src, std::int64_t src_l
   }
 }
 
-template <typename T>
+// out[i] = round(activation(gate[i], up[i])) for count elements (gate null: not gated).
+// kVector: gate, up and out aligned to four elements, so a thread reads one float4 of each and
+// stores four outputs at once; the elements past the last four are the scalar loop's.
+template <typename T, bool kVector>
 __global__ void activation_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                                   T* __restrict__ out, std::int64_t count, ActivationParams p) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += stride) {
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::int64_t scalar_begin = 0;
+  if constexpr (kVector) {
+    const std::int64_t quads = count / 4;
+    for (std::int64_t i = first; i < quads; i += stride) {
+      const float4 u = reinterpret_cast<const float4*>(up)[i];
+      const float4 g = gate ? reinterpret_cast<const float4*>(gate)[i] : float4{};
+      Vec4<T> result;
+      result.v[0] = Storage<T>::store(activate(p, g.x, u.x));
+      result.v[1] = Storage<T>::store(activate(p, g.y, u.y));
+      result.v[2] = Storage<T>::store(activate(p, g.z, u.z));
+      result.v[3] = Storage<T>::store(activate(p, g.w, u.w));
+      reinterpret_cast<Vec4<T>*>(out)[i] = result;
+    }
+    scalar_begin = quads * 4;
+  }
+  for (std::int64_t i = scalar_begin + first; i < count; i += stride) {
     out[i] = Storage<T>::store(activate(p, gate ? gate[i] : 0.0f, up[i]));
   }
 }
 
-template <typename T>
+// routed[t, c] = round(Σ_j weights[t, j] · slot_out[slot_rows[t, j], c]) in slot order j = 0 …
+// k − 1, products and sums rounded one by one (the CPU executor's loop). Four slots' rows are
+// loaded before their products are summed, so a thread has four loads in flight instead of one
+// (the sum's order does not change). kVector: cols a multiple of four and slot_out 16-byte
+// aligned, so a thread reads one float4 per slot and stores four columns.
+template <typename T, bool kVector>
 __global__ void combine_kernel(const float* __restrict__ slot_out,
                                const std::int32_t* __restrict__ slot_rows,
                                const float* __restrict__ weights, T* __restrict__ routed,
                                std::int64_t num_tokens, std::int64_t top_k, std::int64_t cols) {
+  constexpr int kWidth = kVector ? 4 : 1;  // columns per thread
+  constexpr int kBatch = 4;                // slots loaded together
+  const std::int64_t units = cols / kWidth;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < num_tokens * cols; i += stride) {
-    const std::int64_t token = i / cols, col = i - token * cols;
+       i < num_tokens * units; i += stride) {
+    const std::int64_t token = i / units, col = (i - token * units) * kWidth;
     const std::int64_t first = token * top_k;
-    float sum = __fmul_rn(weights[first], slot_out[slot_rows[first] * cols + col]);
-    for (std::int64_t j = 1; j < top_k; ++j) {
-      sum = __fadd_rn(sum,
-                      __fmul_rn(weights[first + j], slot_out[slot_rows[first + j] * cols + col]));
+    float sum[kWidth] = {};
+    for (std::int64_t j0 = 0; j0 < top_k; j0 += kBatch) {
+      float value[kBatch][kWidth];
+      float weight[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (j0 + b >= top_k) break;
+        weight[b] = weights[first + j0 + b];
+        const float* row = slot_out + static_cast<std::int64_t>(slot_rows[first + j0 + b]) * cols;
+        if constexpr (kVector) {
+          const float4 v = *reinterpret_cast<const float4*>(row + col);
+          value[b][0] = v.x;
+          value[b][1] = v.y;
+          value[b][2] = v.z;
+          value[b][3] = v.w;
+        } else {
+          value[b][0] = row[col];
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (j0 + b >= top_k) break;
+#pragma unroll
+        for (int c = 0; c < kWidth; ++c) {
+          const float product = __fmul_rn(weight[b], value[b][c]);
+          sum[c] = j0 + b == 0 ? product : __fadd_rn(sum[c], product);
+        }
+      }
     }
-    routed[i] = Storage<T>::store(sum);
+    if constexpr (kVector) {
+      Vec4<T> result;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) result.v[c] = Storage<T>::store(sum[c]);
+      *reinterpret_cast<Vec4<T>*>(routed + token * cols + col) = result;
+    } else {
+      routed[i] = Storage<T>::store(sum[0]);
+    }
   }
 }
 
