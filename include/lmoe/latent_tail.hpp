@@ -24,6 +24,14 @@ Backend parse_backend(std::string_view name);
 // Whether this build and machine can run the backend (cuda: compiled in and a GPU present).
 bool backend_available(Backend backend);
 
+// The built-in breakpoints for `backend` on `ranks` ranks: on cuda below kFusedDefaultMinRanks
+// ranks the built-in fused_max_tokens becomes 0 (`fused` measured slower than `overlap` at every
+// T ≤ 256 at tp 1 and 2 on H200s, docs/fused.md; the reference system runs its fused kernel only
+// at tp 8 and 16). Settings from a table, the environment or the caller are kept. LatentTail
+// applies it at construction; explain() names it as the setting's origin.
+inline constexpr int kFusedDefaultMinRanks = 8;
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks);
+
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).
 TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);

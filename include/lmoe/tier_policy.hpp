@@ -55,7 +55,8 @@ std::string describe_tier_ranges(std::span<const TierRange> ranges);
 // Breakpoints in T: fused for T <= fused_max_tokens, overlap for T <= overlap_max_tokens, column
 // for T <= column_max_tokens (nullopt: no limit), token above. The defaults follow the reference
 // system: fused up to 128, overlap up to 256, column above; token only where a table or the
-// environment enables it.
+// environment enables it. On cuda below 8 ranks LatentTail makes the built-in fused breakpoint 0
+// (with_rank_defaults in latent_tail.hpp).
 struct PolicyConfig {
   Setting<std::int64_t> fused_max_tokens{128, SettingSource::built_in, "default"};
   Setting<std::int64_t> overlap_max_tokens{256, SettingSource::built_in, "default"};

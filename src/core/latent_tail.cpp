@@ -29,6 +29,17 @@ Backend parse_backend(std::string_view name) {
   throw Error("unknown backend '" + std::string(name) + "': expected cpu or cuda");
 }
 
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks) {
+  if (backend == Backend::cuda && ranks < kFusedDefaultMinRanks &&
+      policy.fused_max_tokens.source == SettingSource::built_in) {
+    policy.fused_max_tokens = {0, SettingSource::built_in,
+                               "default for cuda at tp " + std::to_string(ranks) + " < " +
+                                   std::to_string(kFusedDefaultMinRanks) +
+                                   ": fused measured slower than overlap at tp 1 and 2"};
+  }
+  return policy;
+}
+
 bool backend_available(Backend backend) {
   if (backend == Backend::cpu) return true;
 #ifdef LMOE_HAS_CUDA
@@ -119,6 +130,8 @@ std::vector<DeviceTokenBucket> make_device_token_buckets(
 LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
                        ConstMatrixView up_proj_weight)
     : impl_(std::make_unique<Impl>(std::move(options), comm)) {
+  impl_->options.policy =
+      with_rank_defaults(std::move(impl_->options.policy), impl_->options.backend, comm.size());
   const TailOptions& opts = impl_->options;
   std::optional<std::string> error = validate_options(opts, comm.size());
   if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);

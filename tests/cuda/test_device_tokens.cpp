@@ -525,7 +525,7 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     EXPECT_EQ(message(tail, routed_view, shared_view, tokens_ptr),
               "T=17 read from tokens_device is outside [0, max_tokens=16]");
     // A capture before any eager call cannot run the GEMMs' first launches: refused by name
-    // (overlap: the policy would pick fused here, which has no GEMM).
+    // (overlap forced; fused, below, has no GEMM).
     const lmoe::cuda::OwnedStream stream;
     cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
     const std::string captured =
@@ -535,9 +535,9 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     if (dropped) cudaGraphDestroy(dropped);
     cudaGetLastError();
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
-    // The policy picks fused (no GEMM) at every T here, which needs no eager call first: captured,
-    // instantiated and replayed with T = 5 on zeros, rows < 5 come out zero and the fused kernel
-    // (which reads T itself) leaves rows >= 5 as they were.
+    // Fused (no GEMM; forced: at tp 1 the policy prefers overlap) needs no eager call first:
+    // captured, instantiated and replayed with T = 5 on zeros, rows < 5 come out zero and the fused
+    // kernel (which reads T itself) leaves rows >= 5 as they were.
     cuda_ok(cudaMemset(routed.data(), 0, routed.bytes()));
     cuda_ok(cudaMemset(shared.data(), 0, shared.bytes()));
     const lmoe::cuda::DeviceBuffer out(shared.bytes());
@@ -548,7 +548,8 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
     std::string fused_captured;
     try {
-      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, std::nullopt, stream.get());
+      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, TailTier::fused,
+                                 stream.get());
     } catch (const lmoe::Error& error) {
       fused_captured = error.message();
     }

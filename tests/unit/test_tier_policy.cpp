@@ -17,6 +17,7 @@
 
 #include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
 #include "tier_table_files.hpp"
 
 namespace {
@@ -389,6 +390,47 @@ TEST(TierPolicySelect, DefaultBreakpoints) {
   // Without a column limit the token tier is never preferred.
   EXPECT_EQ(tier_for(1'000'000'000, config), TailTier::column);
   EXPECT_EQ(tier_for(INT64_MAX, config), TailTier::column);
+}
+
+// On cuda below 8 ranks the built-in fused breakpoint is 0 (fused measured slower than overlap at
+// tp 1 and 2): decode T goes to overlap; at 8 and 16 ranks, and on the cpu backend, the reference
+// system's 128 stays; a breakpoint from the environment or a table is kept whatever the ranks.
+TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
+  using lmoe::Backend;
+  using lmoe::with_rank_defaults;
+  for (const int ranks : {1, 2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks);
+    EXPECT_EQ(config.fused_max_tokens.value, 0);
+    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+    EXPECT_EQ(tier_for(1, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(128, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(256, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(257, config), TailTier::column);
+    EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
+                HasSubstr("default for cuda at tp " + std::to_string(ranks) + " < 8"));
+    // The setting's other sources rule.
+    const PolicyConfig from_env =
+        with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "16"}}), Backend::cuda, ranks);
+    EXPECT_EQ(from_env.fused_max_tokens.value, 16);
+    EXPECT_EQ(tier_for(16, from_env), TailTier::fused);
+    PolicyConfig from_table = load({});
+    lmoe::apply_tier_table(from_table, R"({"format": "lmoe-tier-table", "version": 1,
+        "breakpoints": {"fused_max_tokens": 64}})",
+                           "t.json");
+    from_table = with_rank_defaults(from_table, Backend::cuda, ranks);
+    EXPECT_EQ(from_table.fused_max_tokens.value, 64);
+    EXPECT_EQ(tier_for(64, from_table), TailTier::fused);
+  }
+  for (const int ranks : {lmoe::kFusedDefaultMinRanks, 16}) {
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks);
+    EXPECT_EQ(config.fused_max_tokens.value, 128);
+    EXPECT_EQ(tier_for(128, config), TailTier::fused);
+    EXPECT_EQ(tier_for(129, config), TailTier::overlap);
+  }
+  for (const int ranks : {1, 2, 8}) {
+    EXPECT_EQ(with_rank_defaults(load({}), Backend::cpu, ranks).fused_max_tokens.value, 128);
+  }
 }
 
 TEST(TierPolicySelect, ColumnLimitWhenSet) {
