@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,6 +150,26 @@ if wants profile && command -v ncu >/dev/null; then
       >"$logs/ncu_$name.log" 2>&1
     rc[ncu_$name]=$?
     grep -vE "^==PROF==|^#|^ +[0-9]+ +[0-9]+ +fused" "$logs/ncu_$name.log" | grep -E "Duration|Throughput|Warp Cycles|Stall|Eligible|Issued|Registers|Achieved|Theoretical Occ|Block Limit|Dynamic Shared|L2 Hit|Mem Busy|Max Bandwidth|Executed Ipc|No Eligible|Uncoalesced|Excessive|smsp__pcsamp|Waves|est\. speedup|OPT|WRN" | cut -c1-220 | head -60
+  done
+fi
+
+if wants decodeprofile && command -v ncu >/dev/null; then
+  # Nsight Compute on the routed experts' decode tile (m16: the layer's experts at T <= 16 stream
+  # their weights at ~3.0-3.3 TB/s): up+gate and down at K3 dims, 112 experts, T = 1 and 16. ncu
+  # prints template arguments as "GroupedShape<(int)16, ..., (bool)1>", hence the escaped regex.
+  for spec in 'up:GroupedShape<\(int\)16,.*\(bool\)1>' 'down:GroupedShape<\(int\)16,.*\(bool\)0>'; do
+    for tokens in 1 16; do
+      name=m16_${spec%%:*}_t$tokens; kernel=${spec#*:}
+      stage "ncu: $name"
+      timeout 120 ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:$kernel" \
+        --launch-skip 5 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats \
+        build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 1 --experts 112 -t "$tokens" \
+        --tiles m16 --no-loop >"$logs/ncu_$name.log" 2>&1
+      rc[ncu_$name]=$?
+      grep -E "Duration|Throughput|Warp Cycles|Stall|Eligible|Registers|Achieved|Theoretical Occ|Block Limit|Dynamic Shared|L2 Hit|Mem Busy|Max Bandwidth|No Eligible|Waves|Grid Size|est\. speedup|No kernels" "$logs/ncu_$name.log" | cut -c1-200 | head -40
+    done
   done
 fi
 
