@@ -156,8 +156,9 @@ fi
 if wants decodeprofile && command -v ncu >/dev/null; then
   # Nsight Compute on the routed experts' decode tile (m16: the layer's experts at T <= 16 stream
   # their weights at ~3.0-3.3 TB/s): up+gate and down at K3 dims, 112 experts, T = 1 and 16. ncu
-  # prints template arguments as "GroupedShape<(int)16, ..., (bool)1>", hence the escaped regex.
-  for spec in 'up:GroupedShape<\(int\)16,.*\(bool\)1>' 'down:GroupedShape<\(int\)16,.*\(bool\)0>'; do
+  # prints template arguments as "GroupedShape<(int)16, ..., (bool)1>" (then ", (int)R>" where a
+  # shape has runs), hence the escaped regex.
+  for spec in 'up:GroupedShape<\(int\)16,.*\(bool\)1[,>]' 'down:GroupedShape<\(int\)16,.*\(bool\)0[,>]'; do
     for tokens in 1 16; do
       name=m16_${spec%%:*}_t$tokens; kernel=${spec#*:}
       stage "ncu: $name"
