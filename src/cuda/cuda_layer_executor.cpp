@@ -622,7 +622,7 @@ class CudaLayerExecutor final : public LayerExecutor {
   std::int64_t capacity_ = 0;    // tokens the workspaces hold
   DeviceBuffer x32_;             // [T, d] fp32 (not split_router_)
   DeviceBuffer router_x_;        // [T, d] bf16 (split_router_): x where the router GEMM reads it
-  DeviceBuffer logits_;          // [T, E] fp32
+  DeviceBuffer logits_;          // [T, E] fp32, [T, 3E] with split_router_
   DeviceBuffer routing_device_;  // ids [T·k] int32, then weights [T·k] fp32
   PinnedBuffer routing_host_;    // the same, on the host
   DeviceBuffer order_device_;    // row of each slot [T·k] int32, then token of each grouped row

@@ -165,14 +165,12 @@ __device__ inline void grouped_store4(const GroupedGemmParams& p, std::int64_t a
     return;
   }
   const bool activation = p.out_mode == kGroupedOutActivation;
-  struct alignas(8) Four {
-    T v[4];
-  } out;
+  Vec4<T> out;
   out.v[0] = Storage<T>::store(activation ? activate(p.act, gate.x, up.x) : up.x);
   out.v[1] = Storage<T>::store(activation ? activate(p.act, gate.y, up.y) : up.y);
   out.v[2] = Storage<T>::store(activation ? activate(p.act, gate.z, up.z) : up.z);
   out.v[3] = Storage<T>::store(activation ? activate(p.act, gate.w, up.w) : up.w);
-  *reinterpret_cast<Four*>(static_cast<T*>(p.c) + at) = out;
+  *reinterpret_cast<Vec4<T>*>(static_cast<T*>(p.c) + at) = out;
 }
 
 // Whether grouped_store4 may write rows of C: ldc a multiple of 4 elements and C 16-byte aligned

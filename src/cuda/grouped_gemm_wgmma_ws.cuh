@@ -26,8 +26,9 @@
 //   that warp's wgmma reading the stage has completed). 4 stages of 48 KiB. Consumers keep one
 //   wgmma group in flight (wgmma_wait<1>): stage c − 1 is released while chunk c multiplies.
 // - Epilogue: the consumers park their accumulators in the stages (idle once both consumers'
-//   last wgmmas are done: a named barrier) and store from a loop, one output column per thread,
-//   so the activation's code exists once instead of once per accumulator register.
+//   last wgmmas are done: a named barrier) and all three warpgroups store them from a loop, four
+//   output columns per thread per step, so the activation's code exists once instead of once per
+//   accumulator register.
 // - Summation order over K as in the other tiles: 64-wide chunks in order, in each the four k16
 //   steps in order, each a wgmma into accumulators that start at zero — the same bits as m64.
 // The host launches it only on compute 9.0, with K, lda and the weight stride multiples of 8
@@ -257,10 +258,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     for (int sl = 0; sl < Shape::kSlices; ++sl) wgmma_pin(acc[sl]);
 
     // Epilogue through shared memory: once both consumers' wgmmas are done with the stages, each
-    // consumer parks its accumulators there and stores its rows from a loop, one column per thread.
+    // consumer parks its accumulators there; every warpgroup then stores them from a loop (below).
     // Unrolled over the accumulator registers instead (grouped_wgmma_store), Kimi-K3's activation
     // (two tanh, an exp, three divisions) was inlined 128 times: 200 KB of code that every block
-    // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 13.0 now).
+    // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 12.0 now).
     named_barrier_sync(kWsStagesFreeBarrier, Shape::kConsumers * 128);
     float* const consumer_parked = parked + consumer * Shape::kParkedFloats;
     const int lane = tid % 32;

@@ -107,8 +107,8 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
   const auto launch = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     // Rows of four-column multiples keep every row's float4s and Vec4s aligned.
-    const bool vector = cols % 4 == 0 && ld % 4 == 0 && aligned16(acc) &&
-                        reinterpret_cast<std::uintptr_t>(typed) % sizeof(Vec4<T>) == 0;
+    const bool vector =
+        cols % 4 == 0 && ld % 4 == 0 && aligned16(acc) && aligned_for<Vec4<T>>(typed);
     if (vector) {
       accumulate_stripe_kernel<T, true>
           <<<blocks_for(rows * cols / 4), kThreads, 0, stream>>>(typed, ld, acc, rows, cols);

@@ -108,8 +108,8 @@ cudaError_t launch_activation(const float* gate, const float* up, void* out, std
   const float* gate_in = is_gated(config.activation) ? gate : nullptr;
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool vector = aligned16(up) && (gate_in == nullptr || aligned16(gate_in)) &&
-                        reinterpret_cast<std::uintptr_t>(out) % sizeof(Vec4<T>) == 0;
+    const bool vector =
+        aligned16(up) && (gate_in == nullptr || aligned16(gate_in)) && aligned_for<Vec4<T>>(out);
     if (vector) {
       activation_kernel<T, true><<<blocks_for(count / 4 + 1), kThreads, 0, stream>>>(
           gate_in, up, static_cast<T*>(out), count, params);
@@ -129,8 +129,7 @@ cudaError_t launch_combine(const float* slot_out, const std::int32_t* slot_rows,
   return with_storage(dtype, [&](auto tag) {
     using T = decltype(tag);
     // Rows of four-column multiples keep every row's float4s and Vec4s aligned.
-    const bool vector = cols % 4 == 0 && aligned16(slot_out) &&
-                        reinterpret_cast<std::uintptr_t>(routed) % sizeof(Vec4<T>) == 0;
+    const bool vector = cols % 4 == 0 && aligned16(slot_out) && aligned_for<Vec4<T>>(routed);
     if (vector) {
       combine_kernel<T, true><<<blocks_for(num_tokens * cols / 4), kThreads, 0, stream>>>(
           slot_out, slot_rows, weights, static_cast<T*>(routed), num_tokens, top_k, cols);
