@@ -136,6 +136,153 @@ __global__ void read_kernel(const uint4* w, std::int64_t vectors, unsigned* sink
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// Register rings (the decode kernel's way, cuda/fused_decode.cuh): no shared memory; each thread
+// keeps kDepth 16-byte loads in flight in registers and consumes the oldest before reloading its
+// slot. Groups of 8 rows are dealt evenly over one block of 16 warps per SM.
+//   rows8: lane (g, q) = (lane / 4, lane % 4) reads row g of the group, 16 bytes at 64 s + 16 q
+//          of its warp's sixteenth of the row: one load instruction reads 64 bytes of 8 rows
+//          (the mma fragment's layout);
+//   lines: lane (r, j) = (lane / 8, lane % 8) reads row r of a quad, 16 bytes at 128 s + 16 j of
+//          its warp's lines: one load instruction reads whole 128-byte lines of 4 rows.
+// kCache: 0 ld.global.nc.L1::no_allocate.L2::128B (the decode kernel's), 1 ld.global (plain),
+// 2 ld.global.cs.
+constexpr int kRingThreads = 512;
+
+template <int kCache>
+__device__ inline uint4 ring_load(const std::byte* pointer) {
+  uint4 v;
+  if constexpr (kCache == 0) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(pointer));
+  } else if constexpr (kCache == 1) {
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(pointer));
+  } else {
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(pointer));
+  }
+  return v;
+}
+
+template <int kDepth, bool kLines, int kCache>
+__global__ void __launch_bounds__(kRingThreads, 1)
+    register_ring_kernel(const std::byte* w, std::int64_t rows, std::int64_t row_bytes,
+                         unsigned* sink) {
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  constexpr int kWarps = kRingThreads / 32;
+  const std::int64_t groups = rows / 8;
+  const std::int64_t group_first = blockIdx.x * groups / gridDim.x;
+  const std::int64_t block_rows = ((blockIdx.x + 1) * groups / gridDim.x - group_first) * 8;
+  const std::byte* base = w + group_first * 8 * row_bytes;
+  // Item i of this warp: (row block i / per_rows, piece i % per_rows).
+  int per_rows, row_sets;
+  std::int64_t row_stride;
+  const std::byte* at;
+  if constexpr (kLines) {
+    const int lines = static_cast<int>(row_bytes / 128);
+    const int first = warp * lines / kWarps;
+    per_rows = (warp + 1) * lines / kWarps - first;
+    row_sets = static_cast<int>(block_rows / 4);
+    row_stride = 4 * row_bytes;
+    at = base + (lane / 8) * row_bytes + first * 128 + (lane % 8) * 16;
+  } else {
+    const std::int64_t seg = row_bytes / kWarps;
+    per_rows = static_cast<int>(seg / 64);
+    row_sets = static_cast<int>(block_rows / 8);
+    row_stride = 8 * row_bytes;
+    at = base + (lane / 4) * row_bytes + warp * seg + (lane % 4) * 16;
+  }
+  constexpr int kPieceBytes = kLines ? 128 : 64;
+  const int items = per_rows * row_sets;
+  const std::int64_t jump = row_stride - static_cast<std::int64_t>(per_rows) * kPieceBytes;
+  int piece = 0, left = items;
+  const auto next = [&] {
+    const uint4 v = ring_load<kCache>(at);
+    at += kPieceBytes;
+    if (++piece == per_rows) piece = 0, at += jump;
+    --left;
+    return v;
+  };
+  uint4 ring[kDepth];
+#pragma unroll
+  for (int k = 0; k < kDepth; ++k) {
+    if (left > 0) ring[k] = next();
+  }
+  unsigned acc = 0;
+  for (int b = 0; b < items; b += kDepth) {
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) {
+      if (b + k < items) {
+        acc ^= ring[k].x ^ ring[k].y ^ ring[k].z ^ ring[k].w;
+        if (left > 0) ring[k] = next();
+      }
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+// The same rows8 walk through shared memory: each lane copies its 16 bytes with cp.async into a
+// slot of its own (one commit group per item, kDepth in flight) and reads them back once landed,
+// so no lane waits for another (the decode kernel's second version).
+template <int kDepth>
+__global__ void __launch_bounds__(kRingThreads, 1)
+    lane_ring_kernel(const std::byte* w, std::int64_t rows, std::int64_t row_bytes,
+                     unsigned* sink) {
+  extern __shared__ __align__(16) std::byte lane_ring[];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  constexpr int kWarps = kRingThreads / 32;
+  const std::int64_t groups = rows / 8;
+  const std::int64_t group_first = blockIdx.x * groups / gridDim.x;
+  const int row_sets = static_cast<int>((blockIdx.x + 1) * groups / gridDim.x - group_first);
+  const std::int64_t seg = row_bytes / kWarps;
+  const int per_rows = static_cast<int>(seg / 64);
+  const std::byte* at =
+      w + group_first * 8 * row_bytes + (lane / 4) * row_bytes + warp * seg + (lane % 4) * 16;
+  const std::int64_t jump = 8 * row_bytes - static_cast<std::int64_t>(per_rows) * 64;
+  const std::uint32_t slots = static_cast<std::uint32_t>(__cvta_generic_to_shared(lane_ring)) +
+                              static_cast<std::uint32_t>((warp * kDepth * 32 + lane) * 16);
+  const int items = per_rows * row_sets;
+  int piece = 0, issued = 0;
+  const auto issue = [&] {
+    if (issued < items) {
+      cp_async16(slots + static_cast<std::uint32_t>((issued % kDepth) * 512), at);
+      at += 64;
+      if (++piece == per_rows) piece = 0, at += jump;
+    }
+    ++issued;
+    cp_async_commit();
+  };
+  for (int k = 0; k < kDepth - 1; ++k) issue();
+  unsigned acc = 0;
+  for (int i = 0; i < items; ++i) {
+    issue();
+    cp_async_wait<kDepth - 1>();
+    const uint4 v = *reinterpret_cast<const uint4*>(
+        lane_ring + ((warp * kDepth + i % kDepth) * 32 + lane) * 16);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  cp_async_wait<0>();
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+template <int kDepth>
+void launch_lane_ring(int grid, cudaStream_t stream, const std::byte* w, std::int64_t rows,
+                      std::int64_t row_bytes, unsigned* sink) {
+  const int smem = kRingThreads * kDepth * 16;
+  LMOE_CUDA_CHECK(cudaFuncSetAttribute(lane_ring_kernel<kDepth>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  lane_ring_kernel<kDepth><<<grid, kRingThreads, smem, stream>>>(w, rows, row_bytes, sink);
+  LMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+struct RingConfig {
+  const char* name;
+  void (*kernel)(const std::byte*, std::int64_t, std::int64_t, unsigned*);
+};
+
 struct Config {
   std::string mode;  // items | balanced
   int cols, seg, stages, blocks_per_sm;
@@ -247,6 +394,44 @@ int main(int argc, char** argv) {
                                std::to_string(c.stages) + "_b" + std::to_string(c.blocks_per_sm) + "_k" +
                                std::to_string(c.splits),
                            us);
+    }
+    // Register rings: one block of 512 threads per SM (rows in whole groups of 8; the row's
+    // sixteenths in whole 64-byte pieces for rows8, in whole 128-byte lines for lines).
+    const RingConfig rings[] = {
+        {"ring_rows8_nc_d16", register_ring_kernel<16, false, 0>},
+        {"ring_rows8_plain_d16", register_ring_kernel<16, false, 1>},
+        {"ring_rows8_cs_d16", register_ring_kernel<16, false, 2>},
+        {"ring_rows8_nc_d8", register_ring_kernel<8, false, 0>},
+        {"ring_lines_nc_d16", register_ring_kernel<16, true, 0>},
+        {"ring_lines_plain_d16", register_ring_kernel<16, true, 1>},
+        {"ring_lines_nc_d8", register_ring_kernel<8, true, 0>},
+    };
+    if (rows % 8 == 0 && row_bytes % (16 * 64) == 0) {
+      for (const RingConfig& r : rings) {
+        const double us = time_us(
+            [&] {
+              r.kernel<<<static_cast<int>(std::min<std::int64_t>(sms, rows / 8)), kRingThreads, 0,
+                         stream>>>(static_cast<const std::byte*>(w.data()), rows, row_bytes,
+                                   static_cast<unsigned*>(sink.data()));
+              LMOE_CUDA_CHECK(cudaGetLastError());
+            },
+            stream, iters);
+        std::printf("%-22s %6d %9.2f %7.2f\n", r.name, sms, us, bytes / us / 1e6);
+        results.emplace_back(r.name, us);
+      }
+      const int grid = static_cast<int>(std::min<std::int64_t>(sms, rows / 8));
+      const auto* wp = static_cast<const std::byte*>(w.data());
+      auto* sp = static_cast<unsigned*>(sink.data());
+      const std::pair<const char*, std::function<void()>> lane_rings[] = {
+          {"lane_ring_d8", [&] { launch_lane_ring<8>(grid, stream, wp, rows, row_bytes, sp); }},
+          {"lane_ring_d12", [&] { launch_lane_ring<12>(grid, stream, wp, rows, row_bytes, sp); }},
+          {"lane_ring_d16", [&] { launch_lane_ring<16>(grid, stream, wp, rows, row_bytes, sp); }},
+      };
+      for (const auto& [name, body] : lane_rings) {
+        const double us = time_us(body, stream, iters);
+        std::printf("%-22s %6d %9.2f %7.2f\n", name, grid, us, bytes / us / 1e6);
+        results.emplace_back(name, us);
+      }
     }
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     LMOE_CUDA_CHECK(cudaStreamDestroy(stream));
