@@ -64,37 +64,52 @@ __device__ void normalize_chunk(NormChunk<T>& chunk, const float* __restrict__ g
   }
 }
 
+// Levels h = 16 … 1 of the canonical tree: a warp's xor butterfly, whose every lane ends with the
+// tree's s[0] because fp32 addition is commutative.
+__device__ inline float warp_tree_of_lane_sums(float lane_sum) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    lane_sum = __fadd_rn(lane_sum, __shfl_xor_sync(0xffffffffu, lane_sum, offset));
+  }
+  return lane_sum;
+}
+
+// The whole tree over one row's 32·kWarpsPerRow lane sums already in shared memory
+// (row_lane_sums[i]: lane i's sum): levels h = 128, 64, 32 from memory, then the warp's butterfly.
+// Every lane of the calling warp gets the row's sum. Reads only: the caller synchronizes between
+// the writes of the lane sums and this call.
+template <int kWarpsPerRow>
+__device__ float tree_of_lane_sums(const float* row_lane_sums) {
+  // v[w] = s[i + 32·w] for this thread's i = lane mod 32.
+  const int i = static_cast<int>(threadIdx.x) % 32;
+  float v[kWarpsPerRow];
+#pragma unroll
+  for (int w = 0; w < kWarpsPerRow; ++w) v[w] = row_lane_sums[i + 32 * w];
+#pragma unroll
+  for (int half = kWarpsPerRow / 2; half >= 1; half /= 2) {
+#pragma unroll
+    for (int w = 0; w < half; ++w) v[w] = __fadd_rn(v[w], v[w + half]);
+  }
+  return warp_tree_of_lane_sums(v[0]);
+}
+
 // Σ of the row's lane sums by the canonical tree. The row's lanes 0 … 32·kWarpsPerRow − 1 are the
 // consecutive threads starting at a multiple of 32·kWarpsPerRow; lanes beyond them hold no element,
 // and the tree levels that would add them (h ≥ 32·kWarpsPerRow) add +0, which changes no lane sum
 // (a sum of squares is never −0), so they are skipped. Levels h = 128, 64, 32 cross warps through
-// `lane_sums` (kNormThreads floats of shared memory); h = 16 … 1 are a warp's xor butterfly, whose
-// every lane ends with the tree's s[0] because fp32 addition is commutative. Every thread of the
-// block must call it (it holds a barrier when kWarpsPerRow > 1).
+// `lane_sums` (kNormThreads floats of shared memory); h = 16 … 1 are a warp's xor butterfly. Every
+// thread of the block must call it (it holds a barrier when kWarpsPerRow > 1).
 template <int kWarpsPerRow>
 __device__ float row_sum_of_squares(float lane_sum, float* lane_sums) {
   static_assert(kWarpsPerRow == 1 || kWarpsPerRow == 2 || kWarpsPerRow == 4 || kWarpsPerRow == 8);
   if constexpr (kWarpsPerRow > 1) {
     lane_sums[threadIdx.x] = lane_sum;
     __syncthreads();
-    // v[w] = s[i + 32·w] for this thread's i = lane mod 32.
-    const int first = static_cast<int>(threadIdx.x) / (32 * kWarpsPerRow) * (32 * kWarpsPerRow) +
-                      static_cast<int>(threadIdx.x) % 32;
-    float v[kWarpsPerRow];
-#pragma unroll
-    for (int w = 0; w < kWarpsPerRow; ++w) v[w] = lane_sums[first + 32 * w];
-#pragma unroll
-    for (int half = kWarpsPerRow / 2; half >= 1; half /= 2) {
-#pragma unroll
-      for (int w = 0; w < half; ++w) v[w] = __fadd_rn(v[w], v[w + half]);
-    }
-    lane_sum = v[0];
+    const int first = static_cast<int>(threadIdx.x) / (32 * kWarpsPerRow) * (32 * kWarpsPerRow);
+    return tree_of_lane_sums<kWarpsPerRow>(lane_sums + first);
+  } else {
+    return warp_tree_of_lane_sums(lane_sum);
   }
-#pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    lane_sum = __fadd_rn(lane_sum, __shfl_xor_sync(0xffffffffu, lane_sum, offset));
-  }
-  return lane_sum;
 }
 
 __device__ inline float rms_norm_rstd(float sum_squares, int cols, float eps) {
