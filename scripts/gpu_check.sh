@@ -143,7 +143,7 @@ if wants profile && command -v ncu >/dev/null; then
   for spec in "stripe896_t1:--d-model 896 --d-latent 3584 -t 1" "k3_t1:-t 1" "k3_t128:-t 128"; do
     name=${spec%%:*}; args=${spec#*:}
     stage "ncu: fused $name"
-    timeout 150 ncu --clock-control none --kernel-name regex:fused_tail --launch-skip 6 --launch-count 1 \
+    timeout 150 ncu --clock-control none --kernel-name regex:fused_ --launch-skip 6 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       --section Occupancy --section LaunchStats --section SourceCounters --import-source yes \
       build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --tiers fused $args --warmup 2 --iters 5 --no-check \

@@ -9,6 +9,7 @@
 
 #include "comm/p2p_peer_access.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_launch.hpp"
 #include "lmoe/error.hpp"
 
@@ -149,46 +150,110 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   params_.grid = grid;
   params_.col_tiles = col_tiles;
   params_.splits = splits_for(grid);
-  if (std::getenv("LMOE_FUSED_TRACE")) {
+  const bool tracing = std::getenv("LMOE_FUSED_TRACE") != nullptr;
+  if (tracing) {
     trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
     LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
     params_.trace = static_cast<std::uint64_t*>(trace_.data());
   }
+  choose_decode();
+  if (tracing && decode_max_tokens_ > 0) {
+    decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
+                                 sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(decode_trace_.data(), 0, decode_trace_.bytes()));
+  }
+}
+
+// With one rank, calls of up to 16 rows (8 where the normalized rows of 16 do not fit in shared
+// memory) run the decode kernel.
+void FusedTail::choose_decode() {
+  const auto misaligned = [](const void* pointer) {
+    return reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0;
+  };
+  if (params_.tp != 1) {
+    decode_limit_ = "the decode kernel runs tp = 1 only (tp=" + std::to_string(params_.tp) + ")";
+  } else if (misaligned(params_.w_stripe) || misaligned(params_.gamma)) {
+    decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
+  } else {
+    for (std::int64_t bound : {kFusedDecodeMaxTokens, std::int64_t{8}}) {
+      const std::int64_t tokens = std::min(bound, capacity_);
+      const char* reason = fused_decode_plan(params_.d, params_.l, tokens, dtype_, &decode_plan_);
+      if (reason == nullptr) {
+        decode_max_tokens_ = tokens;
+        break;
+      }
+      if (!decode_limit_)
+        decode_limit_ = std::string(reason) + " (d_model=" + std::to_string(params_.d) +
+                        ", d_latent=" + std::to_string(params_.l) + ", T ≤ " +
+                        std::to_string(tokens) + ")";
+    }
+  }
 }
 
 FusedTail::~FusedTail() {
-  if (trace_.bytes()) print_trace();
+  if (trace_.bytes() || decode_trace_.bytes()) print_trace();
   if (own_status_) cudaFreeHost(own_status_);
 }
 
-// LMOE_FUSED_TRACE: when the blocks of the last call reached each point (min / median / max over
-// the blocks that did, µs after the earliest entry), on stderr. Diagnostics only.
-void FusedTail::print_trace() noexcept {
-  const int grid = params_.grid;
-  std::vector<std::uint64_t> stamps(static_cast<std::size_t>(grid) * kFusedTracePoints);
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpy(stamps.data(), trace_.data(), trace_.bytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
-    return;
-  }
-  static constexpr const char* kNames[kFusedTracePoints] = {"entry",       "epoch",     "staged",
-                                                            "inputs arrived", "normed", "rows done",
-                                                            "items done",  "stripes arrived", "end"};
+namespace {
+
+// One kernel's points over its blocks: min / median / max µs after the earliest entry (point 0),
+// on stderr; points no block reached (0) are left out.
+void print_points(const char* title, const std::vector<std::uint64_t>& stamps, int grid, int points,
+                  const char* const* names) {
   std::uint64_t origin = ~std::uint64_t{0};
   for (int b = 0; b < grid; ++b) {
-    const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * kFusedTracePoints];
+    const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * points];
     if (entry) origin = std::min(origin, entry);
   }
-  std::fprintf(stderr, "[ fused trace ] rank %d, grid %d, splits %lld, last call (us after the first entry: min / median / max over blocks)\n",
-               params_.rank, grid, static_cast<long long>(params_.splits));
-  for (int point = 0; point < kFusedTracePoints; ++point) {
+  if (origin == ~std::uint64_t{0}) return;  // the kernel did not run
+  std::fprintf(stderr, "%s (us after the first entry: min / median / max over blocks)\n", title);
+  for (int point = 0; point < points; ++point) {
     std::vector<double> at;
     for (int b = 0; b < grid; ++b) {
-      const std::uint64_t stamp = stamps[static_cast<std::size_t>(b) * kFusedTracePoints + point];
+      const std::uint64_t stamp = stamps[static_cast<std::size_t>(b) * points + point];
       if (stamp >= origin && stamp != 0) at.push_back(static_cast<double>(stamp - origin) * 1e-3);
     }
     if (at.empty()) continue;
     std::sort(at.begin(), at.end());
-    std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", kNames[point], at.front(), at[at.size() / 2], at.back());
+    std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", names[point], at.front(),
+                 at[at.size() / 2], at.back());
+  }
+}
+
+}  // namespace
+
+// LMOE_FUSED_TRACE: when the blocks of the last call of each kernel reached each point, on stderr.
+// Diagnostics only.
+void FusedTail::print_trace() noexcept {
+  if (cudaDeviceSynchronize() != cudaSuccess) return;
+  const auto read = [](const DeviceBuffer& buffer) {
+    std::vector<std::uint64_t> stamps(buffer.bytes() / sizeof(std::uint64_t));
+    if (cudaMemcpy(stamps.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost) !=
+        cudaSuccess)
+      stamps.clear();
+    return stamps;
+  };
+  if (trace_.bytes()) {
+    static constexpr const char* kNames[kFusedTracePoints] = {
+        "entry",      "epoch",           "staged", "inputs arrived", "normed", "rows done",
+        "items done", "stripes arrived", "end"};
+    const std::vector<std::uint64_t> stamps = read(trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) + ", grid " +
+                              std::to_string(params_.grid) + ", splits " +
+                              std::to_string(params_.splits) + ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, params_.grid, kFusedTracePoints, kNames);
+  }
+  if (decode_trace_.bytes()) {
+    static constexpr const char* kNames[kDecodeTracePoints] = {"entry", "inputs landed", "normed",
+                                                               "streamed", "end"};
+    const std::vector<std::uint64_t> stamps = read(decode_trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
+                              ", decode kernel, grid " + std::to_string(decode_plan_.grid) +
+                              ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, decode_plan_.grid, kDecodeTracePoints, kNames);
   }
 }
 
@@ -199,6 +264,14 @@ std::optional<std::string> FusedTail::buffers_limit(const void* routed, const vo
     }
   }
   return std::nullopt;
+}
+
+std::uint32_t FusedTail::general_calls() const {
+  FusedFlags flags{};
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  LMOE_CUDA_CHECK(
+      cudaMemcpy(&flags, params_.workspace[params_.rank], sizeof(flags), cudaMemcpyDeviceToHost));
+  return flags.epoch;
 }
 
 void FusedTail::throw_if_failed() {
@@ -216,6 +289,23 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
   LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
              "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
   if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
+  if (kernel_for(tokens) == FusedKernel::decode) {
+    FusedDecodeParams p;
+    p.tokens = tokens;
+    p.tokens_device = tokens_device;
+    p.d = params_.d;
+    p.l = params_.l;
+    p.routed = routed;
+    p.shared = shared;
+    p.out = out;
+    p.w_up = params_.w_stripe;  // with one rank the stripe is all of w_up
+    p.gamma = params_.gamma;
+    p.eps = params_.eps;
+    p.latent_norm = params_.latent_norm;
+    p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
+    check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
+    return;
+  }
   FusedTailParams p = params_;
   p.tokens = tokens;
   p.tokens_device = tokens_device;

@@ -1,5 +1,6 @@
 // The fused decode tail on one rank: its workspace (shared with the peers), its grid, and the call
-// (kernel: cuda/fused_tail.cuh; protocol: docs/fused.md). Host code only.
+// (kernels: cuda/fused_tail.cuh, the general one, and cuda/fused_decode.cuh for tp = 1 and T ≤ 16;
+// protocol: docs/fused.md). Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "cuda/device_buffer.hpp"
+#include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_types.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
@@ -20,6 +22,10 @@ class P2pSharedBuffer;
 }
 
 namespace lmoe::cuda {
+
+// Which kernel a call runs: `decode` (cuda/fused_decode.cuh: tp = 1, T ≤ 16, no workspace) or
+// `general` (cuda/fused_tail.cuh: any tp, T ≤ 256, the workspace protocol).
+enum class FusedKernel { general, decode };
 
 class FusedTail {
  public:
@@ -50,14 +56,31 @@ class FusedTail {
   int grid() const { return params_.grid; }
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
+  // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
+  // the bound passed to run()): decode when tp = 1 and tokens ≤ decode_max_tokens().
+  FusedKernel kernel_for(std::int64_t tokens) const {
+    return tokens >= 1 && tokens <= decode_max_tokens_ ? FusedKernel::decode : FusedKernel::general;
+  }
+  // The largest bound the decode kernel takes here (0: it does not run; see decode_limit()).
+  std::int64_t decode_max_tokens() const { return decode_max_tokens_; }
+  // Why the decode kernel does not run here, or stops short of 16 rows (and of the workspace's
+  // rows); nullopt when it takes every call of up to min(16, capacity()) rows.
+  const std::optional<std::string>& decode_limit() const { return decode_limit_; }
+  // Calls of this rank the general kernel completed (its workspace's epoch; the decode kernel
+  // leaves the workspace alone), for tests that prove which kernel ran. Synchronizes the device.
+  std::uint32_t general_calls() const;
+
   // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
   // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
   // (read by the kernel at run time, so a captured graph can be replayed with another T ≤ tokens;
   // buffers must hold `tokens` rows). Throws on a device failure recorded by an earlier call.
+  // A decode call touches no workspace state, so two of them at once (or one beside a general call)
+  // are harmless; the general kernel's in_use check still catches two general calls at once.
   void run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
            const std::int32_t* tokens_device = nullptr);
 
  private:
+  void choose_decode();
   void throw_if_failed();
   void print_trace() noexcept;
 
@@ -67,8 +90,13 @@ class FusedTail {
   std::int64_t capacity_ = 0;
   DeviceBuffer workspace_;                              // one rank: its own workspace
   std::unique_ptr<P2pSharedBuffer> shared_workspace_;   // several: every rank's, from the communicator
-  DeviceBuffer trace_;  // LMOE_FUSED_TRACE only
+  DeviceBuffer trace_;         // LMOE_FUSED_TRACE only: the general kernel's points
+  DeviceBuffer decode_trace_;  // and the decode kernel's
   FusedTailParams params_;
+  // The decode kernel (tp = 1): calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
+  std::int64_t decode_max_tokens_ = 0;
+  std::optional<std::string> decode_limit_;
+  FusedDecodePlan decode_plan_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;
   std::int32_t* own_abort_ = nullptr;

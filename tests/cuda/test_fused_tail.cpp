@@ -244,30 +244,52 @@ struct FusedRank {
   }
 };
 
-// LMOE_FUSED_TRACE: destroying the FusedTail prints when its blocks reached each phase of the last
-// call; without the variable nothing is printed.
+// One fused call of up to max_tokens rows with T read from tokens_device, captured on `stream` into
+// *graph and instantiated into *exec.
+void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const void* tokens_device,
+                        cudaStream_t stream, cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens, stream,
+                   static_cast<const std::int32_t*>(tokens_device));
+  cuda_ok(cudaStreamEndCapture(stream, graph));
+  cuda_ok(cudaGraphInstantiate(exec, *graph, 0));
+}
+
+// LMOE_FUSED_TRACE: destroying the FusedTail prints when the blocks of the last call of each kernel
+// reached each of its points (one call of 17 rows: the general kernel; one of 4: the decode
+// kernel); without the variable nothing is printed.
 TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
   SKIP_WITHOUT_GPU();
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 12u);
-  const auto stderr_of_one_call = [&](const char* trace) {
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 17, 12u);
+  const auto stderr_of_two_calls = [&](const char* trace) {
     const ScopedEnv env("LMOE_FUSED_TRACE", trace);
     const auto comms = lmoe::make_p2p_thread_communicators(1, {});
     ::testing::internal::CaptureStderr();
     lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-      FusedRank state(comm, c, 4);
-      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, nullptr);
-      cuda_ok(cudaStreamSynchronize(nullptr));
+      FusedRank state(comm, c, 17);
+      for (std::int64_t tokens : {17, 4}) {
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), tokens,
+                         nullptr);
+        cuda_ok(cudaStreamSynchronize(nullptr));
+      }
     });
     return ::testing::internal::GetCapturedStderr();
   };
-  const std::string traced = stderr_of_one_call("1");
+  const std::string traced = stderr_of_two_calls("1");
   EXPECT_NE(traced.find("[ fused trace ] rank 0, grid "), std::string::npos) << traced;
   for (const char* point : {"entry", "epoch", "normed", "rows done", "items done", "end"}) {
     EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos) << point << "\n" << traced;
   }
   // With one rank there are no peers: no staging or stripe points.
   EXPECT_EQ(traced.find("stripes arrived"), std::string::npos) << traced;
-  EXPECT_EQ(stderr_of_one_call(nullptr).find("[ fused trace ]"), std::string::npos);
+  EXPECT_NE(traced.find("[ fused trace ] rank 0, decode kernel, grid "), std::string::npos)
+      << traced;
+  for (const char* point : {"inputs landed", "streamed"}) {
+    EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos)
+        << point << "\n"
+        << traced;
+  }
+  EXPECT_EQ(stderr_of_two_calls(nullptr).find("[ fused trace ]"), std::string::npos);
 }
 
 // A rank that never calls: its peer's kernel gives up after the timeout, and both ranks get an
@@ -379,18 +401,201 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
   EXPECT_FALSE(errors[1].empty());
 }
 
+// ---- The decode kernel (cuda/fused_decode.cuh): tp = 1, T ≤ 16
+// -----------------------------------
+
+// Which kernel ran: the general kernel counts its calls in the workspace's epoch, the decode kernel
+// leaves the workspace alone. tp 1 up to 16 rows (the call's T, or the bound of a call with T on
+// the device) takes the decode kernel, 17 and tp 2 the general one.
+TEST_F(Fused, DecodeKernelRunsTp1CallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
+  SKIP_WITHOUT_GPU();
+  for (int tp : {1, 2}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 17, 41u);
+    const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 64);
+      lmoe::cuda::FusedTail& fused = *state.fused;
+      // One stream per rank: ranks spinning on each other must not share the legacy default stream.
+      cudaStream_t stream = nullptr;
+      cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      if (tp == 1) {
+        EXPECT_EQ(fused.decode_max_tokens(), 16) << fused.decode_limit().value_or("");
+        EXPECT_FALSE(fused.decode_limit().has_value());
+      } else {
+        EXPECT_EQ(fused.decode_max_tokens(), 0);
+        ASSERT_TRUE(fused.decode_limit().has_value());
+        EXPECT_NE(fused.decode_limit()->find("tp = 1 only"), std::string::npos)
+            << *fused.decode_limit();
+      }
+      std::uint32_t general = fused.general_calls();
+      for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{16}, std::int64_t{17}}) {
+        const bool decode = tp == 1 && tokens <= 16;
+        EXPECT_EQ(fused.kernel_for(tokens),
+                  decode ? lmoe::cuda::FusedKernel::decode : lmoe::cuda::FusedKernel::general)
+            << "tp=" << tp << " T=" << tokens;
+        comm.barrier();
+        fused.run(state.routed.data(), state.shared.data(), state.out.data(), tokens, stream);
+        cuda_ok(cudaStreamSynchronize(stream));
+        const std::uint32_t now = fused.general_calls();
+        EXPECT_EQ(now - general, decode ? 0u : 1u) << "tp=" << tp << " T=" << tokens;
+        general = now;
+      }
+      EXPECT_EQ(fused.kernel_for(0), lmoe::cuda::FusedKernel::general);
+      cudaStreamDestroy(stream);
+    });
+  }
+}
+
+// A latent too long for 16 normalized rows next to the weight rings in a block's shared memory
+// (l = 4480: 246 KB, more than any device's 227-228 KB) but not for 8 (230 KB): the decode kernel
+// takes calls of up to 8 rows and says why not 16; 8 and 9 rows meet the contract (9 through the
+// general kernel).
+TEST_F(Fused, DecodeStopsAt8RowsWhere16NormalizedRowsDoNotFit) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailDims dims{64, 4480};
+  const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 9, 17u);
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, 64);
+    EXPECT_EQ(state.fused->decode_max_tokens(), 8);
+    ASSERT_TRUE(state.fused->decode_limit().has_value());
+    EXPECT_NE(state.fused->decode_limit()->find("do not fit in a block's shared memory"),
+              std::string::npos)
+        << *state.fused->decode_limit();
+    EXPECT_EQ(state.fused->kernel_for(8), lmoe::cuda::FusedKernel::decode);
+    EXPECT_EQ(state.fused->kernel_for(9), lmoe::cuda::FusedKernel::general);
+  });
+  double worst = 0;
+  for (std::int64_t tokens : {8, 9}) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    expect_random_and_crafted_inputs_pass(dims, DType::bf16, 1, tokens,
+                                          23u + static_cast<std::uint64_t>(tokens), &worst);
+  }
+  std::printf("[ fused  ] decode d=64 l=4480 T 8/9 max_err/bound=%.3f\n", worst);
+}
+
+// Around the bound (17 takes the general kernel), bf16 and f16, random inputs within the contract's
+// bound and crafted inputs bit for bit; with and without the latent norm.
+TEST_F(Fused, DecodeAroundItsBoundMeetsTheContractWithAndWithoutTheNorm) {
+  SKIP_WITHOUT_GPU();
+  for (bool latent_norm : {true, false}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      double worst = 0;
+      for (std::int64_t tokens : {1, 2, 5, 8, 15, 16, 17}) {
+        SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens) +
+                     (latent_norm ? "" : " no norm"));
+        const auto seed = 13u * static_cast<std::uint64_t>(tokens) + (latent_norm ? 0u : 7u);
+        lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, dtype, 1, tokens, seed);
+        random.latent_norm = latent_norm;
+        expect_meets_contract(random, run_fused(random), &worst);
+        lmoe::TailCase exact = lmoe::make_exact_case(kSmall, dtype, 1, tokens, seed);
+        exact.latent_norm = latent_norm;
+        const lmoe::CaseRun exact_run = run_fused(exact);
+        const lmoe::Comparison cmp =
+            lmoe::compare(exact_run.ranks[0].y.matrix(),
+                          lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+                          lmoe::exact_tail(exact));
+        EXPECT_EQ(cmp.bit_mismatches, 0);
+      }
+      std::printf("[ fused  ] decode tp=1 %-4s T 1…17 norm=%d max_err/bound=%.3f\n",
+                  std::string(lmoe::dtype_name(dtype)).c_str(), latent_norm ? 1 : 0, worst);
+    }
+  }
+}
+
+// Odd shapes: d = 40, l = 48 (5 groups of 8 rows over 5 blocks; 2 steps of 32 of K, the second
+// half past l, so 14 of the 16 warps have no K and two lanes of each of its items copy nothing),
+// and d = 3176, l = 560 (397 groups over up to one block per SM: 3 or 4 each on 132 SMs; 18 steps,
+// 1 or 2 per warp, the last half past l).
+TEST_F(Fused, DecodeSmallOddShapes) {
+  SKIP_WITHOUT_GPU();
+  double worst = 0;
+  for (const lmoe::TailDims dims : {lmoe::TailDims{40, 48}, lmoe::TailDims{3176, 560}}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      for (std::int64_t tokens : {1, 3, 9, 16}) {
+        SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " l=" + std::to_string(dims.d_latent) +
+                     " " + std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens));
+        expect_random_and_crafted_inputs_pass(dims, dtype, 1, tokens,
+                                              3u * static_cast<std::uint64_t>(tokens), &worst);
+      }
+    }
+  }
+  std::printf("[ fused  ] decode d=40 l=48 and d=3176 l=560 max_err/bound=%.3f\n", worst);
+}
+
+// K3 dims: an eager call of 16 rows against the contract, then one graph captured for up to 16 rows
+// with T on the device, replayed with T changing between replays. Rows are independent, so each
+// replay's first T rows must equal the eager call's bit for bit, and the rows after them must stay
+// as poisoned before the replay.
+TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t max_tokens = 16, d = kK3.d_model;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)));
+    const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, dtype, 1, max_tokens, 99u);
+    const std::size_t esize = lmoe::dtype_size(dtype),
+                      row_bytes = static_cast<std::size_t>(d) * esize;
+    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, max_tokens);
+      ASSERT_EQ(state.fused->kernel_for(max_tokens), lmoe::cuda::FusedKernel::decode)
+          << state.fused->decode_limit().value_or("");
+      cudaStream_t stream = nullptr;
+      cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
+      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
+                       stream);
+      lmoe::HostTensor eager(dtype, {max_tokens, d});
+      cuda_ok(cudaMemcpyAsync(eager.data(), state.out.data(), max_tokens * row_bytes,
+                              cudaMemcpyDeviceToHost, stream));
+      cuda_ok(cudaStreamSynchronize(stream));
+      const lmoe::Comparison cmp =
+          lmoe::compare(eager.matrix(), lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)),
+                        lmoe::exact_tail(c));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+      std::printf("[ fused  ] decode K3 %s T=16 eager max_err/bound=%.3f\n",
+                  std::string(lmoe::dtype_name(dtype)).c_str(), cmp.max_error_over_bound);
+
+      DeviceBuffer tokens_now(sizeof(std::int32_t));
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
+      std::vector<std::byte> got(max_tokens * row_bytes);
+      for (std::int32_t tokens : {16, 1, 7, 16, 3, 12, 2}) {
+        SCOPED_TRACE("graph T=" + std::to_string(tokens));
+        cuda_ok(cudaMemcpyAsync(tokens_now.data(), &tokens, sizeof(tokens), cudaMemcpyHostToDevice,
+                                stream));
+        cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
+        cuda_ok(cudaGraphLaunch(exec, stream));
+        cuda_ok(cudaMemcpyAsync(got.data(), state.out.data(), got.size(), cudaMemcpyDeviceToHost,
+                                stream));
+        cuda_ok(cudaStreamSynchronize(stream));
+        const std::size_t used = static_cast<std::size_t>(tokens) * row_bytes;
+        EXPECT_EQ(std::memcmp(got.data(), eager.data(), used), 0);
+        std::size_t untouched = 0;
+        for (std::size_t i = used; i < got.size(); ++i) untouched += got[i] == std::byte{0xff};
+        EXPECT_EQ(untouched, got.size() - used);
+      }
+      EXPECT_EQ(state.fused->general_calls(), 0u);  // every call above ran the decode kernel
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    });
+  }
+}
+
 // Graph replays with T and inputs changing between replays and no host work in the call: the
 // kernel reads T on the device. Each replay's output is compared on the device with the eager
 // result of the same inputs (itself checked against the contract), so a stale parity, a row left
-// over from a longer call or a race in the protocol shows up as a counted mismatch.
-TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
-  SKIP_WITHOUT_GPU();
-  const int tp = 2;
-  if (lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+// over from a longer call or a race in the protocol shows up as a counted mismatch. `kernel`: the
+// fused kernel every call must take (the graph's bound decides it).
+void soak_graph_replays(int tp, std::int64_t max_tokens,
+                        const std::vector<std::int64_t>& set_tokens,
+                        lmoe::cuda::FusedKernel kernel) {
   const char* env = std::getenv("LMOE_FUSED_SOAK_REPLAYS");
   const long replays = env ? std::atol(env) : 100000;
-  const std::int64_t max_tokens = 64;
-  const std::vector<std::int64_t> set_tokens = {1, 17, 64, 5};
   std::vector<lmoe::TailCase> cases;
   for (std::size_t k = 0; k < set_tokens.size(); ++k) {
     cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, set_tokens[k], 500u + k));
@@ -407,6 +612,9 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
     const std::size_t esize = 2;
     const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
     FusedRank state(comm, cases[0], max_tokens);
+    EXPECT_EQ(state.fused->kernel_for(max_tokens), kernel)
+        << state.fused->decode_limit().value_or("");
+    for (std::int64_t t : set_tokens) EXPECT_EQ(state.fused->kernel_for(t), kernel) << "T=" << t;
     // Per case, on the device: its inputs and the expected output (from an eager call below).
     std::vector<DeviceBuffer> routed, shared, expected;
     std::vector<std::int32_t> tokens_host;
@@ -436,11 +644,7 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
     // The graph: one fused call of up to max_tokens rows, T from tokens_now.
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens, stream,
-                     static_cast<const std::int32_t*>(tokens_now.data()));
-    cuda_ok(cudaStreamEndCapture(stream, &graph));
-    cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
+    capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
     cuda_ok(cudaGraphUpload(exec, stream));
     cuda_ok(cudaDeviceSynchronize());
     comm.barrier();
@@ -478,12 +682,32 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   });
+  unsigned long long total = 0;
   for (int r = 0; r < tp; ++r) {
     EXPECT_EQ(replayed[static_cast<std::size_t>(r)], replays);
     EXPECT_EQ(mismatches[static_cast<std::size_t>(r)], 0ull) << "rank " << r;
+    total += mismatches[static_cast<std::size_t>(r)];
   }
-  std::printf("[ fused  ] soak: %ld graph replays per rank, tp=%d, T in {1, 17, 64, 5}: %llu mismatched bytes\n", replays,
-              tp, mismatches[0] + mismatches[1]);
+  std::string tokens_list;
+  for (std::int64_t t : set_tokens)
+    tokens_list += (tokens_list.empty() ? "" : ", ") + std::to_string(t);
+  std::printf(
+      "[ fused  ] soak: %ld graph replays per rank, tp=%d (%s kernel), T in {%s}: %llu mismatched "
+      "bytes\n",
+      replays, tp, kernel == lmoe::cuda::FusedKernel::decode ? "decode" : "general",
+      tokens_list.c_str(), total);
+}
+
+TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+  SKIP_WITHOUT_GPU();
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  soak_graph_replays(2, 64, {1, 17, 64, 5}, lmoe::cuda::FusedKernel::general);
+}
+
+// The same for the decode kernel (tp = 1, a graph bounded by 16 rows), whose blocks share nothing.
+TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+  SKIP_WITHOUT_GPU();
+  soak_graph_replays(1, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
 }
 
 }  // namespace

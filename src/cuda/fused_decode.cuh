@@ -1,0 +1,335 @@
+// The fused tier's decode kernel: tp = 1 and T ≤ 16, the whole tail in one launch,
+//
+//   Y = round(round(N · w_upᵀ) + shared),  N = round(rmsnorm(routed))
+//
+// (DESIGN.md §3 `fused` with one rank: the rank sums are the inputs themselves). No workspace, no
+// flags, no grid barrier: with one rank a block needs nothing from any other block. Device code
+// only.
+//
+// At decode sizes the tail is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate), so
+// the kernel is built around reading it. Each warp streams its own share through a ring of its own
+// in shared memory: a lane copies 16 bytes per item with cp.async into a slot of its own, keeps
+// kDepth items in flight (one commit group each) and reads back only what it copied itself, so no
+// lane, warp or block ever waits for another during the stream (no barrier, no mbarrier, no
+// producer warp). benchmarks/stream_probe.cu measured this walk against the alternatives: the same
+// walk loading into registers streams at ~2.4 TB/s, shared-memory rings shared by a block at
+// 2.9–4.2 TB/s depending on their shape (docs/fused.md).
+//
+// The product is the plain one, tokens × weights: Uᵀ's tile is the mma's C with the tokens as M
+// (one m-tile of 16 rows; tokens ≥ T are never stored) and 8 weight rows as N. So a block's work
+// comes in groups of 8 rows of w_up, and d's groups are dealt evenly over one block per SM (K3:
+// 896 groups over 132 SMs, 6 or 7 each; the weight bytes per SM differ by at most one group).
+//
+// Each of the 16 warps takes a fixed, contiguous share of K (K3: 7 of the 112 steps of 32) in
+// every group of its block; an item is one step of one group, and lane (g, q) = (lane / 4,
+// lane % 4) copies the 16 bytes of weight row g at k = step·32 + 8q. The mma's K order is free (the
+// fused contract bounds the product; it does not fix its order), so a 16-byte vector is two mma
+// steps: its first 4 elements sit in the fragment slots of k ∈ {2q, 2q+1, 2q+8, 2q+9} of one mma,
+// its last 4 in those of the next, and N's fragment takes the same 8 elements of the token rows g
+// and g + 8. A group's accumulators stay in registers; after the stream the warps' fp32 partials
+// are summed in warp order through shared memory (results do not depend on scheduling).
+//
+// N: every block normalizes the T rows itself in shared memory in the canonical order of
+// cuda/rms_norm.cuh (bit-identical to the CPU). The rows and gamma are copied in (cp.async) before
+// any weight is requested, so the norm does not queue behind the weight stream; the first kDepth −
+// 1 items of every warp fly meanwhile.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/dtype.cuh"
+#include "cuda/fused_decode_launch.hpp"
+#include "cuda/p2p_protocol.cuh"
+#include "cuda/rms_norm.cuh"
+#include "cuda/warp_mma.cuh"
+
+namespace lmoe::cuda {
+
+static_assert(kDecodeThreads == 2 * kNormLanes, "two rows of the norm at a time, one per half");
+
+// Items each lane keeps in flight: 16 warps × kDepth × 512 bytes per SM (128 KB for calls of up to
+// 8 rows, 64 KB for 16, whose normalized rows take twice the room).
+template <int kMaxTokens>
+inline constexpr int kDecodeDepth = kMaxTokens == 8 ? 16 : 8;
+
+// The block's dynamic shared memory, in this order: the norm's lane sums (256 per row), gamma
+// (fp32), the block's slice of `shared` (the T rows × its groups, 16 bytes per group), N's rows,
+// the warps' rings (warp w's kDepth slots of 512 bytes, lane l's 16 bytes at 16 l of a slot).
+// After the stream the rings hold the warps' fp32 partials ([group][warp][token][8]). Every part a
+// multiple of 16 bytes.
+struct DecodeLayout {
+  static constexpr std::size_t kSlotBytes = 32 * 16;
+
+  // N's row pitch: ≡ 64 (mod 128) bytes, so that the two token rows one phase of a 16-byte
+  // shared load reads (8 lanes: 2 rows × 64 bytes) fall in different banks.
+  __host__ __device__ static constexpr std::size_t normed_pitch(std::int64_t l) {
+    return (static_cast<std::size_t>(l) * 2 + 127) / 128 * 128 + 64;
+  }
+  __host__ __device__ static constexpr std::size_t gamma_offset(int max_tokens) {
+    return static_cast<std::size_t>(max_tokens) * kNormLanes * sizeof(float);
+  }
+  __host__ __device__ static constexpr std::size_t shared_offset(std::int64_t l, int max_tokens) {
+    return gamma_offset(max_tokens) + static_cast<std::size_t>(l) * sizeof(float);
+  }
+  __host__ __device__ static constexpr std::size_t normed_offset(std::int64_t l, int max_tokens) {
+    return shared_offset(l, max_tokens) +
+           static_cast<std::size_t>(max_tokens) * kDecodeMaxGroups * 16;
+  }
+  __host__ __device__ static constexpr std::size_t ring_offset(std::int64_t l, int max_tokens) {
+    return normed_offset(l, max_tokens) + static_cast<std::size_t>(max_tokens) * normed_pitch(l);
+  }
+  __host__ __device__ static constexpr std::size_t ring_bytes(int max_tokens) {
+    return static_cast<std::size_t>(kDecodeWarps) *
+           (max_tokens == 8 ? kDecodeDepth<8> : kDecodeDepth<16>)*kSlotBytes;
+  }
+  __host__ __device__ static constexpr std::size_t partial_bytes(int max_tokens) {
+    return static_cast<std::size_t>(kDecodeMaxGroups) * kDecodeWarps * max_tokens * 8 *
+           sizeof(float);
+  }
+  __host__ __device__ static constexpr std::size_t bytes(std::int64_t l, int max_tokens) {
+    return ring_offset(l, max_tokens) + ring_bytes(max_tokens);
+  }
+};
+static_assert(DecodeLayout::partial_bytes(8) <= DecodeLayout::ring_bytes(8) &&
+                  DecodeLayout::partial_bytes(16) <= DecodeLayout::ring_bytes(16),
+              "the partials reuse the rings");
+
+__device__ inline uint4 load_shared16(std::uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address));
+  return v;
+}
+
+// N's rows in place: the latent rows as copied, normalized in the canonical order. The block's two
+// halves take rows h, h + 2, … (half h = threadIdx.x / 256, 256 lanes each: the order's lanes):
+// every row's lane sums, one barrier, then each row's tree and outputs. The loops are kept rolled:
+// the code runs once per call, so each of its instructions is fetched cold. It is still the slowest
+// part at T = 16 (~6.5 µs of a K3 call, LMOE_FUSED_TRACE; unrolled it took ~7.5, with every row's
+// chunks held in registers ~11): why is open, docs/fused.md. Every thread of the block calls it.
+template <typename T>
+__device__ inline void decode_norm_rows(std::int64_t l, float eps, std::byte* normed,
+                                        std::size_t pitch, const float* gamma, int tokens,
+                                        float* lane_sums) {
+  const int half = static_cast<int>(threadIdx.x) / kNormLanes;
+  const int lane = static_cast<int>(threadIdx.x) % kNormLanes;
+  const int chunks = static_cast<int>(l / kNormChunk);
+  const auto row = [&](int t) { return reinterpret_cast<T*>(normed + t * pitch); };
+#pragma unroll 1
+  for (int t = half; t < tokens; t += 2) {
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int c = lane; c < chunks; c += kNormLanes) {
+      NormChunk<T> chunk;
+      chunk.load(row(t) + c * kNormChunk);
+      sum = add_chunk_squares(sum, chunk);
+    }
+    lane_sums[t * kNormLanes + lane] = sum;
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int t = half; t < tokens; t += 2) {
+    const float rstd =
+        rms_norm_rstd(tree_of_lane_sums<8>(lane_sums + t * kNormLanes), static_cast<int>(l), eps);
+#pragma unroll 1
+    for (int c = lane; c < chunks; c += kNormLanes) {
+      NormChunk<T> chunk;
+      chunk.load(row(t) + c * kNormChunk);  // this thread's own elements
+      normalize_chunk(chunk, gamma + c * kNormChunk, rstd);
+      chunk.store(row(t) + c * kNormChunk);
+    }
+  }
+}
+
+__device__ inline void decode_trace(const FusedDecodeParams& p, int point) {
+  if (p.trace != nullptr && threadIdx.x == 0) {
+    p.trace[blockIdx.x * kDecodeTracePoints + point] = p2p_clock_ns();
+  }
+}
+
+template <typename T, int kMaxTokens>
+__global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDecodeParams p) {
+  static_assert(kMaxTokens == 8 || kMaxTokens == 16);
+  constexpr int kDepth = kDecodeDepth<kMaxTokens>;
+  extern __shared__ __align__(128) std::byte decode_smem[];
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
+  decode_trace(p, kDecodeTraceEntry);
+
+  // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
+  // keeps a wrong T inside this block's shared memory.
+  const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
+  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > kMaxTokens ? kMaxTokens : t_read);
+  // The block's groups of 8 rows of w_up: [group_first, group_first + groups), dealt evenly (at
+  // most kDecodeMaxGroups: the plan's grid ensures it).
+  const std::int64_t all_groups = p.d / 8;
+  const std::int64_t group_first = blockIdx.x * all_groups / gridDim.x;
+  const int groups = static_cast<int>((blockIdx.x + 1) * all_groups / gridDim.x - group_first);
+  if (groups == 0 || tokens == 0) return;  // the same for every thread of the block
+  const std::int64_t row_first = group_first * 8;
+
+  float* lane_sums = reinterpret_cast<float*>(decode_smem);
+  float* gamma = reinterpret_cast<float*>(decode_smem + DecodeLayout::gamma_offset(kMaxTokens));
+  std::byte* shared_slice = decode_smem + DecodeLayout::shared_offset(p.l, kMaxTokens);
+  std::byte* normed = decode_smem + DecodeLayout::normed_offset(p.l, kMaxTokens);
+  std::byte* rings = decode_smem + DecodeLayout::ring_offset(p.l, kMaxTokens);
+  float* partials = reinterpret_cast<float*>(rings);  // after the stream
+  const std::size_t pitch = DecodeLayout::normed_pitch(p.l);
+  const std::uint32_t normed_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(normed));
+
+  // 1. The small inputs first, so that they do not wait behind the weights: the T latent rows into
+  //    N, gamma, and this block's columns of `shared` (16 bytes per token and group). One commit
+  //    group, the oldest.
+  {
+    const int row_vectors = static_cast<int>(p.l / 8);
+    const char* routed = static_cast<const char*>(p.routed);
+    for (int i = tid; i < tokens * row_vectors; i += kDecodeThreads) {
+      const int t = i / row_vectors, v = i % row_vectors;
+      cp_async16(normed_s + static_cast<std::uint32_t>(t * pitch + v * 16),
+                 routed + (static_cast<std::int64_t>(t) * p.l + v * 8) * sizeof(T), true);
+    }
+    if (p.latent_norm) {
+      const std::uint32_t gamma_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(gamma));
+      for (int v = tid; v < p.l / 4; v += kDecodeThreads) {
+        cp_async16(gamma_s + static_cast<std::uint32_t>(v * 16), p.gamma + v * 4, true);
+      }
+    }
+    const std::uint32_t slice_s =
+        static_cast<std::uint32_t>(__cvta_generic_to_shared(shared_slice));
+    const T* shared_in = static_cast<const T*>(p.shared);
+    for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
+      const int t = i / groups, j = i % groups;
+      cp_async16(slice_s + static_cast<std::uint32_t>(i * 16),
+                 shared_in + t * p.d + row_first + j * 8, true);
+    }
+    cp_async_commit();
+  }
+
+  // 2. This warp's share of K: steps [step_first, step_first + steps) of 32, in every group. Item
+  //    i of the warp is (group i / steps, step i % steps), in slot i % kDepth of the warp's ring.
+  //    l % 16 == 0, so a thread's 8 elements are all inside K or all past it: of an l with
+  //    l % 32 == 16 the last step's lanes q = 2, 3 copy nothing (zeros) and multiply zeros.
+  const int all_steps = static_cast<int>((p.l + 31) / 32);
+  const int step_first = warp * all_steps / kDecodeWarps;
+  const int steps = (warp + 1) * all_steps / kDecodeWarps - step_first;
+  const int items = groups * steps;
+  const int k_steps = static_cast<int>((p.l - 8 * q + 31) / 32) - step_first;  // 32 s + 8 q < l
+  const int valid_steps = k_steps < 0 ? 0 : k_steps > steps ? steps : k_steps;
+  constexpr int kStepBytes = 32 * static_cast<int>(sizeof(T));
+  const std::int64_t group_jump = 8 * p.l * static_cast<std::int64_t>(sizeof(T)) -
+                                  static_cast<std::int64_t>(steps) * kStepBytes;
+  const char* copy_at =
+      static_cast<const char*>(p.w_up) +
+      ((row_first + g) * p.l + static_cast<std::int64_t>(step_first) * 32 + 8 * q) *
+          static_cast<std::int64_t>(sizeof(T));
+  const std::uint32_t my_slots = static_cast<std::uint32_t>(__cvta_generic_to_shared(rings)) +
+                                 static_cast<std::uint32_t>((warp * kDepth * 32 + lane) * 16);
+  int issued = 0, copy_step = 0;
+  // One commit group per item, empty past the last, so that "item i has landed" is always
+  // cp.async.wait_group(kDepth - 1) after issuing item i + kDepth - 1.
+  const auto issue_next = [&] {
+    if (issued < items) {
+      cp_async16(
+          my_slots + static_cast<std::uint32_t>((issued % kDepth) * DecodeLayout::kSlotBytes),
+          copy_at, copy_step < valid_steps);
+      copy_at += kStepBytes;
+      if (++copy_step == steps) copy_step = 0, copy_at += group_jump;
+    }
+    ++issued;
+    cp_async_commit();
+  };
+#pragma unroll 1
+  for (int k = 0; k < kDepth - 1; ++k) issue_next();
+
+  // 3. N (the inputs' group is the oldest: it has landed once at most kDepth − 1 are pending).
+  cp_async_wait<kDepth - 1>();
+  __syncthreads();
+  decode_trace(p, kDecodeTraceInputsLanded);
+  if (p.latent_norm) {
+    decode_norm_rows<T>(p.l, p.eps, normed, pitch, gamma, tokens, lane_sums);
+    __syncthreads();
+  }
+  decode_trace(p, kDecodeTraceNormed);
+
+  // 4. The stream. A fragment's token rows past T read row T - 1 (never stored). Slot i % kDepth
+  //    is refilled (with item i + kDepth) only after item i was multiplied.
+  const int token_lo = g < tokens ? g : tokens - 1;
+  const int token_hi = g + 8 < tokens ? g + 8 : tokens - 1;
+  const std::uint32_t n_lo =
+      normed_s + static_cast<std::uint32_t>(token_lo * pitch + step_first * 64 + q * 16);
+  const std::uint32_t n_hi =
+      normed_s + static_cast<std::uint32_t>(token_hi * pitch + step_first * 64 + q * 16);
+  float acc[kDecodeMaxGroups][4] = {};
+  int item = 0;
+#pragma unroll
+  for (int j = 0; j < kDecodeMaxGroups; ++j) {
+    if (j < groups) {
+      // Not unrolled: with the groups unrolled (their accumulators are registers) an unrolled step
+      // loop made the kernel large enough for its 16 warps to wait on instruction fetches (Nsight
+      // Compute: "no instruction" was the largest stall).
+#pragma unroll 1
+      for (int s = 0; s < steps; ++s, ++item) {
+        issue_next();
+        cp_async_wait<kDepth - 1>();
+        const uint4 w = load_shared16(
+            my_slots + static_cast<std::uint32_t>((item % kDepth) * DecodeLayout::kSlotBytes));
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+        if (s < valid_steps) {
+          lo = load_shared16(n_lo + static_cast<std::uint32_t>(s * 64));
+          if constexpr (kMaxTokens == 16)
+            hi = load_shared16(n_hi + static_cast<std::uint32_t>(s * 64));
+        }
+        const std::uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {w.x, w.y};
+        const std::uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w}, b1[2] = {w.z, w.w};
+        mma_m16n8k16<T>(acc[j], a0, b0);
+        mma_m16n8k16<T>(acc[j], a1, b1);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups are left
+  __syncthreads();     // every warp is done with its ring: the partials take their place
+  decode_trace(p, kDecodeTraceStreamed);
+
+  // C's fragment: acc[j][0, 1] token g, rows 2q and 2q + 1 of group j; acc[j][2, 3] token g + 8.
+  // A warp with no K (l < 16 · 32) writes its zeros too.
+#pragma unroll
+  for (int j = 0; j < kDecodeMaxGroups; ++j) {
+    if (j < groups) {
+      float* out = partials + (j * kDecodeWarps + warp) * kMaxTokens * 8;
+      *reinterpret_cast<float2*>(out + g * 8 + 2 * q) = make_float2(acc[j][0], acc[j][1]);
+      if constexpr (kMaxTokens == 16) {
+        *reinterpret_cast<float2*>(out + (g + 8) * 8 + 2 * q) = make_float2(acc[j][2], acc[j][3]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // 5. Each of T × groups units finishes 8 consecutive elements of one output row: the warps'
+  //    partials in warp order, then round(round(u) + shared).
+  for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
+    const int t = i / groups, j = i % groups;
+    const float* column = partials + j * kDecodeWarps * kMaxTokens * 8 + t * 8;
+    float u[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) u[e] = column[e];
+#pragma unroll 1
+    for (int w = 1; w < kDecodeWarps; ++w) {
+      const float* other = column + w * kMaxTokens * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) u[e] = __fadd_rn(u[e], other[e]);
+    }
+    const Vec16<T> s = reinterpret_cast<const Vec16<T>*>(shared_slice)[i];
+    Vec16<T> y;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      y.v[e] = Storage<T>::store(
+          __fadd_rn(Storage<T>::load(Storage<T>::store(u[e])), Storage<T>::load(s.v[e])));
+    }
+    *reinterpret_cast<Vec16<T>*>(static_cast<T*>(p.out) + t * p.d + row_first + j * 8) = y;
+  }
+  decode_trace(p, kDecodeTraceEnd);
+}
+
+}  // namespace lmoe::cuda

@@ -1,0 +1,70 @@
+// Launcher of the fused tier's decode kernel (cuda/fused_decode.cuh): tp = 1 and T ≤ 16, the whole
+// tail in one launch with no workspace (the design is described at the top of the kernel file).
+// Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "lmoe/dtype.hpp"
+
+namespace lmoe::cuda {
+
+// The most tokens a decode call carries: the 16 rows of the mma's M.
+inline constexpr std::int64_t kFusedDecodeMaxTokens = 16;
+// 16 warps: two rows of the RMSNorm's 256 lanes at a time, and each warp a sixteenth of K.
+inline constexpr int kDecodeThreads = 512;
+inline constexpr int kDecodeWarps = kDecodeThreads / 32;
+// A block's groups of 8 rows of w_up, at most (their accumulators stay in registers): K3's 896
+// groups need 7 per SM on 132 SMs.
+inline constexpr int kDecodeMaxGroups = 8;
+
+struct FusedDecodeParams {
+  std::int64_t tokens = 0;  // T, when tokens_device is null
+  // T read on the device (graph replays); at most the launch's bound.
+  const std::int32_t* tokens_device = nullptr;
+  std::int64_t d = 0, l = 0;     // d_model, d_latent
+  const void* routed = nullptr;  // [T, l]
+  const void* shared = nullptr;  // [T, d]
+  void* out = nullptr;           // [T, d]
+  const void* w_up = nullptr;    // [d, l], 16-byte aligned
+  const float* gamma = nullptr;  // [l], fp32, 16-byte aligned
+  float eps = 0;
+  bool latent_norm = true;  // false: N = the latent itself
+  // LMOE_FUSED_TRACE: when each block reached each of the kDecodeTracePoints points of the last
+  // call (global timer, ns), [grid][kDecodeTracePoints]; null normally.
+  std::uint64_t* trace = nullptr;
+};
+
+// The decode kernel's trace points, in order.
+enum DecodeTracePoint : int {
+  kDecodeTraceEntry,
+  kDecodeTraceInputsLanded,  // the latent rows, gamma and the shared slice, in shared memory
+  kDecodeTraceNormed,        // N in shared memory, the first items of every warp in flight
+  kDecodeTraceStreamed,      // every warp's items multiplied
+  kDecodeTraceEnd,           // thread 0's outputs stored
+  kDecodeTracePoints
+};
+
+// How the decode kernel runs on one device for one FusedTail: its grid (one block per SM, each an
+// even share of d's groups of 8 rows, at most one block per group and kDecodeMaxGroups per block).
+struct FusedDecodePlan {
+  int grid = 0;
+};
+
+// Why the decode kernel cannot run calls of up to `max_tokens` rows at these dims on the current
+// device (its normalized rows, gamma and the warps' partials must fit in a block's shared memory);
+// nullptr when it can, after filling *plan and raising its kernels' shared-memory limit on this
+// device (required before launch_fused_decode). A static string.
+const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_tokens, DType dtype,
+                              FusedDecodePlan* plan);
+
+// Launches the decode kernel for calls of up to `max_tokens` (≤ kFusedDecodeMaxTokens) rows with a
+// plan from fused_decode_plan() for that bound (or a larger one) on the current device; dtype bf16
+// or f16. Queries nothing (it may run inside a graph capture).
+cudaError_t launch_fused_decode(const FusedDecodeParams& p, std::int64_t max_tokens, DType dtype,
+                                const FusedDecodePlan& plan, cudaStream_t stream);
+
+}  // namespace lmoe::cuda
