@@ -24,12 +24,15 @@ Backend parse_backend(std::string_view name);
 // Whether this build and machine can run the backend (cuda: compiled in and a GPU present).
 bool backend_available(Backend backend);
 
-// The built-in breakpoints for `backend` on `ranks` ranks: on cuda below kFusedDefaultMinRanks
-// ranks the built-in fused_max_tokens becomes 0 (`fused` measured slower than `overlap` at every
-// T ≤ 256 at tp 1 and 2 on H200s, docs/fused.md; the reference system runs its fused kernel only
-// at tp 8 and 16). Settings from a table, the environment or the caller are kept. LatentTail
-// applies it at construction; explain() names it as the setting's origin.
+// The built-in breakpoints for `backend` on `ranks` ranks, on cuda: with one rank the built-in
+// fused_max_tokens becomes kFusedDefaultTp1Tokens (the decode kernel, cuda/fused_decode.cuh,
+// measured faster than `overlap` up to 8 tokens and slower from 9 at K3 dims on an H200,
+// docs/fused.md); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0 (the general kernel
+// measured slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the reference system runs its
+// fused kernel only at tp 8 and 16). Settings from a table, the environment or the caller are kept.
+// LatentTail applies it at construction; explain() names it as the setting's origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
+inline constexpr int kFusedDefaultTp1Tokens = 8;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks);
 
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for

@@ -30,12 +30,20 @@ Backend parse_backend(std::string_view name) {
 }
 
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks) {
-  if (backend == Backend::cuda && ranks < kFusedDefaultMinRanks &&
-      policy.fused_max_tokens.source == SettingSource::built_in) {
+  if (backend != Backend::cuda || ranks >= kFusedDefaultMinRanks ||
+      policy.fused_max_tokens.source != SettingSource::built_in) {
+    return policy;
+  }
+  if (ranks == 1) {
+    policy.fused_max_tokens = {kFusedDefaultTp1Tokens, SettingSource::built_in,
+                               "default for cuda at tp 1: the decode kernel measured faster than "
+                               "overlap up to " +
+                                   std::to_string(kFusedDefaultTp1Tokens) + " tokens"};
+  } else {
     policy.fused_max_tokens = {0, SettingSource::built_in,
                                "default for cuda at tp " + std::to_string(ranks) + " < " +
                                    std::to_string(kFusedDefaultMinRanks) +
-                                   ": fused measured slower than overlap at tp 1 and 2"};
+                                   ": fused measured slower than overlap at tp 2"};
   }
   return policy;
 }

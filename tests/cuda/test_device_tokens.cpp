@@ -535,7 +535,7 @@ TEST(DeviceTokensRefusals, NameTheArgumentAndTheExpectedValue) {
     if (dropped) cudaGraphDestroy(dropped);
     cudaGetLastError();
     EXPECT_NE(captured.find("has not run outside capture"), std::string::npos) << captured;
-    // Fused (no GEMM; forced: at tp 1 the policy prefers overlap) needs no eager call first:
+    // Fused (no GEMM; forced, whatever the policy picks at tp 1) needs no eager call first:
     // captured, instantiated and replayed with T = 5 on zeros, rows < 5 come out zero and the fused
     // kernel (which reads T itself) leaves rows >= 5 as they were.
     cuda_ok(cudaMemset(routed.data(), 0, routed.bytes()));

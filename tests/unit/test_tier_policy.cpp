@@ -392,13 +392,30 @@ TEST(TierPolicySelect, DefaultBreakpoints) {
   EXPECT_EQ(tier_for(INT64_MAX, config), TailTier::column);
 }
 
-// On cuda below 8 ranks the built-in fused breakpoint is 0 (fused measured slower than overlap at
-// tp 1 and 2): decode T goes to overlap; at 8 and 16 ranks, and on the cpu backend, the reference
-// system's 128 stays; a breakpoint from the environment or a table is kept whatever the ranks.
+// On cuda at 1 rank the built-in fused breakpoint is 8 (the decode kernel), from 2 to 7 ranks 0
+// (fused measured slower than overlap at tp 2: decode T goes to overlap); at 8 and 16 ranks, and on
+// the cpu backend, the reference system's 128 stays; a breakpoint from the environment or a table
+// is kept whatever the ranks.
 TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
   using lmoe::Backend;
   using lmoe::with_rank_defaults;
-  for (const int ranks : {1, 2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
+  {
+    // One rank: the decode kernel up to kFusedDefaultTp1Tokens, overlap above.
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, 1);
+    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultTp1Tokens);
+    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+    EXPECT_EQ(tier_for(1, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1Tokens, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1Tokens + 1, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(256, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(257, config), TailTier::column);
+    EXPECT_THAT(lmoe::explain(1, config, all_can_run()), HasSubstr("default for cuda at tp 1"));
+    const PolicyConfig from_env =
+        with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "0"}}), Backend::cuda, 1);
+    EXPECT_EQ(from_env.fused_max_tokens.value, 0);
+    EXPECT_EQ(tier_for(1, from_env), TailTier::overlap);
+  }
+  for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
     const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks);
     EXPECT_EQ(config.fused_max_tokens.value, 0);
