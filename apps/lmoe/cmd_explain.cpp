@@ -21,7 +21,8 @@ struct ExplainCommand {
     const ModelOptions::Resolved resolved = model.resolve();
     LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
     const Backend chosen = resolve_backend(backend);
-    const PolicyConfig policy = with_rank_defaults(resolve_policy(tier_table), chosen, tp);
+    const PolicyConfig policy =
+        with_rank_defaults(resolve_policy(tier_table), chosen, tp, resolved.dims, resolved.dtype);
     check_table_fits(policy, running_config(chosen, tp, resolved.dims, resolved.dtype,
                                             comm.empty() ? std::nullopt
                                                          : std::optional(resolve_comm(comm, chosen))));

@@ -71,7 +71,8 @@ void RunCommand::execute() const {
   const std::string chosen_comm = resolve_comm(comm, chosen_backend);
   // NCCL sums in its own order: its results are judged by the reordered-sum bound (docs/numerics.md).
   const ReductionOrder reductions = comm_reduction_order(chosen_comm);
-  const PolicyConfig policy = with_rank_defaults(resolve_policy(tier_table), chosen_backend, ranks);
+  const PolicyConfig policy = with_rank_defaults(resolve_policy(tier_table), chosen_backend, ranks,
+                                                 resolved.dims, resolved.dtype);
   check_table_fits(policy, running_config(chosen_backend, ranks, resolved.dims, resolved.dtype, chosen_comm));
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 

@@ -25,15 +25,26 @@ Backend parse_backend(std::string_view name);
 bool backend_available(Backend backend);
 
 // The built-in breakpoints for `backend` on `ranks` ranks, on cuda: with one rank the built-in
-// fused_max_tokens becomes kFusedDefaultTp1Tokens (the decode kernel, cuda/fused_decode.cuh,
-// measured faster than `overlap` up to 8 tokens and slower from 9 at K3 dims on an H200,
-// docs/fused.md); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0 (the general kernel
-// measured slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the reference system runs its
-// fused kernel only at tp 8 and 16). Settings from a table, the environment or the caller are kept.
-// LatentTail applies it at construction; explain() names it as the setting's origin.
+// fused_max_tokens becomes kFusedDefaultTp1Tokens where the decode kernel runs
+// (cuda/fused_decode.cuh; it measured faster than `overlap` up to 8 tokens and slower from 9 at K3
+// dims on an H200, docs/fused.md) and 0 where it does not (`tp1_decode_limit` says why: the general
+// kernel is slower than `overlap` there); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0
+// (the general kernel measured slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the
+// reference system runs its fused kernel only at tp 8 and 16). Settings from a table, the
+// environment or the caller are kept. LatentTail applies it at construction; explain() names it as
+// the setting's origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
 inline constexpr int kFusedDefaultTp1Tokens = 8;
-PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks);
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
+                                const std::optional<std::string>& tp1_decode_limit);
+// The same, asking fused_decode_limit() for these dims and dtype when it matters (cuda, one rank,
+// the built-in breakpoint).
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
+                                DType dtype);
+// Why the fused tier's decode kernel cannot take calls of kFusedDefaultTp1Tokens rows at these dims
+// and dtype on the current CUDA device (e.g. more than 8 groups of 8 rows of w_up per SM, or too
+// little shared memory), or in this build; nullopt when it can.
+std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype);
 
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).

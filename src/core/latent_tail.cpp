@@ -17,6 +17,7 @@
 
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_tail_executor.hpp"
+#include "cuda/fused_decode_launch.hpp"
 #endif
 
 namespace lmoe {
@@ -29,16 +30,21 @@ Backend parse_backend(std::string_view name) {
   throw Error("unknown backend '" + std::string(name) + "': expected cpu or cuda");
 }
 
-PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks) {
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
+                                const std::optional<std::string>& tp1_decode_limit) {
   if (backend != Backend::cuda || ranks >= kFusedDefaultMinRanks ||
       policy.fused_max_tokens.source != SettingSource::built_in) {
     return policy;
   }
-  if (ranks == 1) {
+  if (ranks == 1 && !tp1_decode_limit) {
     policy.fused_max_tokens = {kFusedDefaultTp1Tokens, SettingSource::built_in,
                                "default for cuda at tp 1: the decode kernel measured faster than "
                                "overlap up to " +
                                    std::to_string(kFusedDefaultTp1Tokens) + " tokens"};
+  } else if (ranks == 1) {
+    policy.fused_max_tokens = {0, SettingSource::built_in,
+                               "default for cuda at tp 1 without the decode kernel (" +
+                                   *tp1_decode_limit + "): fused measured slower than overlap"};
   } else {
     policy.fused_max_tokens = {0, SettingSource::built_in,
                                "default for cuda at tp " + std::to_string(ranks) + " < " +
@@ -46,6 +52,32 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks)
                                    ": fused measured slower than overlap at tp 2"};
   }
   return policy;
+}
+
+PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
+                                DType dtype) {
+  std::optional<std::string> limit;
+  if (backend == Backend::cuda && ranks == 1 &&
+      policy.fused_max_tokens.source == SettingSource::built_in) {
+    limit = fused_decode_limit(dims, dtype);
+  }
+  return with_rank_defaults(std::move(policy), backend, ranks, limit);
+}
+
+std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype) {
+#ifdef LMOE_HAS_CUDA
+  if (cuda_device_count() == 0) return "no CUDA device";
+  cuda::FusedDecodePlan plan;
+  if (const char* reason = cuda::fused_decode_plan(dims.d_model, dims.d_latent,
+                                                   kFusedDefaultTp1Tokens, dtype, &plan)) {
+    return std::string(reason);
+  }
+  return std::nullopt;
+#else
+  (void)dims;
+  (void)dtype;
+  return "this build has no CUDA backend";
+#endif
 }
 
 bool backend_available(Backend backend) {
@@ -139,7 +171,8 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
                        ConstMatrixView up_proj_weight)
     : impl_(std::make_unique<Impl>(std::move(options), comm)) {
   impl_->options.policy =
-      with_rank_defaults(std::move(impl_->options.policy), impl_->options.backend, comm.size());
+      with_rank_defaults(std::move(impl_->options.policy), impl_->options.backend, comm.size(),
+                         impl_->options.dims, impl_->options.dtype);
   const TailOptions& opts = impl_->options;
   std::optional<std::string> error = validate_options(opts, comm.size());
   if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);

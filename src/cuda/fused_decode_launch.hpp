@@ -55,7 +55,9 @@ struct FusedDecodePlan {
 };
 
 // Why the decode kernel cannot run calls of up to `max_tokens` rows at these dims on the current
-// device (its normalized rows, gamma and the warps' partials must fit in a block's shared memory);
+// device: bf16/f16 only, d % 8 and l % 16, at most kDecodeMaxGroups groups of 8 rows per SM, and
+// the norm's lane sums, gamma, the shared slice, the normalized rows and the weight rings must fit
+// in a block's shared memory;
 // nullptr when it can, after filling *plan and raising its kernels' shared-memory limit on this
 // device (required before launch_fused_decode). A static string.
 const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_tokens, DType dtype,

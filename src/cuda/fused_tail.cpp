@@ -164,8 +164,8 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   }
 }
 
-// With one rank, calls of up to 16 rows (8 where the normalized rows of 16 do not fit in shared
-// memory) run the decode kernel.
+// With one rank, calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the
+// decode kernel, where its plan accepts the dims on this device (fused_decode_plan's conditions).
 void FusedTail::choose_decode() {
   const auto misaligned = [](const void* pointer) {
     return reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0;

@@ -75,7 +75,8 @@ __device__ inline float warp_tree_of_lane_sums(float lane_sum) {
 }
 
 // The whole tree over one row's 32·kWarpsPerRow lane sums already in shared memory
-// (row_lane_sums[i]: lane i's sum): levels h = 128, 64, 32 from memory, then the warp's butterfly.
+// (row_lane_sums[i]: lane i's sum): the levels h ≥ 32 from memory (128, 64, 32 for 8 warps per
+// row), then the warp's butterfly.
 // Every lane of the calling warp gets the row's sum. Reads only: the caller synchronizes between
 // the writes of the lane sums and this call.
 template <int kWarpsPerRow>

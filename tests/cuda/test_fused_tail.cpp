@@ -448,7 +448,8 @@ TEST_F(Fused, DecodeKernelRunsTp1CallsOfAtMost16RowsAndTheGeneralKernelTheRest) 
 }
 
 // A latent too long for 16 normalized rows next to the weight rings in a block's shared memory
-// (l = 4480: 246 KB, more than any device's 227-228 KB) but not for 8 (230 KB): the decode kernel
+// (l = 4480: 246,272 bytes, more than any device's 227-228 KiB) but not for 8 (230,400 bytes, 225
+// KiB): the decode kernel
 // takes calls of up to 8 rows and says why not 16; 8 and 9 rows meet the contract (9 through the
 // general kernel).
 TEST_F(Fused, DecodeStopsAt8RowsWhere16NormalizedRowsDoNotFit) {
@@ -505,7 +506,8 @@ TEST_F(Fused, DecodeAroundItsBoundMeetsTheContractWithAndWithoutTheNorm) {
 }
 
 // Odd shapes: d = 40, l = 48 (5 groups of 8 rows over 5 blocks; 2 steps of 32 of K, the second
-// half past l, so 14 of the 16 warps have no K and two lanes of each of its items copy nothing),
+// half past l, so 14 of the 16 warps have no K, and in that half step lanes q = 2, 3 of every row
+// copy nothing),
 // and d = 3176, l = 560 (397 groups over up to one block per SM: 3 or 4 each on 132 SMs; 18 steps,
 // 1 or 2 per warp, the last half past l).
 TEST_F(Fused, DecodeSmallOddShapes) {
@@ -524,65 +526,104 @@ TEST_F(Fused, DecodeSmallOddShapes) {
   std::printf("[ fused  ] decode d=40 l=48 and d=3176 l=560 max_err/bound=%.3f\n", worst);
 }
 
-// K3 dims: an eager call of 16 rows against the contract, then one graph captured for up to 16 rows
-// with T on the device, replayed with T changing between replays. Rows are independent, so each
+// The most groups of 8 rows of w_up a block takes (kDecodeMaxGroups = 8; their accumulators are
+// registers): d = 64 · SMs puts exactly 8 on every block (K3 has 6 or 7 on 132 SMs) and meets the
+// contract; one group more, d = 8 · (8 · SMs + 1), is declined with the reason (the general kernel
+// runs it).
+TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
+  SKIP_WITHOUT_GPU();
+  int device = 0, sms = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const lmoe::TailDims eight{64 * static_cast<std::int64_t>(sms), 64};
+  const lmoe::TailDims nine{8 * (8 * static_cast<std::int64_t>(sms) + 1), 64};
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank takes(comm, lmoe::make_random_case(eight, 1e-5f, DType::bf16, 1, 16, 5u), 16);
+    EXPECT_EQ(takes.fused->decode_max_tokens(), 16) << takes.fused->decode_limit().value_or("");
+    FusedRank declines(comm, lmoe::make_random_case(nine, 1e-5f, DType::bf16, 1, 16, 6u), 16);
+    EXPECT_EQ(declines.fused->decode_max_tokens(), 0);
+    ASSERT_TRUE(declines.fused->decode_limit().has_value());
+    EXPECT_NE(declines.fused->decode_limit()->find("at most 8 groups"), std::string::npos)
+        << *declines.fused->decode_limit();
+  });
+  double worst = 0;
+  for (std::int64_t tokens : {1, 9, 16}) {
+    SCOPED_TRACE("d=" + std::to_string(eight.d_model) + " T=" + std::to_string(tokens));
+    expect_random_and_crafted_inputs_pass(eight, DType::bf16, 1, tokens,
+                                          71u + static_cast<std::uint64_t>(tokens), &worst);
+  }
+  std::printf("[ fused  ] decode d=%lld (8 groups per SM) max_err/bound=%.3f\n",
+              static_cast<long long>(eight.d_model), worst);
+}
+
+// K3 dims, for bounds of 16 and 8 rows (the kernel's two shapes): an eager call of that many rows
+// against the contract, then one graph captured for up to that many rows with T on the device,
+// replayed with T changing between replays. Rows are independent, so each
 // replay's first T rows must equal the eager call's bit for bit, and the rows after them must stay
 // as poisoned before the replay.
 TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
   SKIP_WITHOUT_GPU();
-  const std::int64_t max_tokens = 16, d = kK3.d_model;
-  for (DType dtype : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)));
-    const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, dtype, 1, max_tokens, 99u);
-    const std::size_t esize = lmoe::dtype_size(dtype),
-                      row_bytes = static_cast<std::size_t>(d) * esize;
-    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
-    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-      FusedRank state(comm, c, max_tokens);
-      ASSERT_EQ(state.fused->kernel_for(max_tokens), lmoe::cuda::FusedKernel::decode)
-          << state.fused->decode_limit().value_or("");
-      cudaStream_t stream = nullptr;
-      cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
-      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
-                       stream);
-      lmoe::HostTensor eager(dtype, {max_tokens, d});
-      cuda_ok(cudaMemcpyAsync(eager.data(), state.out.data(), max_tokens * row_bytes,
-                              cudaMemcpyDeviceToHost, stream));
-      cuda_ok(cudaStreamSynchronize(stream));
-      const lmoe::Comparison cmp =
-          lmoe::compare(eager.matrix(), lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)),
-                        lmoe::exact_tail(c));
-      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
-      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
-      std::printf("[ fused  ] decode K3 %s T=16 eager max_err/bound=%.3f\n",
-                  std::string(lmoe::dtype_name(dtype)).c_str(), cmp.max_error_over_bound);
-
-      DeviceBuffer tokens_now(sizeof(std::int32_t));
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
-      std::vector<std::byte> got(max_tokens * row_bytes);
-      for (std::int32_t tokens : {16, 1, 7, 16, 3, 12, 2}) {
-        SCOPED_TRACE("graph T=" + std::to_string(tokens));
-        cuda_ok(cudaMemcpyAsync(tokens_now.data(), &tokens, sizeof(tokens), cudaMemcpyHostToDevice,
-                                stream));
+  const std::int64_t d = kK3.d_model;
+  // Both shapes of the kernel: a bound of 16 rows, and of 8 (the policy's tp-1 default).
+  for (const std::int64_t max_tokens : {std::int64_t{16}, std::int64_t{8}}) {
+    const std::vector<std::int32_t> replays =
+        max_tokens == 16 ? std::vector<std::int32_t>{16, 1, 7, 16, 3, 12, 2}
+                         : std::vector<std::int32_t>{8, 1, 7, 8, 3, 5, 2};
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " bound " + std::to_string(max_tokens));
+      const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, dtype, 1, max_tokens, 99u);
+      const std::size_t esize = lmoe::dtype_size(dtype),
+                        row_bytes = static_cast<std::size_t>(d) * esize;
+      const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+      lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+        FusedRank state(comm, c, max_tokens);
+        ASSERT_EQ(state.fused->kernel_for(max_tokens), lmoe::cuda::FusedKernel::decode)
+            << state.fused->decode_limit().value_or("");
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
-        cuda_ok(cudaGraphLaunch(exec, stream));
-        cuda_ok(cudaMemcpyAsync(got.data(), state.out.data(), got.size(), cudaMemcpyDeviceToHost,
-                                stream));
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
+                         stream);
+        lmoe::HostTensor eager(dtype, {max_tokens, d});
+        cuda_ok(cudaMemcpyAsync(eager.data(), state.out.data(), max_tokens * row_bytes,
+                                cudaMemcpyDeviceToHost, stream));
         cuda_ok(cudaStreamSynchronize(stream));
-        const std::size_t used = static_cast<std::size_t>(tokens) * row_bytes;
-        EXPECT_EQ(std::memcmp(got.data(), eager.data(), used), 0);
-        std::size_t untouched = 0;
-        for (std::size_t i = used; i < got.size(); ++i) untouched += got[i] == std::byte{0xff};
-        EXPECT_EQ(untouched, got.size() - used);
-      }
-      EXPECT_EQ(state.fused->general_calls(), 0u);  // every call above ran the decode kernel
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
-    });
+        const lmoe::Comparison cmp = lmoe::compare(
+            eager.matrix(), lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)),
+            lmoe::exact_tail(c));
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+        std::printf("[ fused  ] decode K3 %s T=%lld eager max_err/bound=%.3f\n",
+                    std::string(lmoe::dtype_name(dtype)).c_str(),
+                    static_cast<long long>(max_tokens), cmp.max_error_over_bound);
+
+        DeviceBuffer tokens_now(sizeof(std::int32_t));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
+        std::vector<std::byte> got(max_tokens * row_bytes);
+        for (std::int32_t tokens : replays) {
+          SCOPED_TRACE("graph T=" + std::to_string(tokens));
+          cuda_ok(cudaMemcpyAsync(tokens_now.data(), &tokens, sizeof(tokens),
+                                  cudaMemcpyHostToDevice, stream));
+          cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
+          cuda_ok(cudaGraphLaunch(exec, stream));
+          cuda_ok(cudaMemcpyAsync(got.data(), state.out.data(), got.size(), cudaMemcpyDeviceToHost,
+                                  stream));
+          cuda_ok(cudaStreamSynchronize(stream));
+          const std::size_t used = static_cast<std::size_t>(tokens) * row_bytes;
+          EXPECT_EQ(std::memcmp(got.data(), eager.data(), used), 0);
+          std::size_t untouched = 0;
+          for (std::size_t i = used; i < got.size(); ++i) untouched += got[i] == std::byte{0xff};
+          EXPECT_EQ(untouched, got.size() - used);
+        }
+        EXPECT_EQ(state.fused->general_calls(), 0u);  // every call above ran the decode kernel
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      });
+    }
   }
 }
 

@@ -401,7 +401,7 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
   using lmoe::with_rank_defaults;
   {
     // One rank: the decode kernel up to kFusedDefaultTp1Tokens, overlap above.
-    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, 1);
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, 1, std::nullopt);
     EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultTp1Tokens);
     EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
     EXPECT_EQ(tier_for(1, config), TailTier::fused);
@@ -411,13 +411,20 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
     EXPECT_EQ(tier_for(257, config), TailTier::column);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()), HasSubstr("default for cuda at tp 1"));
     const PolicyConfig from_env =
-        with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "0"}}), Backend::cuda, 1);
+        with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "0"}}), Backend::cuda, 1, std::nullopt);
     EXPECT_EQ(from_env.fused_max_tokens.value, 0);
     EXPECT_EQ(tier_for(1, from_env), TailTier::overlap);
+    // Where the decode kernel cannot run, the general kernel would: overlap instead, and why.
+    const PolicyConfig without =
+        with_rank_defaults(load({}), Backend::cuda, 1, std::string("more than 8 groups per SM"));
+    EXPECT_EQ(without.fused_max_tokens.value, 0);
+    EXPECT_EQ(tier_for(1, without), TailTier::overlap);
+    EXPECT_THAT(lmoe::explain(1, without, all_can_run()),
+                HasSubstr("without the decode kernel (more than 8 groups per SM)"));
   }
   for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
-    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks);
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks, std::nullopt);
     EXPECT_EQ(config.fused_max_tokens.value, 0);
     EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
     EXPECT_EQ(tier_for(1, config), TailTier::overlap);
@@ -427,26 +434,28 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                 HasSubstr("default for cuda at tp " + std::to_string(ranks) + " < 8"));
     // The setting's other sources rule.
-    const PolicyConfig from_env =
-        with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "16"}}), Backend::cuda, ranks);
+    const PolicyConfig from_env = with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "16"}}),
+                                                     Backend::cuda, ranks, std::nullopt);
     EXPECT_EQ(from_env.fused_max_tokens.value, 16);
     EXPECT_EQ(tier_for(16, from_env), TailTier::fused);
     PolicyConfig from_table = load({});
     lmoe::apply_tier_table(from_table, R"({"format": "lmoe-tier-table", "version": 1,
         "breakpoints": {"fused_max_tokens": 64}})",
                            "t.json");
-    from_table = with_rank_defaults(from_table, Backend::cuda, ranks);
+    from_table = with_rank_defaults(from_table, Backend::cuda, ranks, std::nullopt);
     EXPECT_EQ(from_table.fused_max_tokens.value, 64);
     EXPECT_EQ(tier_for(64, from_table), TailTier::fused);
   }
   for (const int ranks : {lmoe::kFusedDefaultMinRanks, 16}) {
-    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks);
+    const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks, std::nullopt);
     EXPECT_EQ(config.fused_max_tokens.value, 128);
     EXPECT_EQ(tier_for(128, config), TailTier::fused);
     EXPECT_EQ(tier_for(129, config), TailTier::overlap);
   }
   for (const int ranks : {1, 2, 8}) {
-    EXPECT_EQ(with_rank_defaults(load({}), Backend::cpu, ranks).fused_max_tokens.value, 128);
+    EXPECT_EQ(
+        with_rank_defaults(load({}), Backend::cpu, ranks, std::nullopt).fused_max_tokens.value,
+        128);
   }
 }
 
