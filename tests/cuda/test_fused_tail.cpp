@@ -547,6 +547,20 @@ TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
     EXPECT_NE(declines.fused->decode_limit()->find("at most 8 groups"), std::string::npos)
         << *declines.fused->decode_limit();
   });
+  // The policy asks the same question (fused_decode_limit): fused up to 8 tokens at tp 1 where the
+  // decode kernel runs, 0 with the reason where it does not.
+  EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16).has_value());
+  const std::optional<std::string> limit = lmoe::fused_decode_limit(nine, DType::bf16);
+  ASSERT_TRUE(limit.has_value());
+  EXPECT_NE(limit->find("at most 8 groups"), std::string::npos) << *limit;
+  const lmoe::PolicyConfig built_in = lmoe::load_policy_config(
+      [](const std::string&) -> std::optional<std::string> { return std::nullopt; });
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, eight, DType::bf16)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultTp1Tokens);
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, nine, DType::bf16)
+                .fused_max_tokens.value,
+            0);
   double worst = 0;
   for (std::int64_t tokens : {1, 9, 16}) {
     SCOPED_TRACE("d=" + std::to_string(eight.d_model) + " T=" + std::to_string(tokens));

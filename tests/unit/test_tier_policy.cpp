@@ -421,6 +421,14 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
     EXPECT_EQ(tier_for(1, without), TailTier::overlap);
     EXPECT_THAT(lmoe::explain(1, without, all_can_run()),
                 HasSubstr("without the decode kernel (more than 8 groups per SM)"));
+#ifndef LMOE_HAS_CUDA
+    // The dims-and-dtype form asks the decode kernel's plan; a build without CUDA has none.
+    EXPECT_EQ(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16),
+              std::optional<std::string>("this build has no CUDA backend"));
+    EXPECT_EQ(with_rank_defaults(load({}), Backend::cuda, 1, {7168, 3584}, lmoe::DType::bf16)
+                  .fused_max_tokens.value,
+              0);
+#endif
   }
   for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
