@@ -63,7 +63,8 @@ std::string describe_setting(const std::string& preset, const TableProvenance& p
          std::to_string(p.dims.d_latent) + ", " + std::string(dtype_name(p.dtype)) + ", tp " +
          std::to_string(p.tp) + ", backend " + std::string(backend_name(p.backend)) + ", comm " +
          p.comm + ", " + std::to_string(token_counts) + " token counts, " +
-         std::to_string(p.warmup) + " warm-up + " + std::to_string(p.iters) + " timed iterations";
+         std::to_string(p.warmup) + " warm-up + " + std::to_string(p.iters) + " timed iterations" +
+         (p.cold_l2 ? ", L2 evicted before each" : "");
 }
 
 void TuneCommand::execute() {
@@ -101,6 +102,7 @@ void TuneCommand::measure() {
   planned.comm = chosen_comm;
   planned.warmup = options.warmup;
   planned.iters = options.iters;
+  planned.cold_l2 = options.cold_l2;
   const std::string setting = describe_setting(resolved.preset, planned, options.tokens.size());
   std::cerr << "lmoe tune: " << setting << "\n";
 

@@ -26,6 +26,10 @@ void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
                  "untimed forwards per T and tier (default: 5 on cuda, 2 on cpu)");
   app.add_option("--iters", iters,
                  "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
+  app.add_flag("--cold-l2", cold_l2,
+               "cuda: evict the GPU's L2 (read 2x its size) before each timed forward, outside its "
+               "time, as other layers would between two calls of the tail; meant for one rank per "
+               "GPU (docs/bench.md)");
   app.add_option(
          "--mode", mode,
          "auto (graph where the comm is capturable and the workspaces persistent), graph, eager or "
@@ -67,14 +71,15 @@ SweepOptions::Resolved SweepOptions::resolve(
       throw Error("--mode: " + error.message() + " (or auto)");
     }
   }
+  options.cold_l2 = cold_l2;
   options.seed = seed;
   return resolved;
 }
 
 std::vector<std::string> SweepOptions::given(const CLI::App& app) const {
-  const std::vector<std::string> flags = {"--preset", "--d-model", "--d-latent", "--dtype",
-                                          "--eps",    "--backend", ranks_flag_,  "-t/--tokens",
-                                          "--warmup", "--iters",   "--mode",     "--seed"};
+  const std::vector<std::string> flags = {
+      "--preset",    "--d-model", "--d-latent", "--dtype",   "--eps",  "--backend", ranks_flag_,
+      "-t/--tokens", "--warmup",  "--iters",    "--cold-l2", "--mode", "--seed"};
   std::vector<std::string> found;
   for (const std::string& flag : flags) {
     // CLI11 finds an option by any one of its names: the last of "-t/--tokens".

@@ -1,5 +1,6 @@
 // The options of a benchmark sweep that `lmoe bench` and `lmoe tune` share (backend, model dims,
-// ranks, token counts, warm-up, iterations, mode, seed), and their resolution into BenchOptions.
+// ranks, token counts, warm-up, iterations, cold L2, mode, seed), and their resolution into
+// BenchOptions.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -21,6 +22,7 @@ struct SweepOptions {
   std::vector<std::int64_t> tokens;
   std::optional<int> warmup;
   std::optional<int> iters;
+  bool cold_l2 = false;
   std::string mode = "auto";
   std::uint64_t seed = 2026;
 
@@ -29,7 +31,8 @@ struct SweepOptions {
   void add_to(CLI::App& app, const std::string& ranks_names, const std::string& tokens_default);
 
   struct Resolved {
-    BenchOptions options;  // backend, dims, eps, dtype, tp, tokens, warm-up, iterations, mode, seed
+    BenchOptions options;  // backend, dims, eps, dtype, tp, tokens, warm-up, iterations, cold_l2,
+                           // mode, seed
     std::string preset;    // the model's name
   };
   // Throws lmoe::Error naming the first bad option. `app` tells whether --preset was given.

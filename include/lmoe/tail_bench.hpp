@@ -75,6 +75,12 @@ struct BenchOptions {
   PolicyConfig policy;             // decides which tier is `chosen` at each T
   int warmup = 5;
   int iters = 50;
+  // cuda only: before each timed iteration, outside its events, a read of 2 x the device's L2
+  // evicts the weights and inputs the previous forward left there, as in a model where other
+  // layers run between two calls of the tail. Warm-up iterations are not preceded by it. Ranks
+  // sharing a GPU share its L2 (one's eviction can overlap a peer's timed forward): meant for one
+  // rank per GPU.
+  bool cold_l2 = false;
   std::uint64_t seed = 2026;             // the weights and, mixed with (T, tier, rank), the inputs
   std::int64_t check_max_tokens = 2048;  // check every T up to this against the contract; 0: none
   std::optional<BenchMode> mode;  // nullopt: graph where the comm and tail allow it, else eager
@@ -83,7 +89,8 @@ struct BenchOptions {
   bool inject_fault = false;
 };
 
-// Throws lmoe::Error naming the first bad option (tp, tokens, tiers, comms, warm-up, iterations).
+// Throws lmoe::Error naming the first bad option (tp, tokens, tiers, comms, warm-up, iterations,
+// a mode or cold_l2 the backend cannot run).
 void validate_bench_options(const BenchOptions& options);
 
 struct BenchRecord {
@@ -179,6 +186,7 @@ struct BenchSweep {
   std::vector<TailTier> tiers;
   std::vector<std::int64_t> tokens;
   int warmup = 0, iters = 0;
+  bool cold_l2 = false;  // L2 evicted before each timed iteration; absent in older (warm) files
   std::uint64_t seed = 0;
   std::int64_t check_max_tokens = 0;
   bool fault_injected = false;

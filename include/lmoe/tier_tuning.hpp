@@ -170,6 +170,7 @@ struct TableProvenance {
   // For the record only (not matched).
   std::string date_utc, hostname, preset, mode;
   int warmup = 0, iters = 0;
+  bool cold_l2 = false;  // L2 evicted before each timed iteration; absent (false) in older tables
   std::optional<float> eps;                      // absent in tables written before it was recorded
   std::optional<TableSweepSource> derived_from;  // nullopt: measured by `lmoe tune` itself
   bool operator==(const TableProvenance& other) const;  // every field

@@ -180,6 +180,7 @@ BenchSweep bench_sweep_of(const BenchOptions& options, const std::string& preset
   sweep.tokens = options.tokens;
   sweep.warmup = options.warmup;
   sweep.iters = options.iters;
+  sweep.cold_l2 = options.cold_l2;
   sweep.seed = options.seed;
   sweep.check_max_tokens = options.check_max_tokens;
   sweep.fault_injected = options.inject_fault;
@@ -225,6 +226,7 @@ std::string write_bench_json(const BenchSweep& sweep) {
                     {"tokens", sweep.tokens},
                     {"warmup", sweep.warmup},
                     {"iters", sweep.iters},
+                    {"cold_l2", sweep.cold_l2},
                     {"seed", sweep.seed},
                     {"check_max_tokens", sweep.check_max_tokens},
                     {"fault_injected", sweep.fault_injected},
@@ -286,6 +288,8 @@ BenchSweep read_bench_json(const std::string& json_text, const std::string& orig
   });
   sweep.warmup = int_field(doc, "warmup", where, 0);
   sweep.iters = int_field(doc, "iters", where, 1);
+  // Files written before it was recorded lack it: they were measured warm.
+  sweep.cold_l2 = doc.contains("cold_l2") && bool_field(doc, "cold_l2", where);
   const json& seed = field(doc, "seed", where);
   if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<std::int64_t>() >= 0)) {
     throw Error(member(where, "seed") + ": expected an integer >= 0, got " + seed.dump());

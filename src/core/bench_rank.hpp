@@ -42,9 +42,10 @@ std::unique_ptr<BenchRank> make_host_bench_rank(LatentTail& tail, Communicator& 
                                                 std::int64_t max_tokens);
 
 #ifdef LMOE_HAS_CUDA
-// On the current device; `comm` must be a device communicator.
+// On the current device; `comm` must be a device communicator. `cold_l2`: time() evicts the
+// device's L2 before each timed forward (BenchOptions::cold_l2).
 std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens);
+                                                std::int64_t max_tokens, bool cold_l2);
 #endif
 
 }  // namespace lmoe

@@ -115,6 +115,9 @@ void validate_bench_options(const BenchOptions& options) {
   LMOE_CHECK(!(options.backend == Backend::cpu && options.mode && *options.mode != BenchMode::eager),
              "bench: mode " + std::string(bench_mode_name(options.mode.value_or(BenchMode::eager))) +
                  " needs the cuda backend (the cpu backend has no graphs)");
+  LMOE_CHECK(!(options.backend == Backend::cpu && options.cold_l2),
+             "bench: cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has no device L2 "
+             "to evict");
   const std::vector<std::string> available = comm_backends(options.backend);
   std::string names;
   for (const std::string& name : available) names += (names.empty() ? "" : ", ") + name;
@@ -189,10 +192,12 @@ ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, st
   return {BenchMode::eager, *why_not};
 }
 
-std::unique_ptr<BenchRank> make_bench_rank(Backend backend, LatentTail& tail, Communicator& comm,
-                                           std::int64_t max_tokens) {
+std::unique_ptr<BenchRank> make_bench_rank(const BenchOptions& options, LatentTail& tail,
+                                           Communicator& comm, std::int64_t max_tokens) {
+  const Backend backend = options.backend;
 #ifdef LMOE_HAS_CUDA
-  if (backend == Backend::cuda) return make_cuda_bench_rank(tail, comm, max_tokens);
+  if (backend == Backend::cuda)
+    return make_cuda_bench_rank(tail, comm, max_tokens, options.cold_l2);
 #endif
   LMOE_CHECK(backend == Backend::cpu, "bench: the cuda backend is not built");
   return make_host_bench_rank(tail, comm, max_tokens);
@@ -261,8 +266,7 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
     tail_options.max_tokens = max_tokens;
     LatentTail tail(tail_options, comm, weights.norm_weight.matrix(),
                     weights.up_proj_weight.matrix());
-    const std::unique_ptr<BenchRank> bench_rank =
-        make_bench_rank(options.backend, tail, comm, max_tokens);
+    const std::unique_ptr<BenchRank> bench_rank = make_bench_rank(options, tail, comm, max_tokens);
     const ModeChoice mode = choose_mode(options, comm, max_tokens);
     const std::size_t r = static_cast<std::size_t>(rank);
 

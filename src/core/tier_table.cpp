@@ -77,6 +77,7 @@ ordered provenance_json(const TableProvenance& p) {
           {"mode", p.mode},
           {"warmup", p.warmup},
           {"iters", p.iters},
+          {"cold_l2", p.cold_l2},
           {"eps", p.eps ? ordered(*p.eps) : ordered()},
           {"derived_from", p.derived_from ? ordered{{"path", p.derived_from->path},
                                                     {"date", p.derived_from->date_utc},
@@ -111,7 +112,8 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.mode = text_field(object, "mode", where);
   p.warmup = int_field(object, "warmup", where, 0);
   p.iters = int_field(object, "iters", where, 0);
-  // Optional: tables written before these were recorded lack them.
+  // Optional: tables written before these were recorded lack them (cold_l2: they were warm).
+  p.cold_l2 = object.contains("cold_l2") && bool_field(object, "cold_l2", where);
   if (object.contains("eps") && !object["eps"].is_null()) {
     p.eps = static_cast<float>(nonnegative_field(object, "eps", where));
   }

@@ -338,8 +338,8 @@ bool TableProvenance::operator==(const TableProvenance& o) const {
          driver_version == o.driver_version && nccl_version == o.nccl_version && tp == o.tp &&
          dims.d_model == o.dims.d_model && dims.d_latent == o.dims.d_latent && dtype == o.dtype &&
          comm == o.comm && date_utc == o.date_utc && hostname == o.hostname && preset == o.preset &&
-         mode == o.mode && warmup == o.warmup && iters == o.iters && eps == o.eps &&
-         derived_from == o.derived_from;
+         mode == o.mode && warmup == o.warmup && iters == o.iters && cold_l2 == o.cold_l2 &&
+         eps == o.eps && derived_from == o.derived_from;
 }
 
 std::optional<std::string> nvidia_driver_version() {
@@ -551,6 +551,7 @@ TableProvenance provenance_of(const BenchSweep& sweep, const std::string& comm) 
   p.preset = sweep.preset;
   p.warmup = sweep.warmup;
   p.iters = sweep.iters;
+  p.cold_l2 = sweep.cold_l2;
   p.mode = mode_of(sweep.result.records, comm);
   return p;
 }

@@ -5,12 +5,14 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/bench_rank.hpp"
 #include "cuda/bench_fill.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/l2_evict.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -43,7 +45,7 @@ UniqueEvent make_timing_event() {
 
 class CudaBenchRank final : public BenchRank {
  public:
-  CudaBenchRank(LatentTail& tail, Communicator& comm, std::int64_t max_tokens)
+  CudaBenchRank(LatentTail& tail, Communicator& comm, std::int64_t max_tokens, bool cold_l2)
       : tail_(tail),
         comm_(comm),
         dims_(tail.options().dims),
@@ -60,6 +62,7 @@ class CudaBenchRank final : public BenchRank {
     cudaStream_t stream = nullptr;
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     stream_.reset(stream);
+    if (cold_l2) evictor_.emplace(stream);  // its buffer (2 x L2) only when asked for
   }
 
   // A graph may still be running on the stream: let it finish before its exec and buffers go.
@@ -116,7 +119,11 @@ class CudaBenchRank final : public BenchRank {
 
   // Iterations are issued back to back, as an engine issues layers; each is bracketed by events on
   // the rank's stream, so its time is what the stream spent on it, including any wait for the host
-  // (eager launches) or for peers (collectives).
+  // (eager launches) or for peers (collectives). Cold L2: an eviction before each start event, on
+  // the same stream (no host synchronization between iterations), then a read of the inputs: cold
+  // weights, warm activations, as in a model. Ranks that share one GPU share
+  // its L2, so one rank's eviction can run while a peer's timed forward runs (and slow it, or evict
+  // what it just loaded): cold numbers are meant for one rank per GPU.
   std::vector<double> time(int count) override {
     while (static_cast<int>(starts_.size()) < count) {
       starts_.push_back(make_timing_event());
@@ -124,6 +131,12 @@ class CudaBenchRank final : public BenchRank {
     }
     quiesce();
     for (int i = 0; i < count; ++i) {
+      if (evictor_) {
+        evictor_->evict(stream());
+        // The inputs back in L2: in a model, the kernels that wrote them ran just before the tail.
+        evictor_->touch(routed_.data(), bytes(tokens_ * dims_.d_latent), stream());
+        evictor_->touch(shared_.data(), bytes(tokens_ * dims_.d_model), stream());
+      }
       LMOE_CUDA_CHECK(cudaEventRecord(starts_[i].get(), stream()));
       forward();
       LMOE_CUDA_CHECK(cudaEventRecord(stops_[i].get(), stream()));
@@ -234,6 +247,7 @@ class CudaBenchRank final : public BenchRank {
   UniqueGraphExec graph_;  // graph mode: one forward of tier_ at tokens_
   DeviceBuffer tokens_device_;  // device-tokens mode: T, written by load_inputs
   std::map<TailTier, UniqueGraphExec> device_graphs_;  // device-tokens mode: one per tier, every T
+  std::optional<cuda::L2Evictor> evictor_;             // cold L2: read before each timed forward
   bool device_tokens_ = false;
   std::int64_t tokens_ = 0;
   TailTier tier_ = TailTier::overlap;
@@ -242,8 +256,8 @@ class CudaBenchRank final : public BenchRank {
 }  // namespace
 
 std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens) {
-  return std::make_unique<CudaBenchRank>(tail, comm, max_tokens);
+                                                std::int64_t max_tokens, bool cold_l2) {
+  return std::make_unique<CudaBenchRank>(tail, comm, max_tokens, cold_l2);
 }
 
 }  // namespace lmoe

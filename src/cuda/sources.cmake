@@ -17,6 +17,7 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_device_info.cpp
   ${CMAKE_CURRENT_LIST_DIR}/bench_fill.cu
+  ${CMAKE_CURRENT_LIST_DIR}/l2_evict.cu
   ${CMAKE_CURRENT_LIST_DIR}/layer_kernels.cu
   ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm.cu
   ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_executor.cpp

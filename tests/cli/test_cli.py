@@ -410,7 +410,7 @@ class BenchCommand(unittest.TestCase):
         "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
         "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
         "fault_injected", "definitions", "records", "comm_errors", "tier_table", "policy_check", "ok",
-        "driver_version", "from_sweep",
+        "driver_version", "from_sweep", "cold_l2",
     ]
 
     def bench(self, *args, env=None, check=True):
@@ -433,6 +433,8 @@ class BenchCommand(unittest.TestCase):
         self.assertEqual((doc["tp"], doc["d_model"], doc["d_latent"], doc["dtype"]), (2, 384, 192, "bf16"))
         self.assertEqual(doc["comms"], ["threads"])
         self.assertEqual(doc["iters"], 2)
+        self.assertIs(doc["cold_l2"], False)
+        self.assertIn("2 warm-up + 2 timed iterations\n", result.stderr)  # no ", L2 evicted before each"
         self.assertIsNone(doc["gpu"])
         records = doc["records"]
         keys = sorted((r["tokens"], r["tier"]) for r in records)
@@ -496,6 +498,7 @@ class BenchCommand(unittest.TestCase):
             (["--check-max-tokens", "-5"], "--check-max-tokens: expected >= 0, got -5"),
             (["--mode", "lazy"], "--mode: unknown bench mode 'lazy'"),
             (["--mode", "device-tokens"], "mode device-tokens needs the cuda backend"),
+            (["--cold-l2"], "cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has no device L2 to evict"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):
@@ -583,7 +586,7 @@ class TuneCommand(unittest.TestCase):
         self.assertEqual(p["dims"], {"d_model": 384, "d_latent": 192})
         self.assertIsNone(p["gpu"])
         self.assertIsNone(p["nccl_version"])
-        self.assertEqual((p["warmup"], p["iters"], p["mode"]), (0, 3, "eager"))
+        self.assertEqual((p["warmup"], p["iters"], p["mode"], p["cold_l2"]), (0, 3, "eager", False))
         for field in ["lmoe_version", "date", "hostname", "driver_version"]:
             self.assertIn(field, p)
         self.assertEqual([point["tokens"] for point in doc["grid"]], [1, 4, 16, 64])
@@ -806,6 +809,7 @@ class TuneCommand(unittest.TestCase):
             (["--output", "x.json", "-n", "0"], "-n/--ranks/--tp: expected at least 1 rank, got 0"),
             (["--output", "x.json", "--comm", "nccl"], "--comm nccl: not available for the cpu backend"),
             (["--output", "x.json", "-t", "0"], "-t/--tokens: expected token counts >= 1, got 0"),
+            (["--output", "x.json", "--cold-l2"], "the cpu backend has no device L2 to evict"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):
@@ -814,7 +818,7 @@ class TuneCommand(unittest.TestCase):
                 self.assertIn(needle, result.stderr)
         self.assertFalse(os.path.exists("x.json"))
         result = lmoe("tune", "--help")
-        for needle in ["--output", "--tp", "--comm", "docs/tuning.md"]:
+        for needle in ["--output", "--tp", "--comm", "--cold-l2", "docs/tuning.md"]:
             self.assertIn(needle, result.stdout)
 
 
@@ -901,6 +905,7 @@ class RecordedSweeps(unittest.TestCase):
         self.assertEqual((p["date"], p["hostname"], p["warmup"], p["iters"], p["lmoe_version"]),
                          (sweep["date"], sweep["hostname"], 0, 3, sweep["version"]))
         self.assertAlmostEqual(p["eps"], sweep["eps"])
+        self.assertEqual((p["cold_l2"], sweep["cold_l2"]), (False, False))
         self.assertEqual((p["derived_from"]["path"], p["derived_from"]["date"]), (self.sweep, sweep["date"]))
         self.assertRegex(p["derived_from"]["derived_date"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
         # The printed table is `lmoe tune`'s, and says what was not checked.
@@ -937,6 +942,7 @@ class RecordedSweeps(unittest.TestCase):
              "--from-sweep: --check-max-tokens shapes a measurement"),
             (["tune", "--from-sweep", self.sweep, "-o", out, "--mode", "eager", "--seed", "3", "--warmup", "1"],
              "--from-sweep: --warmup, --mode, --seed shape"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--cold-l2"], "--from-sweep: --cold-l2 shapes a measurement"),
             (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "--tiers", "column"],
              "--from-sweep: --tiers shapes a measurement"),
             (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "-n", "2", "--no-check"],
@@ -1038,6 +1044,18 @@ class RecordedSweeps(unittest.TestCase):
             checks = json.load(f)["policy_check"]
         self.assertEqual([c["tokens"] for c in checks if not c["ok"]], [4])
         self.assertEqual(next(c for c in checks if c["tokens"] == 4)["verdict"], "SLOWER")
+
+    def test_a_cold_sweep_says_so_and_gives_a_cold_table(self):
+        # A sweep recorded with --cold-l2 (on a GPU; here the flag of a cpu recording is set by hand).
+        path = self.edited_sweep("cold.json", lambda d: d.update(cold_l2=True))
+        table = self.path("cold_table.json")
+        result = lmoe("tune", "--from-sweep", path, "-o", table)
+        self.assertIn("0 warm-up + 3 timed iterations, L2 evicted before each", result.stderr)
+        with open(table) as f:
+            self.assertIs(json.load(f)["provenance"]["cold_l2"], True)
+        result = lmoe("bench", "--check-table", table, "--from-sweep", path)
+        self.assertIn("0 warm-up + 3 timed iterations, L2 evicted before each", result.stderr)
+        self.assertNotIn("L2 evicted", self.tuned.stderr)  # the warm sweep's table
 
     def test_a_sweep_of_another_configuration_is_refused_by_field(self):
         for name, edit, needle in [

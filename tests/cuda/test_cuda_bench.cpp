@@ -3,14 +3,16 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "gpu_test_support.hpp"
 #include "core/bench_rank.hpp"
 #include "cuda/bench_fill.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/device_buffer.hpp"
+#include "cuda/l2_evict.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/tail_bench.hpp"
 
@@ -92,6 +94,47 @@ TEST(CudaBench, AWrongElementIsCaughtOnTheGpuToo) {
   ASSERT_EQ(result.records.size(), 1u);
   EXPECT_GE(result.records[0].wrong(), 1);
   EXPECT_FALSE(result.ok());
+}
+
+TEST(CudaBench, TheL2EvictorReadsTwiceTheL2) {
+  SKIP_WITHOUT_GPU();
+  int device = 0, l2_bytes = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    const lmoe::cuda::L2Evictor evictor(stream);
+    EXPECT_EQ(evictor.bytes(),
+              std::max(2 * static_cast<std::size_t>(l2_bytes), std::size_t{64} << 20));
+    evictor.evict(stream);
+    evictor.evict(stream);
+    cuda_ok(cudaStreamSynchronize(stream));
+  }
+  cuda_ok(cudaStreamDestroy(stream));
+}
+
+TEST(CudaBench, AColdL2SweepMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  lmoe::BenchOptions options = small_options({1, 130});
+  options.tp = 1;  // cold numbers are meant for one rank per GPU
+  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
+  options.cold_l2 = true;
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  for (const lmoe::BenchCommError& error : result.comm_errors)
+    ADD_FAILURE() << error.comm << ": " << error.error;
+  std::size_t ran = 0;
+  for (const lmoe::BenchRecord& record : result.records) {
+    SCOPED_TRACE("T=" + std::to_string(record.tokens) + " " +
+                 std::string(lmoe::tier_name(record.tier)));
+    if (record.declined) continue;
+    ++ran;
+    EXPECT_TRUE(record.checked);
+    EXPECT_TRUE(record.ok());
+    ASSERT_EQ(record.seconds.size(), 3u);
+    EXPECT_GT(record.stats.median, 0);
+  }
+  EXPECT_GE(ran, 4u);
 }
 
 TEST(CudaBench, EnvironmentNamesTheGpu) {

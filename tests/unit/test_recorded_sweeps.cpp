@@ -100,6 +100,7 @@ void expect_same_sweep(const BenchSweep& a, const BenchSweep& b) {
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_EQ(a.warmup, b.warmup);
   EXPECT_EQ(a.iters, b.iters);
+  EXPECT_EQ(a.cold_l2, b.cold_l2);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.check_max_tokens, b.check_max_tokens);
   EXPECT_EQ(a.fault_injected, b.fault_injected);
@@ -158,6 +159,7 @@ BenchSweep crafted_sweep() {
   s.tokens = {1, 4096};
   s.warmup = 5;
   s.iters = 3;
+  s.cold_l2 = true;                  // not the default: the round trip must keep it
   s.seed = 18446744073709551557ull;  // above INT64_MAX: read back whole
   s.check_max_tokens = 256;
   s.fault_injected = false;
@@ -196,6 +198,8 @@ TEST(BenchJson, WrittenAndReadBackIsIdentical) {
   const BenchSweep read = lmoe::read_bench_json(text, "b.json");
   expect_same_sweep(sweep, read);
   EXPECT_EQ(lmoe::write_bench_json(read), text);
+  EXPECT_TRUE(read.cold_l2);
+  EXPECT_EQ(nlohmann::json::parse(text)["cold_l2"], true);
   // The wrong records stay wrong, the others right.
   std::vector<bool> ok;
   for (const BenchRecord& r : read.result.records) ok.push_back(r.ok());
@@ -216,6 +220,11 @@ TEST(BenchJson, ACpuSweepReadsBackToTheSameTimes) {
       lmoe::bench_sweep_of(options, "tiny", lmoe::bench_environment(lmoe::Backend::cpu),
                            lmoe::run_tail_bench(options));
   ASSERT_TRUE(sweep.result.ok());
+  EXPECT_FALSE(sweep.cold_l2);
+  EXPECT_FALSE(lmoe::read_bench_json(lmoe::write_bench_json(sweep), "b.json").cold_l2);
+  // The sweep records the option as given (a cuda sweep's; the cpu backend cannot run it).
+  options.cold_l2 = true;
+  EXPECT_TRUE(lmoe::bench_sweep_of(options, "tiny", {}, {}).cold_l2);
   EXPECT_EQ(sweep.comms, std::vector<std::string>{"threads"});  // as the sweep resolved them
   const BenchSweep read = lmoe::read_bench_json(lmoe::write_bench_json(sweep), "b.json");
   ASSERT_EQ(read.result.records.size(), sweep.result.records.size());
@@ -287,6 +296,8 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
             "b.json: tokens[1]: expected a token count >= 1, got 0");
   EXPECT_EQ(read_error([](auto& d) { d["comm_errors"][0].erase("error"); }),
             "b.json: comm_errors[0]: missing \"error\"");
+  EXPECT_EQ(read_error([](auto& d) { d["cold_l2"] = "yes"; }),
+            "b.json: cold_l2: expected true or false, got \"yes\"");
   EXPECT_EQ(read_error([](auto& d) { d["command"] = "run"; }),
             "b.json: is the JSON of `lmoe run`, not a recorded sweep of `lmoe bench --json`");
   EXPECT_EQ(read_error([](auto& d) { d = {{"format", "lmoe-tier-table"}, {"version", 3}}; }),
@@ -296,13 +307,17 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
               HasSubstr("b.json: not valid JSON"));
   EXPECT_EQ(error_of([] { lmoe::read_bench_file("/nonexistent/b.json"); }),
             "cannot read the sweep file '/nonexistent/b.json'");
-  // Files from before the kernel driver and the elements were recorded still read.
+  // Files from before the kernel driver, the elements and cold_l2 were recorded still read (cold_l2
+  // as false: those sweeps were warm).
   nlohmann::json doc = nlohmann::json::parse(lmoe::write_bench_json(crafted_sweep()));
+  ASSERT_EQ(doc["cold_l2"], true);
   doc.erase("driver_version");
+  doc.erase("cold_l2");
   for (auto& record : doc["records"]) record.erase("elements");
   const BenchSweep old = lmoe::read_bench_json(doc.dump(), "b.json");
   EXPECT_FALSE(old.driver_version.has_value());
   EXPECT_EQ(old.result.records[1].comparison.elements, 0);
+  EXPECT_FALSE(old.cold_l2);
 }
 
 // ---- tables derived from a recording ------------------------------------------------------------
@@ -406,6 +421,26 @@ TEST(TuneFromSweep, FitsTheRecordsAsTuneFitsItsOwn) {
                                        "t.json");
               }),
               HasSubstr("tp is 2 in the table, 4 here"));
+}
+
+TEST(TuneFromSweep, TheTableSaysWhetherTheSweepWasCold) {
+  BenchSweep sweep = recorded_cpu_sweep();
+  const lmoe::TableProvenance warm =
+      lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json").table.provenance;
+  EXPECT_FALSE(warm.cold_l2);
+  sweep.cold_l2 = true;
+  const lmoe::TierTable table = lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json").table;
+  EXPECT_TRUE(table.provenance.cold_l2);
+  // Otherwise the same provenance: a cold table is not equal to a warm one.
+  lmoe::TableProvenance as_warm = table.provenance;
+  as_warm.derived_from = warm.derived_from;  // the derivation's time may differ
+  EXPECT_FALSE(as_warm == warm);
+  as_warm.cold_l2 = false;
+  EXPECT_TRUE(as_warm == warm);
+  // The table file keeps it.
+  const lmoe::TierTable read = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
+  EXPECT_TRUE(read.provenance.cold_l2);
+  EXPECT_TRUE(read.provenance == table.provenance);
 }
 
 TEST(TuneFromSweep, AWrongRowIsRefusedByName) {
@@ -513,6 +548,7 @@ class H200Recordings : public lmoe_test::TierTableFiles {};
 TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
   const BenchSweep sweep = h200_sweep("bench_k3_tp2.json");
   EXPECT_EQ(sweep.comms, (std::vector<std::string>{"nccl", "p2p", "cuda-threads"}));
+  EXPECT_FALSE(sweep.cold_l2);  // recorded before cold_l2 was: measured warm
   EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "bench_k3_tp2.json"); }),
               HasSubstr("several comms (nccl, p2p, cuda-threads); say which with --comm"));
   const lmoe::TuneResult result = lmoe::tune_from_sweep(sweep, "nccl", "bench_k3_tp2.json");
@@ -536,6 +572,7 @@ TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
                         std::string("nccl")}));
   EXPECT_EQ((std::tuple{p.mode, p.warmup, p.iters, p.date_utc}),
             (std::tuple{std::string("graph"), 5, 50, std::string("2026-11-29T18:08:46Z")}));
+  EXPECT_FALSE(p.cold_l2);
   // The other comms derive tables too.
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "p2p", "b").table.provenance.comm, "p2p");
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "cuda-threads", "b").table.provenance.mode, "eager");

@@ -243,6 +243,13 @@ TEST(TailBench, BadOptionsNameTheOption) {
   options.iters = 0;
   EXPECT_THAT(message_of(options), HasSubstr("iters: expected >= 1"));
   options = small_options(2, {1});
+  options.cold_l2 = true;
+  EXPECT_THAT(message_of(options),
+              HasSubstr("bench: cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has "
+                        "no device L2 to evict"));
+  EXPECT_THROW(lmoe::run_tail_bench(options), lmoe::Error);
+  options.cold_l2 = false;
+  EXPECT_EQ(message_of(options), "no error");
   options.mode = lmoe::BenchMode::graph;
   EXPECT_THAT(message_of(options), HasSubstr("graph needs the cuda backend"));
   options.mode = lmoe::BenchMode::device_tokens;

@@ -608,6 +608,7 @@ lmoe::TierTable sample_table() {
   p.mode = "graph";
   p.warmup = 5;
   p.iters = 50;
+  p.cold_l2 = true;  // not the default: round trips must keep it
   table.grid = {point(1, {20.5, 30.25, 40.125, -1}), point(256, {990, 950.5, 901, 812}),
                 point(512, {1800, 1700, 1500, 1300})};
   table.grid[2][TailTier::overlap] = TierTiming{};  // not measured
@@ -907,6 +908,12 @@ TEST(TierTableV3, MalformedTablesNameTheField) {
             "t.json: grid[0].tiers.fused.median_us: expected a finite number >= 0, got -20.5");
   EXPECT_EQ(read_error(replaced("\"tokens\": 256", "\"tokens\": 1")),
             "t.json: grid[1].tokens: expected T to rise strictly, got 1 then 1");
+  EXPECT_EQ(read_error(replaced("\"cold_l2\": true", "\"cold_l2\": 1")),
+            "t.json: provenance.cold_l2: expected true or false, got 1");
+  // Tables from before cold_l2 was recorded were measured warm.
+  const lmoe::TierTable old = lmoe::read_tier_table(replaced("\"cold_l2\": true,", ""), "t.json");
+  EXPECT_FALSE(old.provenance.cold_l2);
+  EXPECT_TRUE(lmoe::read_tier_table(good, "t.json").provenance.cold_l2);
   EXPECT_EQ(read_error(replaced("\"fused_max_tokens\"", "\"fusd_max_tokens\"")),
             "t.json: breakpoints.fusd_max_tokens: unknown breakpoint (expected fused_max_tokens, "
             "overlap_max_tokens or column_max_tokens)");
