@@ -27,7 +27,8 @@
 // steps: its first 4 elements sit in the fragment slots of k ∈ {2q, 2q+1, 2q+8, 2q+9} of one mma,
 // its last 4 in those of the next, and N's fragment takes the same 8 elements of the token rows g
 // and g + 8. A group's accumulators stay in registers; after the stream the warps' fp32 partials
-// are summed in warp order through shared memory (results do not depend on scheduling).
+// are summed through shared memory by a fixed tree, one warp per 8 outputs (results do not depend
+// on scheduling).
 //
 // N: every block normalizes the T rows itself in shared memory in the canonical order of
 // cuda/rms_norm.cuh (bit-identical to the CPU). The rows and gamma are copied in (cp.async) before
@@ -56,8 +57,8 @@ inline constexpr int kDecodeDepth = kMaxTokens == 8 ? 16 : 8;
 // The block's dynamic shared memory, in this order: the norm's lane sums (256 per row), gamma
 // (fp32), the block's slice of `shared` (the T rows × its groups, 16 bytes per group), N's rows,
 // the warps' rings (warp w's kDepth slots of 512 bytes, lane l's 16 bytes at 16 l of a slot).
-// After the stream the rings hold the warps' fp32 partials ([group][warp][token][8]). Every part a
-// multiple of 16 bytes.
+// After the stream the rings hold the warps' fp32 partials ([group][token][slot][8], warp w in
+// slot w ^ (token % 4)). Every part a multiple of 16 bytes.
 struct DecodeLayout {
   static constexpr std::size_t kSlotBytes = 32 * 16;
 
@@ -297,37 +298,50 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
 #pragma unroll
   for (int j = 0; j < kDecodeMaxGroups; ++j) {
     if (j < groups) {
-      float* out = partials + (j * kDecodeWarps + warp) * kMaxTokens * 8;
-      *reinterpret_cast<float2*>(out + g * 8 + 2 * q) = make_float2(acc[j][0], acc[j][1]);
+      // Unit (j, token) holds the 16 warps' 8 partials, warp w's in slot w ^ (token % 4): a warp's
+      // stores then spread over four 32-byte bank windows instead of one (2 wavefronts a store,
+      // not 8).
+      float* lo = partials + ((j * kMaxTokens + g) * kDecodeWarps + (warp ^ (g & 3))) * 8;
+      *reinterpret_cast<float2*>(lo + 2 * q) = make_float2(acc[j][0], acc[j][1]);
       if constexpr (kMaxTokens == 16) {
-        *reinterpret_cast<float2*>(out + (g + 8) * 8 + 2 * q) = make_float2(acc[j][2], acc[j][3]);
+        float* hi = partials + ((j * kMaxTokens + g + 8) * kDecodeWarps + (warp ^ (g & 3))) * 8;
+        *reinterpret_cast<float2*>(hi + 2 * q) = make_float2(acc[j][2], acc[j][3]);
       }
     }
   }
   __syncthreads();
 
-  // 5. Each of T × groups units finishes 8 consecutive elements of one output row: the warps'
-  //    partials in warp order, then round(round(u) + shared).
-  for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
-    const int t = i / groups, j = i % groups;
-    const float* column = partials + j * kDecodeWarps * kMaxTokens * 8 + t * 8;
-    float u[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) u[e] = column[e];
+  // 5. Each of the T × groups units (8 consecutive elements of one output row) is one warp's: lane
+  //    i reads slot i / 2's half i % 2 (its 512 bytes in one pass, no bank conflict), the 16 slots
+  //    are summed by an xor butterfly over lanes (the fixed tree ((w0 + w1) + (w2 + w3)) + …:
+  //    partner sets do not depend on the slot swizzle, and fp32 addition is commutative, so the
+  //    bits do not depend on scheduling), then lanes 0 and 1 store round(round(u) + shared) for
+  //    elements 0–3 and 4–7. (One thread per unit summing the warps in turn read 128 scalars
+  //    through 7- to 8-way bank conflicts: ~1.7 µs at T = 1, ~3.9 at T = 16, LMOE_FUSED_TRACE.)
 #pragma unroll 1
-    for (int w = 1; w < kDecodeWarps; ++w) {
-      const float* other = column + w * kMaxTokens * 8;
+  for (int u = warp; u < tokens * groups; u += kDecodeWarps) {
+    const int t = u / groups, j = u % groups;
+    float4 v = reinterpret_cast<const float4*>(
+        partials + (j * kMaxTokens + t) * kDecodeWarps * 8)[lane];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) u[e] = __fadd_rn(u[e], other[e]);
+    for (int m = 2; m < 32; m *= 2) {
+      v.x = __fadd_rn(v.x, __shfl_xor_sync(0xffffffffu, v.x, m));
+      v.y = __fadd_rn(v.y, __shfl_xor_sync(0xffffffffu, v.y, m));
+      v.z = __fadd_rn(v.z, __shfl_xor_sync(0xffffffffu, v.z, m));
+      v.w = __fadd_rn(v.w, __shfl_xor_sync(0xffffffffu, v.w, m));
     }
-    const Vec16<T> s = reinterpret_cast<const Vec16<T>*>(shared_slice)[i];
-    Vec16<T> y;
+    if (lane < 2) {
+      const T* s = reinterpret_cast<const Vec16<T>*>(shared_slice)[u].v + 4 * lane;
+      const float sum[4] = {v.x, v.y, v.z, v.w};
+      Vec4<T> y;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      y.v[e] = Storage<T>::store(
-          __fadd_rn(Storage<T>::load(Storage<T>::store(u[e])), Storage<T>::load(s.v[e])));
+      for (int e = 0; e < 4; ++e) {
+        y.v[e] = Storage<T>::store(
+            __fadd_rn(Storage<T>::load(Storage<T>::store(sum[e])), Storage<T>::load(s[e])));
+      }
+      *reinterpret_cast<Vec4<T>*>(static_cast<T*>(p.out) + t * p.d + row_first + j * 8 +
+                                  4 * lane) = y;
     }
-    *reinterpret_cast<Vec16<T>*>(static_cast<T*>(p.out) + t * p.d + row_first + j * 8) = y;
   }
   decode_trace(p, kDecodeTraceEnd);
 }
