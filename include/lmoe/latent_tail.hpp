@@ -26,15 +26,15 @@ bool backend_available(Backend backend);
 
 // The built-in breakpoints for `backend` on `ranks` ranks, on cuda: with one rank the built-in
 // fused_max_tokens becomes kFusedDefaultTp1Tokens where the decode kernel runs
-// (cuda/fused_decode.cuh; it measured faster than `overlap` up to 8 tokens and slower from 9 at K3
-// dims on an H200, docs/fused.md) and 0 where it does not (`tp1_decode_limit` says why: the general
-// kernel is slower than `overlap` there); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0
-// (the general kernel measured slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the
-// reference system runs its fused kernel only at tp 8 and 16). Settings from a table, the
-// environment or the caller are kept. LatentTail applies it at construction; explain() names it as
-// the setting's origin.
+// (cuda/fused_decode.cuh; at K3 dims on an H200 with cold weights, `lmoe bench --cold-l2`, it
+// measured as fast as `overlap` at 6 tokens, faster below and slower from 8; docs/fused.md) and 0
+// where it does not (`tp1_decode_limit` says why: the general kernel is slower than `overlap`
+// there); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0 (the general kernel measured
+// slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the reference system runs its fused
+// kernel only at tp 8 and 16). Settings from a table, the environment or the caller are kept.
+// LatentTail applies it at construction; explain() names it as the setting's origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
-inline constexpr int kFusedDefaultTp1Tokens = 8;
+inline constexpr int kFusedDefaultTp1Tokens = 6;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
                                 const std::optional<std::string>& tp1_decode_limit);
 // The same, asking fused_decode_limit() for these dims and dtype when it matters (cuda, one rank,

@@ -37,10 +37,11 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
     return policy;
   }
   if (ranks == 1 && !tp1_decode_limit) {
-    policy.fused_max_tokens = {kFusedDefaultTp1Tokens, SettingSource::built_in,
-                               "default for cuda at tp 1: the decode kernel measured faster than "
-                               "overlap up to " +
-                                   std::to_string(kFusedDefaultTp1Tokens) + " tokens"};
+    policy.fused_max_tokens = {
+        kFusedDefaultTp1Tokens, SettingSource::built_in,
+        "default for cuda at tp 1: the decode kernel measured at least as fast "
+        "as overlap up to " +
+            std::to_string(kFusedDefaultTp1Tokens) + " tokens with cold weights"};
   } else if (ranks == 1) {
     policy.fused_max_tokens = {0, SettingSource::built_in,
                                "default for cuda at tp 1 without the decode kernel (" +

@@ -547,7 +547,7 @@ TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
     EXPECT_NE(declines.fused->decode_limit()->find("at most 8 groups"), std::string::npos)
         << *declines.fused->decode_limit();
   });
-  // The policy asks the same question (fused_decode_limit): fused up to 8 tokens at tp 1 where the
+  // The policy asks the same question (fused_decode_limit): fused up to 6 tokens at tp 1 where the
   // decode kernel runs, 0 with the reason where it does not.
   EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16).has_value());
   const std::optional<std::string> limit = lmoe::fused_decode_limit(nine, DType::bf16);

@@ -392,7 +392,7 @@ TEST(TierPolicySelect, DefaultBreakpoints) {
   EXPECT_EQ(tier_for(INT64_MAX, config), TailTier::column);
 }
 
-// On cuda at 1 rank the built-in fused breakpoint is 8 (the decode kernel), from 2 to 7 ranks 0
+// On cuda at 1 rank the built-in fused breakpoint is 6 (the decode kernel), from 2 to 7 ranks 0
 // (fused measured slower than overlap at tp 2: decode T goes to overlap); at 8 and 16 ranks, and on
 // the cpu backend, the reference system's 128 stays; a breakpoint from the environment or a table
 // is kept whatever the ranks.
