@@ -162,7 +162,8 @@ nlohmann::json checks_json(const std::vector<ChoiceCheck>& checks) {
 }
 
 // "kimi-k3, d_model 7168, d_latent 3584, bf16, tp 8, backend cuda (NVIDIA H200, cc 9.0), comm nccl,
-// 5 warm-up + 50 timed iterations" (and ", L2 evicted before each" with --cold-l2).
+// 5 warm-up + 50 timed iterations, L2 warm (see --cold-l2)" (", L2 evicted before each" with
+// --cold-l2; nothing about L2 on cpu).
 std::string describe_setting(const BenchSweep& sweep) {
   std::string setting = sweep.preset + ", d_model " + std::to_string(sweep.dims.d_model) +
                         ", d_latent " + std::to_string(sweep.dims.d_latent) + ", " +
@@ -171,7 +172,7 @@ std::string describe_setting(const BenchSweep& sweep) {
   if (sweep.gpu) setting += " (" + sweep.gpu->name + ", cc " + sweep.gpu->compute_capability + ")";
   return setting + ", comm " + joined(sweep.comms) + ", " + std::to_string(sweep.warmup) +
          " warm-up + " + std::to_string(sweep.iters) + " timed iterations" +
-         (sweep.cold_l2 ? ", L2 evicted before each" : "");
+         l2_note(sweep.backend, sweep.cold_l2);
 }
 
 void BenchCommand::execute() {

@@ -42,6 +42,11 @@ Backend resolve_backend(const std::string& name);
 // --comm: empty picks the backend's default communicator; otherwise one that comm_backends lists.
 std::string resolve_comm(const std::string& name, Backend backend);
 
+// The end of a sweep's one-line description: whether L2 was evicted before each timed iteration
+// (--cold-l2) or, on cuda, left warm (weights may stay in L2 between back-to-back replays); nothing
+// on cpu.
+std::string l2_note(Backend backend, bool cold_l2);
+
 // The policy from the environment and an optional --tier-table.
 PolicyConfig resolve_policy(const std::string& tier_table);
 

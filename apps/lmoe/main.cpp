@@ -41,6 +41,11 @@ Backend resolve_backend(const std::string& name) {
   return backend;
 }
 
+std::string l2_note(Backend backend, bool cold_l2) {
+  if (cold_l2) return ", L2 evicted before each";
+  return backend == Backend::cuda ? ", L2 warm (see --cold-l2)" : "";
+}
+
 std::string resolve_comm(const std::string& name, Backend backend) {
   if (name.empty()) return default_comm_backend(backend);
   const std::vector<std::string> names = comm_backends(backend);
