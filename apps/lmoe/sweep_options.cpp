@@ -26,10 +26,11 @@ void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
                  "untimed forwards per T and tier (default: 5 on cuda, 2 on cpu)");
   app.add_option("--iters", iters,
                  "timed forwards per T and tier (default: 50 on cuda, 10 on cpu)");
-  app.add_flag("--cold-l2", cold_l2,
-               "cuda: evict the GPU's L2 (read 2x its size) before each timed forward, outside its "
-               "time, as other layers would between two calls of the tail; meant for one rank per "
-               "GPU (docs/bench.md)");
+  app.add_flag(
+      "--cold-l2", cold_l2,
+      "cuda: evict the GPU's L2 (read max(2x its size, 64 MiB)) before each timed forward, "
+      "outside its time, then read the inputs back, as other layers would between two "
+      "calls of the tail; meant for one rank per GPU (docs/bench.md)");
   app.add_option(
          "--mode", mode,
          "auto (graph where the comm is capturable and the workspaces persistent), graph, eager or "

@@ -3,6 +3,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/l2_evict.hpp"
+#include "lmoe/error.hpp"
 
 namespace lmoe::cuda {
 
@@ -49,6 +50,8 @@ L2Evictor::L2Evictor(cudaStream_t stream) {
 void L2Evictor::evict(cudaStream_t stream) const { touch(buffer_.data(), buffer_.bytes(), stream); }
 
 void L2Evictor::touch(const void* data, std::size_t bytes, cudaStream_t stream) const {
+  LMOE_CHECK(reinterpret_cast<std::uintptr_t>(data) % alignof(uint4) == 0,
+             "L2Evictor::touch: the buffer must be 16-byte aligned");
   const std::size_t vectors = bytes / sizeof(uint4);
   if (vectors == 0) return;
   const int blocks = static_cast<int>(

@@ -1,6 +1,7 @@
 // Evicts the current device's L2 between two timed forwards (`lmoe bench --cold-l2`): back to back,
-// a tail's weights (a 6.4 MB stripe, K3's 51 MB w_up) would stay in L2 from one replay to the next,
-// which a model, running other layers between two calls of a tail, never sees. Host code only.
+// a tail's weights would stay in L2 from one replay to the next (a 6.4 MB stripe wholly, part of
+// K3's 51 MB w_up on a 50 MB L2), which a model, running other layers between two calls of a tail,
+// never sees. Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
