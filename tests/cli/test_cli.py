@@ -1055,7 +1055,17 @@ class RecordedSweeps(unittest.TestCase):
             self.assertIs(json.load(f)["provenance"]["cold_l2"], True)
         result = lmoe("bench", "--check-table", table, "--from-sweep", path)
         self.assertIn("0 warm-up + 3 timed iterations, L2 evicted before each", result.stderr)
+        self.assertNotIn("warning: the tier table was measured with", result.stderr)
         self.assertNotIn("L2 evicted", self.tuned.stderr)  # the warm sweep's table
+        # A cold table judged on a warm sweep, and a warm one on a cold sweep: judged, with a warning.
+        for table_path, sweep_path, needle in [
+            (table, self.sweep, "measured with L2 evicted before each iteration, this sweep with L2 warm"),
+            (self.table, path, "measured with L2 warm, this sweep with L2 evicted before each iteration"),
+        ]:
+            with self.subTest(table=table_path):
+                result = lmoe("bench", "--check-table", table_path, "--from-sweep", sweep_path,
+                              check=False)
+                self.assertIn(needle, result.stderr)
 
     def test_a_sweep_of_another_configuration_is_refused_by_field(self):
         for name, edit, needle in [
