@@ -121,9 +121,13 @@ if wants fusedbench; then
   # i.e. a tp-1 tail with d = 896); tp 2 and 8 with the ranks sharing this GPU (the protocol's cost
   # on one GPU, not a multi-GPU figure). Several GPUs: one rank per GPU, fused over p2p side by side
   # with overlap over p2p and over NCCL.
-  specs=("k3_tp1:-n 1 --comm p2p" "stripe896_tp1:-n 1 --comm p2p --d-model 896 --d-latent 3584")
+  # One rank: warm and with the weights evicted from L2 before each replay (--cold-l2, as in a
+  # model; docs/bench.md); ranks sharing a GPU share its L2, so those stay warm.
+  specs=("k3_tp1:-n 1 --comm p2p" "stripe896_tp1:-n 1 --comm p2p --d-model 896 --d-latent 3584"
+         "k3_tp1_cold:-n 1 --comm p2p --cold-l2"
+         "stripe896_tp1_cold:-n 1 --comm p2p --d-model 896 --d-latent 3584 --cold-l2")
   if [ "$gpus" -ge 2 ]; then
-    specs+=("k3_tp$gpus:-n $gpus --comm p2p,nccl")
+    specs+=("k3_tp$gpus:-n $gpus --comm p2p,nccl" "k3_tp${gpus}_cold:-n $gpus --comm p2p,nccl --cold-l2")
   else
     specs+=("k3_tp2_shared:-n 2 --comm p2p" "k3_tp8_shared:-n 8 --comm p2p")
   fi
