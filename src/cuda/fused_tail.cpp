@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
+#include "cuda/alignment.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_launch.hpp"
@@ -167,12 +168,9 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
 // With one rank, calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the
 // decode kernel, where its plan accepts the dims on this device (fused_decode_plan's conditions).
 void FusedTail::choose_decode() {
-  const auto misaligned = [](const void* pointer) {
-    return reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0;
-  };
   if (params_.tp != 1) {
     decode_limit_ = "the decode kernel runs tp = 1 only (tp=" + std::to_string(params_.tp) + ")";
-  } else if (misaligned(params_.w_stripe) || misaligned(params_.gamma)) {
+  } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
     decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
   } else {
     for (std::int64_t bound : {kFusedDecodeMaxTokens, std::int64_t{8}}) {
@@ -259,7 +257,7 @@ void FusedTail::print_trace() noexcept {
 
 std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {
   for (const auto& [name, pointer] : {std::pair{"routed", routed}, std::pair{"shared", shared}, std::pair{"out", out}}) {
-    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0) {
+    if (!aligned16(pointer)) {
       return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
     }
   }

@@ -31,7 +31,7 @@ class L2Evictor {
 
  private:
   DeviceBuffer buffer_;  // all zero, read 16 bytes at a time
-  DeviceBuffer sink_;    // one word, written only if what was read is not all zero: keeps the
+  DeviceBuffer sink_;    // one word, written only on a data-dependent condition that keeps the
                          // loads (its value means nothing)
   int blocks_ = 0;       // enough to fill every SM
 };

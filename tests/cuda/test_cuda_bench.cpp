@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/bench_rank.hpp"
@@ -109,7 +110,20 @@ TEST(CudaBench, TheL2EvictorReadsTwiceTheL2) {
               std::max(2 * static_cast<std::size_t>(l2_bytes), std::size_t{64} << 20));
     evictor.evict(stream);
     evictor.evict(stream);
+    // Touching inputs: whole 16-byte vectors of an aligned buffer (a tail shorter than 16 bytes is
+    // left out); a misaligned one is an error before anything is launched.
+    const lmoe::cuda::DeviceBuffer inputs(1000);
+    evictor.touch(inputs.data(), 1000, stream);
+    evictor.touch(inputs.data(), 8, stream);
+    try {
+      evictor.touch(static_cast<const char*>(inputs.data()) + 8, 64, stream);
+      ADD_FAILURE() << "a misaligned buffer was touched";
+    } catch (const lmoe::Error& error) {
+      EXPECT_NE(std::string(error.what()).find("16-byte aligned"), std::string::npos)
+          << error.what();
+    }
     cuda_ok(cudaStreamSynchronize(stream));
+    cuda_ok(cudaGetLastError());
   }
   cuda_ok(cudaStreamDestroy(stream));
 }
