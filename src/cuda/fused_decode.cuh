@@ -1,9 +1,11 @@
-// The fused tier's decode kernel: tp = 1 and T ≤ 16, the whole tail in one launch,
+// The fused tier's decode kernel: T ≤ 16, the whole tail in one launch,
 //
-//   Y = round(round(N · w_upᵀ) + shared),  N = round(rmsnorm(routed))
+//   Y = round(round(N · w_upᵀ) + round(Σ_r shared_r)),  N = round(rmsnorm(round(Σ_r routed_r)))
 //
-// (DESIGN.md §3 `fused` with one rank: the rank sums are the inputs themselves). No workspace, no
-// flags, no grid barrier: with one rank a block needs nothing from any other block. Device code
+// (DESIGN.md §3 `fused`). With one rank (the rank sums are the inputs themselves): no workspace,
+// no flags, no grid barrier; a block needs nothing from any other block. With several, the blocks
+// multiply this rank's stripe of w_up's rows and exchange everything else through the workspaces
+// of the general kernel's protocol (cuda/fused_protocol.cuh, decode_exchange below). Device code
 // only.
 //
 // At decode sizes the tail is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate), so
@@ -41,6 +43,7 @@
 
 #include "cuda/dtype.cuh"
 #include "cuda/fused_decode_launch.hpp"
+#include "cuda/fused_protocol.cuh"
 #include "cuda/p2p_protocol.cuh"
 #include "cuda/rms_norm.cuh"
 #include "cuda/warp_mma.cuh"
@@ -150,11 +153,68 @@ __device__ inline void decode_trace(const FusedDecodeParams& p, int point) {
   }
 }
 
+// With several ranks, what one rank's inputs give the block at tp = 1 (N's T rows in shared memory,
+// and the block's columns of the shared sum in its slice), through the protocol once the inputs are
+// staged and published (fused_stage_inputs): every peer's inputs awaited; rows t ≡ b (mod G) of N
+// reduced over the ranks, normalized by block b and stored in this rank's workspace; a barrier of
+// the grid; then every row of N copied in. The slice is the block's own columns, so it needs no
+// barrier. False (reported) when a wait failed. Every thread calls it.
+template <typename T>
+__device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int64_t row_first,
+                                int groups, std::byte* normed, std::size_t pitch, float* lane_sums,
+                                std::byte* shared_slice, FusedCall* call) {
+  const FusedTailParams& x = p.protocol;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (!fused_wait_peers(x, fused_flags(x, x.rank)->inputs_arrived, call)) return false;
+  decode_trace(p, kDecodeTraceInputsLanded);
+
+  const int row_vectors = static_cast<int>(p.l / 8);
+  const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
+  const int mine = tokens > block ? (tokens - 1 - block) / grid + 1 : 0;  // rows b, b + G, …
+  for (int i = tid; i < mine * row_vectors; i += kDecodeThreads) {
+    const int k = i / row_vectors, v = i % row_vectors;
+    const std::int64_t t = block + static_cast<std::int64_t>(k) * grid;
+    *reinterpret_cast<Vec16<T>*>(normed + k * pitch + v * 16) =
+        fused_rank_sum<T>(x, x.routed_offset, call->parity, t * p.l + v * 8);
+  }
+  __syncthreads();
+  if (p.latent_norm && mine > 0)
+    decode_norm_rows<T>(p.l, p.eps, normed, pitch, p.gamma, mine, lane_sums);
+  __syncthreads();
+  T* n_global = fused_at<T>(x, x.rank, x.normed_offset, 0);
+  for (int i = tid; i < mine * row_vectors; i += kDecodeThreads) {
+    const int k = i / row_vectors, v = i % row_vectors;
+    const std::int64_t t = block + static_cast<std::int64_t>(k) * grid;
+    *reinterpret_cast<uint4*>(n_global + t * p.l + v * 8) =
+        *reinterpret_cast<const uint4*>(normed + k * pitch + v * 16);
+  }
+  for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
+    const int t = i / groups, j = i % groups;
+    reinterpret_cast<Vec16<T>*>(shared_slice)[i] =
+        fused_rank_sum<T>(x, x.shared_offset, call->parity, t * p.d + p.col0 + row_first + j * 8);
+  }
+  __threadfence();  // this thread's rows of N, before the barrier lets the other blocks read them
+  if (!fused_grid_barrier(x, call)) return false;
+
+  const std::uint32_t normed_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(normed));
+  for (int i = tid; i < tokens * row_vectors; i += kDecodeThreads) {
+    const int t = i / row_vectors, v = i % row_vectors;
+    cp_async16(normed_s + static_cast<std::uint32_t>(t * pitch + v * 16),
+               n_global + static_cast<std::int64_t>(t) * p.l + v * 8, true);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();  // the weights' first items too: issued long before
+  __syncthreads();
+  return true;
+}
+
 template <typename T, int kMaxTokens>
 __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDecodeParams p) {
   static_assert(kMaxTokens == 8 || kMaxTokens == 16);
   constexpr int kDepth = kDecodeDepth<kMaxTokens>;
   extern __shared__ __align__(128) std::byte decode_smem[];
+  __shared__ FusedCall call;  // several ranks only
+  const bool exchange = p.protocol.tp > 1;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
   decode_trace(p, kDecodeTraceEntry);
@@ -163,13 +223,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   // keeps a wrong T inside this block's shared memory.
   const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
   const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > kMaxTokens ? kMaxTokens : t_read);
-  // The block's groups of 8 rows of w_up: [group_first, group_first + groups), dealt evenly (at
-  // most kDecodeMaxGroups: the plan's grid ensures it).
-  const std::int64_t all_groups = p.d / 8;
+  // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
+  // dealt evenly (at least one and at most kDecodeMaxGroups: the plan's grid ensures it).
+  const std::int64_t all_groups = p.rows / 8;
   const std::int64_t group_first = blockIdx.x * all_groups / gridDim.x;
   const int groups = static_cast<int>((blockIdx.x + 1) * all_groups / gridDim.x - group_first);
-  if (groups == 0 || tokens == 0) return;  // the same for every thread of the block
+  if (groups == 0 || tokens == 0) return;  // the same for every thread of the block (and rank)
   const std::int64_t row_first = group_first * 8;
+  if (exchange) {
+    // Several ranks: the inputs staged and published before any weight is requested (their copies
+    // and the system-scope fence of the publish would otherwise wait behind the weights' first
+    // items: ~4 µs at K3 tp 2, LMOE_FUSED_TRACE).
+    if (!fused_begin(p.protocol, &call)) return;
+    fused_stage_inputs<T>(p.protocol, tokens, call);
+  }
 
   float* lane_sums = reinterpret_cast<float*>(decode_smem);
   float* gamma = reinterpret_cast<float*>(decode_smem + DecodeLayout::gamma_offset(kMaxTokens));
@@ -180,10 +247,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   const std::size_t pitch = DecodeLayout::normed_pitch(p.l);
   const std::uint32_t normed_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(normed));
 
-  // 1. The small inputs first, so that they do not wait behind the weights: the T latent rows into
-  //    N, gamma, and this block's columns of `shared` (16 bytes per token and group). One commit
-  //    group, the oldest.
-  {
+  // 1. One rank: the small inputs first, so that they do not wait behind the weights: the T latent
+  //    rows into N, gamma, and this block's columns of `shared` (16 bytes per token and group). One
+  //    commit group, the oldest. (Several: decode_exchange below, once the weights are in flight.)
+  if (!exchange) {
     const int row_vectors = static_cast<int>(p.l / 8);
     const char* routed = static_cast<const char*>(p.routed);
     for (int i = tid; i < tokens * row_vectors; i += kDecodeThreads) {
@@ -203,7 +270,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
       const int t = i / groups, j = i % groups;
       cp_async16(slice_s + static_cast<std::uint32_t>(i * 16),
-                 shared_in + t * p.d + row_first + j * 8, true);
+                 shared_in + t * p.d + p.col0 + row_first + j * 8, true);
     }
     cp_async_commit();
   }
@@ -245,12 +312,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   for (int k = 0; k < kDepth - 1; ++k) issue_next();
 
   // 3. N (the inputs' group is the oldest: it has landed once at most kDepth − 1 are pending).
-  cp_async_wait<kDepth - 1>();
-  __syncthreads();
-  decode_trace(p, kDecodeTraceInputsLanded);
-  if (p.latent_norm) {
-    decode_norm_rows<T>(p.l, p.eps, normed, pitch, gamma, tokens, lane_sums);
+  if (!exchange) {
+    cp_async_wait<kDepth - 1>();
     __syncthreads();
+    decode_trace(p, kDecodeTraceInputsLanded);
+    if (p.latent_norm) {
+      decode_norm_rows<T>(p.l, p.eps, normed, pitch, gamma, tokens, lane_sums);
+      __syncthreads();
+    }
+  } else if (!decode_exchange<T>(p, tokens, row_first, groups, normed, pitch, lane_sums,
+                                 shared_slice, &call)) {
+    return cp_async_wait<0>();
   }
   decode_trace(p, kDecodeTraceNormed);
 
@@ -339,9 +411,19 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
         y.v[e] = Storage<T>::store(
             __fadd_rn(Storage<T>::load(Storage<T>::store(sum[e])), Storage<T>::load(s[e])));
       }
-      *reinterpret_cast<Vec4<T>*>(static_cast<T*>(p.out) + t * p.d + row_first + j * 8 +
-                                  4 * lane) = y;
+      const std::int64_t row = row_first + j * 8 + 4 * lane;  // of the stripe
+      *reinterpret_cast<Vec4<T>*>(static_cast<T*>(p.out) + t * p.d + p.col0 + row) = y;
+      if (exchange) {  // and for the peers, the staged stripe
+        *reinterpret_cast<Vec4<T>*>(
+            fused_at<T>(p.protocol, p.protocol.rank, p.protocol.stripe_offset, call.parity) +
+            t * p.protocol.stripe + row) = y;
+      }
     }
+  }
+  if (exchange) {
+    // 6. Every peer's stripe into Y, and the call closed.
+    if (!fused_gather_stripes<T>(p.protocol, tokens, &call)) return;
+    fused_end(p.protocol, call, false);
   }
   decode_trace(p, kDecodeTraceEnd);
 }

@@ -28,12 +28,12 @@ const void* decode_kernel(int shape_tokens, DType dtype) {
 
 }  // namespace
 
-const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_tokens, DType dtype,
-                              FusedDecodePlan* plan) {
+const char* fused_decode_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                              DType dtype, FusedDecodePlan* plan, int max_grid) {
   if (dtype != DType::bf16 && dtype != DType::f16) return "the decode kernel runs bf16 and f16";
   if (max_tokens < 1 || max_tokens > kFusedDecodeMaxTokens)
     return "the decode kernel takes 1 … 16 tokens";
-  if (d % 8 != 0 || d < 8 || l % 16 != 0 || l < 16)
+  if (rows % 8 != 0 || rows < 8 || l % 16 != 0 || l < 16)
     return "the decode kernel needs d % 8 == 0 and l % 16 == 0";
   int device = 0, sms = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -43,8 +43,9 @@ const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_t
     return "the decode kernel could not query the device";
   }
   FusedDecodePlan result;
-  result.grid = static_cast<int>(std::clamp<std::int64_t>(d / 8, 1, sms));
-  if ((d / 8 + result.grid - 1) / result.grid > kDecodeMaxGroups)
+  const int blocks = max_grid > 0 ? std::min(max_grid, sms) : sms;
+  result.grid = static_cast<int>(std::clamp<std::int64_t>(rows / 8, 1, blocks));
+  if ((rows / 8 + result.grid - 1) / result.grid > kDecodeMaxGroups)
     return "the decode kernel takes at most 8 groups of 8 rows of w_up per SM";
   // Every shape a call of up to max_tokens rows may launch: its shared memory must fit, and the
   // kernel is allowed all a block may have, here (not at launch, which may be inside a graph
@@ -52,12 +53,18 @@ const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_t
   // and another FusedTail with other dims may be launching it too.
   for (int shape : {8, 16}) {
     if (shape > max_tokens_of_shape(max_tokens)) break;
-    if (DecodeLayout::bytes(l, shape) > static_cast<std::size_t>(limit)) {
+    // The kernel's own static shared memory (the protocol's call record) comes off the limit.
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, decode_kernel(shape, dtype)) != cudaSuccess)
+      return "the decode kernel could not query the device";
+    const int dynamic_limit = limit - static_cast<int>(attributes.sharedSizeBytes);
+    if (DecodeLayout::bytes(l, shape) > static_cast<std::size_t>(dynamic_limit)) {
       return "the decode kernel's normalized rows, gamma and weight rings do not fit in a block's "
              "shared memory";
     }
     if (cudaFuncSetAttribute(decode_kernel(shape, dtype),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, limit) != cudaSuccess) {
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             dynamic_limit) != cudaSuccess) {
       return "the decode kernel's shared memory could not be raised on this device";
     }
   }

@@ -1,5 +1,5 @@
-// Launcher of the fused tier's decode kernel (cuda/fused_decode.cuh): tp = 1 and T ≤ 16, the whole
-// tail in one launch with no workspace (the design is described at the top of the kernel file).
+// Launcher of the fused tier's decode kernel (cuda/fused_decode.cuh): T ≤ 16, the whole tail in
+// one launch (with one rank no workspace; the design is described at the top of the kernel file).
 // Host code only.
 #pragma once
 
@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/fused_tail_types.hpp"
 #include "lmoe/dtype.hpp"
 
 namespace lmoe::cuda {
@@ -26,42 +27,51 @@ struct FusedDecodeParams {
   // T read on the device (graph replays); at most the launch's bound.
   const std::int32_t* tokens_device = nullptr;
   std::int64_t d = 0, l = 0;     // d_model, d_latent
+  std::int64_t rows = 0;         // w_up's rows this rank multiplies: d / tp (its stripe)
+  std::int64_t col0 = 0;         // the output column of the stripe's first row: rank · rows
   const void* routed = nullptr;  // [T, l]
   const void* shared = nullptr;  // [T, d]
   void* out = nullptr;           // [T, d]
-  const void* w_up = nullptr;    // [d, l], 16-byte aligned
+  const void* w_up = nullptr;    // the stripe's rows [rows, l], 16-byte aligned
   const float* gamma = nullptr;  // [l], fp32, 16-byte aligned
   float eps = 0;
   bool latent_norm = true;  // false: N = the latent itself
   // LMOE_FUSED_TRACE: when each block reached each of the kDecodeTracePoints points of the last
   // call (global timer, ns), [grid][kDecodeTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
+  // Several ranks (protocol.tp > 1): the workspaces, offsets and failure reporting of the general
+  // kernel's protocol, with this call's routed, shared, out and T; unused with one rank.
+  FusedTailParams protocol;
 };
 
 // The decode kernel's trace points, in order.
 enum DecodeTracePoint : int {
   kDecodeTraceEntry,
-  kDecodeTraceInputsLanded,  // the latent rows, gamma and the shared slice, in shared memory
-  kDecodeTraceNormed,        // N in shared memory, the first items of every warp in flight
-  kDecodeTraceStreamed,      // every warp's items multiplied
-  kDecodeTraceEnd,           // thread 0's outputs stored
+  // The latent rows, gamma and the shared slice in shared memory (several ranks: every peer's
+  // inputs staged).
+  kDecodeTraceInputsLanded,
+  kDecodeTraceNormed,    // N in shared memory, the first items of every warp in flight
+  kDecodeTraceStreamed,  // every warp's items multiplied
+  kDecodeTraceEnd,       // thread 0's outputs stored
   kDecodeTracePoints
 };
 
-// How the decode kernel runs on one device for one FusedTail: its grid (one block per SM, each an
-// even share of d's groups of 8 rows, at most one block per group and kDecodeMaxGroups per block).
+// How the decode kernel runs on one device for one FusedTail: its grid (at most one block per SM,
+// each an even share of the stripe's groups of 8 rows, at most one block per group and
+// kDecodeMaxGroups per block).
 struct FusedDecodePlan {
   int grid = 0;
 };
 
-// Why the decode kernel cannot run calls of up to `max_tokens` rows at these dims on the current
-// device: bf16/f16 only, d % 8 and l % 16, at most kDecodeMaxGroups groups of 8 rows per SM, and
-// the norm's lane sums, gamma, the shared slice, the normalized rows and the weight rings must fit
-// in a block's shared memory;
+// Why the decode kernel cannot run calls of up to `max_tokens` rows with `rows` rows of w_up (the
+// stripe; d with one rank) on at most `max_grid` blocks (0: one per SM) of the current device:
+// bf16/f16 only, rows % 8 and l % 16, at most kDecodeMaxGroups groups of 8 rows per block, and the
+// norm's lane sums, gamma, the shared slice, the normalized rows and the weight rings must fit in a
+// block's shared memory;
 // nullptr when it can, after filling *plan and raising its kernels' shared-memory limit on this
 // device (required before launch_fused_decode). A static string.
-const char* fused_decode_plan(std::int64_t d, std::int64_t l, std::int64_t max_tokens, DType dtype,
-                              FusedDecodePlan* plan);
+const char* fused_decode_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                              DType dtype, FusedDecodePlan* plan, int max_grid = 0);
 
 // Launches the decode kernel for calls of up to `max_tokens` (≤ kFusedDecodeMaxTokens) rows with a
 // plan from fused_decode_plan() for that bound (or a larger one) on the current device; dtype bf16

@@ -157,7 +157,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
     params_.trace = static_cast<std::uint64_t*>(trace_.data());
   }
-  choose_decode();
+  choose_decode(sms, sharing);
   if (tracing && decode_max_tokens_ > 0) {
     decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
                                  sizeof(std::uint64_t));
@@ -165,27 +165,56 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   }
 }
 
-// With one rank, calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the
-// decode kernel, where its plan accepts the dims on this device (fused_decode_plan's conditions).
-void FusedTail::choose_decode() {
-  if (params_.tp != 1) {
-    decode_limit_ = "the decode kernel runs tp = 1 only (tp=" + std::to_string(params_.tp) + ")";
+// Calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the decode kernel, where
+// its plan accepts the stripe on this device (fused_decode_plan's conditions). With several ranks
+// its blocks wait for each other and for the peers', so every block of every rank on a GPU must be
+// resident at once: one block per SM, and ranks sharing a GPU split its SMs (leaving one free for
+// a peer's other work); the ranks then agree on the smallest bound and grid (collective).
+void FusedTail::choose_decode(int sms, int sharing) {
+  // LMOE_FUSED_DECODE: 0 turns the decode kernel off, 1 turns it on with several ranks too, where
+  // it is opt-in until its consecutive calls with 4 ranks per GPU are validated (docs/fused.md).
+  const char* decode_env = std::getenv("LMOE_FUSED_DECODE");
+  const std::string decode_mode = decode_env != nullptr ? decode_env : "";
+  if (decode_mode == "0") {
+    decode_limit_ = "the decode kernel is turned off (LMOE_FUSED_DECODE=0)";
+  } else if (params_.tp > 1 && decode_mode != "1") {
+    decode_limit_ = "the decode kernel runs with several ranks only with LMOE_FUSED_DECODE=1 (tp=" +
+                    std::to_string(params_.tp) +
+                    "; not yet validated at 4 ranks per GPU, docs/fused.md)";
   } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
     decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
   } else {
+    const int max_grid = sharing > 1 ? std::max(1, (sms - 1) / sharing) : sms;
     for (std::int64_t bound : {kFusedDecodeMaxTokens, std::int64_t{8}}) {
       const std::int64_t tokens = std::min(bound, capacity_);
-      const char* reason = fused_decode_plan(params_.d, params_.l, tokens, dtype_, &decode_plan_);
+      const char* reason =
+          fused_decode_plan(params_.stripe, params_.l, tokens, dtype_, &decode_plan_, max_grid);
       if (reason == nullptr) {
         decode_max_tokens_ = tokens;
         break;
       }
       if (!decode_limit_)
         decode_limit_ = std::string(reason) + " (d_model=" + std::to_string(params_.d) +
-                        ", d_latent=" + std::to_string(params_.l) + ", T ≤ " +
-                        std::to_string(tokens) + ")";
+                        ", d_latent=" + std::to_string(params_.l) +
+                        (params_.tp > 1 ? ", tp=" + std::to_string(params_.tp) : std::string()) +
+                        ", T ≤ " + std::to_string(tokens) + ")";
     }
   }
+  if (params_.tp == 1) return;
+  // Every rank must run the same kernel with the same grid for a call (the protocol's targets).
+  const std::int64_t mine[2] = {decode_max_tokens_, decode_plan_.grid};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(2 * params_.tp));
+  comm_.control_all_gather(mine, all.data(), sizeof(mine));
+  std::int64_t bound = mine[0], grid = decode_max_tokens_ > 0 ? mine[1] : 0;
+  for (int r = 0; r < params_.tp; ++r) {
+    bound = std::min(bound, all[static_cast<std::size_t>(2 * r)]);
+    if (all[static_cast<std::size_t>(2 * r)] > 0)
+      grid = std::min(grid, all[static_cast<std::size_t>(2 * r + 1)]);
+  }
+  if (bound < decode_max_tokens_ && !decode_limit_)
+    decode_limit_ = "another rank's decode kernel takes at most " + std::to_string(bound) + " rows";
+  decode_max_tokens_ = bound;
+  decode_plan_.grid = static_cast<int>(bound > 0 ? grid : 0);
 }
 
 FusedTail::~FusedTail() {
@@ -269,7 +298,7 @@ std::uint32_t FusedTail::general_calls() const {
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   LMOE_CUDA_CHECK(
       cudaMemcpy(&flags, params_.workspace[params_.rank], sizeof(flags), cudaMemcpyDeviceToHost));
-  return flags.epoch;
+  return flags.general_calls;
 }
 
 void FusedTail::throw_if_failed() {
@@ -293,14 +322,25 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     p.tokens_device = tokens_device;
     p.d = params_.d;
     p.l = params_.l;
+    p.rows = params_.stripe;
+    p.col0 = params_.rank * params_.stripe;
     p.routed = routed;
     p.shared = shared;
     p.out = out;
-    p.w_up = params_.w_stripe;  // with one rank the stripe is all of w_up
+    p.w_up = params_.w_stripe;
     p.gamma = params_.gamma;
     p.eps = params_.eps;
     p.latent_norm = params_.latent_norm;
     p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
+    if (params_.tp > 1) {
+      p.protocol = params_;
+      p.protocol.tokens = tokens;
+      p.protocol.tokens_device = tokens_device;
+      p.protocol.routed = routed;
+      p.protocol.shared = shared;
+      p.protocol.out = out;
+      p.protocol.trace = nullptr;
+    }
     check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
     return;
   }

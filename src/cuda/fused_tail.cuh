@@ -9,16 +9,19 @@
 //      peers are still on their way);
 //   1. stage: the blocks copy routed [T, l] and shared [T, d] into r's workspace (parity e & 1),
 //      and each block then adds 1 to inputs_arrived[r] in every peer's flags (release, system);
-//   2. norm: once inputs_arrived[p] ≥ e·G for every peer p, block b reduces rows t ≡ b (mod G)
+//   2. norm: once every peer's inputs_arrived[p] reached the call's target (the grids of the
+//      calls before it plus G, cuda/fused_protocol.cuh), block b reduces rows t ≡ b (mod G)
 //      of the latent over the ranks in rank order, rounds, and normalizes them in the canonical
 //      order of cuda/rms_norm.cuh into N (r's own memory); then rows_done += 1;
-//   3. stripe: once rows_done ≥ e·G (every row of N is there), block b computes block-tiles
-//      b, b + G, … of r's stripe of output columns: N · w_stripeᵀ on tensor cores (mma.sync
-//      m16n8k16, fp32 accumulate, the K range split over the 8 warps and summed in warp order),
-//      rounded, plus the rank-order sum of the peers' shared columns, rounded, into Y's columns of
-//      the stripe and into r's staged stripe; then stripes_arrived[r] += 1 in every peer's flags;
-//   4. gather: once stripes_arrived[p] ≥ e·G, the blocks copy peer p's staged stripe into Y.
-//   The last block to finish stores epoch = e and frees the workspace (in_use = 0).
+//   3. stripe: once rows_done reached the target (every row of N is there), block b computes
+//      block-tiles b, b + G, … of r's stripe of output columns: N · w_stripeᵀ on tensor cores
+//      (mma.sync m16n8k16, fp32 accumulate, the K range split over the 8 warps and summed in warp
+//      order), rounded, plus the rank-order sum of the peers' shared columns, rounded, into Y's
+//      columns of the stripe and into r's staged stripe; then stripes_arrived[r] += 1 in every
+//      peer's flags;
+//   4. gather: once stripes_arrived[p] reached the target, the blocks copy peer p's staged stripe
+//      into Y.
+//   The last block to finish stores epoch = e and the counters' new base, and frees the workspace.
 // Two parities suffice: a peer can be at most one call ahead (call e + 1 needs our inputs of
 // e + 1, staged only after our call e has finished reading everything of e), and it writes the
 // other parity. Every wait is bounded and fails into the p2p group's status record and abort flag.
@@ -28,50 +31,12 @@
 #include <type_traits>
 
 #include "cuda/dtype.cuh"
+#include "cuda/fused_protocol.cuh"
 #include "cuda/fused_tail_types.hpp"
-#include "cuda/p2p_protocol.cuh"
 #include "cuda/rms_norm.cuh"
 #include "cuda/warp_mma.cuh"
 
 namespace lmoe::cuda {
-
-__device__ inline void fused_add_release(std::uint32_t* address, std::uint32_t value) {
-  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
-}
-
-// Where this rank's waits report a failure: the p2p group's record and abort flag, or (one rank,
-// no group) the FusedTail's own (both always set by the host).
-__device__ inline P2pFailureReport fused_report(const FusedTailParams& p) {
-  return {p.status, p.abort_flag, p.timeout_ns};
-}
-
-template <typename T>
-__device__ inline T* fused_at(const FusedTailParams& p, int rank, std::int64_t offset, std::uint32_t parity) {
-  return reinterpret_cast<T*>(p.workspace[rank] + offset + static_cast<std::int64_t>(parity) * p.parity_bytes);
-}
-
-// Peer (or own staged) data through L2: L1 is not coherent with a peer's writes.
-template <typename T>
-__device__ inline Vec16<T> fused_load_cg(const T* address) {
-  const uint4 bits = __ldcg(reinterpret_cast<const uint4*>(address));
-  return *reinterpret_cast<const Vec16<T>*>(&bits);
-}
-template <typename T>
-__device__ inline float fused_load_cg_scalar(const T* address) {
-  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(address));
-  return Storage<T>::load(*reinterpret_cast<const T*>(&bits));
-}
-
-// dst[i] = src[i], 16-byte vectors (n a multiple of the vector size), grid-stride over all blocks.
-template <typename T>
-__device__ inline void fused_copy(const T* src, T* dst, std::int64_t n, bool peer_source) {
-  using V = Vec16<T>;
-  const std::int64_t vectors = n / V::kSize;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    reinterpret_cast<V*>(dst)[i] = peer_source ? fused_load_cg(src + i * V::kSize) : reinterpret_cast<const V*>(src)[i];
-  }
-}
 
 // Phase 2 for one row t: latent = round(Σ_r routed_r[t]) in rank order, N[t] = round(rmsnorm(latent)).
 // Every thread of the block calls it (the sum of squares holds a barrier).
@@ -226,11 +191,12 @@ __device__ inline void fused_prologue_weights(const FusedTailParams& p, std::int
 }
 
 // One work item: tile `tile` (columns [tile·64, tile·64 + 64) of the stripe), split s of K.
-// weights_issued: fused_prologue_weights already issued this item's first weights.
+// weights_issued: fused_prologue_weights already issued this item's first weights. general_e: the
+// general kernel's calls so far + 1 (each tile's split counter gains `splits` per call).
 template <typename T, int kRowsMax>
-__device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens, std::int64_t tile, std::int64_t s,
-                                  bool weights_issued, std::uint32_t e, std::uint32_t parity, std::uint32_t smem,
-                                  int* s_last) {
+__device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens, std::int64_t tile,
+                                  std::int64_t s, bool weights_issued, std::uint32_t general_e,
+                                  std::uint32_t parity, std::uint32_t smem, int* s_last) {
   using Shape = FusedShape<kRowsMax>;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int wm = warp / Shape::kWarpsN, wn = warp % Shape::kWarpsN;
@@ -333,7 +299,7 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
     __threadfence();
     std::uint32_t* arrived = reinterpret_cast<std::uint32_t*>(p.workspace[p.rank] + p.tile_arrived_offset) + tile;
     const std::uint32_t before = atomicAdd(arrived, 1u);
-    *s_last = before + 1u == e * static_cast<std::uint32_t>(p.splits);
+    *s_last = before + 1u == general_e * static_cast<std::uint32_t>(p.splits);
     __threadfence();
   }
   __syncthreads();
@@ -358,31 +324,17 @@ __device__ inline void fused_trace(const FusedTailParams& p, int point) {
 
 template <typename T, int kRowsMax>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailParams p) {
-  __shared__ std::uint32_t s_epoch;
-  __shared__ int s_failed;
+  __shared__ FusedCall call;
   __shared__ int s_last;
   __shared__ float lane_sums[kNormLanes];
   extern __shared__ __align__(128) std::byte fused_stages[];  // FusedShape<kRowsMax>::kSharedBytes
   const std::uint32_t smem = static_cast<std::uint32_t>(__cvta_generic_to_shared(fused_stages));
 
-  FusedFlags* own = reinterpret_cast<FusedFlags*>(p.workspace[p.rank]);
-  const std::uint32_t grid = static_cast<std::uint32_t>(gridDim.x);
   const std::int64_t tokens = p.tokens_device ? *p.tokens_device : p.tokens;
   const std::int64_t items = p.col_tiles * p.splits;
 
   fused_trace(p, kTraceEntry);
-  if (threadIdx.x == 0) {
-    s_failed = 0;
-    s_epoch = own->epoch + 1;
-    // No read of the host-mapped abort flag here (see kP2pAbortPollAfterNs): the host checks the
-    // group's status before every call, and a wait finds a later abort.
-    if (blockIdx.x == 0 && atomicExch(&own->in_use, 1u) != 0u) {
-      p2p_fail(fused_report(p), kP2pConcurrentUse, -1, s_epoch);
-      s_failed = 1;
-    }
-  }
-  __syncthreads();
-  if (s_failed) return;
+  if (!fused_begin(p, &call)) return;
   // 0. The weights of this block's items, into L2 while the peers arrive (a row of a tile per thread).
   if (p.prefetch_weights && threadIdx.x < kFusedTileCols) {
     for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
@@ -402,83 +354,39 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
     fused_prologue_weights<T, kRowsMax>(p, blockIdx.x / p.splits, blockIdx.x % p.splits, smem);
   }
   fused_trace(p, kTraceEpoch);
-  const std::uint32_t e = s_epoch;
-  const std::uint32_t parity = e & 1u;
-  const std::uint32_t all_blocks = e * grid;  // a counter's value once every block of call e added 1
+  const std::uint32_t parity = call.parity;
 
   if (p.tp > 1) {
     // 1. Stage the inputs; publish to every peer once this block's part is stored.
-    fused_copy(static_cast<const T*>(p.routed), fused_at<T>(p, p.rank, p.routed_offset, parity), tokens * p.l, false);
-    fused_copy(static_cast<const T*>(p.shared), fused_at<T>(p, p.rank, p.shared_offset, parity), tokens * p.d, false);
-    __syncthreads();
-    if (threadIdx.x < static_cast<unsigned>(p.tp)) {
-      __threadfence_system();
-      fused_add_release(&reinterpret_cast<FusedFlags*>(p.workspace[threadIdx.x])->inputs_arrived[p.rank], 1u);
-    }
+    fused_stage_inputs<T>(p, tokens, call);
     fused_trace(p, kTraceStaged);
-    if (threadIdx.x < static_cast<unsigned>(p.tp)) {
-      if (!p2p_wait_until(fused_report(p), &own->inputs_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
-    }
-    __syncthreads();
-    if (s_failed) return cp_async_wait<0>();
+    if (!fused_wait_peers(p, fused_flags(p, p.rank)->inputs_arrived, &call))
+      return cp_async_wait<0>();
     fused_trace(p, kTraceInputsArrived);
   }
 
   // 2. Rows of N, and this rank's stripe of the shared sum.
   for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x) fused_norm_row<T>(p, t, parity, lane_sums);
   if (p.tp > 1) fused_reduce_shared_stripe<T>(p, tokens, parity);
-  __syncthreads();
   fused_trace(p, kTraceNormed);
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(&own->rows_done, 1u);
-    if (!p2p_wait_until(fused_report(p), &own->rows_done, all_blocks, p.rank, e)) s_failed = 1;
-  }
-  __syncthreads();
-  if (s_failed) return cp_async_wait<0>();
+  if (!fused_grid_barrier(p, &call)) return cp_async_wait<0>();
   fused_trace(p, kTraceRowsDone);
 
   // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring blocks).
   for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    fused_stripe_item<T, kRowsMax>(p, tokens, item / p.splits, item % p.splits, item == blockIdx.x, e, parity, smem,
-                                   &s_last);
+    fused_stripe_item<T, kRowsMax>(p, tokens, item / p.splits, item % p.splits, item == blockIdx.x,
+                                   call.general_e, parity, smem, &s_last);
   }
 
   fused_trace(p, kTraceItemsDone);
   if (p.tp > 1) {
     // 4. Publish this block's stripe columns, then gather every peer's.
-    __syncthreads();
-    if (threadIdx.x < static_cast<unsigned>(p.tp)) {
-      __threadfence_system();
-      fused_add_release(&reinterpret_cast<FusedFlags*>(p.workspace[threadIdx.x])->stripes_arrived[p.rank], 1u);
-      if (!p2p_wait_until(fused_report(p), &own->stripes_arrived[threadIdx.x], all_blocks, static_cast<int>(threadIdx.x), e)) s_failed = 1;
-    }
-    __syncthreads();
-    if (s_failed) return cp_async_wait<0>();
+    if (!fused_gather_stripes<T>(p, tokens, &call)) return cp_async_wait<0>();
     fused_trace(p, kTraceStripesArrived);
-    using V = Vec16<T>;
-    const std::int64_t row_vectors = p.stripe / V::kSize;
-    const std::int64_t per_peer = tokens * row_vectors;
-    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < per_peer * p.tp;
-         i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-      const int r = static_cast<int>(i / per_peer);
-      if (r == p.rank) continue;
-      const std::int64_t t = (i % per_peer) / row_vectors, v = (i % per_peer) % row_vectors;
-      const T* src = fused_at<T>(p, r, p.stripe_offset, parity) + t * p.stripe + v * V::kSize;
-      reinterpret_cast<V*>(static_cast<T*>(p.out) + t * p.d + r * p.stripe)[v] = fused_load_cg(src);
-    }
   }
 
   // The last block out closes the call.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&own->blocks_done, 1u) == all_blocks - 1u) {
-      own->epoch = e;
-      __threadfence();
-      atomicExch(&own->in_use, 0u);
-    }
-  }
+  fused_end(p, call, true);
   fused_trace(p, kTraceEnd);
 }
 

@@ -1,5 +1,5 @@
 // The fused decode tail on one rank: its workspace (shared with the peers), its grid, and the call
-// (kernels: cuda/fused_tail.cuh, the general one, and cuda/fused_decode.cuh for tp = 1 and T ≤ 16;
+// (kernels: cuda/fused_tail.cuh, the general one, and cuda/fused_decode.cuh for T ≤ 16;
 // protocol: docs/fused.md). Host code only.
 #pragma once
 
@@ -23,8 +23,10 @@ class P2pSharedBuffer;
 
 namespace lmoe::cuda {
 
-// Which kernel a call runs: `decode` (cuda/fused_decode.cuh: tp = 1, T ≤ 16, no workspace) or
-// `general` (cuda/fused_tail.cuh: any tp, T ≤ 256, the workspace protocol).
+// Which kernel a call runs: `decode` (cuda/fused_decode.cuh: T ≤ 16, a GEMV-like stream of the
+// stripe's rows; with one rank no workspace) or `general` (cuda/fused_tail.cuh: T ≤ 256,
+// tensor-core tiles). With several ranks both follow the workspace protocol
+// (cuda/fused_protocol.cuh).
 enum class FusedKernel { general, decode };
 
 class FusedTail {
@@ -57,7 +59,7 @@ class FusedTail {
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
-  // the bound passed to run()): decode when tp = 1 and tokens ≤ decode_max_tokens().
+  // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank).
   FusedKernel kernel_for(std::int64_t tokens) const {
     return tokens >= 1 && tokens <= decode_max_tokens_ ? FusedKernel::decode : FusedKernel::general;
   }
@@ -66,21 +68,21 @@ class FusedTail {
   // Why the decode kernel does not run here, or stops short of 16 rows (and of the workspace's
   // rows); nullopt when it takes every call of up to min(16, capacity()) rows.
   const std::optional<std::string>& decode_limit() const { return decode_limit_; }
-  // Calls of this rank the general kernel completed (its workspace's epoch; the decode kernel
-  // leaves the workspace alone), for tests that prove which kernel ran. Synchronizes the device.
+  // Calls of this rank the general kernel completed (counted in its workspace; the decode kernel
+  // does not count there), for tests that prove which kernel ran. Synchronizes the device.
   std::uint32_t general_calls() const;
 
   // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
   // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
   // (read by the kernel at run time, so a captured graph can be replayed with another T ≤ tokens;
   // buffers must hold `tokens` rows). Throws on a device failure recorded by an earlier call.
-  // A decode call touches no workspace state, so two of them at once (or one beside a general call)
-  // are harmless; the general kernel's in_use check still catches two general calls at once.
+  // With one rank a decode call touches no workspace state, so two of them at once (or one beside a
+  // general call) are harmless; otherwise the kernels' in_use check catches two calls at once.
   void run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
            const std::int32_t* tokens_device = nullptr);
 
  private:
-  void choose_decode();
+  void choose_decode(int sms, int sharing);
   void throw_if_failed();
   void print_trace() noexcept;
 
@@ -93,7 +95,7 @@ class FusedTail {
   DeviceBuffer trace_;         // LMOE_FUSED_TRACE only: the general kernel's points
   DeviceBuffer decode_trace_;  // and the decode kernel's
   FusedTailParams params_;
-  // The decode kernel (tp = 1): calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
+  // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;

@@ -20,15 +20,19 @@ inline constexpr int kFusedTileCols = 64;
 inline constexpr int kFusedTileK = 64;
 
 // Per rank, at the start of its workspace (zeroed at creation). Counters only grow, modulo 2^32,
-// and are compared as wrapping differences against targets derived from the call's epoch e
-// (forwards completed + 1) and the grid G, which every rank agrees on at construction.
+// and are compared as wrapping differences against a call's target: `arrivals` (the sum of the
+// grids of the calls before it) plus its own grid G, which every rank agrees on (each kernel's grid
+// is agreed at construction, and the ranks run the same kernel for a call). Calls of the decode
+// kernel with one rank use no workspace and count nowhere.
 struct FusedFlags {
-  std::uint32_t inputs_arrived[kP2pMaxRanks];   // += 1 per block of peer p once it staged call e: e·G
+  std::uint32_t inputs_arrived[kP2pMaxRanks];   // += 1 per block of peer p once it staged the call
   std::uint32_t stripes_arrived[kP2pMaxRanks];  // += 1 per block of peer p once its stripe rows are out
-  std::uint32_t epoch;                          // calls this rank completed
+  std::uint32_t epoch;                          // calls this rank completed (the staged parity)
   std::uint32_t in_use;                         // a call of this rank is running on the workspace
-  std::uint32_t rows_done;                      // this rank's blocks past the norm phase: e·G
-  std::uint32_t blocks_done;                    // this rank's blocks finished: e·G
+  std::uint32_t rows_done;                      // this rank's blocks past the norm phase
+  std::uint32_t blocks_done;                    // this rank's blocks finished
+  std::uint32_t arrivals;       // Σ G over the calls completed: each counter's base
+  std::uint32_t general_calls;  // calls of the general kernel (its split counters)
 };
 
 // Where a block is in a call, for LMOE_FUSED_TRACE (docs/fused.md).

@@ -223,6 +223,11 @@ struct FusedRank {
 
   FusedRank(lmoe::Communicator& comm, const lmoe::TailCase& c, std::int64_t max_tokens) {
     const int rank = comm.rank();
+    // The rank's GPU first (the p2p thread group's placement, rank % GPUs, as run_on_p2p_threads
+    // sets it): buffers on another GPU would make this rank's stream-ordered copies cross GPUs.
+    int gpus = 0;
+    cuda_ok(cudaGetDeviceCount(&gpus));
+    cuda_ok(cudaSetDevice(rank % gpus));
     const std::int64_t d = c.dims.d_model, l = c.dims.d_latent, s = d / comm.size(), t = c.num_tokens;
     const std::size_t esize = lmoe::dtype_size(c.dtype);
     w = DeviceBuffer(static_cast<std::size_t>(s * l) * esize);
@@ -401,15 +406,16 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
   EXPECT_FALSE(errors[1].empty());
 }
 
-// ---- The decode kernel (cuda/fused_decode.cuh): tp = 1, T ≤ 16
+// ---- The decode kernel (cuda/fused_decode.cuh): T ≤ 16
 // -----------------------------------
 
-// Which kernel ran: the general kernel counts its calls in the workspace's epoch, the decode kernel
-// leaves the workspace alone. tp 1 up to 16 rows (the call's T, or the bound of a call with T on
-// the device) takes the decode kernel, 17 and tp 2 the general one.
-TEST_F(Fused, DecodeKernelRunsTp1CallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
+// Which kernel ran: the general kernel counts its calls in the workspace, the decode kernel does
+// not. Up to 16 rows (the call's T, or the bound of a call with T on the device) take the decode
+// kernel at every tp, 17 the general one.
+TEST_F(Fused, DecodeKernelRunsCallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
   SKIP_WITHOUT_GPU();
-  for (int tp : {1, 2}) {
+  const ScopedEnv several("LMOE_FUSED_DECODE", "1");  // opt-in with several ranks
+  for (int tp : {1, 2, 4}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
     const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 17, 41u);
     const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
@@ -419,18 +425,11 @@ TEST_F(Fused, DecodeKernelRunsTp1CallsOfAtMost16RowsAndTheGeneralKernelTheRest) 
       // One stream per rank: ranks spinning on each other must not share the legacy default stream.
       cudaStream_t stream = nullptr;
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      if (tp == 1) {
-        EXPECT_EQ(fused.decode_max_tokens(), 16) << fused.decode_limit().value_or("");
-        EXPECT_FALSE(fused.decode_limit().has_value());
-      } else {
-        EXPECT_EQ(fused.decode_max_tokens(), 0);
-        ASSERT_TRUE(fused.decode_limit().has_value());
-        EXPECT_NE(fused.decode_limit()->find("tp = 1 only"), std::string::npos)
-            << *fused.decode_limit();
-      }
+      EXPECT_EQ(fused.decode_max_tokens(), 16) << fused.decode_limit().value_or("");
+      EXPECT_FALSE(fused.decode_limit().has_value());
       std::uint32_t general = fused.general_calls();
       for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{16}, std::int64_t{17}}) {
-        const bool decode = tp == 1 && tokens <= 16;
+        const bool decode = tokens <= 16;
         EXPECT_EQ(fused.kernel_for(tokens),
                   decode ? lmoe::cuda::FusedKernel::decode : lmoe::cuda::FusedKernel::general)
             << "tp=" << tp << " T=" << tokens;
@@ -444,6 +443,40 @@ TEST_F(Fused, DecodeKernelRunsTp1CallsOfAtMost16RowsAndTheGeneralKernelTheRest) 
       EXPECT_EQ(fused.kernel_for(0), lmoe::cuda::FusedKernel::general);
       cudaStreamDestroy(stream);
     });
+  }
+}
+
+// LMOE_FUSED_DECODE: unset, the decode kernel runs with one rank and not with several (opt-in
+// there, docs/fused.md); 0 turns it off everywhere. Each time the limit says why.
+TEST_F(Fused, DecodeKernelIsOptInWithSeveralRanksAndCanBeTurnedOff) {
+  SKIP_WITHOUT_GPU();
+  const auto decode_bound = [](int tp, std::string* why) {
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 42u);
+    std::vector<std::int64_t> bounds(static_cast<std::size_t>(tp));
+    const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 4);
+      bounds[static_cast<std::size_t>(rank)] = state.fused->decode_max_tokens();
+      if (rank == 0) *why = state.fused->decode_limit().value_or("");
+      EXPECT_EQ(state.fused->kernel_for(1) == lmoe::cuda::FusedKernel::decode,
+                bounds[static_cast<std::size_t>(rank)] > 0);
+    });
+    for (std::int64_t b : bounds) EXPECT_EQ(b, bounds[0]);
+    return bounds[0];
+  };
+  std::string why;
+  {
+    const ScopedEnv unset("LMOE_FUSED_DECODE", nullptr);
+    EXPECT_EQ(decode_bound(1, &why), 4) << why;
+    if (!lmoe::comm_group_limit("p2p", 2)) {
+      EXPECT_EQ(decode_bound(2, &why), 0);
+      EXPECT_NE(why.find("LMOE_FUSED_DECODE=1"), std::string::npos) << why;
+    }
+  }
+  {
+    const ScopedEnv off("LMOE_FUSED_DECODE", "0");
+    EXPECT_EQ(decode_bound(1, &why), 0);
+    EXPECT_NE(why.find("LMOE_FUSED_DECODE=0"), std::string::npos) << why;
   }
 }
 
@@ -641,11 +674,142 @@ TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
   }
 }
 
+// The two kernels take turns on one workspace with several ranks (each call's counter targets are
+// the grids of the calls before it plus its own, and the grids differ): 40 calls of 10 cases
+// (T ≤ 16 decode, T > 16 general) in a pseudo-random order, with no host synchronization between
+// them (a rank may run a call ahead of its peers), every output against the contract and equal on
+// every rank, at tp 2, 4 and 8 (T < tp included).
+void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) {
+  constexpr int kCalls = 40;
+  std::vector<std::size_t> order(kCalls);
+  std::mt19937 pick(777);
+  for (std::size_t& k : order) k = pick() % case_tokens.size();
+  const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
+  {
+    SCOPED_TRACE("tp=" + std::to_string(tp));
+    std::vector<lmoe::TailCase> cases;
+    for (std::size_t k = 0; k < case_tokens.size(); ++k) {
+      cases.push_back(
+          lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, case_tokens[k], 900u + k));
+      cases[k].norm_weight = cases[0].norm_weight;
+      cases[k].up_proj_weight = cases[0].up_proj_weight;
+    }
+    std::vector<std::vector<lmoe::HostTensor>> outputs(static_cast<std::size_t>(tp));
+    std::vector<std::uint32_t> general_calls(static_cast<std::size_t>(tp));
+    const auto comms = lmoe::make_p2p_thread_communicators(tp);
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, cases[0], 64);
+      EXPECT_EQ(state.fused->decode_max_tokens(), 16) << state.fused->decode_limit().value_or("");
+      // Inputs and results on the device, copied before and after: between the calls only
+      // stream-ordered device copies (a pageable host copy can wait inside the driver for another
+      // rank's, whose kernel waits for this rank's call).
+      std::vector<DeviceBuffer> routed, shared, results;
+      for (std::size_t k = 0; k < cases.size(); ++k) {
+        routed.emplace_back(static_cast<std::size_t>(case_tokens[k] * l) * 2);
+        shared.emplace_back(static_cast<std::size_t>(case_tokens[k] * d) * 2);
+        cuda_ok(cudaMemcpy(routed[k].data(), cases[k].routed.slice_matrix(rank).data,
+                           routed[k].bytes(), cudaMemcpyHostToDevice));
+        cuda_ok(cudaMemcpy(shared[k].data(), cases[k].shared.slice_matrix(rank).data,
+                           shared[k].bytes(), cudaMemcpyHostToDevice));
+      }
+      for (std::size_t k : order)
+        results.emplace_back(static_cast<std::size_t>(case_tokens[k] * d) * 2);
+      cudaStream_t stream = nullptr;
+      cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      // (No device-wide synchronization before the barrier: with several ranks on a GPU it would
+      // wait for a peer's barrier kernel, which waits for this rank.)
+      comm.barrier();
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        const std::size_t k = order[i];
+        cuda_ok(cudaMemcpyAsync(state.routed.data(), routed[k].data(), routed[k].bytes(),
+                                cudaMemcpyDeviceToDevice, stream));
+        cuda_ok(cudaMemcpyAsync(state.shared.data(), shared[k].data(), shared[k].bytes(),
+                                cudaMemcpyDeviceToDevice, stream));
+        cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, state.out.bytes(), stream));
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), case_tokens[k],
+                         stream);
+        cuda_ok(cudaMemcpyAsync(results[i].data(), state.out.data(), results[i].bytes(),
+                                cudaMemcpyDeviceToDevice, stream));
+      }
+      cuda_ok(cudaStreamSynchronize(stream));
+      comm.barrier();
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        lmoe::HostTensor y(DType::bf16, {case_tokens[order[i]], d});
+        cuda_ok(
+            cudaMemcpy(y.data(), results[i].data(), results[i].bytes(), cudaMemcpyDeviceToHost));
+        outputs[static_cast<std::size_t>(rank)].push_back(std::move(y));
+      }
+      general_calls[static_cast<std::size_t>(rank)] = state.fused->general_calls();
+      cudaStreamDestroy(stream);
+    });
+    std::uint32_t general = 0;
+    for (std::size_t k : order) general += case_tokens[k] > 16 ? 1u : 0u;
+    std::vector<lmoe::ContractReference> references;
+    for (const lmoe::TailCase& c : cases)
+      references.push_back(lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)));
+    double worst = 0;
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_EQ(general_calls[static_cast<std::size_t>(r)], general) << "rank " << r;
+      ASSERT_EQ(outputs[static_cast<std::size_t>(r)].size(), order.size()) << "rank " << r;
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        const std::size_t k = order[i];
+        SCOPED_TRACE("rank " + std::to_string(r) + " call " + std::to_string(i) +
+                     " T=" + std::to_string(case_tokens[k]));
+        const lmoe::HostTensor& y = outputs[static_cast<std::size_t>(r)][i];
+        if (r > 0) {
+          EXPECT_EQ(std::memcmp(y.data(), outputs[0][i].data(),
+                                static_cast<std::size_t>(case_tokens[k] * d) * 2),
+                    0);
+        }
+        const lmoe::Comparison cmp =
+            lmoe::compare(y.matrix(), references[k], lmoe::exact_tail(cases[k]));
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        worst = std::max(worst, cmp.max_error_over_bound);
+      }
+    }
+    std::printf("[ fused  ] calls in turn, tp=%d, %d calls (%u general): max_err/bound=%.3f\n", tp,
+                kCalls, general, worst);
+  }
+}
+
+TEST_F(Fused, DecodeAndGeneralCallsTakeTurnsOnOneWorkspace) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  const std::vector<std::int64_t> mixed = {1, 17, 16, 3, 40, 8, 2, 33, 5, 64};
+  for (int tp : {2, 4, 8}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    if (tp == 8) {  // each kernel alone first: a failure below then says which part breaks
+      expect_calls_in_turn(tp, {1, 16, 3, 8, 2, 5});
+      expect_calls_in_turn(tp, {17, 40, 33, 64});
+    }
+    expect_calls_in_turn(tp, mixed);
+  }
+}
+
+// K3 dims with several ranks (tp 2: 448 groups of the stripe, tp 8: 112, over the blocks the
+// ranks sharing this GPU split), T = 1 and 16, random inputs within the contract's bound and
+// crafted inputs bit for bit (through LatentTail, as a model calls it).
+TEST_F(Fused, DecodeK3WithSeveralRanksMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  for (int tp : {2, 8}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    double worst = 0;
+    for (std::int64_t tokens : {1, 16}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(kK3, DType::bf16, tp, tokens,
+                                            61u + static_cast<std::uint64_t>(tokens), &worst);
+    }
+    std::printf("[ fused  ] decode K3 tp=%d T 1/16 max_err/bound=%.3f\n", tp, worst);
+  }
+}
+
 // Graph replays with T and inputs changing between replays and no host work in the call: the
 // kernel reads T on the device. Each replay's output is compared on the device with the eager
 // result of the same inputs (itself checked against the contract), so a stale parity, a row left
 // over from a longer call or a race in the protocol shows up as a counted mismatch. `kernel`: the
-// fused kernel every call must take (the graph's bound decides it).
+// fused kernel every call must take (the bound decides it: the eager calls pass the graph's bound
+// with T on the device too, so that they run the kernel the replays run).
 void soak_graph_replays(int tp, std::int64_t max_tokens,
                         const std::vector<std::int64_t>& set_tokens,
                         lmoe::cuda::FusedKernel kernel) {
@@ -669,7 +833,6 @@ void soak_graph_replays(int tp, std::int64_t max_tokens,
     FusedRank state(comm, cases[0], max_tokens);
     EXPECT_EQ(state.fused->kernel_for(max_tokens), kernel)
         << state.fused->decode_limit().value_or("");
-    for (std::int64_t t : set_tokens) EXPECT_EQ(state.fused->kernel_for(t), kernel) << "T=" << t;
     // Per case, on the device: its inputs and the expected output (from an eager call below).
     std::vector<DeviceBuffer> routed, shared, expected;
     std::vector<std::int32_t> tokens_host;
@@ -706,7 +869,8 @@ void soak_graph_replays(int tp, std::int64_t max_tokens,
     // Eager calls give the expected outputs (checked against the contract on rank 0's thread below).
     for (std::size_t k = 0; k < cases.size(); ++k) {
       load_case(k);
-      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), set_tokens[k], stream);
+      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
+                       stream, static_cast<const std::int32_t*>(tokens_now.data()));
       cuda_ok(cudaMemcpyAsync(expected[k].data(), state.out.data(), expected[k].bytes(), cudaMemcpyDeviceToDevice, stream));
     }
     cuda_ok(cudaStreamSynchronize(stream));
@@ -759,10 +923,14 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   soak_graph_replays(2, 64, {1, 17, 64, 5}, lmoe::cuda::FusedKernel::general);
 }
 
-// The same for the decode kernel (tp = 1, a graph bounded by 16 rows), whose blocks share nothing.
+// The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
+// nothing, and with two, through the protocol.
 TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
   soak_graph_replays(1, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  soak_graph_replays(2, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
 }
 
 }  // namespace

@@ -1,0 +1,204 @@
+// The fused tier's protocol between ranks, shared by its two kernels (cuda/fused_tail.cuh, any T,
+// and cuda/fused_decode.cuh, T ≤ 16): a call's epoch and counter targets, staging the inputs and
+// publishing them to the peers, waiting for every peer, gathering the peers' output stripes, and
+// closing the call (docs/fused.md). Device code only.
+//
+// Every counter of FusedFlags gains exactly one per block of the call's grid on every rank (the
+// grid of the kernel the call runs, which the ranks agree on), so a call's target is the sum of
+// the grids of the calls before it (FusedFlags::arrivals) plus its own grid. The two kernels may
+// then take turns on one workspace: a call's grid need not be the previous call's.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/dtype.cuh"
+#include "cuda/fused_tail_types.hpp"
+#include "cuda/p2p_protocol.cuh"
+
+namespace lmoe::cuda {
+
+__device__ inline void fused_add_release(std::uint32_t* address, std::uint32_t value) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+// Where this rank's waits report a failure: the p2p group's record and abort flag, or (one rank,
+// no group) the FusedTail's own (both always set by the host).
+__device__ inline P2pFailureReport fused_report(const FusedTailParams& p) {
+  return {p.status, p.abort_flag, p.timeout_ns};
+}
+
+template <typename T>
+__device__ inline T* fused_at(const FusedTailParams& p, int rank, std::int64_t offset,
+                              std::uint32_t parity) {
+  return reinterpret_cast<T*>(p.workspace[rank] + offset +
+                              static_cast<std::int64_t>(parity) * p.parity_bytes);
+}
+
+__device__ inline FusedFlags* fused_flags(const FusedTailParams& p, int rank) {
+  return reinterpret_cast<FusedFlags*>(p.workspace[rank]);
+}
+
+// Peer (or own staged) data through L2: L1 is not coherent with a peer's writes.
+template <typename T>
+__device__ inline Vec16<T> fused_load_cg(const T* address) {
+  const uint4 bits = __ldcg(reinterpret_cast<const uint4*>(address));
+  return *reinterpret_cast<const Vec16<T>*>(&bits);
+}
+template <typename T>
+__device__ inline float fused_load_cg_scalar(const T* address) {
+  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(address));
+  return Storage<T>::load(*reinterpret_cast<const T*>(&bits));
+}
+
+// dst[i] = src[i], 16-byte vectors (n a multiple of the vector size), grid-stride over all blocks.
+template <typename T>
+__device__ inline void fused_copy(const T* src, T* dst, std::int64_t n, bool peer_source) {
+  using V = Vec16<T>;
+  const std::int64_t vectors = n / V::kSize;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < vectors; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    reinterpret_cast<V*>(dst)[i] =
+        peer_source ? fused_load_cg(src + i * V::kSize) : reinterpret_cast<const V*>(src)[i];
+  }
+}
+
+// Σ_r of the 8 elements at `offset` (bytes) + `at` (elements) of every rank's staged buffer
+// (parity), in rank order from rank 0's value, rounded once: the contract's rank sums (the decode
+// kernel's; the general kernel's norm rows and shared stripe still sum in loops of their own).
+template <typename T>
+__device__ inline Vec16<T> fused_rank_sum(const FusedTailParams& x, std::int64_t offset,
+                                          std::uint32_t parity, std::int64_t at) {
+  float acc[8];
+  const Vec16<T> first = fused_load_cg(fused_at<T>(x, 0, offset, parity) + at);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = Storage<T>::load(first.v[k]);
+  for (int r = 1; r < x.tp; ++r) {
+    const Vec16<T> v = fused_load_cg(fused_at<T>(x, r, offset, parity) + at);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], Storage<T>::load(v.v[k]));
+  }
+  Vec16<T> sum;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sum.v[k] = Storage<T>::store(acc[k]);
+  return sum;
+}
+
+// One call as every block of this rank sees it (read by thread 0 at entry, kept in shared memory).
+struct FusedCall {
+  std::uint32_t e;          // this call's epoch: the rank's calls so far + 1
+  std::uint32_t parity;     // e & 1: the half of the staged buffers this call writes
+  std::uint32_t target;     // a counter's value once every block of this call added 1
+  std::uint32_t general_e;  // the general kernel's calls so far + 1 (its split counters)
+  int failed;               // a wait of this block failed (reported): leave
+};
+
+// Starts a call: the epoch and targets, and (block 0) the workspace taken, or the failure
+// reported when another call of this rank holds it. Every thread calls it; true to go on.
+__device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call) {
+  if (threadIdx.x == 0) {
+    const FusedFlags* own = fused_flags(p, p.rank);
+    call->failed = 0;
+    call->e = own->epoch + 1;
+    call->parity = call->e & 1u;
+    call->target = own->arrivals + gridDim.x;
+    call->general_e = own->general_calls + 1;
+    // No read of the host-mapped abort flag here (see kP2pAbortPollAfterNs): the host checks the
+    // group's status before every call, and a wait finds a later abort.
+    if (blockIdx.x == 0 && atomicExch(&fused_flags(p, p.rank)->in_use, 1u) != 0u) {
+      p2p_fail(fused_report(p), kP2pConcurrentUse, -1, call->e);
+      call->failed = 1;
+    }
+  }
+  __syncthreads();
+  return !call->failed;
+}
+
+// Thread i < tp waits until counters[i] (one per peer, in this rank's flags) reached the call's
+// target. Every thread calls it; true when every peer arrived, false (reported) otherwise.
+__device__ inline bool fused_wait_peers(const FusedTailParams& p, const std::uint32_t* counters,
+                                        FusedCall* call) {
+  if (threadIdx.x < static_cast<unsigned>(p.tp)) {
+    if (!p2p_wait_until(fused_report(p), &counters[threadIdx.x], call->target,
+                        static_cast<int>(threadIdx.x), call->e)) {
+      call->failed = 1;
+    }
+  }
+  __syncthreads();
+  return !call->failed;
+}
+
+// Adds this block to every peer's counter of this rank (member `counters` of their flags), after
+// everything the block stored before is visible to them. Every thread calls it.
+template <std::uint32_t (FusedFlags::*kCounters)[kP2pMaxRanks]>
+__device__ inline void fused_publish(const FusedTailParams& p) {
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(p.tp)) {
+    __threadfence_system();
+    fused_add_release(&(fused_flags(p, static_cast<int>(threadIdx.x))->*kCounters)[p.rank], 1u);
+  }
+}
+
+// 1. The call's inputs into this rank's staged buffers (parity), then published to every peer.
+template <typename T>
+__device__ inline void fused_stage_inputs(const FusedTailParams& p, std::int64_t tokens,
+                                          const FusedCall& call) {
+  fused_copy(static_cast<const T*>(p.routed), fused_at<T>(p, p.rank, p.routed_offset, call.parity),
+             tokens * p.l, false);
+  fused_copy(static_cast<const T*>(p.shared), fused_at<T>(p, p.rank, p.shared_offset, call.parity),
+             tokens * p.d, false);
+  fused_publish<&FusedFlags::inputs_arrived>(p);
+}
+
+// A barrier of this rank's grid: true once every block of the call added itself to rows_done.
+__device__ inline bool fused_grid_barrier(const FusedTailParams& p, FusedCall* call) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    std::uint32_t* rows_done = &fused_flags(p, p.rank)->rows_done;
+    atomicAdd(rows_done, 1u);
+    if (!p2p_wait_until(fused_report(p), rows_done, call->target, p.rank, call->e))
+      call->failed = 1;
+  }
+  __syncthreads();
+  return !call->failed;
+}
+
+// 4. This block's stripe rows are in Y and in the staged stripe: publish them, wait for every
+//    peer's, and copy the peers' stripes into Y (grid-stride). True unless a wait failed.
+template <typename T>
+__device__ inline bool fused_gather_stripes(const FusedTailParams& p, std::int64_t tokens,
+                                            FusedCall* call) {
+  fused_publish<&FusedFlags::stripes_arrived>(p);
+  if (!fused_wait_peers(p, fused_flags(p, p.rank)->stripes_arrived, call)) return false;
+  using V = Vec16<T>;
+  const std::int64_t row_vectors = p.stripe / V::kSize;
+  const std::int64_t per_peer = tokens * row_vectors;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < per_peer * p.tp; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i / per_peer);
+    if (r == p.rank) continue;
+    const std::int64_t t = (i % per_peer) / row_vectors, v = (i % per_peer) % row_vectors;
+    const T* src = fused_at<T>(p, r, p.stripe_offset, call->parity) + t * p.stripe + v * V::kSize;
+    reinterpret_cast<V*>(static_cast<T*>(p.out) + t * p.d + r * p.stripe)[v] = fused_load_cg(src);
+  }
+  return true;
+}
+
+// The last block out closes the call: epoch, the counters' base, (general kernel) its own count,
+// and the workspace freed. Every thread calls it.
+__device__ inline void fused_end(const FusedTailParams& p, const FusedCall& call, bool general) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    FusedFlags* own = fused_flags(p, p.rank);
+    if (atomicAdd(&own->blocks_done, 1u) == call.target - 1u) {
+      own->epoch = call.e;
+      own->arrivals = call.target;
+      if (general) own->general_calls = call.general_e;
+      __threadfence();
+      atomicExch(&own->in_use, 0u);
+    }
+  }
+}
+
+}  // namespace lmoe::cuda
