@@ -211,8 +211,11 @@ void FusedTail::choose_decode(int sms, int sharing) {
     if (all[static_cast<std::size_t>(2 * r)] > 0)
       grid = std::min(grid, all[static_cast<std::size_t>(2 * r + 1)]);
   }
-  if (bound < decode_max_tokens_ && !decode_limit_)
-    decode_limit_ = "another rank's decode kernel takes at most " + std::to_string(bound) + " rows";
+  if (bound < decode_max_tokens_) {
+    decode_limit_ = bound == 0 ? std::string("the decode kernel does not run on another rank")
+                               : "another rank's decode kernel takes at most " +
+                                     std::to_string(bound) + " rows";
+  }
   decode_max_tokens_ = bound;
   decode_plan_.grid = static_cast<int>(bound > 0 ? grid : 0);
 }

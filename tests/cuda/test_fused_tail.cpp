@@ -112,6 +112,37 @@ TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBit
               std::string(lmoe::dtype_name(dtype)).c_str(), worst);
 }
 
+// The decode kernel with several ranks (opt-in, LMOE_FUSED_DECODE=1): every T it takes, random
+// inputs within the contract's bound and crafted inputs bit for bit, with and without the norm.
+TEST_P(FusedParity, DecodeKernelWithSeveralRanksMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  const auto [tp, dtype] = GetParam();
+  if (tp == 1) GTEST_SKIP() << "one rank: the decode tests below";
+  if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;
+  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  double worst = 0;
+  for (bool latent_norm : {true, false}) {
+    for (std::int64_t tokens : {1, 2, 5, 8, 15, 16}) {
+      SCOPED_TRACE("T=" + std::to_string(tokens) + (latent_norm ? "" : " no norm"));
+      const auto seed = 53u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp) +
+                        (latent_norm ? 0u : 11u);
+      lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
+      random.latent_norm = latent_norm;
+      expect_meets_contract(random, run_fused(random), &worst);
+      lmoe::TailCase exact = lmoe::make_exact_case(kSmall, dtype, tp, tokens, seed);
+      exact.latent_norm = latent_norm;
+      const lmoe::CaseRun exact_run = run_fused(exact);
+      EXPECT_TRUE(exact_run.ranks_identical);
+      const lmoe::Comparison cmp = lmoe::compare(
+          exact_run.ranks[0].y.matrix(),
+          lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)), lmoe::exact_tail(exact));
+      EXPECT_EQ(cmp.bit_mismatches, 0);
+    }
+  }
+  std::printf("[ fused  ] decode tp=%d %-4s T 1…16 ±norm max_err/bound=%.3f\n", tp,
+              std::string(lmoe::dtype_name(dtype)).c_str(), worst);
+}
+
 INSTANTIATE_TEST_SUITE_P(TpDtype, FusedParity,
                          ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(DType::bf16, DType::f16)),
                          [](const auto& info) {
@@ -716,8 +747,6 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
         results.emplace_back(static_cast<std::size_t>(case_tokens[k] * d) * 2);
       cudaStream_t stream = nullptr;
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      // (No device-wide synchronization before the barrier: with several ranks on a GPU it would
-      // wait for a peer's barrier kernel, which waits for this rank.)
       comm.barrier();
       for (std::size_t i = 0; i < order.size(); ++i) {
         const std::size_t k = order[i];
