@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused sanitize fusedbench profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize fusedbench profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,10 +45,11 @@ if wants build; then
   grep -E "warning" "$logs/build.log" | sort -u | head -20
 fi
 
-gtest() {  # name, limit in seconds, binary, gtest filter
+gtest() {  # name, limit in seconds, binary, gtest filter, then any further gtest arguments
   local name=$1 limit=$2 binary=$3 filter=$4
+  shift 4
   stage "$name"
-  timeout "$limit" "$binary" --gtest_filter="$filter" >"$logs/$name.log" 2>&1
+  timeout "$limit" "$binary" --gtest_filter="$filter" "$@" >"$logs/$name.log" 2>&1
   rc[$name]=$?
   grep -E "^\[ (parity|k3|nccl|p2p|norm) " "$logs/$name.log" | head -80
   grep -E "^\[  FAILED  \]|exception with|PASSED|SKIPPED \]" "$logs/$name.log" | sort -u | head -30
@@ -101,6 +102,24 @@ if wants fused; then
   grep -E "^\[ fused" "$logs/fused_tests.log"
 fi
 
+if wants fusedturns; then
+  # The decode and general kernels taking turns on one workspace with several ranks, no host
+  # synchronization between calls (the decode kernel with several ranks is opt-in until this
+  # passes at 4 ranks per GPU: docs/fused.md, session 12). Repeated: a queue-order race shows up
+  # only sometimes. If it stops, once more with more hardware queues per GPU, which tells a false
+  # dependency between ranks' streams from a protocol fault.
+  gtest fused_turns 300 build/cuda/tests/lmoe_cuda_tests 'Fused.DecodeAndGeneralCallsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
+    --gtest_repeat=3
+  grep -E "^\[ fused" "$logs/fused_turns.log" | sort | uniq -c
+  if [ "${rc[fused_turns]}" -ne 0 ]; then
+    stage "fused turns again, CUDA_DEVICE_MAX_CONNECTIONS=32"
+    CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 300 build/cuda/tests/lmoe_cuda_tests \
+      --gtest_filter='Fused.DecodeAndGeneralCallsTakeTurns*' >"$logs/fused_turns32.log" 2>&1
+    rc[fused_turns32]=$?
+    grep -E "^\[ fused|FAILED|exception" "$logs/fused_turns32.log" | sort -u | head -20
+  fi
+fi
+
 if wants sanitize; then
   if command -v compute-sanitizer >/dev/null; then
     # One small fused run under memcheck and racecheck (one rank: the sanitizer serializes kernels,
@@ -136,6 +155,20 @@ if wants fusedbench; then
     stage "lmoe bench fused vs overlap: $name"
     LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $args --tiers fused,overlap \
       -t 1,2,4,8,16,32,64,128,256 --check-max-tokens 256 --json "$logs/fused_$name.json" >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
+    rc[fused_$name]=$?
+    cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
+  done
+  # The decode kernel with several ranks (opt-in), against the general kernel (the rows above) at
+  # T ≤ 16: one rank per GPU where there are several, else two ranks sharing this GPU.
+  # (Cold weights only with a GPU per rank: ranks sharing a GPU share its L2.)
+  colds=("")
+  if [ "$gpus" -ge 2 ]; then decode_args="-n $gpus --comm p2p"; colds+=("--cold-l2"); else decode_args="-n 2 --comm p2p"; fi
+  for cold in "${colds[@]}"; do
+    name="k3_decode_several${cold:+_cold}"
+    stage "lmoe bench fused (decode kernel, LMOE_FUSED_DECODE=1) vs overlap: $name"
+    LMOE_FUSED_DECODE=1 LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $decode_args $cold \
+      --tiers fused,overlap -t 1,2,4,8,16 --check-max-tokens 16 --json "$logs/fused_$name.json" \
+      >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
     rc[fused_$name]=$?
     cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
   done
