@@ -292,6 +292,7 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
 
   cuda::P2pDeviceHandle device_handle() const override { return handle_; }
   int ranks_on_my_gpu() const override { return group_->ranks_on_gpu_of(rank_); }
+  int device() const override { return group_->device(rank_); }
   void throw_if_device_failed(const char* operation) override { throw_if_failed(operation); }
   std::unique_ptr<P2pSharedBuffer> share_buffer(std::size_t bytes) override {
     throw_if_failed("share_buffer");

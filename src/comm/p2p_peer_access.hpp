@@ -19,6 +19,8 @@ class P2pPeerAccess {
   virtual cuda::P2pDeviceHandle device_handle() const = 0;
   // Ranks of the group on this rank's GPU, itself included: their kernels must be resident at once.
   virtual int ranks_on_my_gpu() const = 0;
+  // This rank's GPU (the device its kernels run on and its buffers belong to).
+  virtual int device() const = 0;
   // Throws the group's first device-side failure (timeout, abort, concurrent use) as an error.
   virtual void throw_if_device_failed(const char* operation) = 0;
   // Collective: `bytes` of zeroed device memory on every rank's GPU (sizes may differ between ranks:

@@ -67,8 +67,22 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
   const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype));
 
+  // With several ranks everything below is per device (kernel attributes, occupancy, the
+  // workspace): the rank's own GPU, whatever the calling thread had current.
+  if (peers_) LMOE_CUDA_CHECK(cudaSetDevice(peers_->device()));
   int device = 0, sms = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
+  for (const auto& [name, pointer] : {std::pair{"w_up's stripe", w_stripe},
+                                      std::pair{"gamma", static_cast<const void*>(gamma)}}) {
+    cudaPointerAttributes attributes{};
+    if (pointer != nullptr && cudaPointerGetAttributes(&attributes, pointer) == cudaSuccess &&
+        attributes.type == cudaMemoryTypeDevice && attributes.device != device) {
+      throw Error(std::string("fused: ") + name + " is on GPU " +
+                  std::to_string(attributes.device) + ", this rank runs on GPU " +
+                  std::to_string(device));
+    }
+    (void)cudaGetLastError();  // a pointer the runtime does not know is the caller's business
+  }
   LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   int per_sm = 0;
   LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(capacity_, dtype, &per_sm));
@@ -316,6 +330,8 @@ void FusedTail::throw_if_failed() {
 void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
                     const std::int32_t* tokens_device) {
   throw_if_failed();
+  if (peers_)
+    LMOE_CUDA_CHECK(cudaSetDevice(peers_->device()));  // the launch goes to the rank's GPU
   LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
              "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
   if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
