@@ -172,7 +172,7 @@ std::string describe_setting(const BenchSweep& sweep) {
   if (sweep.gpu) setting += " (" + sweep.gpu->name + ", cc " + sweep.gpu->compute_capability + ")";
   return setting + ", comm " + joined(sweep.comms) + ", " + std::to_string(sweep.warmup) +
          " warm-up + " + std::to_string(sweep.iters) + " timed iterations" +
-         l2_note(sweep.backend, sweep.cold_l2);
+         l2_note(sweep.backend, sweep.cold_l2) + settings_note(sweep.settings);
 }
 
 void BenchCommand::execute() {

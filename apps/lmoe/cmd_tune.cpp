@@ -64,7 +64,7 @@ std::string describe_setting(const std::string& preset, const TableProvenance& p
          std::to_string(p.tp) + ", backend " + std::string(backend_name(p.backend)) + ", comm " +
          p.comm + ", " + std::to_string(token_counts) + " token counts, " +
          std::to_string(p.warmup) + " warm-up + " + std::to_string(p.iters) + " timed iterations" +
-         l2_note(p.backend, p.cold_l2);
+         l2_note(p.backend, p.cold_l2) + settings_note(p.settings);
 }
 
 void TuneCommand::execute() {

@@ -46,6 +46,8 @@ std::string resolve_comm(const std::string& name, Backend backend);
 // (--cold-l2) or, on cuda, left warm (weights may stay in L2 between back-to-back replays); nothing
 // on cpu.
 std::string l2_note(Backend backend, bool cold_l2);
+// ", with LMOE_FUSED_DECODE=1" for the timing settings a measurement ran with; "" for none.
+std::string settings_note(const TimingSettings& settings);
 
 // The policy from the environment and an optional --tier-table.
 PolicyConfig resolve_policy(const std::string& tier_table);

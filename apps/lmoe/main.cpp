@@ -46,6 +46,10 @@ std::string l2_note(Backend backend, bool cold_l2) {
   return backend == Backend::cuda ? ", L2 warm (see --cold-l2)" : "";
 }
 
+std::string settings_note(const TimingSettings& settings) {
+  return settings.empty() ? "" : ", with " + timing_settings_text(settings);
+}
+
 std::string resolve_comm(const std::string& name, Backend backend) {
   if (name.empty()) return default_comm_backend(backend);
   const std::vector<std::string> names = comm_backends(backend);

@@ -23,6 +23,7 @@
 #include "lmoe/reference.hpp"
 #include "lmoe/tier.hpp"
 #include "lmoe/tier_policy.hpp"
+#include "lmoe/timing_settings.hpp"
 
 namespace lmoe {
 
@@ -162,6 +163,7 @@ struct BenchEnvironment {
   std::optional<std::string> nccl_version;  // builds with NCCL
   // The NVIDIA kernel driver ("580.159.04", /proc/driver/nvidia/version): the cuda backend only.
   std::optional<std::string> driver_version;
+  TimingSettings settings;  // the environment's timing settings (lmoe/timing_settings.hpp)
 };
 BenchEnvironment bench_environment(Backend backend);
 
@@ -187,6 +189,7 @@ struct BenchSweep {
   std::vector<std::int64_t> tokens;
   int warmup = 0, iters = 0;
   bool cold_l2 = false;  // L2 evicted before each timed iteration; absent in older (warm) files
+  TimingSettings settings;  // the timing settings it ran with; absent (none) in older files
   std::uint64_t seed = 0;
   std::int64_t check_max_tokens = 0;
   bool fault_injected = false;

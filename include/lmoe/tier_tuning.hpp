@@ -171,6 +171,9 @@ struct TableProvenance {
   std::string date_utc, hostname, preset, mode;
   int warmup = 0, iters = 0;
   bool cold_l2 = false;  // L2 evicted before each timed iteration; absent (false) in older tables
+  // The timing settings the measurements were taken with (lmoe/timing_settings.hpp); absent (none)
+  // in older tables. Loading the table under other settings warns.
+  TimingSettings settings;
   std::optional<float> eps;                      // absent in tables written before it was recorded
   std::optional<TableSweepSource> derived_from;  // nullopt: measured by `lmoe tune` itself
   bool operator==(const TableProvenance& other) const;  // every field
@@ -200,6 +203,7 @@ struct RunningConfig {
   DType dtype = DType::bf16;
   std::optional<std::string> comm;
   std::string lmoe_version;
+  std::optional<TimingSettings> settings;  // compared (with a warning) when set
 };
 
 // This process's configuration: the GPU, driver and NCCL of this machine and build (cuda: device
@@ -213,7 +217,8 @@ std::optional<std::string> nvidia_driver_version();
 // Throws lmoe::Error listing every field in which the table and the running configuration differ
 // (GPU name, compute capability, backend, tp, d_model, d_latent, dtype, comm), each with both
 // values. Returns one warning per software version that differs (driver, CUDA driver and runtime,
-// NCCL, lmoe): the table is used, but its measurements may no longer hold.
+// NCCL, lmoe) and per timing setting set differently (when running.settings is set): the table is
+// used, but its measurements may no longer hold.
 std::vector<std::string> match_tier_table(const TableProvenance& table,
                                           const RunningConfig& running,
                                           const std::string& table_name);

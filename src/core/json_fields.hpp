@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -91,6 +92,21 @@ inline double nonnegative_field(const json& object, const std::string& key,
     throw Error(member(where, key) + ": expected a finite number >= 0, got " + value.dump());
   }
   return value.get<double>();
+}
+
+// An object of strings ({"LMOE_FUSED_DECODE": "1"}).
+inline std::map<std::string, std::string> text_map_field(const json& object, const std::string& key,
+                                                         const std::string& where) {
+  const json& value = field(object, key, where);
+  if (!value.is_object())
+    throw Error(member(where, key) + ": expected an object of strings, got " + value.dump());
+  std::map<std::string, std::string> map;
+  for (const auto& [name, text] : value.items()) {
+    if (!text.is_string())
+      throw Error(member(member(where, key), name) + ": expected a string, got " + text.dump());
+    map[name] = text.get<std::string>();
+  }
+  return map;
 }
 
 // The JSON text of a file named `origin`, which must hold an object.

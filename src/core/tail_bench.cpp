@@ -460,6 +460,7 @@ BenchEnvironment bench_environment(Backend backend) {
   char date[32];
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &utc);
   environment.date_utc = date;
+  environment.settings = timing_settings_from_environment();
 #ifdef LMOE_HAS_CUDA
   if (backend == Backend::cuda) {
     const cuda::DeviceInfo info = cuda::device_info(0);

@@ -78,6 +78,7 @@ ordered provenance_json(const TableProvenance& p) {
           {"warmup", p.warmup},
           {"iters", p.iters},
           {"cold_l2", p.cold_l2},
+          {"settings", p.settings},
           {"eps", p.eps ? ordered(*p.eps) : ordered()},
           {"derived_from", p.derived_from ? ordered{{"path", p.derived_from->path},
                                                     {"date", p.derived_from->date_utc},
@@ -114,6 +115,7 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.iters = int_field(object, "iters", where, 0);
   // Optional: tables written before these were recorded lack them (cold_l2: they were warm).
   p.cold_l2 = object.contains("cold_l2") && bool_field(object, "cold_l2", where);
+  if (object.contains("settings")) p.settings = text_map_field(object, "settings", where);
   if (object.contains("eps") && !object["eps"].is_null()) {
     p.eps = static_cast<float>(nonnegative_field(object, "eps", where));
   }

@@ -339,7 +339,7 @@ bool TableProvenance::operator==(const TableProvenance& o) const {
          dims.d_model == o.dims.d_model && dims.d_latent == o.dims.d_latent && dtype == o.dtype &&
          comm == o.comm && date_utc == o.date_utc && hostname == o.hostname && preset == o.preset &&
          mode == o.mode && warmup == o.warmup && iters == o.iters && cold_l2 == o.cold_l2 &&
-         eps == o.eps && derived_from == o.derived_from;
+         settings == o.settings && eps == o.eps && derived_from == o.derived_from;
 }
 
 std::optional<std::string> nvidia_driver_version() {
@@ -367,6 +367,7 @@ RunningConfig running_config(Backend backend, int tp, TailDims dims, DType dtype
   running.dtype = dtype;
   running.comm = std::move(comm);
   running.lmoe_version = kVersion;
+  running.settings = timing_settings_from_environment();
   if (backend == Backend::cuda) {
     const BenchEnvironment environment = bench_environment(backend);
     if (environment.gpu) {
@@ -454,6 +455,14 @@ std::vector<std::string> match_tier_table(const TableProvenance& table,
   if (!running.lmoe_version.empty()) {
     warn_if(table.lmoe_version != running.lmoe_version, "lmoe_version",
             "'" + table.lmoe_version + "'", "'" + running.lmoe_version + "'");
+  }
+  if (running.settings) {
+    // A setting that picks another kernel or algorithm changes the times the table holds.
+    for (const std::string& difference :
+         timing_settings_differences(table.settings, *running.settings, "the table", "here")) {
+      warnings.push_back("tier table " + table_name + ": " + difference +
+                         "; the table is used, but its measurements may not hold");
+    }
   }
   return warnings;
 }
@@ -552,6 +561,7 @@ TableProvenance provenance_of(const BenchSweep& sweep, const std::string& comm) 
   p.warmup = sweep.warmup;
   p.iters = sweep.iters;
   p.cold_l2 = sweep.cold_l2;
+  p.settings = sweep.settings;
   p.mode = mode_of(sweep.result.records, comm);
   return p;
 }
@@ -623,6 +633,7 @@ RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm
   running.dtype = sweep.dtype;
   running.comm = comm;
   running.lmoe_version = sweep.lmoe_version;
+  running.settings = sweep.settings;
   return running;
 }
 

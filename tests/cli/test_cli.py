@@ -80,7 +80,8 @@ def expected_tail(routed, shared, gamma, w_up, eps):
 def lmoe(*args, env=None, check=True):
     full_env = dict(os.environ)
     for name in list(full_env):
-        if name.startswith("LMOE_"):
+        # lmoe's own variables and NCCL's (timing settings among them, recorded in sweeps and tables)
+        if name.startswith("LMOE_") or name.startswith("NCCL_"):
             del full_env[name]
     full_env.update(env or {})
     result = subprocess.run([LMOE, *args], capture_output=True, text=True, env=full_env, timeout=600)
@@ -410,11 +411,21 @@ class BenchCommand(unittest.TestCase):
         "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
         "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
         "fault_injected", "definitions", "records", "comm_errors", "tier_table", "policy_check", "ok",
-        "driver_version", "from_sweep", "cold_l2",
+        "driver_version", "from_sweep", "cold_l2", "settings",
     ]
 
     def bench(self, *args, env=None, check=True):
         return lmoe("bench", "--backend", "cpu", "--preset", "small", *args, env=env, check=check)
+
+    def test_timing_settings_are_recorded_and_named_in_the_header(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bench.json")
+            result = self.bench("-n", "2", "-t", "1", "--iters", "1", "--json", path,
+                                env={"LMOE_TOKEN_CHUNKS": "2", "NCCL_ALGO": "Ring"})
+            with open(path) as f:
+                doc = json.load(f)
+        self.assertEqual(doc["settings"], {"LMOE_TOKEN_CHUNKS": "2", "NCCL_ALGO": "Ring"})
+        self.assertIn("1 timed iterations, with LMOE_TOKEN_CHUNKS=2 NCCL_ALGO=Ring\n", result.stderr)
 
     def test_json_has_every_field_and_every_record_is_right(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -434,6 +445,7 @@ class BenchCommand(unittest.TestCase):
         self.assertEqual(doc["comms"], ["threads"])
         self.assertEqual(doc["iters"], 2)
         self.assertIs(doc["cold_l2"], False)
+        self.assertEqual(doc["settings"], {})
         self.assertIn("2 warm-up + 2 timed iterations\n", result.stderr)  # no ", L2 evicted before each"
         self.assertIsNone(doc["gpu"])
         records = doc["records"]

@@ -101,6 +101,7 @@ void expect_same_sweep(const BenchSweep& a, const BenchSweep& b) {
   EXPECT_EQ(a.warmup, b.warmup);
   EXPECT_EQ(a.iters, b.iters);
   EXPECT_EQ(a.cold_l2, b.cold_l2);
+  EXPECT_EQ(a.settings, b.settings);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.check_max_tokens, b.check_max_tokens);
   EXPECT_EQ(a.fault_injected, b.fault_injected);
@@ -160,6 +161,7 @@ BenchSweep crafted_sweep() {
   s.warmup = 5;
   s.iters = 3;
   s.cold_l2 = true;                  // not the default: the round trip must keep it
+  s.settings = {{"LMOE_FUSED_DECODE", "1"}, {"NCCL_ALGO", "Ring"}};
   s.seed = 18446744073709551557ull;  // above INT64_MAX: read back whole
   s.check_max_tokens = 256;
   s.fault_injected = false;
@@ -200,6 +202,8 @@ TEST(BenchJson, WrittenAndReadBackIsIdentical) {
   EXPECT_EQ(lmoe::write_bench_json(read), text);
   EXPECT_TRUE(read.cold_l2);
   EXPECT_EQ(nlohmann::json::parse(text)["cold_l2"], true);
+  EXPECT_EQ(nlohmann::json::parse(text)["settings"]["LMOE_FUSED_DECODE"], "1");
+  EXPECT_EQ(read.settings.size(), 2u);
   // The wrong records stay wrong, the others right.
   std::vector<bool> ok;
   for (const BenchRecord& r : read.result.records) ok.push_back(r.ok());
@@ -298,6 +302,10 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
             "b.json: comm_errors[0]: missing \"error\"");
   EXPECT_EQ(read_error([](auto& d) { d["cold_l2"] = "yes"; }),
             "b.json: cold_l2: expected true or false, got \"yes\"");
+  EXPECT_EQ(read_error([](auto& d) { d["settings"] = "LMOE_FUSED_DECODE=1"; }),
+            "b.json: settings: expected an object of strings, got \"LMOE_FUSED_DECODE=1\"");
+  EXPECT_EQ(read_error([](auto& d) { d["settings"]["NCCL_ALGO"] = 1; }),
+            "b.json: settings.NCCL_ALGO: expected a string, got 1");
   EXPECT_EQ(read_error([](auto& d) { d["command"] = "run"; }),
             "b.json: is the JSON of `lmoe run`, not a recorded sweep of `lmoe bench --json`");
   EXPECT_EQ(read_error([](auto& d) { d = {{"format", "lmoe-tier-table"}, {"version", 3}}; }),
@@ -313,11 +321,13 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
   ASSERT_EQ(doc["cold_l2"], true);
   doc.erase("driver_version");
   doc.erase("cold_l2");
+  doc.erase("settings");
   for (auto& record : doc["records"]) record.erase("elements");
   const BenchSweep old = lmoe::read_bench_json(doc.dump(), "b.json");
   EXPECT_FALSE(old.driver_version.has_value());
   EXPECT_EQ(old.result.records[1].comparison.elements, 0);
   EXPECT_FALSE(old.cold_l2);
+  EXPECT_TRUE(old.settings.empty());
 }
 
 // ---- tables derived from a recording ------------------------------------------------------------
@@ -441,6 +451,32 @@ TEST(TuneFromSweep, TheTableSaysWhetherTheSweepWasCold) {
   const lmoe::TierTable read = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
   EXPECT_TRUE(read.provenance.cold_l2);
   EXPECT_TRUE(read.provenance == table.provenance);
+}
+
+// The timing settings a sweep ran with (lmoe/timing_settings.hpp) go into the table derived from
+// it, and a table loaded under other settings warns with both values; the same settings, no
+// warning.
+TEST(TuneFromSweep, TheTableKeepsTheSweepsTimingSettingsAndLoadingUnderOthersWarns) {
+  BenchSweep sweep = recorded_cpu_sweep();
+  sweep.settings = {{"LMOE_FUSED_DECODE", "1"}};
+  const lmoe::TierTable table = lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json").table;
+  EXPECT_EQ(table.provenance.settings, sweep.settings);
+  const lmoe::TierTable read = lmoe::read_tier_table(lmoe::write_tier_table(table), "t.json");
+  EXPECT_EQ(read.provenance.settings, sweep.settings);
+  lmoe::RunningConfig running = lmoe::running_config_of(sweep, table.provenance.comm);
+  EXPECT_TRUE(lmoe::match_tier_table(read.provenance, running, "t.json").empty());
+  running.settings = lmoe::TimingSettings{{"NCCL_PROTO", "LL"}};
+  const std::vector<std::string> warnings =
+      lmoe::match_tier_table(read.provenance, running, "t.json");
+  EXPECT_EQ(warnings,
+            (std::vector<std::string>{
+                "tier table t.json: LMOE_FUSED_DECODE is '1' in the table, unset here; the "
+                "table is used, but its measurements may not hold",
+                "tier table t.json: NCCL_PROTO is unset in the table, 'LL' here; the table "
+                "is used, but its measurements may not hold"}));
+  // Unset running settings: not compared (a caller that does not know them).
+  running.settings.reset();
+  EXPECT_TRUE(lmoe::match_tier_table(read.provenance, running, "t.json").empty());
 }
 
 TEST(TuneFromSweep, AWrongRowIsRefusedByName) {

@@ -609,6 +609,7 @@ lmoe::TierTable sample_table() {
   p.warmup = 5;
   p.iters = 50;
   p.cold_l2 = true;  // not the default: round trips must keep it
+  p.settings = {{"LMOE_TOKEN_CHUNKS", "4"}};
   table.grid = {point(1, {20.5, 30.25, 40.125, -1}), point(256, {990, 950.5, 901, 812}),
                 point(512, {1800, 1700, 1500, 1300})};
   table.grid[2][TailTier::overlap] = TierTiming{};  // not measured
@@ -628,6 +629,7 @@ lmoe::RunningConfig running_like(const lmoe::TableProvenance& p) {
   running.dtype = p.dtype;
   running.comm = p.comm;
   running.lmoe_version = p.lmoe_version;
+  running.settings = p.settings;
   return running;
 }
 
@@ -914,6 +916,14 @@ TEST(TierTableV3, MalformedTablesNameTheField) {
   const lmoe::TierTable old = lmoe::read_tier_table(replaced("\"cold_l2\": true,", ""), "t.json");
   EXPECT_FALSE(old.provenance.cold_l2);
   EXPECT_TRUE(lmoe::read_tier_table(good, "t.json").provenance.cold_l2);
+  EXPECT_EQ(read_error(replaced("\"LMOE_TOKEN_CHUNKS\": \"4\"", "\"LMOE_TOKEN_CHUNKS\": 4")),
+            "t.json: provenance.settings.LMOE_TOKEN_CHUNKS: expected a string, got 4");
+  // Tables from before the timing settings were recorded: none.
+  nlohmann::json without = nlohmann::json::parse(good);
+  without["provenance"].erase("settings");
+  EXPECT_TRUE(lmoe::read_tier_table(without.dump(), "t.json").provenance.settings.empty());
+  EXPECT_EQ(lmoe::read_tier_table(good, "t.json").provenance.settings,
+            (lmoe::TimingSettings{{"LMOE_TOKEN_CHUNKS", "4"}}));
   EXPECT_EQ(read_error(replaced("\"fused_max_tokens\"", "\"fusd_max_tokens\"")),
             "t.json: breakpoints.fusd_max_tokens: unknown breakpoint (expected fused_max_tokens, "
             "overlap_max_tokens or column_max_tokens)");
@@ -1171,6 +1181,7 @@ lmoe::TierTable cpu_table(int tp, lmoe::TailDims dims) {
   table.provenance.tp = tp;
   table.provenance.dims = dims;
   table.provenance.comm = "threads";
+  table.provenance.settings = lmoe::timing_settings_from_environment();  // measured here
   return table;
 }
 
@@ -1230,6 +1241,13 @@ TEST(LatentTailTable, AMatchingTableIsUsedAndOtherVersionsAreWarnedAbout) {
   build_tail(older, 2, &warnings);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_THAT(warnings[0], HasSubstr("lmoe_version is '0.0.1' in the table"));
+  // Measured with another timing setting than this process has: used, with a warning.
+  lmoe::TierTable other = cpu_table(2, {64, 32});
+  other.provenance.settings["LMOE_FUSED_DECODE"] = "a value no process here has";
+  build_tail(other, 2, &warnings);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_THAT(warnings[0],
+              HasSubstr("LMOE_FUSED_DECODE is 'a value no process here has' in the table"));
 }
 
 // ---- checking a policy against a sweep ----------------------------------------------------------
