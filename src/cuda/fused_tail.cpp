@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
+#include "core/env_flag.hpp"
 #include "cuda/alignment.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused_decode_launch.hpp"
@@ -187,11 +188,15 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
 void FusedTail::choose_decode(int sms, int sharing) {
   // LMOE_FUSED_DECODE: 0 turns the decode kernel off, 1 turns it on with several ranks too, where
   // it is opt-in until its consecutive calls with 4 ranks per GPU are validated (docs/fused.md).
+  // (A flag like the others: 1/0, true/false, yes/no, on/off; anything else is an error.)
   const char* decode_env = std::getenv("LMOE_FUSED_DECODE");
-  const std::string decode_mode = decode_env != nullptr ? decode_env : "";
-  if (decode_mode == "0") {
-    decode_limit_ = "the decode kernel is turned off (LMOE_FUSED_DECODE=0)";
-  } else if (params_.tp > 1 && decode_mode != "1") {
+  std::optional<bool> decode_on;
+  if (decode_env != nullptr && *decode_env != '\0')
+    decode_on = parse_flag("LMOE_FUSED_DECODE", decode_env);
+  if (decode_on == false) {
+    decode_limit_ =
+        "the decode kernel is turned off (LMOE_FUSED_DECODE=" + std::string(decode_env) + ")";
+  } else if (params_.tp > 1 && decode_on != true) {
     decode_limit_ = "the decode kernel runs with several ranks only with LMOE_FUSED_DECODE=1 (tp=" +
                     std::to_string(params_.tp) +
                     "; not yet validated at 4 ranks per GPU, docs/fused.md)";
