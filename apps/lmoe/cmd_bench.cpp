@@ -227,8 +227,10 @@ void BenchCommand::execute() {
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
   for (const std::string& comm : options.comms) {
-    check_table_fits(options.policy, running_config(chosen_backend, options.tp, options.dims,
-                                                    options.dtype, comm));
+    RunningConfig running =
+        running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
+    running.cold_l2 = options.cold_l2;  // as this sweep will measure
+    check_table_fits(options.policy, running);
   }
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
   options.inject_fault = inject_fault_from_environment();
@@ -378,17 +380,6 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
 
   std::vector<ChoiceCheck> checks;
   bool policy_ok = true;
-  if (check_table && policy.table && policy.table->provenance.cold_l2 != recorded.cold_l2) {
-    // Not refused (the configuration is the same), but the tiers' times differ between the two
-    // (docs/bench.md, "Cold L2"), and so may the verdicts.
-    const auto state = [](bool cold) {
-      return cold ? "L2 evicted before each iteration" : "L2 warm";
-    };
-    std::cerr << "lmoe bench: warning: the tier table was measured with "
-              << state(policy.table->provenance.cold_l2) << ", this sweep with "
-              << state(recorded.cold_l2)
-              << ": the tiers' times differ between the two, and so may the verdicts\n";
-  }
   if (check_table) {
     checks = check_choices(result.records, kCheckTolerance);
     print_policy_check(checks, policy, recorded_in, std::cout);

@@ -203,7 +203,10 @@ struct RunningConfig {
   DType dtype = DType::bf16;
   std::optional<std::string> comm;
   std::string lmoe_version;
-  std::optional<TimingSettings> settings;  // compared (with a warning) when set
+  // How a measurement here was taken, compared (with a warning) when set: a sweep's, when a table
+  // judges it; a plain run has no cache state or timing settings of its own to compare.
+  std::optional<bool> cold_l2;
+  std::optional<TimingSettings> settings;
 };
 
 // This process's configuration: the GPU, driver and NCCL of this machine and build (cuda: device
@@ -217,8 +220,8 @@ std::optional<std::string> nvidia_driver_version();
 // Throws lmoe::Error listing every field in which the table and the running configuration differ
 // (GPU name, compute capability, backend, tp, d_model, d_latent, dtype, comm), each with both
 // values. Returns one warning per software version that differs (driver, CUDA driver and runtime,
-// NCCL, lmoe) and per timing setting set differently (when running.settings is set): the table is
-// used, but its measurements may no longer hold.
+// NCCL, lmoe), per timing setting set differently and for another cold_l2 (each when set in
+// `running`): the table is used, but its measurements may no longer hold.
 std::vector<std::string> match_tier_table(const TableProvenance& table,
                                           const RunningConfig& running,
                                           const std::string& table_name);

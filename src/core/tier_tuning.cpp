@@ -456,6 +456,11 @@ std::vector<std::string> match_tier_table(const TableProvenance& table,
     warn_if(table.lmoe_version != running.lmoe_version, "lmoe_version",
             "'" + table.lmoe_version + "'", "'" + running.lmoe_version + "'");
   }
+  if (running.cold_l2) {
+    // Cold and warm weights change the tiers' times, and not equally (docs/bench.md, "Cold L2").
+    warn_if(table.cold_l2 != *running.cold_l2, "cold_l2", table.cold_l2 ? "true" : "false",
+            *running.cold_l2 ? "true" : "false");
+  }
   if (running.settings) {
     // A setting that picks another kernel or algorithm changes the times the table holds.
     for (const std::string& difference :
@@ -633,6 +638,7 @@ RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm
   running.dtype = sweep.dtype;
   running.comm = comm;
   running.lmoe_version = sweep.lmoe_version;
+  running.cold_l2 = sweep.cold_l2;
   running.settings = sweep.settings;
   return running;
 }

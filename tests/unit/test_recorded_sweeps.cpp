@@ -477,6 +477,13 @@ TEST(TuneFromSweep, TheTableKeepsTheSweepsTimingSettingsAndLoadingUnderOthersWar
   // Unset running settings: not compared (a caller that does not know them).
   running.settings.reset();
   EXPECT_TRUE(lmoe::match_tier_table(read.provenance, running, "t.json").empty());
+  // The cache state the same way: a warm table judged on a cold sweep warns, unset does not.
+  EXPECT_EQ(lmoe::running_config_of(sweep, table.provenance.comm).cold_l2, false);
+  running.cold_l2 = true;
+  EXPECT_EQ(
+      lmoe::match_tier_table(read.provenance, running, "t.json"),
+      (std::vector<std::string>{"tier table t.json: cold_l2 is false in the table, true here; "
+                                "the table is used, but its measurements may not hold"}));
 }
 
 TEST(TuneFromSweep, AWrongRowIsRefusedByName) {
