@@ -509,6 +509,48 @@ TEST_F(Fused, DecodeKernelIsOptInWithSeveralRanksAndCanBeTurnedOff) {
     EXPECT_EQ(decode_bound(1, &why), 0);
     EXPECT_NE(why.find("LMOE_FUSED_DECODE=0"), std::string::npos) << why;
   }
+  {
+    // Read as a flag: anything but 1/0, true/false, yes/no, on/off is an error naming it.
+    const ScopedEnv bad("LMOE_FUSED_DECODE", "maybe");
+    try {
+      decode_bound(1, &why);
+      ADD_FAILURE() << "LMOE_FUSED_DECODE=maybe was accepted";
+    } catch (const lmoe::Error& error) {
+      EXPECT_NE(error.message().find("LMOE_FUSED_DECODE='maybe'"), std::string::npos)
+          << error.message();
+    }
+  }
+}
+
+// A caller's weights on another GPU than the rank's (FusedTail is below LatentTail, which places
+// them right): refused at construction, naming both GPUs, before anything is launched. Two GPUs.
+TEST_F(Fused, WeightsOnAnotherGpuThanTheRanksAreRefusedNamingBoth) {
+  SKIP_WITHOUT_GPU();
+  int gpus = 0;
+  cuda_ok(cudaGetDeviceCount(&gpus));
+  if (gpus < 2) GTEST_SKIP() << "needs two GPUs (rank 1 on the second)";
+  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 77u);
+  std::vector<std::string> errors(2);
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(2000);
+  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    cuda_ok(cudaSetDevice(0));  // every rank's weights on GPU 0; rank 1 runs on GPU 1
+    const DeviceBuffer w(static_cast<std::size_t>(kSmall.d_model / 2 * kSmall.d_latent) * 2);
+    const DeviceBuffer gamma(static_cast<std::size_t>(kSmall.d_latent) * sizeof(float));
+    try {
+      lmoe::cuda::FusedTail fused(comm, kSmall, DType::bf16, true, 1e-5f, w.data(),
+                                  static_cast<const float*>(gamma.data()), 4);
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.message();
+      if (rank == 1) comm.abort(error.message());  // rank 0 waits in the workspace exchange
+    }
+  });
+  EXPECT_NE(errors[1].find("fused: w_up's stripe is on GPU 0, this rank runs on GPU 1"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_FALSE(errors[0].empty());  // the abort reached it
 }
 
 // A latent too long for 16 normalized rows next to the weight rings in a block's shared memory
