@@ -13,14 +13,15 @@
 #include <utility>
 #include <vector>
 
+#include "comm/nccl_settings.hpp"
 #include "comm/p2p_peer_access.hpp"
 #include "core/token_chunks.hpp"
-#include "comm/nccl_settings.hpp"
 #include "cuda/cublaslt_gemm.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
 #include "cuda/fused_tail.hpp"
 #include "cuda/launchers.hpp"
+#include "cuda/rank_device.hpp"
 #include "cuda/token_switch.hpp"
 #include "lmoe/error.hpp"
 
@@ -86,7 +87,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
       throw Error("the cuda backend needs a communicator of device buffers (cuda-threads, p2p, nccl), got '" +
                   std::string(comm.backend_name()) + "'");
     }
-    LMOE_CUDA_CHECK(cudaGetDevice(&device_));
+    device_ = cuda::make_rank_device_current(comm);
     const std::int64_t d = dims_.d_model, l = dims_.d_latent;
 
     // gamma is kept in fp32: the norm multiplies by the exact fp32 value of the stored weight.

@@ -4,9 +4,10 @@
 //
 // (DESIGN.md §3 `fused`). With one rank (the rank sums are the inputs themselves): no workspace,
 // no flags, no grid barrier; a block needs nothing from any other block. With several, the blocks
-// multiply this rank's stripe of w_up's rows and exchange everything else through the workspaces
-// of the general kernel's protocol (cuda/fused_protocol.cuh, decode_exchange below). Device code
-// only.
+// multiply this rank's stripe of w_up's rows; the inputs and output stripes travel as lines that
+// carry their own flags (cuda/fused_ll.cuh: decode_push_inputs, decode_exchange and
+// decode_gather_stripes below), and the call's epoch, N's grid barrier and its end follow the
+// general kernel's protocol (cuda/fused_protocol.cuh). Device code only.
 //
 // At decode sizes the tail is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate), so
 // the kernel is built around reading it. Each warp streams its own share through a ring of its own
@@ -43,6 +44,7 @@
 
 #include "cuda/dtype.cuh"
 #include "cuda/fused_decode_launch.hpp"
+#include "cuda/fused_ll.cuh"
 #include "cuda/fused_protocol.cuh"
 #include "cuda/p2p_protocol.cuh"
 #include "cuda/rms_norm.cuh"
@@ -153,45 +155,85 @@ __device__ inline void decode_trace(const FusedDecodeParams& p, int point) {
   }
 }
 
+// With several ranks, this call's inputs go straight into the peers' workspaces as LL lines
+// (cuda/fused_ll.cuh), before any weight is requested: the latent rows to every peer, and to peer r
+// its stripe's columns of `shared`. Grid-stride over this rank's blocks. Every thread calls it.
+template <typename T>
+__device__ void decode_push_inputs(const FusedDecodeParams& p, int tokens, const FusedCall& call) {
+  const FusedTailParams& x = p.protocol;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t latent_units = tokens * p.l / 4;  // 4 elements per line; l % 16 == 0
+  const std::int64_t row_units = x.stripe / 4, shared_units = tokens * row_units;
+  const T* routed = static_cast<const T*>(p.routed);
+  const T* shared = static_cast<const T*>(p.shared);
+  for (std::int64_t i = first; i < latent_units * x.tp; i += stride) {
+    const int r = static_cast<int>(i / latent_units);
+    if (r == x.rank) continue;
+    const std::int64_t index = i % latent_units * 4;  // the slot's rows have the latent's pitch
+    ll_store(ll_line(x, r, x.ll_latent_offset, call.parity, x.rank, x.ll_rows * p.l, index),
+             *reinterpret_cast<const uint2*>(routed + index), call.e);
+  }
+  for (std::int64_t i = first; i < shared_units * x.tp; i += stride) {
+    const int r = static_cast<int>(i / shared_units);
+    if (r == x.rank) continue;
+    const std::int64_t t = i % shared_units / row_units, c = i % shared_units % row_units * 4;
+    ll_store(ll_line(x, r, x.ll_shared_offset, call.parity, x.rank, x.ll_rows * x.stripe,
+                     t * x.stripe + c),
+             *reinterpret_cast<const uint2*>(shared + t * p.d + r * x.stripe + c), call.e);
+  }
+}
+
 // With several ranks, what one rank's inputs give the block at tp = 1 (N's T rows in shared memory,
-// and the block's columns of the shared sum in its slice), through the protocol once the inputs are
-// staged and published (fused_stage_inputs): every peer's inputs awaited; rows t ≡ b (mod G) of N
-// reduced over the ranks, normalized by block b and stored in this rank's workspace; a barrier of
-// the grid; then every row of N copied in. The slice is the block's own columns, so it needs no
-// barrier. False (reported) when a wait failed. Every thread calls it.
+// and the block's columns of the shared sum in its slice), from this rank's inputs and the lines
+// its peers pushed (decode_push_inputs): rows t ≡ b (mod G) of N summed over the ranks, normalized
+// by block b and stored in this rank's workspace, the block's own columns of the shared sum (no
+// barrier: its own), a barrier of the grid, then every row of N copied in. False (reported) when a
+// wait failed. Every thread calls it.
 template <typename T>
 __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int64_t row_first,
                                 int groups, std::byte* normed, std::size_t pitch, float* lane_sums,
                                 std::byte* shared_slice, FusedCall* call) {
   const FusedTailParams& x = p.protocol;
   const int tid = static_cast<int>(threadIdx.x);
-  if (!fused_wait_peers(x, fused_flags(x, x.rank)->inputs_arrived, call)) return false;
-  decode_trace(p, kDecodeTraceInputsLanded);
-
-  const int row_vectors = static_cast<int>(p.l / 8);
+  const int row_units = static_cast<int>(p.l / 4);
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   const int mine = tokens > block ? (tokens - 1 - block) / grid + 1 : 0;  // rows b, b + G, …
-  for (int i = tid; i < mine * row_vectors; i += kDecodeThreads) {
-    const int k = i / row_vectors, v = i % row_vectors;
-    const std::int64_t t = block + static_cast<std::int64_t>(k) * grid;
-    *reinterpret_cast<Vec16<T>*>(normed + k * pitch + v * 16) =
-        fused_rank_sum<T>(x, x.routed_offset, call->parity, t * p.l + v * 8);
+  const T* routed = static_cast<const T*>(p.routed);
+  for (int i = tid; i < mine * row_units; i += kDecodeThreads) {
+    const int k = i / row_units, u = i % row_units;
+    const std::int64_t index = (block + static_cast<std::int64_t>(k) * grid) * p.l + u * 4;
+    uint2 sum;
+    if (!ll_rank_sum4<T>(x, x.ll_latent_offset, x.ll_rows * p.l, index, routed + index, call, &sum))
+      break;
+    *reinterpret_cast<uint2*>(normed + k * pitch + u * 8) = sum;
+  }
+  // The slice: 16 bytes per (token, group), two lines each; unit i = (t, h) covers the stripe's
+  // columns row_first + 4h … + 3.
+  const T* shared = static_cast<const T*>(p.shared);
+  for (int i = tid; i < tokens * groups * 2; i += kDecodeThreads) {
+    const int t = i / (groups * 2), h = i % (groups * 2);
+    const std::int64_t c = row_first + h * 4;
+    uint2 sum;
+    if (!ll_rank_sum4<T>(x, x.ll_shared_offset, x.ll_rows * x.stripe, t * x.stripe + c,
+                         shared + t * p.d + p.col0 + c, call, &sum))
+      break;
+    reinterpret_cast<uint2*>(shared_slice)[i] = sum;
   }
   __syncthreads();
+  if (call->failed) return false;
+  decode_trace(p, kDecodeTraceInputsLanded);
+
   if (p.latent_norm && mine > 0)
     decode_norm_rows<T>(p.l, p.eps, normed, pitch, p.gamma, mine, lane_sums);
   __syncthreads();
   T* n_global = fused_at<T>(x, x.rank, x.normed_offset, 0);
+  const int row_vectors = static_cast<int>(p.l / 8);
   for (int i = tid; i < mine * row_vectors; i += kDecodeThreads) {
     const int k = i / row_vectors, v = i % row_vectors;
     const std::int64_t t = block + static_cast<std::int64_t>(k) * grid;
     *reinterpret_cast<uint4*>(n_global + t * p.l + v * 8) =
         *reinterpret_cast<const uint4*>(normed + k * pitch + v * 16);
-  }
-  for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
-    const int t = i / groups, j = i % groups;
-    reinterpret_cast<Vec16<T>*>(shared_slice)[i] =
-        fused_rank_sum<T>(x, x.shared_offset, call->parity, t * p.d + p.col0 + row_first + j * 8);
   }
   __threadfence();  // this thread's rows of N, before the barrier lets the other blocks read them
   if (!fused_grid_barrier(x, call)) return false;
@@ -208,6 +250,30 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
   return true;
 }
 
+// With several ranks, after this rank's blocks pushed their output rows to every peer (the
+// epilogue): every peer's stripe into Y as its lines arrive. Grid-stride. False (reported) when a
+// wait failed. Every thread calls it.
+template <typename T>
+__device__ bool decode_gather_stripes(const FusedDecodeParams& p, int tokens, FusedCall* call) {
+  const FusedTailParams& x = p.protocol;
+  const std::int64_t row_units = x.stripe / 4, per_peer = tokens * row_units;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < per_peer * x.tp; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i / per_peer);
+    if (r == x.rank) continue;
+    const std::int64_t t = i % per_peer / row_units, c = i % per_peer % row_units * 4;
+    uint2 bits;
+    if (!ll_load(x,
+                 ll_line(x, x.rank, x.ll_stripe_offset, call->parity, r, x.ll_rows * x.stripe,
+                         t * x.stripe + c),
+                 call->e, r, call, &bits))
+      break;
+    *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + t * p.d + r * x.stripe + c) = bits;
+  }
+  __syncthreads();
+  return !call->failed;
+}
+
 template <typename T, int kMaxTokens>
 __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDecodeParams p) {
   static_assert(kMaxTokens == 8 || kMaxTokens == 16);
@@ -220,9 +286,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   decode_trace(p, kDecodeTraceEntry);
 
   // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
-  // keeps a wrong T inside this block's shared memory.
+  // keeps a wrong T inside this block's shared memory and the exchange's slots.
   const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
-  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > kMaxTokens ? kMaxTokens : t_read);
+  const std::int64_t bound =
+      exchange && p.protocol.ll_rows < kMaxTokens ? p.protocol.ll_rows : kMaxTokens;
+  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > bound ? bound : t_read);
   // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
   // dealt evenly (at least one and at most kDecodeMaxGroups: the plan's grid ensures it).
   const std::int64_t all_groups = p.rows / 8;
@@ -231,11 +299,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   if (groups == 0 || tokens == 0) return;  // the same for every thread of the block (and rank)
   const std::int64_t row_first = group_first * 8;
   if (exchange) {
-    // Several ranks: the inputs staged and published before any weight is requested (their copies
-    // and the system-scope fence of the publish would otherwise wait behind the weights' first
-    // items: ~4 µs at K3 tp 2, LMOE_FUSED_TRACE).
+    // Several ranks: the inputs pushed to the peers before any weight is requested (behind the
+    // weights' first items they left ~4 µs later: LMOE_FUSED_TRACE, session 12).
     if (!fused_begin(p.protocol, &call)) return;
-    fused_stage_inputs<T>(p.protocol, tokens, call);
+    decode_push_inputs<T>(p, tokens, call);
   }
 
   float* lane_sums = reinterpret_cast<float*>(decode_smem);
@@ -413,16 +480,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       }
       const std::int64_t row = row_first + j * 8 + 4 * lane;  // of the stripe
       *reinterpret_cast<Vec4<T>*>(static_cast<T*>(p.out) + t * p.d + p.col0 + row) = y;
-      if (exchange) {  // and for the peers, the staged stripe
-        *reinterpret_cast<Vec4<T>*>(
-            fused_at<T>(p.protocol, p.protocol.rank, p.protocol.stripe_offset, call.parity) +
-            t * p.protocol.stripe + row) = y;
+      if (exchange) {  // and to every peer
+        const FusedTailParams& x = p.protocol;
+        for (int r = 0; r < x.tp; ++r) {
+          if (r == x.rank) continue;
+          ll_store(ll_line(x, r, x.ll_stripe_offset, call.parity, x.rank, x.ll_rows * x.stripe,
+                           t * x.stripe + row),
+                   *reinterpret_cast<const uint2*>(&y), call.e);
+        }
       }
     }
   }
   if (exchange) {
     // 6. Every peer's stripe into Y, and the call closed.
-    if (!fused_gather_stripes<T>(p.protocol, tokens, &call)) return;
+    if (!decode_gather_stripes<T>(p, tokens, &call)) return;
     fused_end(p.protocol, call, false);
   }
   decode_trace(p, kDecodeTraceEnd);

@@ -47,8 +47,8 @@ struct FusedDecodeParams {
 // The decode kernel's trace points, in order.
 enum DecodeTracePoint : int {
   kDecodeTraceEntry,
-  // The latent rows, gamma and the shared slice in shared memory (several ranks: every peer's
-  // inputs staged).
+  // The latent rows, gamma and the shared slice in shared memory (several ranks: the block's sums
+  // over the ranks of its rows of the latent and of its slice, from every peer's lines).
   kDecodeTraceInputsLanded,
   kDecodeTraceNormed,    // N in shared memory, the first items of every warp in flight
   kDecodeTraceStreamed,  // every warp's items multiplied

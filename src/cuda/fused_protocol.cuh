@@ -3,10 +3,13 @@
 // publishing them to the peers, waiting for every peer, gathering the peers' output stripes, and
 // closing the call (docs/fused.md). Device code only.
 //
-// Every counter of FusedFlags gains exactly one per block of the call's grid on every rank (the
-// grid of the kernel the call runs, which the ranks agree on), so a call's target is the sum of
-// the grids of the calls before it (FusedFlags::arrivals) plus its own grid. The two kernels may
-// then take turns on one workspace: a call's grid need not be the previous call's.
+// A counter of FusedFlags gains exactly one per block of the grid of every call that counts there,
+// on every rank (the grid of the kernel the call runs, which the ranks agree on), so a call's
+// target is the sum of the grids of those calls before it plus its own grid: FusedFlags::arrivals
+// for rows_done and blocks_done (every call), general_arrivals for the peers' inputs_arrived and
+// stripes_arrived (the general kernel's calls; the decode kernel's data carry their own flags,
+// cuda/fused_ll.cuh). The two kernels may then take turns on one workspace: a call's grid need not
+// be the previous call's.
 #pragma once
 
 #include <cstdint>
@@ -62,32 +65,12 @@ __device__ inline void fused_copy(const T* src, T* dst, std::int64_t n, bool pee
   }
 }
 
-// Σ_r of the 8 elements at `offset` (bytes) + `at` (elements) of every rank's staged buffer
-// (parity), in rank order from rank 0's value, rounded once: the contract's rank sums (the decode
-// kernel's; the general kernel's norm rows and shared stripe still sum in loops of their own).
-template <typename T>
-__device__ inline Vec16<T> fused_rank_sum(const FusedTailParams& x, std::int64_t offset,
-                                          std::uint32_t parity, std::int64_t at) {
-  float acc[8];
-  const Vec16<T> first = fused_load_cg(fused_at<T>(x, 0, offset, parity) + at);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) acc[k] = Storage<T>::load(first.v[k]);
-  for (int r = 1; r < x.tp; ++r) {
-    const Vec16<T> v = fused_load_cg(fused_at<T>(x, r, offset, parity) + at);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], Storage<T>::load(v.v[k]));
-  }
-  Vec16<T> sum;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) sum.v[k] = Storage<T>::store(acc[k]);
-  return sum;
-}
-
 // One call as every block of this rank sees it (read by thread 0 at entry, kept in shared memory).
 struct FusedCall {
   std::uint32_t e;          // this call's epoch: the rank's calls so far + 1
   std::uint32_t parity;     // e & 1: the half of the staged buffers this call writes
-  std::uint32_t target;     // a counter's value once every block of this call added 1
+  std::uint32_t target;     // rows_done's and blocks_done's value once every block added 1
+  std::uint32_t peer_target;  // the same for a peer's inputs_arrived and stripes_arrived
   std::uint32_t general_e;  // the general kernel's calls so far + 1 (its split counters)
   int failed;               // a wait of this block failed (reported): leave
 };
@@ -101,6 +84,7 @@ __device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call) {
     call->e = own->epoch + 1;
     call->parity = call->e & 1u;
     call->target = own->arrivals + gridDim.x;
+    call->peer_target = own->general_arrivals + gridDim.x;
     call->general_e = own->general_calls + 1;
     // No read of the host-mapped abort flag here (see kP2pAbortPollAfterNs): the host checks the
     // group's status before every call, and a wait finds a later abort.
@@ -113,12 +97,13 @@ __device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call) {
   return !call->failed;
 }
 
-// Thread i < tp waits until counters[i] (one per peer, in this rank's flags) reached the call's
-// target. Every thread calls it; true when every peer arrived, false (reported) otherwise.
+// Thread i < tp waits until counters[i] (one per peer, in this rank's flags: inputs_arrived or
+// stripes_arrived) reached the call's peer target. Every thread calls it; true when every peer
+// arrived, false (reported) otherwise.
 __device__ inline bool fused_wait_peers(const FusedTailParams& p, const std::uint32_t* counters,
                                         FusedCall* call) {
   if (threadIdx.x < static_cast<unsigned>(p.tp)) {
-    if (!p2p_wait_until(fused_report(p), &counters[threadIdx.x], call->target,
+    if (!p2p_wait_until(fused_report(p), &counters[threadIdx.x], call->peer_target,
                         static_cast<int>(threadIdx.x), call->e)) {
       call->failed = 1;
     }
@@ -184,7 +169,7 @@ __device__ inline bool fused_gather_stripes(const FusedTailParams& p, std::int64
   return true;
 }
 
-// The last block out closes the call: epoch, the counters' base, (general kernel) its own count,
+// The last block out closes the call: epoch, the counters' bases, (general kernel) its own count,
 // and the workspace freed. Every thread calls it.
 __device__ inline void fused_end(const FusedTailParams& p, const FusedCall& call, bool general) {
   __syncthreads();
@@ -194,7 +179,10 @@ __device__ inline void fused_end(const FusedTailParams& p, const FusedCall& call
     if (atomicAdd(&own->blocks_done, 1u) == call.target - 1u) {
       own->epoch = call.e;
       own->arrivals = call.target;
-      if (general) own->general_calls = call.general_e;
+      if (general) {
+        own->general_calls = call.general_e;
+        own->general_arrivals = call.peer_target;
+      }
       __threadfence();
       atomicExch(&own->in_use, 0u);
     }

@@ -13,6 +13,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_launch.hpp"
+#include "cuda/rank_device.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe::cuda {
@@ -68,11 +69,10 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
   const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype));
 
-  // With several ranks everything below is per device (kernel attributes, occupancy, the
-  // workspace): the rank's own GPU, whatever the calling thread had current.
-  if (peers_) LMOE_CUDA_CHECK(cudaSetDevice(peers_->device()));
-  int device = 0, sms = 0;
-  LMOE_CUDA_CHECK(cudaGetDevice(&device));
+  // Everything below is per device (kernel attributes, occupancy, the workspace): the rank's own
+  // GPU, whatever the calling thread had current.
+  const int device = make_rank_device_current(comm);
+  int sms = 0;
   for (const auto& [name, pointer] : {std::pair{"w_up's stripe", w_stripe},
                                       std::pair{"gamma", static_cast<const void*>(gamma)}}) {
     cudaPointerAttributes attributes{};
@@ -117,7 +117,20 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   const std::int64_t local_splits = splits_for(grid);
   const std::int64_t partial_bytes =
       local_splits > 1 ? col_tiles * local_splits * capacity_ * kFusedTileCols * static_cast<std::int64_t>(sizeof(float)) : 0;
-  const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
+  // The decode kernel's exchange (tp > 1): per parity, a slot per sending rank of its latent rows,
+  // its columns of this rank's stripe of `shared` and its output stripe, as LL lines (4 bytes per
+  // element; cuda/fused_ll.cuh). K3 at tp 2: 2.8 MB; at tp 16: 9.2 MB.
+  params_.ll_latent_offset = params_.partials_offset + align256(partial_bytes);
+  std::int64_t bytes = params_.ll_latent_offset;
+  if (tp > 1) {
+    const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
+    params_.ll_rows = rows;
+    params_.ll_shared_offset = params_.ll_latent_offset + align256(tp * rows * l * line_bytes);
+    params_.ll_stripe_offset = params_.ll_shared_offset + align256(tp * rows * stripe * line_bytes);
+    params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
+                              params_.ll_latent_offset;
+    bytes += 2 * params_.ll_parity_bytes;
+  }
   if (peers_) {
     // Every rank's workspace as this rank's kernel addresses it (a peer's pointer between threads,
     // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
@@ -186,20 +199,13 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
 // resident at once: one block per SM, and ranks sharing a GPU split its SMs (leaving one free for
 // a peer's other work); the ranks then agree on the smallest bound and grid (collective).
 void FusedTail::choose_decode(int sms, int sharing) {
-  // LMOE_FUSED_DECODE: 0 turns the decode kernel off, 1 turns it on with several ranks too, where
-  // it is opt-in until its consecutive calls with 4 ranks per GPU are validated (docs/fused.md).
-  // (A flag like the others: 1/0, true/false, yes/no, on/off; anything else is an error.)
+  // LMOE_FUSED_DECODE=0 turns the decode kernel off (every call runs the general kernel); a flag
+  // like lmoe's others (1/0, true/false, yes/no, on/off; anything else is an error).
   const char* decode_env = std::getenv("LMOE_FUSED_DECODE");
-  std::optional<bool> decode_on;
-  if (decode_env != nullptr && *decode_env != '\0')
-    decode_on = parse_flag("LMOE_FUSED_DECODE", decode_env);
-  if (decode_on == false) {
+  if (decode_env != nullptr && *decode_env != '\0' &&
+      !parse_flag("LMOE_FUSED_DECODE", decode_env)) {
     decode_limit_ =
         "the decode kernel is turned off (LMOE_FUSED_DECODE=" + std::string(decode_env) + ")";
-  } else if (params_.tp > 1 && decode_on != true) {
-    decode_limit_ = "the decode kernel runs with several ranks only with LMOE_FUSED_DECODE=1 (tp=" +
-                    std::to_string(params_.tp) +
-                    "; not yet validated at 4 ranks per GPU, docs/fused.md)";
   } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
     decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
   } else {

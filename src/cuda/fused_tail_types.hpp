@@ -20,10 +20,11 @@ inline constexpr int kFusedTileCols = 64;
 inline constexpr int kFusedTileK = 64;
 
 // Per rank, at the start of its workspace (zeroed at creation). Counters only grow, modulo 2^32,
-// and are compared as wrapping differences against a call's target: `arrivals` (the sum of the
-// grids of the calls before it) plus its own grid G, which every rank agrees on (each kernel's grid
-// is agreed at construction, and the ranks run the same kernel for a call). Calls of the decode
-// kernel with one rank use no workspace and count nowhere.
+// and are compared as wrapping differences against a call's target: a base (the sum of the grids
+// of the calls before it that counted there) plus its own grid G, which every rank agrees on (each
+// kernel's grid is agreed at construction, and the ranks run the same kernel for a call). The
+// decode kernel's calls count in rows_done and blocks_done only (their data carry their own flags:
+// fused_ll.cuh); with one rank they use no workspace and count nowhere.
 struct FusedFlags {
   std::uint32_t inputs_arrived[kP2pMaxRanks];   // += 1 per block of peer p once it staged the call
   std::uint32_t stripes_arrived[kP2pMaxRanks];  // += 1 per block of peer p once its stripe rows are out
@@ -31,8 +32,10 @@ struct FusedFlags {
   std::uint32_t in_use;                         // a call of this rank is running on the workspace
   std::uint32_t rows_done;                      // this rank's blocks past the norm phase
   std::uint32_t blocks_done;                    // this rank's blocks finished
-  std::uint32_t arrivals;       // Σ G over the calls completed: each counter's base
+  std::uint32_t arrivals;       // Σ G over the calls completed: rows_done's and blocks_done's base
   std::uint32_t general_calls;  // calls of the general kernel (its split counters)
+  // Σ G over the general kernel's calls: inputs_arrived's and stripes_arrived's base.
+  std::uint32_t general_arrivals;
 };
 
 // Where a block is in a call, for LMOE_FUSED_TRACE (docs/fused.md).
@@ -83,6 +86,13 @@ struct FusedTailParams {
   std::int64_t capacity = 0;          // rows of every staged buffer
   std::int64_t routed_offset = 0, shared_offset = 0, stripe_offset = 0, normed_offset = 0;  // bytes
   std::int64_t parity_bytes = 0;      // distance between the two parities of one staged buffer
+  // The decode kernel's exchange (cuda/fused_ll.cuh): per parity, in every rank's workspace, one
+  // slot per sending rank of its latent rows [ll_rows, l], of its columns of the receiver's stripe
+  // of `shared` [ll_rows, stripe] and of its output stripe [ll_rows, stripe], as LL lines (4 bytes
+  // per element). Offsets in bytes to parity 0; absent (ll_rows 0) with one rank.
+  std::int64_t ll_rows = 0;
+  std::int64_t ll_latent_offset = 0, ll_shared_offset = 0, ll_stripe_offset = 0,
+               ll_parity_bytes = 0;
   // Failure reporting: the p2p group's record and abort flag, or with one rank the FusedTail's own.
   volatile P2pStatus* status = nullptr;
   volatile std::int32_t* abort_flag = nullptr;

@@ -107,19 +107,23 @@ TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBit
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
     expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed, &worst);
+    if (tokens <= 16) {  // the decode kernel's sizes through the general kernel too
+      const ScopedEnv general_only("LMOE_FUSED_DECODE", "0");
+      expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed + 7u, &worst);
+    }
   }
   std::printf("[ fused  ] tp=%d %-4s T=1…256 (11 sizes) max_err/bound=%.3f\n", tp,
               std::string(lmoe::dtype_name(dtype)).c_str(), worst);
 }
 
-// The decode kernel with several ranks (opt-in, LMOE_FUSED_DECODE=1): every T it takes, random
+// The decode kernel with several ranks: every T it takes, random
 // inputs within the contract's bound and crafted inputs bit for bit, with and without the norm.
 TEST_P(FusedParity, DecodeKernelWithSeveralRanksMeetsTheContract) {
   SKIP_WITHOUT_GPU();
   const auto [tp, dtype] = GetParam();
   if (tp == 1) GTEST_SKIP() << "one rank: the decode tests below";
   if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;
-  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   double worst = 0;
   for (bool latent_norm : {true, false}) {
     for (std::int64_t tokens : {1, 2, 5, 8, 15, 16}) {
@@ -445,7 +449,6 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // kernel at every tp, 17 the general one.
 TEST_F(Fused, DecodeKernelRunsCallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
   SKIP_WITHOUT_GPU();
-  const ScopedEnv several("LMOE_FUSED_DECODE", "1");  // opt-in with several ranks
   for (int tp : {1, 2, 4}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
     const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 17, 41u);
@@ -477,9 +480,9 @@ TEST_F(Fused, DecodeKernelRunsCallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
   }
 }
 
-// LMOE_FUSED_DECODE: unset, the decode kernel runs with one rank and not with several (opt-in
-// there, docs/fused.md); 0 turns it off everywhere. Each time the limit says why.
-TEST_F(Fused, DecodeKernelIsOptInWithSeveralRanksAndCanBeTurnedOff) {
+// LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
+// off everywhere, and the limit says why.
+TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
   SKIP_WITHOUT_GPU();
   const auto decode_bound = [](int tp, std::string* why) {
     const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 42u);
@@ -496,18 +499,20 @@ TEST_F(Fused, DecodeKernelIsOptInWithSeveralRanksAndCanBeTurnedOff) {
     return bounds[0];
   };
   std::string why;
-  {
-    const ScopedEnv unset("LMOE_FUSED_DECODE", nullptr);
-    EXPECT_EQ(decode_bound(1, &why), 4) << why;
-    if (!lmoe::comm_group_limit("p2p", 2)) {
-      EXPECT_EQ(decode_bound(2, &why), 0);
-      EXPECT_NE(why.find("LMOE_FUSED_DECODE=1"), std::string::npos) << why;
+  for (const char* on : {static_cast<const char*>(nullptr), "1"}) {
+    const ScopedEnv set("LMOE_FUSED_DECODE", on);
+    for (int tp : {1, 2}) {
+      if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+      EXPECT_EQ(decode_bound(tp, &why), 4) << "tp=" << tp << ": " << why;
     }
   }
   {
     const ScopedEnv off("LMOE_FUSED_DECODE", "0");
-    EXPECT_EQ(decode_bound(1, &why), 0);
-    EXPECT_NE(why.find("LMOE_FUSED_DECODE=0"), std::string::npos) << why;
+    for (int tp : {1, 2}) {
+      if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+      EXPECT_EQ(decode_bound(tp, &why), 0) << "tp=" << tp;
+      EXPECT_NE(why.find("LMOE_FUSED_DECODE=0"), std::string::npos) << why;
+    }
   }
   {
     // Read as a flag: anything but 1/0, true/false, yes/no, on/off is an error naming it.
@@ -551,6 +556,74 @@ TEST_F(Fused, WeightsOnAnotherGpuThanTheRanksAreRefusedNamingBoth) {
             std::string::npos)
       << errors[1];
   EXPECT_FALSE(errors[0].empty());  // the abort reached it
+}
+
+// A LatentTail on p2p ranks whose threads all have GPU 0 current: each rank's weights, workspaces
+// and streams go to the rank's own GPU (rank % GPUs), which it leaves current for the caller's
+// buffers, and fused and overlap calls then meet the contract bit for bit (crafted inputs). Two
+// GPUs.
+TEST_F(Fused, ALatentTailOnP2pRanksPlacesItsWeightsOnTheRanksGpu) {
+  SKIP_WITHOUT_GPU();
+  int gpus = 0;
+  cuda_ok(cudaGetDeviceCount(&gpus));
+  if (gpus < 2) GTEST_SKIP() << "needs two GPUs (rank 1 on the second)";
+  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
+  const std::int64_t tokens = 4, d = kSmall.d_model, l = kSmall.d_latent;
+  const lmoe::TailCase c = lmoe::make_exact_case(kSmall, DType::bf16, 2, tokens, 78u);
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+  const std::vector<double> exact = lmoe::exact_tail(c);
+  std::vector<int> devices(2, -1);
+  std::vector<std::string> errors(2);
+  lmoe::HostTensor outputs(DType::bf16, {2, tokens, d});  // rank 0's Y of each tier
+  const auto comms = lmoe::make_p2p_thread_communicators(2);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    cuda_ok(cudaSetDevice(0));
+    lmoe::TailOptions options;
+    options.dims = kSmall;
+    options.backend = lmoe::Backend::cuda;
+    options.max_tokens = tokens;
+    try {
+      lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      cuda_ok(cudaGetDevice(&devices[static_cast<std::size_t>(rank)]));
+      const std::size_t routed_bytes = static_cast<std::size_t>(tokens * l) * 2,
+                        rows_bytes = static_cast<std::size_t>(tokens * d) * 2;
+      const DeviceBuffer routed(routed_bytes), shared(rows_bytes), out(rows_bytes);
+      const lmoe::ConstMatrixView routed_view{
+          routed.data(), DType::bf16, tokens, l, l, lmoe::MemorySpace::device};
+      const lmoe::MatrixView shared_view{
+          shared.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
+      const lmoe::MatrixView out_view{out.data(), DType::bf16, tokens,
+                                      d,          d,           lmoe::MemorySpace::device};
+      int slot = 0;
+      for (TailTier tier : {TailTier::fused, TailTier::overlap}) {
+        cuda_ok(cudaMemcpy(routed.data(), c.routed.slice_matrix(rank).data, routed_bytes,
+                           cudaMemcpyHostToDevice));
+        cuda_ok(cudaMemcpy(shared.data(), c.shared.slice_matrix(rank).data, rows_bytes,
+                           cudaMemcpyHostToDevice));
+        cuda_ok(cudaMemset(out.data(), 0xff, rows_bytes));  // NaN-poisoned
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();
+        tail.forward(routed_view, shared_view, out_view, tier, nullptr);
+        cuda_ok(cudaDeviceSynchronize());
+        if (rank == 0) {
+          cuda_ok(cudaMemcpy(outputs.slice_matrix(slot).data, out.data(), rows_bytes,
+                             cudaMemcpyDeviceToHost));
+        }
+        ++slot;
+        comm.barrier();
+      }
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.message();
+      comm.abort(error.message());
+    }
+  });
+  EXPECT_EQ(devices, (std::vector<int>{0, 1}));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(errors[static_cast<std::size_t>(r)].empty()) << errors[static_cast<std::size_t>(r)];
+  for (int slot = 0; slot < 2; ++slot) {
+    const lmoe::Comparison cmp = lmoe::compare(outputs.slice_matrix(slot), reference, exact);
+    EXPECT_EQ(cmp.bit_mismatches, 0) << (slot == 0 ? "fused" : "overlap");
+  }
 }
 
 // A latent too long for 16 normalized rows next to the weight rings in a block's shared memory
@@ -845,7 +918,7 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
 
 TEST_F(Fused, DecodeAndGeneralCallsTakeTurnsOnOneWorkspace) {
   SKIP_WITHOUT_GPU();
-  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   const std::vector<std::int64_t> mixed = {1, 17, 16, 3, 40, 8, 2, 33, 5, 64};
   for (int tp : {2, 4, 8}) {
     if (lmoe::comm_group_limit("p2p", tp)) continue;
@@ -862,7 +935,7 @@ TEST_F(Fused, DecodeAndGeneralCallsTakeTurnsOnOneWorkspace) {
 // crafted inputs bit for bit (through LatentTail, as a model calls it).
 TEST_F(Fused, DecodeK3WithSeveralRanksMeetsTheContract) {
   SKIP_WITHOUT_GPU();
-  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   for (int tp : {2, 8}) {
     if (lmoe::comm_group_limit("p2p", tp)) continue;
     double worst = 0;
@@ -1000,7 +1073,7 @@ TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
   soak_graph_replays(1, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
-  const ScopedEnv several("LMOE_FUSED_DECODE", "1");
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   soak_graph_replays(2, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
 }
 
