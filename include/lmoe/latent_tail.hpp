@@ -24,27 +24,34 @@ Backend parse_backend(std::string_view name);
 // Whether this build and machine can run the backend (cuda: compiled in and a GPU present).
 bool backend_available(Backend backend);
 
-// The built-in breakpoints for `backend` on `ranks` ranks, on cuda: with one rank the built-in
-// fused_max_tokens becomes kFusedDefaultTp1Tokens where the decode kernel runs
-// (cuda/fused_decode.cuh; at K3 dims on an H200 with cold weights, `lmoe bench --cold-l2`, it
-// measured as fast as `overlap` at 6 tokens, faster below and slower from 8; docs/fused.md) and 0
-// where it does not (`tp1_decode_limit` says why: the general kernel is slower than `overlap`
-// there); from 2 to kFusedDefaultMinRanks − 1 ranks it becomes 0 (the general kernel measured
-// slower than `overlap` at every T ≤ 256 at tp 2 on H200s; the reference system runs its fused
-// kernel only at tp 8 and 16). Settings from a table, the environment or the caller are kept.
+// The built-in breakpoints for `backend` on `ranks` ranks, on cuda, below kFusedDefaultMinRanks
+// ranks: fused_max_tokens becomes the decode kernel's measured range where it runs
+// (cuda/fused_decode.cuh; docs/fused.md) and 0 where it does not (`decode_limit` says why: the
+// general kernel measured slower than `overlap` there). One rank: kFusedDefaultTp1Tokens (at K3
+// dims on an H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` at 6 tokens,
+// faster below and slower from 8). Two to seven ranks: kFusedDefaultDecodeTokens (K3 tp 2, one rank
+// per H200: 24.8–27.6 µs against overlap's 32.0–32.7 with cold weights at T ≤ 16; the general
+// kernel at 32 slower than overlap). From kFusedDefaultMinRanks the reference system's 128 stays
+// until eight GPUs measure it. Settings from a table, the environment or the caller are kept.
 // LatentTail applies it at construction; explain() names it as the setting's origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
 inline constexpr int kFusedDefaultTp1Tokens = 6;
+inline constexpr int kFusedDefaultDecodeTokens = 16;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
-                                const std::optional<std::string>& tp1_decode_limit);
-// The same, asking fused_decode_limit() for these dims and dtype when it matters (cuda, one rank,
-// the built-in breakpoint).
+                                const std::optional<std::string>& decode_limit);
+// The same, asking fused_decode_limit() for these dims, dtype and ranks when it matters (cuda,
+// fewer than kFusedDefaultMinRanks ranks, the built-in breakpoint).
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
                                 DType dtype);
-// Why the fused tier's decode kernel cannot take calls of kFusedDefaultTp1Tokens rows at these dims
-// and dtype on the current CUDA device (e.g. more than 8 groups of 8 rows of w_up per SM, or too
-// little shared memory), or in this build; nullopt when it can.
-std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype);
+// Why the fused tier's decode kernel is turned off in this process (LMOE_FUSED_DECODE=0; read as a
+// flag, anything but 1/0, true/false, yes/no, on/off is an error naming it); nullopt when it is on.
+std::optional<std::string> fused_decode_turned_off();
+// Why the fused tier's decode kernel cannot take the default calls (kFusedDefaultTp1Tokens rows at
+// one rank, kFusedDefaultDecodeTokens at several) over one rank's stripe of w_up (d / ranks rows)
+// at these dims and dtype on the current CUDA device with a block per SM (e.g. more than 8 groups
+// of 8 rows per SM, or too little shared memory), or in this build, or with the kernel turned off;
+// nullopt when it can.
+std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks = 1);
 
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <set>
 #include <vector>
 
 #include "core/device_token_buckets.hpp"
+#include "core/env_flag.hpp"
 #include "core/rank_agreement.hpp"
 #include "core/tail_executor.hpp"
 #include "core/validation.hpp"
@@ -31,26 +33,26 @@ Backend parse_backend(std::string_view name) {
 }
 
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
-                                const std::optional<std::string>& tp1_decode_limit) {
+                                const std::optional<std::string>& decode_limit) {
   if (backend != Backend::cuda || ranks >= kFusedDefaultMinRanks ||
       policy.fused_max_tokens.source != SettingSource::built_in) {
     return policy;
   }
-  if (ranks == 1 && !tp1_decode_limit) {
+  const std::string where = "default for cuda at tp " + std::to_string(ranks);
+  if (decode_limit) {
+    policy.fused_max_tokens = {0, SettingSource::built_in,
+                               where + " without the decode kernel (" + *decode_limit +
+                                   "): fused measured slower than overlap"};
+  } else if (ranks == 1) {
     policy.fused_max_tokens = {
         kFusedDefaultTp1Tokens, SettingSource::built_in,
-        "default for cuda at tp 1: the decode kernel measured at least as fast "
-        "as overlap up to " +
+        where + ": the decode kernel measured at least as fast as overlap up to " +
             std::to_string(kFusedDefaultTp1Tokens) + " tokens with cold weights"};
-  } else if (ranks == 1) {
-    policy.fused_max_tokens = {0, SettingSource::built_in,
-                               "default for cuda at tp 1 without the decode kernel (" +
-                                   *tp1_decode_limit + "): fused measured slower than overlap"};
   } else {
-    policy.fused_max_tokens = {0, SettingSource::built_in,
-                               "default for cuda at tp " + std::to_string(ranks) + " < " +
-                                   std::to_string(kFusedDefaultMinRanks) +
-                                   ": fused measured slower than overlap at tp 2"};
+    policy.fused_max_tokens = {kFusedDefaultDecodeTokens, SettingSource::built_in,
+                               where + ": the decode kernel measured faster than overlap up to " +
+                                   std::to_string(kFusedDefaultDecodeTokens) +
+                                   " tokens at tp 2 (one rank per GPU, warm and cold weights)"};
   }
   return policy;
 }
@@ -58,24 +60,35 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
                                 DType dtype) {
   std::optional<std::string> limit;
-  if (backend == Backend::cuda && ranks == 1 &&
+  if (backend == Backend::cuda && ranks < kFusedDefaultMinRanks &&
       policy.fused_max_tokens.source == SettingSource::built_in) {
-    limit = fused_decode_limit(dims, dtype);
+    limit = fused_decode_limit(dims, dtype, ranks);
   }
   return with_rank_defaults(std::move(policy), backend, ranks, limit);
 }
 
-std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype) {
+std::optional<std::string> fused_decode_turned_off() {
+  const char* env = std::getenv("LMOE_FUSED_DECODE");
+  if (env == nullptr || *env == '\0' || parse_flag("LMOE_FUSED_DECODE", env)) return std::nullopt;
+  return "the decode kernel is turned off (LMOE_FUSED_DECODE=" + std::string(env) + ")";
+}
+
+std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks) {
+  if (auto off = fused_decode_turned_off()) return off;
+  if (ranks < 1 || dims.d_model % ranks != 0) {
+    return "d_model=" + std::to_string(dims.d_model) + " is not split into " +
+           std::to_string(ranks) + " stripes";
+  }
 #ifdef LMOE_HAS_CUDA
   if (cuda_device_count() == 0) return "no CUDA device";
   cuda::FusedDecodePlan plan;
-  if (const char* reason = cuda::fused_decode_plan(dims.d_model, dims.d_latent,
-                                                   kFusedDefaultTp1Tokens, dtype, &plan)) {
+  const int tokens = ranks == 1 ? kFusedDefaultTp1Tokens : kFusedDefaultDecodeTokens;
+  if (const char* reason =
+          cuda::fused_decode_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, &plan)) {
     return std::string(reason);
   }
   return std::nullopt;
 #else
-  (void)dims;
   (void)dtype;
   return "this build has no CUDA backend";
 #endif

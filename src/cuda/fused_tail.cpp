@@ -8,13 +8,13 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
-#include "core/env_flag.hpp"
 #include "cuda/alignment.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_launch.hpp"
 #include "cuda/rank_device.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
 
 namespace lmoe::cuda {
 
@@ -199,13 +199,9 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
 // resident at once: one block per SM, and ranks sharing a GPU split its SMs (leaving one free for
 // a peer's other work); the ranks then agree on the smallest bound and grid (collective).
 void FusedTail::choose_decode(int sms, int sharing) {
-  // LMOE_FUSED_DECODE=0 turns the decode kernel off (every call runs the general kernel); a flag
-  // like lmoe's others (1/0, true/false, yes/no, on/off; anything else is an error).
-  const char* decode_env = std::getenv("LMOE_FUSED_DECODE");
-  if (decode_env != nullptr && *decode_env != '\0' &&
-      !parse_flag("LMOE_FUSED_DECODE", decode_env)) {
-    decode_limit_ =
-        "the decode kernel is turned off (LMOE_FUSED_DECODE=" + std::string(decode_env) + ")";
+  // LMOE_FUSED_DECODE=0 turns the decode kernel off (every call runs the general kernel).
+  if (auto off = fused_decode_turned_off()) {
+    decode_limit_ = std::move(off);
   } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
     decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
   } else {

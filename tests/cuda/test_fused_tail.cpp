@@ -740,6 +740,11 @@ TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
   EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, nine, DType::bf16)
                 .fused_max_tokens.value,
             0);
+  // With several ranks it asks about one rank's stripe (d / tp rows) and 16 rows.
+  EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16, 2).has_value());
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 2, kK3, DType::bf16)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultDecodeTokens);
   double worst = 0;
   for (std::int64_t tokens : {1, 9, 16}) {
     SCOPED_TRACE("d=" + std::to_string(eight.d_model) + " T=" + std::to_string(tokens));

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -392,11 +393,11 @@ TEST(TierPolicySelect, DefaultBreakpoints) {
   EXPECT_EQ(tier_for(INT64_MAX, config), TailTier::column);
 }
 
-// On cuda at 1 rank the built-in fused breakpoint is 6 (the decode kernel), from 2 to 7 ranks 0
-// (fused measured slower than overlap at tp 2: decode T goes to overlap); at 8 and 16 ranks, and on
-// the cpu backend, the reference system's 128 stays; a breakpoint from the environment or a table
-// is kept whatever the ranks.
-TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
+// On cuda where the decode kernel runs the built-in fused breakpoint is its measured range: 6 at 1
+// rank, 16 from 2 to 7 ranks; where it does not, 0 (the general kernel measured slower than
+// overlap), with the reason; at 8 and 16 ranks, and on the cpu backend, the reference system's 128
+// stays; a breakpoint from the environment or a table is kept whatever the ranks.
+TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
   using lmoe::Backend;
   using lmoe::with_rank_defaults;
   {
@@ -421,6 +422,19 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
     EXPECT_EQ(tier_for(1, without), TailTier::overlap);
     EXPECT_THAT(lmoe::explain(1, without, all_can_run()),
                 HasSubstr("without the decode kernel (more than 8 groups per SM)"));
+    // LMOE_FUSED_DECODE=0 turns it off (before anything else is asked); a value that is not a flag
+    // is an error naming it.
+    setenv("LMOE_FUSED_DECODE", "0", 1);
+    EXPECT_EQ(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16, 2),
+              std::optional<std::string>("the decode kernel is turned off (LMOE_FUSED_DECODE=0)"));
+    EXPECT_EQ(with_rank_defaults(load({}), Backend::cuda, 2, {7168, 3584}, lmoe::DType::bf16)
+                  .fused_max_tokens.value,
+              0);
+    setenv("LMOE_FUSED_DECODE", "maybe", 1);
+    EXPECT_THROW(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16, 2), lmoe::Error);
+    unsetenv("LMOE_FUSED_DECODE");
+    EXPECT_THAT(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16, 3).value_or(""),
+                HasSubstr("d_model=7168 is not split into 3 stripes"));
 #ifndef LMOE_HAS_CUDA
     // The dims-and-dtype form asks the decode kernel's plan; a build without CUDA has none.
     EXPECT_EQ(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16),
@@ -433,14 +447,25 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksPrefersOverlapForDecode) {
   for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
     const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks, std::nullopt);
-    EXPECT_EQ(config.fused_max_tokens.value, 0);
+    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultDecodeTokens);
     EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
-    EXPECT_EQ(tier_for(1, config), TailTier::overlap);
-    EXPECT_EQ(tier_for(128, config), TailTier::overlap);
+    EXPECT_EQ(tier_for(1, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultDecodeTokens, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultDecodeTokens + 1, config), TailTier::overlap);
     EXPECT_EQ(tier_for(256, config), TailTier::overlap);
     EXPECT_EQ(tier_for(257, config), TailTier::column);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
-                HasSubstr("default for cuda at tp " + std::to_string(ranks) + " < 8"));
+                HasSubstr("default for cuda at tp " + std::to_string(ranks) +
+                          ": the decode kernel measured faster than overlap up to 16 tokens"));
+    // Without the decode kernel: overlap, and why.
+    const PolicyConfig without = with_rank_defaults(load({}), Backend::cuda, ranks,
+                                                    std::string("the decode kernel is turned off"));
+    EXPECT_EQ(without.fused_max_tokens.value, 0);
+    EXPECT_EQ(tier_for(1, without), TailTier::overlap);
+    EXPECT_EQ(tier_for(128, without), TailTier::overlap);
+    EXPECT_THAT(lmoe::explain(1, without, all_can_run()),
+                HasSubstr("default for cuda at tp " + std::to_string(ranks) +
+                          " without the decode kernel (the decode kernel is turned off)"));
     // The setting's other sources rule.
     const PolicyConfig from_env = with_rank_defaults(load({{"LMOE_FUSED_MAX_TOKENS", "16"}}),
                                                      Backend::cuda, ranks, std::nullopt);
