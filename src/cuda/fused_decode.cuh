@@ -186,10 +186,11 @@ __device__ void decode_push_inputs(const FusedDecodeParams& p, int tokens, const
 
 // With several ranks, what one rank's inputs give the block at tp = 1 (N's T rows in shared memory,
 // and the block's columns of the shared sum in its slice), from this rank's inputs and the lines
-// its peers pushed (decode_push_inputs): rows t ≡ b (mod G) of N summed over the ranks, normalized
-// by block b and stored in this rank's workspace, the block's own columns of the shared sum (no
-// barrier: its own), a barrier of the grid, then every row of N copied in. False (reported) when a
-// wait failed. Every thread calls it.
+// its peers pushed (decode_push_inputs). Calls of up to p.local_norm_rows rows: every block sums
+// and normalizes all of them itself (no grid barrier, no N in global memory). Larger calls: rows
+// t ≡ b (mod G) summed and normalized by block b and stored in this rank's workspace, a barrier of
+// the grid, then every row of N copied in. Either way the block's own columns of the shared sum
+// (no barrier: its own). False (reported) when a wait failed. Every thread calls it.
 template <typename T>
 __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int64_t row_first,
                                 int groups, std::byte* normed, std::size_t pitch, float* lane_sums,
@@ -197,8 +198,11 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
   const FusedTailParams& x = p.protocol;
   const int tid = static_cast<int>(threadIdx.x);
   const int row_units = static_cast<int>(p.l / 4);
-  const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
-  const int mine = tokens > block ? (tokens - 1 - block) / grid + 1 : 0;  // rows b, b + G, …
+  const bool local = tokens <= p.local_norm_rows;
+  // This block's rows of the latent: all of them, or rows b, b + G, … (row k of `normed`).
+  const int block = local ? 0 : static_cast<int>(blockIdx.x);
+  const int grid = local ? 1 : static_cast<int>(gridDim.x);
+  const int mine = tokens > block ? (tokens - 1 - block) / grid + 1 : 0;
   const T* routed = static_cast<const T*>(p.routed);
   for (int i = tid; i < mine * row_units; i += kDecodeThreads) {
     const int k = i / row_units, u = i % row_units;
@@ -227,6 +231,12 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
   if (p.latent_norm && mine > 0)
     decode_norm_rows<T>(p.l, p.eps, normed, pitch, p.gamma, mine, lane_sums);
   __syncthreads();
+  if (local) {
+    // N is whole in this block. rows_done still counts the block (its base, `arrivals`, grows by
+    // the grid at every call), with nothing to wait for.
+    if (tid == 0) atomicAdd(&fused_flags(x, x.rank)->rows_done, 1u);
+    return true;
+  }
   T* n_global = fused_at<T>(x, x.rank, x.normed_offset, 0);
   const int row_vectors = static_cast<int>(p.l / 8);
   for (int i = tid; i < mine * row_vectors; i += kDecodeThreads) {

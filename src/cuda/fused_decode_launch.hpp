@@ -42,6 +42,9 @@ struct FusedDecodeParams {
   // Several ranks (protocol.tp > 1): the workspaces, offsets and failure reporting of the general
   // kernel's protocol, with this call's routed, shared, out and T; unused with one rank.
   FusedTailParams protocol;
+  // Several ranks: calls of at most this many rows have every block sum and normalize all of N
+  // itself (no grid barrier); larger calls share the rows out (decode_exchange).
+  int local_norm_rows = 0;
 };
 
 // The decode kernel's trace points, in order.

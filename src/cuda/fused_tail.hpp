@@ -97,6 +97,7 @@ class FusedTail {
   FusedTailParams params_;
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
+  int decode_local_norm_rows_ = 0;  // several ranks: calls every block normalizes itself
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
