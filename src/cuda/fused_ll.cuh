@@ -41,11 +41,17 @@ __device__ inline void ll_store(std::byte* line, uint2 data, std::uint32_t e) {
 }
 
 // Waits until the line carries epoch e in both halves and returns its data in *data. Bounded as
-// p2p_wait_until (timeout, group abort); a failure is reported once (peer, call e) and sets
-// call->failed, which also stops this block's other threads' waits. False when it failed.
+// p2p_wait_until (timeout, group abort); a failure is reported (peer, call e; the group's first
+// report is kept) and sets call->failed, which also stops this block's other threads' waits. False
+// when it failed. The abort flag is host-mapped and its reads serialize on PCIe (~1 µs each), so
+// after the first 50 µs each waiting thread reads it at one check in kLlAbortStride, phased by its
+// index: a block then reads it at most twice per check however many of its threads wait (up to
+// 512), and a peer that is merely late (an imbalanced layer before the tail) does not set off a
+// storm of host reads that would delay this block once the lines arrive.
 __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, std::uint32_t e,
                                int peer, FusedCall* call, uint2* data) {
   const volatile int* failed = &call->failed;
+  constexpr std::uint32_t kLlAbortStride = 256;
   std::uint64_t start = 0;
   for (std::uint32_t spins = 0;; ++spins) {
     uint4 v;
@@ -62,7 +68,8 @@ __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, 
     } else if ((spins & 63) == 0) {
       if (*failed) return false;
       const std::uint64_t waited = p2p_clock_ns() - start;
-      if (waited > kP2pAbortPollAfterNs && *x.abort_flag) {
+      const bool my_turn = ((spins >> 6) + threadIdx.x) % kLlAbortStride == 0;
+      if (waited > kP2pAbortPollAfterNs && my_turn && *x.abort_flag) {
         p2p_fail(fused_report(x), kP2pAborted, -1, e);
         call->failed = 1;
         return false;

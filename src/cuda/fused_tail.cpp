@@ -101,27 +101,18 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
       std::min<std::int64_t>(col_tiles * most_splits, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
   const auto splits_for = [&](int blocks) { return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits); };
 
-  // Workspace: flags, then per parity routed, shared and stripe rows (read by the peers), then this
-  // rank's own: N, its stripe of the shared sum (tp > 1), the tiles' split counters and fp32
-  // partials.
+  // Workspace: flags; the regions the peers read or write, laid out alike on every rank (from
+  // capacity, d, l, tp and the dtype only: a peer addresses them with this rank's offsets): per
+  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity the decode kernel's
+  // exchange, a slot per sending rank of its latent rows, its columns of this rank's stripe of
+  // `shared` and its output stripe as LL lines (4 bytes per element, cuda/fused_ll.cuh; K3 at tp 2:
+  // 2.8 MB, at tp 16: 9.2 MB); then this rank's own: N, its stripe of the shared sum (tp > 1), the
+  // tiles' split counters and fp32 partials (sized by this rank's grid, so they come last).
   params_.routed_offset = align256(sizeof(FusedFlags));
   params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
   params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
-  params_.normed_offset = params_.routed_offset + 2 * params_.parity_bytes;
-  // The partials are sized for this rank's grid: the agreed grid is no larger, so its splits are
-  // no more. With one rank the epilogue reads `shared` itself: no shared-sum stripe.
-  params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
-  params_.tile_arrived_offset = params_.shared_sum_offset + (tp > 1 ? align256(capacity_ * stripe * esize) : 0);
-  params_.partials_offset = params_.tile_arrived_offset + align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
-  const std::int64_t local_splits = splits_for(grid);
-  const std::int64_t partial_bytes =
-      local_splits > 1 ? col_tiles * local_splits * capacity_ * kFusedTileCols * static_cast<std::int64_t>(sizeof(float)) : 0;
-  // The decode kernel's exchange (tp > 1): per parity, a slot per sending rank of its latent rows,
-  // its columns of this rank's stripe of `shared` and its output stripe, as LL lines (4 bytes per
-  // element; cuda/fused_ll.cuh). K3 at tp 2: 2.8 MB; at tp 16: 9.2 MB.
-  params_.ll_latent_offset = params_.partials_offset + align256(partial_bytes);
-  std::int64_t bytes = params_.ll_latent_offset;
+  params_.ll_latent_offset = params_.routed_offset + 2 * params_.parity_bytes;
   if (tp > 1) {
     const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
     params_.ll_rows = rows;
@@ -129,13 +120,32 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     params_.ll_stripe_offset = params_.ll_shared_offset + align256(tp * rows * stripe * line_bytes);
     params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
                               params_.ll_latent_offset;
-    bytes += 2 * params_.ll_parity_bytes;
   }
+  params_.normed_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  // The partials are sized for this rank's grid: the agreed grid is no larger, so its splits are
+  // no more. With one rank the epilogue reads `shared` itself: no shared-sum stripe.
+  params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
+  params_.tile_arrived_offset =
+      params_.shared_sum_offset + (tp > 1 ? align256(capacity_ * stripe * esize) : 0);
+  params_.partials_offset = params_.tile_arrived_offset +
+                            align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
+  const std::int64_t local_splits = splits_for(grid);
+  const std::int64_t partial_bytes = local_splits > 1
+                                         ? col_tiles * local_splits * capacity_ * kFusedTileCols *
+                                               static_cast<std::int64_t>(sizeof(float))
+                                         : 0;
+  const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
   if (peers_) {
     // Every rank's workspace as this rank's kernel addresses it (a peer's pointer between threads,
     // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
     shared_workspace_ = peers_->share_buffer(static_cast<std::size_t>(bytes));
     for (int r = 0; r < tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
+    // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
+    // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
+    // which its odd epochs never are). Before the collective below, so before any peer's call.
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.ll_latent_offset, 0x01,
+                               static_cast<std::size_t>(params_.ll_parity_bytes)));
+    LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
     workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
     LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
@@ -157,11 +167,21 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
   params_.prefetch_weights = stripe * l * esize <= (std::int64_t{32} << 20);
   if (peers_) {
-    // Ranks take the smallest grid.
-    const std::int64_t mine = grid;
-    std::vector<std::int64_t> all(static_cast<std::size_t>(tp));
-    comm.control_all_gather(&mine, all.data(), sizeof(mine));
-    for (int r = 0; r < tp; ++r) grid = std::min(grid, static_cast<int>(all[static_cast<std::size_t>(r)]));
+    // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
+    // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
+    const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
+    comm.control_all_gather(mine, all.data(), sizeof(mine));
+    for (int r = 0; r < tp; ++r) {
+      const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
+      if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
+        throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
+                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm.rank()) +
+                    "'s " + std::to_string(capacity_) +
+                    " (max_tokens must be the same on every rank)");
+      }
+      grid = std::min(grid, static_cast<int>(theirs[0]));
+    }
     const P2pDeviceHandle h = peers_->device_handle();
     params_.status = h.status;
     params_.abort_flag = h.abort_flag;

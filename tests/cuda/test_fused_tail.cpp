@@ -558,6 +558,49 @@ TEST_F(Fused, WeightsOnAnotherGpuThanTheRanksAreRefusedNamingBoth) {
   EXPECT_FALSE(errors[0].empty());  // the abort reached it
 }
 
+// Ranks whose grids differ (tp 3 on two GPUs: ranks 0 and 2 share GPU 0, rank 1 has GPU 1 to
+// itself) with a stripe whose K is split (l = 3584: each rank's own fp32 partials are sized by its
+// grid): what the peers write must still be laid out alike on every rank. Decode and general calls
+// meet the contract. Two GPUs.
+TEST_F(Fused, RanksWithDifferentGridsLayOutWhatThePeersWriteAlike) {
+  SKIP_WITHOUT_GPU();
+  int gpus = 0;
+  cuda_ok(cudaGetDeviceCount(&gpus));
+  if (gpus != 2) GTEST_SKIP() << "needs exactly two GPUs (two ranks on one, one on the other)";
+  if (auto limit = lmoe::comm_group_limit("p2p", 3)) GTEST_SKIP() << *limit;
+  const lmoe::TailDims dims{3072, 3584};  // d % (8 · 3) == 0
+  double worst = 0;
+  for (std::int64_t tokens : {1, 8, 40}) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 3, tokens,
+                                                    90u + static_cast<std::uint64_t>(tokens));
+    expect_meets_contract(c, run_fused(c), &worst);
+  }
+  std::printf("[ fused  ] tp=3 on two GPUs (grids differ), T 1/8/40 max_err/bound=%.3f\n", worst);
+}
+
+// Ranks built for different numbers of rows (max_tokens) would address each other's workspaces at
+// different offsets: an error on every rank at construction, naming the setting.
+TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {
+  SKIP_WITHOUT_GPU();
+  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 91u);
+  std::vector<std::string> errors(2);
+  const auto comms = lmoe::make_p2p_thread_communicators(2);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    try {
+      FusedRank state(comm, c, rank == 0 ? 16 : 32);
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.message();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("max_tokens must be the same on every rank"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[static_cast<std::size_t>(r)];
+  }
+}
+
 // A LatentTail on p2p ranks whose threads all have GPU 0 current: each rank's weights, workspaces
 // and streams go to the rank's own GPU (rank % GPUs), which it leaves current for the caller's
 // buffers, and fused and overlap calls then meet the contract bit for bit (crafted inputs). Two
