@@ -104,10 +104,9 @@ fi
 
 if wants fusedturns; then
   # The decode and general kernels taking turns on one workspace with several ranks, no host
-  # synchronization between calls (the decode kernel with several ranks is opt-in until this
-  # passes at 4 ranks per GPU: docs/fused.md, session 12). Repeated: a queue-order race shows up
-  # only sometimes. If it stops, once more with more hardware queues per GPU, which tells a false
-  # dependency between ranks' streams from a protocol fault.
+  # synchronization between calls (docs/fused.md, sessions 12 and 13). Repeated: a queue-order
+  # race shows up only sometimes. If it stops, once more with more hardware queues per GPU, which
+  # tells a false dependency between ranks' streams from a protocol fault.
   gtest fused_turns 200 build/cuda/tests/lmoe_cuda_tests 'Fused.DecodeAndGeneralCallsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
     --gtest_repeat=3
   grep -E "^\[ fused" "$logs/fused_turns.log" | sort | uniq -c
@@ -158,15 +157,16 @@ if wants fusedbench; then
     rc[fused_$name]=$?
     cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
   done
-  # The decode kernel with several ranks (opt-in), against the general kernel (the rows above) at
-  # T ≤ 16: one rank per GPU where there are several, else two ranks sharing this GPU.
+  # The general kernel at the decode kernel's sizes with several ranks (LMOE_FUSED_DECODE=0), for
+  # the two kernels side by side (the rows above ran the decode kernel at T ≤ 16): one rank per GPU
+  # where there are several, else two ranks sharing this GPU.
   # (Cold weights only with a GPU per rank: ranks sharing a GPU share its L2.)
   colds=("")
   if [ "$gpus" -ge 2 ]; then decode_args="-n $gpus --comm p2p"; colds+=("--cold-l2"); else decode_args="-n 2 --comm p2p"; fi
   for cold in "${colds[@]}"; do
-    name="k3_decode_several${cold:+_cold}"
-    stage "lmoe bench fused (decode kernel, LMOE_FUSED_DECODE=1) vs overlap: $name"
-    LMOE_FUSED_DECODE=1 LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $decode_args $cold \
+    name="k3_general_several${cold:+_cold}"
+    stage "lmoe bench fused (general kernel, LMOE_FUSED_DECODE=0) vs overlap: $name"
+    LMOE_FUSED_DECODE=0 LMOE_P2P_SHARED_GPU=1 timeout 150 build/cuda/lmoe bench --backend cuda $decode_args $cold \
       --tiers fused,overlap -t 1,2,4,8,16 --check-max-tokens 16 --json "$logs/fused_$name.json" \
       >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
     rc[fused_$name]=$?
