@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize fusedbench profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -171,6 +171,22 @@ if wants fusedbench; then
       >"$logs/fused_$name.log" 2>"$logs/fused_$name.err"
     rc[fused_$name]=$?
     cat "$logs/fused_$name.log"; tail -3 "$logs/fused_$name.err"
+  done
+fi
+
+if wants fusedtrace; then
+  # Where a fused call's time goes (LMOE_FUSED_TRACE: per block, when each phase ended; µs after the
+  # rank's first block entered), K3 at T = 1 and 16: one rank per GPU where there are several (the
+  # several-rank exchange), and one rank.
+  trace_ranks=1; [ "$gpus" -ge 2 ] && trace_ranks="1 $gpus"
+  for ranks in $trace_ranks; do
+    for tokens in 1 16; do
+      stage "fused trace: K3 tp $ranks T=$tokens"
+      LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm p2p --tiers fused \
+        -t "$tokens" --warmup 5 --iters 20 --no-check >"$logs/trace_tp${ranks}_t$tokens.log" 2>&1
+      rc[trace_tp${ranks}_t$tokens]=$?
+      grep -E "fused trace" "$logs/trace_tp${ranks}_t$tokens.log" | head -24
+    done
   done
 fi
 
