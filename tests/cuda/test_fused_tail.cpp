@@ -90,6 +90,12 @@ void expect_random_and_crafted_inputs_pass(lmoe::TailDims dims, DType dtype, int
   EXPECT_EQ(cmp.bit_mismatches, 0);
 }
 
+// Every rank's error (one per rank, by rank) names `what`.
+void expect_every_rank_error(const std::vector<std::string>& errors, const std::string& what) {
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    EXPECT_NE(errors[r].find(what), std::string::npos) << "rank " << r << ": " << errors[r];
+}
+
 class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {
  protected:
   static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
@@ -399,11 +405,8 @@ TEST_F(Fused, AMisalignedBufferOnOneRankFailsEveryRankAtOnce) {
       errors[static_cast<std::size_t>(rank)] = error.what();
     }
   });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("rank 1: tier fused cannot run on these buffers: out must be 16-byte aligned"),
-              std::string::npos)
-        << "rank " << r << ": " << errors[static_cast<std::size_t>(r)];
-  }
+  expect_every_rank_error(
+      errors, "rank 1: tier fused cannot run on these buffers: out must be 16-byte aligned");
 }
 
 // Two calls of one rank at once on its workspace (two streams, no order between them): an error,
@@ -594,11 +597,7 @@ TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {
       errors[static_cast<std::size_t>(rank)] = error.message();
     }
   });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("max_tokens must be the same on every rank"),
-              std::string::npos)
-        << "rank " << r << ": " << errors[static_cast<std::size_t>(r)];
-  }
+  expect_every_rank_error(errors, "max_tokens must be the same on every rank");
 }
 
 // A LatentTail on p2p ranks whose threads all have GPU 0 current: each rank's weights, workspaces
