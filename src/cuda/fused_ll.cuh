@@ -67,15 +67,8 @@ __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, 
       start = p2p_clock_ns();
     } else if ((spins & 63) == 0) {
       if (*failed) return false;
-      const std::uint64_t waited = p2p_clock_ns() - start;
       const bool my_turn = ((spins >> 6) + threadIdx.x) % kLlAbortStride == 0;
-      if (waited > kP2pAbortPollAfterNs && my_turn && *x.abort_flag) {
-        p2p_fail(fused_report(x), kP2pAborted, -1, e);
-        call->failed = 1;
-        return false;
-      }
-      if (waited > x.timeout_ns) {
-        p2p_fail(fused_report(x), kP2pTimeout, peer, e);
+      if (p2p_wait_expired(fused_report(x), start, my_turn, peer, e)) {
         call->failed = 1;
         return false;
       }

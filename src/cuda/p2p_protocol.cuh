@@ -69,25 +69,33 @@ __device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t cod
   __threadfence_system();
 }
 
+// A spinning wait's periodic check, since `start`: true, with the failure reported, once the group
+// was aborted (the host-mapped flag is read only after kP2pAbortPollAfterNs, and only when
+// `may_read_abort`) or the wait ran past the timeout (naming `peer`). `round` is the call the wait
+// belongs to, for the report.
+__device__ inline bool p2p_wait_expired(const P2pFailureReport& report, std::uint64_t start,
+                                        bool may_read_abort, int peer, std::uint32_t round) {
+  const std::uint64_t waited = p2p_clock_ns() - start;
+  if (may_read_abort && waited > kP2pAbortPollAfterNs && *report.abort_flag) {
+    p2p_fail(report, kP2pAborted, -1, round);
+    return true;
+  }
+  if (waited > report.timeout_ns) {
+    p2p_fail(report, kP2pTimeout, peer, round);
+    return true;
+  }
+  return false;
+}
+
 // Waits (one thread) until *counter has reached target, compared as a wrapping difference (a
 // counter one step ahead counts); false, with the failure reported, on a timeout (naming `peer`)
-// or a group abort. `round` is the call the wait belongs to, for the report.
+// or a group abort (p2p_wait_expired).
 __device__ inline bool p2p_wait_until(const P2pFailureReport& report, const std::uint32_t* counter,
                                       std::uint32_t target, int peer, std::uint32_t round) {
   const std::uint64_t start = p2p_clock_ns();
   for (std::uint32_t spins = 0;; ++spins) {
     if (static_cast<std::int32_t>(p2p_load_acquire(counter) - target) >= 0) return true;
-    if ((spins & 63) == 63) {
-      const std::uint64_t waited = p2p_clock_ns() - start;
-      if (waited > kP2pAbortPollAfterNs && *report.abort_flag) {
-        p2p_fail(report, kP2pAborted, -1, round);
-        return false;
-      }
-      if (waited > report.timeout_ns) {
-        p2p_fail(report, kP2pTimeout, peer, round);
-        return false;
-      }
-    }
+    if ((spins & 63) == 63 && p2p_wait_expired(report, start, true, peer, round)) return false;
   }
 }
 
