@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -130,6 +130,26 @@ if wants sanitize; then
       rc[sanitize_$tool]=$?
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | head -5
     done
+  fi
+fi
+
+if wants sanitizempi; then
+  # The paths with several ranks under the sanitizer too (the decode kernel's LL exchange, the
+  # general kernel's staged one, the p2p rounds): one process per GPU, each under its own
+  # compute-sanitizer, so that a process whose kernels the tool serializes does not stop its peers
+  # (ranks as threads of one process cannot run under it: their kernels spin on each other). The
+  # waits get two minutes, as the tool slows every kernel down. Needs 2 GPUs and MPI.
+  if [ "$gpus" -ge 2 ] && command -v compute-sanitizer >/dev/null && [ -x build/cuda/tests/lmoe_p2p_mpi_tests ]; then
+    for tool in memcheck racecheck; do
+      stage "compute-sanitizer $tool, two p2p processes (mpirun -n 2)"
+      LMOE_P2P_TIMEOUT_MS=120000 timeout 220 mpirun -n 2 --oversubscribe --allow-run-as-root -x LMOE_P2P_TIMEOUT_MS \
+        compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/lmoe_p2p_mpi_tests --gtest_color=no \
+        --gtest_filter='P2pProcesses.EveryTierMeetsItsContractEagerAndCaptured' >"$logs/sanitize_mpi_$tool.log" 2>&1
+      rc[sanitize_mpi_$tool]=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$logs/sanitize_mpi_$tool.log" | sort | uniq -c | head -6
+    done
+  else
+    echo "gpu_check: sanitizempi skipped (needs 2 GPUs, MPI and compute-sanitizer)"
   fi
 fi
 
