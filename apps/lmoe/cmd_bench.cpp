@@ -123,8 +123,8 @@ void print_policy_check(const std::vector<ChoiceCheck>& checks, const PolicyConf
   }
   out << "# policy check: "
       << (policy.table_path ? "tier table " + *policy.table_path
-                            : std::string("no tier table (defaults and "
-                                          "environment)"))
+                            : std::string("no tier table given (defaults and environment; "
+                                          "a table built into lmoe where one holds)"))
       << " against "
       << (recorded_in.empty() ? std::string("this sweep") : "the sweep recorded in " + recorded_in)
       << " (rule: " << describe_rule(policy) << "); " << check_rule() << "\n";
@@ -231,6 +231,14 @@ void BenchCommand::execute() {
         running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
     running.cold_l2 = options.cold_l2;  // as this sweep will measure
     check_table_fits(options.policy, running);
+    // The tails choose as LatentTail does: say so where a table built into lmoe holds.
+    if (!fused_decode_turned_off()) {
+      const PolicyConfig shipped = with_shipped_tier_table(options.policy, running);
+      if (shipped.table && !options.policy.table) {
+        std::cerr << "lmoe bench: comm " << comm << ": the tiers are chosen by the "
+                  << *shipped.table_path << " (built into lmoe for this configuration)\n";
+      }
+    }
   }
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
   options.inject_fault = inject_fault_from_environment();

@@ -21,11 +21,15 @@ struct ExplainCommand {
     const ModelOptions::Resolved resolved = model.resolve();
     LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
     const Backend chosen = resolve_backend(backend);
-    const PolicyConfig policy =
-        with_rank_defaults(resolve_policy(tier_table), chosen, tp, resolved.dims, resolved.dtype);
-    check_table_fits(policy, running_config(chosen, tp, resolved.dims, resolved.dtype,
-                                            comm.empty() ? std::nullopt
-                                                         : std::optional(resolve_comm(comm, chosen))));
+    const RunningConfig running =
+        running_config(chosen, tp, resolved.dims, resolved.dtype,
+                       comm.empty() ? std::nullopt : std::optional(resolve_comm(comm, chosen)));
+    // As LatentTail decides: a tier table built into lmoe for this configuration (known only with
+    // --comm), then the defaults by rank count.
+    PolicyConfig policy = resolve_policy(tier_table);
+    if (!fused_decode_turned_off()) policy = with_shipped_tier_table(std::move(policy), running);
+    policy = with_rank_defaults(std::move(policy), chosen, tp, resolved.dims, resolved.dtype);
+    check_table_fits(policy, running);
     std::cout << resolved.name << ": d_model " << resolved.dims.d_model << ", d_latent "
               << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
               << ", backend " << backend_name(chosen) << "\n";
@@ -44,7 +48,7 @@ void add_explain_command(CLI::App& app) {
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
   sub->add_option("--comm", command->comm,
                   "the communicator the tail would use, for matching a measured tier table "
-                  "(default: not compared)");
+                  "and for the tables built into lmoe (default: not compared, none built in used)");
   sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
   sub->callback([command] { command->execute(); });
 }

@@ -233,6 +233,25 @@ std::optional<std::string> describe_measurement(const TierTable& table, std::int
                                                 std::optional<TailTier> chosen,
                                                 const std::string& table_name);
 
+// ---- tier tables built into lmoe
+// -----------------------------------------------------------------
+
+// A tier table the project measured and built into the library: the files
+// src/models/<model>/tier_tables/*.json, named by their path under src/models.
+struct ShippedTierTable {
+  std::string_view name;  // "kimi_k3/tier_tables/h200x2_tp2_p2p.json"
+  std::string_view json;  // the file's text (version 3)
+};
+std::span<const ShippedTierTable> shipped_tier_tables();
+
+// `policy` with the first shipped table that holds for `running` applied (apply_tier_table, origin
+// and table_path "shipped table NAME"), when nothing of the policy's choice of tier is set yet
+// (every breakpoint and the ranges built in, no table) and `running` names its comm (and its GPU,
+// for a table measured on one); otherwise `policy` as it is. A table holds where match_tier_table
+// accepts it (software versions may differ; the caller's match then warns). Measured with one rank
+// per GPU: ranks sharing a GPU run slower than the table says.
+PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running);
+
 // ---- tuning -------------------------------------------------------------------------------------
 
 // The default grid of `lmoe tune`: cuda powers of two from 1 to 32768 and the midpoints 3·2^k

@@ -802,7 +802,7 @@ class TuneCommand(unittest.TestCase):
         result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "4", "--iters", "1",
                       "--check-table", check=False)
         self.assertIn(result.returncode, (0, 1), result.stderr)
-        self.assertIn("# policy check: no tier table (defaults and environment)", result.stdout)
+        self.assertIn("# policy check: no tier table given (defaults and environment; a table built into lmoe where one holds)", result.stdout)
 
     def test_check_table_needs_every_tier_and_one_table(self):
         result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "--tiers", "fused", "--check-table",

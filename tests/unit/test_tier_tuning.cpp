@@ -31,6 +31,8 @@
 
 namespace {
 
+using lmoe_test::running_like;
+
 using lmoe::BreakpointFit;
 using lmoe::Breakpoints;
 using lmoe::GridPoint;
@@ -616,21 +618,6 @@ lmoe::TierTable sample_table() {
   table.ranges = lmoe::find_ranges(table.grid).ranges;
   table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;
   return table;
-}
-
-lmoe::RunningConfig running_like(const lmoe::TableProvenance& p) {
-  lmoe::RunningConfig running;
-  running.backend = p.backend;
-  running.gpu = p.gpu;
-  running.driver_version = p.driver_version;
-  running.nccl_version = p.nccl_version;
-  running.tp = p.tp;
-  running.dims = p.dims;
-  running.dtype = p.dtype;
-  running.comm = p.comm;
-  running.lmoe_version = p.lmoe_version;
-  running.settings = p.settings;
-  return running;
 }
 
 std::string read_error(const std::string& text) {

@@ -1,5 +1,6 @@
-// What the tier policy and tier tuning tests share: a fake environment, and a fixture that writes
-// tier tables into a directory of its own and removes it afterwards.
+// What the tier policy and tier tuning tests share: a fake environment, the running configuration
+// of a table, and a fixture that writes tier tables into a directory of its own and removes it
+// afterwards.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "lmoe/tier_policy.hpp"
+#include "lmoe/tier_tuning.hpp"
 
 namespace lmoe_test {
 
@@ -21,6 +23,22 @@ inline lmoe::EnvLookup fake_env(std::map<std::string, std::string> values) {
     if (it == values.end()) return std::nullopt;
     return it->second;
   };
+}
+
+// The configuration a table was measured for, as a running process would report it.
+inline lmoe::RunningConfig running_like(const lmoe::TableProvenance& p) {
+  lmoe::RunningConfig running;
+  running.backend = p.backend;
+  running.gpu = p.gpu;
+  running.driver_version = p.driver_version;
+  running.nccl_version = p.nccl_version;
+  running.tp = p.tp;
+  running.dims = p.dims;
+  running.dtype = p.dtype;
+  running.comm = p.comm;
+  running.lmoe_version = p.lmoe_version;
+  running.settings = p.settings;
+  return running;
 }
 
 class TierTableFiles : public ::testing::Test {
