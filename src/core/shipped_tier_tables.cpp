@@ -8,13 +8,15 @@ namespace lmoe {
 
 namespace {
 
+// Every setting that shapes the ranges or breakpoints is built in (LMOE_DISABLE_OVERLAP counts: it
+// sets a table's ranges aside too, docs/tuning.md), and no table was loaded.
 bool choice_untouched(const PolicyConfig& policy) {
   const auto built_in = [](const auto& setting) {
     return setting.source == SettingSource::built_in;
   };
   return built_in(policy.fused_max_tokens) && built_in(policy.overlap_max_tokens) &&
-         built_in(policy.column_max_tokens) && built_in(policy.ranges) && !policy.table &&
-         !policy.table_path;
+         built_in(policy.column_max_tokens) && built_in(policy.overlap_disabled) &&
+         built_in(policy.ranges) && !policy.table && !policy.table_path;
 }
 
 }  // namespace

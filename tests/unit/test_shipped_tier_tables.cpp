@@ -137,11 +137,16 @@ TEST(ShippedTierTables, ASettingOfTheUserKeepsThemOut) {
   EXPECT_EQ(user.table, nullptr);
   EXPECT_EQ(user.table_path, "user.json");
   EXPECT_EQ(user.fused_max_tokens.value, 3);
-  // Settings that do not choose among the tiers' ranges leave the table in.
+  // LMOE_DISABLE_OVERLAP, which sets a table's ranges aside as the breakpoint variables do.
   const PolicyConfig disabled = lmoe::with_shipped_tier_table(
       lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_DISABLE_OVERLAP", "1"}})), running);
-  EXPECT_NE(disabled.table, nullptr);
+  expect_untouched(disabled);
   EXPECT_TRUE(disabled.overlap_disabled.value);
+  // A forced tier wins over any rule; the table still describes the rest.
+  const PolicyConfig forced = lmoe::with_shipped_tier_table(
+      lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER", "token"}})), running);
+  EXPECT_NE(forced.table, nullptr);
+  EXPECT_EQ(forced.forced_tier.value, lmoe::TailTier::token);
 }
 
 }  // namespace
