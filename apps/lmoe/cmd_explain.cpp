@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "common.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe::cli {
@@ -34,6 +35,18 @@ struct ExplainCommand {
               << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
               << ", backend " << backend_name(chosen) << "\n";
     std::cout << explain(tokens, policy, tier_support(chosen, tokens, resolved.dims, resolved.dtype, tp));
+    if (comm.empty() && !policy.table && !fused_decode_turned_off()) {
+      // The comm decides whether a built-in table holds: name the ones that would.
+      for (const std::string& name : comm_backends(chosen)) {
+        RunningConfig with_comm = running;
+        with_comm.comm = name;
+        const PolicyConfig shipped = with_shipped_tier_table(resolve_policy(tier_table), with_comm);
+        if (shipped.table) {
+          std::cout << "note: with --comm " << name << " the " << *shipped.table_path
+                    << " (built into lmoe for this configuration) chooses instead\n";
+        }
+      }
+    }
   }
 };
 
