@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -63,6 +66,29 @@ TEST(ShippedTierTables, EachReadsAsAMeasuredTableOfItsModelsFolder) {
           << tables[i].name << " and " << tables[j].name;
     }
   }
+}
+
+TEST(ShippedTierTables, TheLibraryHoldsEachFileOfTheSourceTreeByteForByte) {
+  // Every src/models/<model>/tier_tables/*.json, and nothing else, as the file reads.
+  std::vector<std::string> files;
+  for (const auto& model : std::filesystem::directory_iterator(LMOE_MODELS_DIR)) {
+    const std::filesystem::path dir = model.path() / "tier_tables";
+    if (!std::filesystem::is_directory(dir)) continue;
+    for (const auto& file : std::filesystem::directory_iterator(dir)) {
+      if (file.path().extension() == ".json") {
+        files.push_back(std::filesystem::relative(file.path(), LMOE_MODELS_DIR).generic_string());
+      }
+    }
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<std::string> shipped;
+  for (const lmoe::ShippedTierTable& table : lmoe::shipped_tier_tables()) {
+    shipped.emplace_back(table.name);
+    std::ifstream in(std::filesystem::path(LMOE_MODELS_DIR) / table.name, std::ios::binary);
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    EXPECT_EQ(text, table.json) << table.name;
+  }
+  EXPECT_EQ(shipped, files);
 }
 
 TEST(ShippedTierTables, ATableChoosesWhereItsConfigurationRuns) {
