@@ -1,8 +1,11 @@
 // Tier tables built into lmoe: which one holds for a running configuration. The tables themselves
 // are the files src/models/<model>/tier_tables/*.json, compiled in as text by src/CMakeLists.txt
 // (shipped_tier_tables() is generated there).
-#include "lmoe/error.hpp"
 #include "lmoe/tier_tuning.hpp"
+
+#include <vector>
+
+#include "lmoe/error.hpp"
 
 namespace lmoe {
 
@@ -19,16 +22,31 @@ bool choice_untouched(const PolicyConfig& policy) {
          built_in(policy.ranges) && !policy.table && !policy.table_path;
 }
 
+// Each shipped table's provenance, read once (every LatentTail asks).
+const std::vector<TableProvenance>& shipped_provenances() {
+  static const std::vector<TableProvenance> provenances = [] {
+    std::vector<TableProvenance> read;
+    for (const ShippedTierTable& shipped : shipped_tier_tables()) {
+      read.push_back(
+          read_tier_table(std::string(shipped.json), std::string(shipped.name)).provenance);
+    }
+    return read;
+  }();
+  return provenances;
+}
+
 }  // namespace
 
 PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running) {
   if (!choice_untouched(policy) || !running.comm) return policy;
-  for (const ShippedTierTable& shipped : shipped_tier_tables()) {
+  const std::span<const ShippedTierTable> tables = shipped_tier_tables();
+  for (std::size_t i = 0; i < tables.size(); ++i) {
+    const ShippedTierTable& shipped = tables[i];
     const std::string origin = "shipped table " + std::string(shipped.name);
-    const TierTable table = read_tier_table(std::string(shipped.json), origin);
-    if (table.provenance.gpu && !running.gpu) continue;  // a GPU's table, and no GPU known here
+    const TableProvenance& table = shipped_provenances()[i];
+    if (table.gpu && !running.gpu) continue;  // a GPU's table, and no GPU known here
     try {
-      match_tier_table(table.provenance, running, origin);
+      match_tier_table(table, running, origin);
     } catch (const Error&) {
       continue;  // measured for another configuration
     }
