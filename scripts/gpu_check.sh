@@ -437,22 +437,32 @@ if wants bench1; then
 fi
 
 if wants tune; then
-  # A tier table for this machine (K3, 8 ranks on one GPU through cuda-threads, or one per GPU through
-  # nccl), then a fresh sweep that checks the table's choices against the fastest tier measured.
-  ranks=8; comm=cuda-threads
-  if [ "$gpus" -ge 2 ]; then ranks=$gpus; comm=nccl; fi
-  grid="${LMOE_TUNE_TOKENS:-1,16,64,128,256,512,1024,2048,4096,8192}"
-  stage "lmoe tune: K3, tp $ranks, $comm"
-  timeout 240 build/cuda/lmoe tune --backend cuda -n "$ranks" --comm "$comm" -t "$grid" --iters 20 \
-    --output "$logs/tiers_k3_tp$ranks.json" >"$logs/tune.log" 2>"$logs/tune.err"
-  rc[tune]=$?
-  cat "$logs/tune.log"; tail -3 "$logs/tune.err"
-  stage "lmoe bench --check-table"
-  timeout 240 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comm" -t "$grid" --iters 20 \
-    --tier-table "$logs/tiers_k3_tp$ranks.json" --check-table --check-max-tokens 64 \
-    --json "$logs/check_k3_tp$ranks.json" >"$logs/check.log" 2>"$logs/check.err"
-  rc[check_table]=$?
-  tail -25 "$logs/check.log"; tail -3 "$logs/check.err"
+  # Tier tables for this machine at K3 dims, each checked by a fresh sweep against the fastest tier
+  # measured. Several GPUs: one rank per GPU, for every comm of LMOE_TUNE_COMMS (default: p2p and
+  # nccl), named as the tables lmoe carries (docs/tuning.md): a checked one can be copied as it is to
+  # src/models/kimi_k3/tier_tables/. One GPU: 8 ranks sharing it through cuda-threads (a table for
+  # this machine only: ranks sharing a GPU are not what a built-in table describes).
+  if [ "$gpus" -ge 2 ]; then
+    ranks=$gpus; comms="${LMOE_TUNE_COMMS:-p2p nccl}"
+    gpu_tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/^NVIDIA //' | tr 'A-Z ' 'a-z_')
+  else
+    ranks=8; comms=cuda-threads; gpu_tag=""
+  fi
+  grid_args=(); [ -n "${LMOE_TUNE_TOKENS:-}" ] && grid_args=(-t "$LMOE_TUNE_TOKENS")  # default: lmoe tune's grid
+  for comm in $comms; do
+    name="tiers_k3_tp${ranks}_$comm"; [ -n "$gpu_tag" ] && name="${gpu_tag}x${gpus}_tp${ranks}_$comm"
+    stage "lmoe tune: K3, tp $ranks, $comm -> $name.json"
+    timeout 300 build/cuda/lmoe tune --backend cuda -n "$ranks" --comm "$comm" "${grid_args[@]}" --iters 20 \
+      --output "$logs/$name.json" >"$logs/tune_$comm.log" 2>"$logs/tune_$comm.err"
+    rc[tune_$comm]=$?
+    cat "$logs/tune_$comm.log"; tail -3 "$logs/tune_$comm.err"
+    stage "lmoe bench --check-table $name.json (a fresh sweep of its grid)"
+    timeout 300 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comm" --iters 20 \
+      --tier-table "$logs/$name.json" --check-table --check-max-tokens 64 \
+      --json "$logs/check_$name.json" >"$logs/check_$comm.log" 2>"$logs/check_$comm.err"
+    rc[check_table_$comm]=$?
+    tail -25 "$logs/check_$comm.log"; tail -3 "$logs/check_$comm.err"
+  done
 fi
 
 if wants run; then
