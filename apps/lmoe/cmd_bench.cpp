@@ -226,6 +226,7 @@ void BenchCommand::execute() {
   }
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
+  std::optional<PolicyConfig> shipped_policy;
   for (const std::string& comm : options.comms) {
     RunningConfig running =
         running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
@@ -237,9 +238,12 @@ void BenchCommand::execute() {
       if (shipped.table && !options.policy.table) {
         std::cerr << "lmoe bench: comm " << comm << ": the tiers are chosen by the "
                   << *shipped.table_path << " (built into lmoe for this configuration)\n";
+        // One comm: the sweep's policy is that table (its record and --check-table name it).
+        if (options.comms.size() == 1) shipped_policy = shipped;
       }
     }
   }
+  if (shipped_policy) options.policy = std::move(*shipped_policy);
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
   options.inject_fault = inject_fault_from_environment();
   validate_bench_options(options);
