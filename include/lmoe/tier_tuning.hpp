@@ -233,8 +233,7 @@ std::optional<std::string> describe_measurement(const TierTable& table, std::int
                                                 std::optional<TailTier> chosen,
                                                 const std::string& table_name);
 
-// ---- tier tables built into lmoe
-// -----------------------------------------------------------------
+// ---- tier tables built into lmoe ----------------------------------------------------------------
 
 // A tier table the project measured and built into the library: the files
 // src/models/<model>/tier_tables/*.json, named by their path under src/models.
