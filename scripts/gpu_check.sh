@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -462,6 +462,18 @@ if wants tune; then
       --json "$logs/check_$name.json" >"$logs/check_$comm.log" 2>"$logs/check_$comm.err"
     rc[check_table_$comm]=$?
     tail -25 "$logs/check_$comm.log"; tail -3 "$logs/check_$comm.err"
+  done
+fi
+
+if wants policy; then
+  # What the tails choose here with nothing set (docs/tuning.md): for each comm, the decision at a
+  # few T and where it comes from (a tier table built into lmoe for this machine, or the defaults).
+  ranks=$gpus; [ "$gpus" -lt 2 ] && ranks=2
+  for comm in p2p nccl; do
+    for tokens in 1 32 256 4096; do
+      stage "lmoe explain: K3, tp $ranks, $comm, T = $tokens"
+      build/cuda/lmoe explain --backend cuda --tp "$ranks" --comm "$comm" -t "$tokens" 2>&1 | grep -E "decision|rule" | head -2
+    done
   done
 fi
 
