@@ -22,6 +22,12 @@
     if (lmoe::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU"; \
   } while (0)
 
+// Skips the test (with `why`) where fewer than `gpus` CUDA GPUs are visible, none included.
+#define SKIP_WITH_FEWER_GPUS_THAN(gpus, why)                       \
+  do {                                                             \
+    if (lmoe::cuda_device_count() < (gpus)) GTEST_SKIP() << (why); \
+  } while (0)
+
 inline void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
 
 // `count` normal values in `dtype`, from `seed`: sums of them round differently in another order,

@@ -533,10 +533,7 @@ TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
 // A caller's weights on another GPU than the rank's (FusedTail is below LatentTail, which places
 // them right): refused at construction, naming both GPUs, before anything is launched. Two GPUs.
 TEST_F(Fused, WeightsOnAnotherGpuThanTheRanksAreRefusedNamingBoth) {
-  SKIP_WITHOUT_GPU();
-  int gpus = 0;
-  cuda_ok(cudaGetDeviceCount(&gpus));
-  if (gpus < 2) GTEST_SKIP() << "needs two GPUs (rank 1 on the second)";
+  SKIP_WITH_FEWER_GPUS_THAN(2, "needs two GPUs (rank 1 on the second)");
   if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 77u);
   std::vector<std::string> errors(2);
@@ -605,10 +602,7 @@ TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {
 // buffers, and fused and overlap calls then meet the contract bit for bit (crafted inputs). Two
 // GPUs.
 TEST_F(Fused, ALatentTailOnP2pRanksPlacesItsWeightsOnTheRanksGpu) {
-  SKIP_WITHOUT_GPU();
-  int gpus = 0;
-  cuda_ok(cudaGetDeviceCount(&gpus));
-  if (gpus < 2) GTEST_SKIP() << "needs two GPUs (rank 1 on the second)";
+  SKIP_WITH_FEWER_GPUS_THAN(2, "needs two GPUs (rank 1 on the second)");
   if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
   const std::int64_t tokens = 4, d = kSmall.d_model, l = kSmall.d_latent;
   const lmoe::TailCase c = lmoe::make_exact_case(kSmall, DType::bf16, 2, tokens, 78u);
