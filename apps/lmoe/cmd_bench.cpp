@@ -233,14 +233,12 @@ void BenchCommand::execute() {
     running.cold_l2 = options.cold_l2;  // as this sweep will measure
     check_table_fits(options.policy, running);
     // The tails choose as LatentTail does: say so where a table built into lmoe holds.
-    if (!fused_decode_turned_off()) {
-      const PolicyConfig shipped = with_shipped_tier_table(options.policy, running);
-      if (shipped.table && !options.policy.table) {
-        std::cerr << "lmoe bench: comm " << comm << ": the tiers are chosen by the "
-                  << *shipped.table_path << " (built into lmoe for this configuration)\n";
-        // One comm: the sweep's policy is that table (its record and --check-table name it).
-        if (options.comms.size() == 1) shipped_policy = shipped;
-      }
+    const PolicyConfig shipped = with_shipped_tier_table(options.policy, running);
+    if (shipped.table && !options.policy.table) {
+      std::cerr << "lmoe bench: comm " << comm << ": the tiers are chosen by the "
+                << *shipped.table_path << " (built into lmoe for this configuration)\n";
+      // One comm: the sweep's policy is that table (its record and --check-table name it).
+      if (options.comms.size() == 1) shipped_policy = shipped;
     }
   }
   if (shipped_policy) options.policy = std::move(*shipped_policy);

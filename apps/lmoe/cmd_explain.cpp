@@ -28,14 +28,14 @@ struct ExplainCommand {
     // As LatentTail decides: a tier table built into lmoe for this configuration (known only with
     // --comm), then the defaults by rank count.
     PolicyConfig policy = resolve_policy(tier_table);
-    if (!fused_decode_turned_off()) policy = with_shipped_tier_table(std::move(policy), running);
+    policy = with_shipped_tier_table(std::move(policy), running);
     policy = with_rank_defaults(std::move(policy), chosen, tp, resolved.dims, resolved.dtype);
     check_table_fits(policy, running);
     std::cout << resolved.name << ": d_model " << resolved.dims.d_model << ", d_latent "
               << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
               << ", backend " << backend_name(chosen) << "\n";
     std::cout << explain(tokens, policy, tier_support(chosen, tokens, resolved.dims, resolved.dtype, tp));
-    if (comm.empty() && !policy.table && !fused_decode_turned_off()) {
+    if (comm.empty() && !policy.table) {
       // The comm decides whether a built-in table holds: name the ones that would.
       for (const std::string& name : comm_backends(chosen)) {
         RunningConfig with_comm = running;

@@ -246,10 +246,11 @@ std::span<const ShippedTierTable> shipped_tier_tables();
 // `policy` with the first shipped table that holds for `running` applied (apply_tier_table, origin
 // and table_path "shipped table NAME"), when nothing of the policy's choice of tier is set yet
 // (the breakpoints, overlap_disabled and the ranges built in, no table; a forced tier still wins
-// over the table) and `running` names its comm (and its GPU, for a table measured on one);
-// otherwise `policy` as it is. A table holds where match_tier_table accepts it (software versions
-// may differ; the caller's match then warns). Measured with one rank per GPU: ranks sharing a GPU
-// run slower than the table says.
+// over the table) and `running` names its comm (and its GPU, for a table measured on one), and
+// the decode kernel is not turned off (LMOE_FUSED_DECODE=0: the fused ranges were measured with
+// it); otherwise `policy` as it is. A table holds where match_tier_table accepts it (software
+// versions may differ; the caller's match then warns). Measured with one rank per GPU: ranks
+// sharing a GPU run slower than the table says.
 PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running);
 
 // ---- tuning -------------------------------------------------------------------------------------

@@ -185,10 +185,9 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
                        ConstMatrixView up_proj_weight)
     : impl_(std::make_unique<Impl>(std::move(options), comm)) {
   // Where the project measured this very configuration (a tier table built into lmoe) and nothing
-  // of the choice of tier is set, the table chooses (docs/tuning.md). Its fused range was measured
-  // with the decode kernel, so not with the kernel turned off. (Without the backend there is no
-  // GPU to match; validation below reports it.)
-  if (!fused_decode_turned_off() && backend_available(impl_->options.backend)) {
+  // of the choice of tier is set, the table chooses (docs/tuning.md). (Without the backend there
+  // is no GPU to match; validation below reports it.)
+  if (backend_available(impl_->options.backend)) {
     impl_->options.policy = with_shipped_tier_table(
         std::move(impl_->options.policy),
         running_config(impl_->options.backend, comm.size(), impl_->options.dims,

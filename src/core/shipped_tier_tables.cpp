@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
 
 namespace lmoe {
 
@@ -38,7 +39,8 @@ const std::vector<TableProvenance>& shipped_provenances() {
 }  // namespace
 
 PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running) {
-  if (!choice_untouched(policy) || !running.comm) return policy;
+  // The tables' fused ranges were measured with the decode kernel: not with it turned off.
+  if (!choice_untouched(policy) || !running.comm || fused_decode_turned_off()) return policy;
   const std::span<const ShippedTierTable> tables = shipped_tier_tables();
   for (std::size_t i = 0; i < tables.size(); ++i) {
     const ShippedTierTable& shipped = tables[i];

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -173,6 +174,18 @@ TEST(ShippedTierTables, ASettingOfTheUserKeepsThemOut) {
       lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER", "token"}})), running);
   EXPECT_NE(forced.table, nullptr);
   EXPECT_EQ(forced.forced_tier.value, lmoe::TailTier::token);
+}
+
+TEST(ShippedTierTables, NotWithTheDecodeKernelTurnedOff) {
+  // The fused ranges were measured with the decode kernel; LMOE_FUSED_DECODE=0 turns it off.
+  const auto tables = lmoe::shipped_tier_tables();
+  ASSERT_FALSE(tables.empty());
+  const lmoe::RunningConfig running = running_like(read(tables.front()).provenance);
+  ASSERT_EQ(::setenv("LMOE_FUSED_DECODE", "0", 1), 0);
+  const PolicyConfig off = lmoe::with_shipped_tier_table(PolicyConfig{}, running);
+  ASSERT_EQ(::unsetenv("LMOE_FUSED_DECODE"), 0);
+  expect_untouched(off);
+  EXPECT_NE(lmoe::with_shipped_tier_table(PolicyConfig{}, running).table, nullptr);
 }
 
 }  // namespace
