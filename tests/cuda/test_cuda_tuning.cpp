@@ -135,4 +135,46 @@ TEST(CudaTuning, ATableDerivedFromASweepRecordedHereFitsHere) {
   build_tails(lmoe::read_tier_table(lmoe::write_tier_table(derived.table), "t.json"), 2);
 }
 
+// A LatentTail whose configuration a table built into lmoe was measured for (this GPU's name and
+// compute capability, the table's tp, dims, dtype and comm) takes that table's ranges, with nothing
+// set; one given by the caller keeps it out. Skips where no built-in table fits this machine.
+TEST(CudaTuning, ALatentTailTakesTheBuiltInTableMeasuredForItsConfiguration) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::RunningConfig here =
+      lmoe::running_config(lmoe::Backend::cuda, 1, kSmall, lmoe::DType::bf16, std::nullopt);
+  int fitted = 0;
+  for (const lmoe::ShippedTierTable& shipped : lmoe::shipped_tier_tables()) {
+    const lmoe::TierTable table =
+        lmoe::read_tier_table(std::string(shipped.json), std::string(shipped.name));
+    const lmoe::TableProvenance& p = table.provenance;
+    if (p.backend != lmoe::Backend::cuda || !p.gpu || p.gpu->name != here.gpu->name ||
+        p.gpu->compute_capability != here.gpu->compute_capability ||
+        lmoe::comm_group_limit(p.comm, p.tp)) {
+      continue;
+    }
+    SCOPED_TRACE(std::string(shipped.name));
+    ++fitted;
+    const lmoe::TailCase c = lmoe::make_random_case(p.dims, 1e-5f, p.dtype, p.tp, 1, 5u);
+    lmoe::run_comm_group(p.comm, p.tp, [&](int, lmoe::Communicator& comm) {
+      lmoe::TailOptions options;
+      options.dims = p.dims;
+      options.dtype = p.dtype;
+      options.backend = lmoe::Backend::cuda;
+      options.max_tokens = 64;
+      {
+        const lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(),
+                                    c.up_proj_weight.matrix());
+        EXPECT_EQ(tail.options().policy.table_path, "shipped table " + std::string(shipped.name));
+        EXPECT_EQ(tail.options().policy.ranges.value, table.ranges);
+        EXPECT_THAT(tail.explain(32), HasSubstr(std::string(shipped.name)));
+      }
+      options.policy.overlap_max_tokens = {8, lmoe::SettingSource::caller, "test"};
+      const lmoe::LatentTail mine(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      EXPECT_EQ(mine.options().policy.table, nullptr);
+      EXPECT_TRUE(mine.options().policy.ranges.value.empty());
+    });
+  }
+  if (fitted == 0) GTEST_SKIP() << "no table built into lmoe was measured on a " << here.gpu->name;
+}
+
 }  // namespace
