@@ -4,12 +4,11 @@
 #include "cuda/grouped_gemm_wgmma.cuh"
 #include "cuda/grouped_gemm_wgmma_ws.cuh"
 
-#include <cudaTypedefs.h>  // the driver entry point's type; the pointer comes through the runtime
-
 #include <algorithm>
 #include <type_traits>
 
 #include "cuda/cuda_device_info.hpp"
+#include "cuda/tensor_map.hpp"
 
 namespace lmoe::cuda {
 
@@ -122,72 +121,11 @@ cudaError_t launch_shape(const GroupedGemmArgs& args, const GroupedGemmParams& p
   return cudaGetLastError();
 }
 
-// cuTensorMapEncodeTiled, through the runtime's driver entry point (nothing links libcuda), looked
-// up once; null when the driver has none.
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 function = [] {
-    void* found = nullptr;
-    cudaDriverEntryPointQueryResult result{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault,
-                                         &result) != cudaSuccess ||
-        result != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found);
-  }();
-  return function;
-}
-
-template <typename T>
-constexpr CUtensorMapDataType tensor_map_type() {
-  return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-}
-
-// The tensor map of weights `b` ([groups, N, K], K contiguous, b_group_stride between groups) as
-// a 3-D tensor (k, n, group) read in boxes of 64 k × `box_rows` rows × 1 group with the 128-byte
-// swizzle; elements outside it read as zeros.
-template <typename T>
-cudaError_t weight_map(const GroupedGemmArgs& args, const void* b, int box_rows, CUtensorMap& map) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.n),
-                              static_cast<cuuint64_t>(args.groups)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.k) * sizeof(T),
-                                 static_cast<cuuint64_t>(args.b_group_stride) * sizeof(T)};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kGroupedTileK),
-                             static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status =
-      encode(&map, tensor_map_type<T>(), 3, const_cast<void*>(b), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-// The tensor map of the rows A ([max_rows, K], pitch lda) read in boxes of 64 k × 64 rows with
-// the 128-byte swizzle.
-template <typename T>
-cudaError_t rows_map(const GroupedGemmArgs& args, CUtensorMap& map) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k),
-                              static_cast<cuuint64_t>(args.max_rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.lda) * sizeof(T)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGroupedTileK), 64};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status =
-      encode(&map, tensor_map_type<T>(), 2, const_cast<void*>(args.a), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // Whether the weights can be read by the copy engine: a driver that encodes tensor maps, a row
 // pitch and group stride of whole 16-byte units (16-byte copies everywhere: copy_bytes_of), groups
 // that do not overlap, and coordinates that fit its 32-bit signed indices.
 bool tensor_map_fits(const GroupedGemmArgs& args) {
-  return encode_tiled() != nullptr && copy_bytes_of(args) == 16 &&
+  return tensor_maps_available() && copy_bytes_of(args) == 16 &&
          args.b_group_stride >= args.n * args.k && args.n <= 0x7fffffff && args.k <= 0x7fffffff;
 }
 
@@ -197,25 +135,30 @@ cudaError_t launch_ws(const GroupedGemmArgs& args, const GroupedGemmParams& para
   if (const cudaError_t status = prepare_shape<T, Shape>(); status != cudaSuccess) return status;
   dim3 grid;
   if (!grid_of<Shape>(args, grid)) return cudaErrorInvalidValue;
+  // The weights [groups, N, K] (K contiguous) in boxes of 64 k × kBoxRows rows × 1 group.
+  const auto weight_map = [&](const void* b, CUtensorMap& map) {
+    return encode_grouped_rows_map(map, args.dtype, b, args.groups, args.n, args.k,
+                                   args.b_group_stride, kGroupedTileK, Shape::kBoxRows);
+  };
   CUtensorMap map_b{}, map_b2{};
-  if (const cudaError_t status = weight_map<T>(args, args.b, Shape::kBoxRows, map_b);
-      status != cudaSuccess) {
-    return status;
-  }
+  if (const cudaError_t status = weight_map(args.b, map_b); status != cudaSuccess) return status;
   // Ungated blocks never read b2's map: b's stands in.
   map_b2 = map_b;
   if constexpr (Shape::kGated) {
-    if (const cudaError_t status = weight_map<T>(args, args.b2, Shape::kBoxRows, map_b2);
-        status != cudaSuccess) {
+    if (const cudaError_t status = weight_map(args.b2, map_b2); status != cudaSuccess) {
       return status;
     }
   }
   // A by TMA where it is not gathered (its whole 64-row boxes: the kernel's header); the map's
-  // rows are max_rows, at least one box of them.
+  // rows are max_rows ([max_rows, K], pitch lda), at least one box of them.
   const bool a_by_tma = args.a_rows == nullptr && args.max_rows >= 64;
   CUtensorMap map_a = map_b;
   if (a_by_tma) {
-    if (const cudaError_t status = rows_map<T>(args, map_a); status != cudaSuccess) return status;
+    if (const cudaError_t status = encode_rows_map(map_a, args.dtype, args.a, args.max_rows, args.k,
+                                                   args.lda, kGroupedTileK, 64);
+        status != cudaSuccess) {
+      return status;
+    }
   }
   grouped_gemm_wgmma_ws_kernel<T, Shape><<<grid, Shape::kThreads, Shape::kSharedBytes, stream>>>(
       params, map_b, map_b2, map_a, a_by_tma);

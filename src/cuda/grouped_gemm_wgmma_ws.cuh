@@ -126,15 +126,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
                                  const __grid_constant__ CUtensorMap map_a, bool a_by_tma) {
 #if LMOE_HAS_WGMMA
   extern __shared__ __align__(1024) unsigned char wgmma_ws_smem[];
-  __shared__ __align__(8) std::uint64_t full_bars[Shape::kStages];
-  __shared__ __align__(8) std::uint64_t empty_bars[Shape::kStages];
+  __shared__ StageBarriers<Shape::kStages> bars;
   const int tid = static_cast<int>(threadIdx.x);
-  const auto full_bar = [&](int s) {
-    return static_cast<std::uint32_t>(__cvta_generic_to_shared(&full_bars[s]));
-  };
-  const auto empty_bar = [&](int s) {
-    return static_cast<std::uint32_t>(__cvta_generic_to_shared(&empty_bars[s]));
-  };
+  const auto full_bar = [&](int s) { return bars.full(s); };
+  const auto empty_bar = [&](int s) { return bars.empty(s); };
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < Shape::kStages; ++s) {

@@ -1,10 +1,11 @@
 // Hopper's asynchronous building blocks for warp-specialized kernels (sm_90; setmaxnreg sm_90a):
-// shared-memory mbarriers (init, arrive, arrive with an expected transaction count, wait on a
-// phase's parity), the arrival of a thread's cp.async copies on an mbarrier, the bulk tensor copy
-// (TMA) of a 3-D box into shared memory completing on an mbarrier, and the register reallocation
-// between warpgroups. Only the sm_90a pass emits them (LMOE_HAS_WGMMA, warpgroup_mma.cuh: the
-// kernels that use them also issue wgmma); elsewhere they trap, and the host launches no kernel
-// that calls them off compute 9.0. Device code only.
+// shared-memory mbarriers (a ring's full and empty pairs, init, arrive, arrive with an expected
+// transaction count, wait on a phase's parity), the arrival of a thread's cp.async copies on an
+// mbarrier, the bulk tensor copy (TMA) of a 2-D or 3-D box into shared memory completing on an
+// mbarrier, and the register reallocation between warpgroups. Only the sm_90a pass emits them
+// (LMOE_HAS_WGMMA, warpgroup_mma.cuh: the kernels that use them also issue wgmma); elsewhere they
+// trap, and the host launches no kernel that calls them off compute 9.0. Also programmatic
+// dependent launch (compute 9.0 and later; no-ops before). Device code only.
 //
 // An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier")
 // counts the arrivals still expected in its current phase and the transaction bytes still due;
@@ -19,6 +20,21 @@
 #include "cuda/warpgroup_mma.cuh"
 
 namespace lmoe::cuda {
+
+// The full and empty mbarriers of a ring of kStages shared-memory stages (a producer fills stage s
+// and arrives on full(s); the consumers release it through empty(s)). Declared __shared__ in the
+// kernel; the accessors give the shared-memory addresses the mbarrier instructions take.
+template <int kStages>
+struct StageBarriers {
+  alignas(8) std::uint64_t full_bars[kStages];
+  alignas(8) std::uint64_t empty_bars[kStages];
+  __device__ std::uint32_t full(int s) const {
+    return static_cast<std::uint32_t>(__cvta_generic_to_shared(&full_bars[s]));
+  }
+  __device__ std::uint32_t empty(int s) const {
+    return static_cast<std::uint32_t>(__cvta_generic_to_shared(&empty_bars[s]));
+  }
+};
 
 // `count` arrivals per phase; thread 0 of the block calls it, then mbarrier_init_fence() and a
 // barrier before any other thread or the copy engine touches the barrier.
@@ -141,6 +157,22 @@ __device__ inline void setmaxnreg() {
   }
 #else
   __trap();
+#endif
+}
+
+// Programmatic dependent launch (compute 9.0 and later; no-ops before): a kernel calls
+// pdl_launch_dependents() to let the next kernel of its stream, launched with the programmatic
+// stream serialization attribute, start before it ends; that kernel calls pdl_wait() before it
+// reads anything the first one writes (it returns once the first has ended and its writes are
+// visible). Without the attribute the next kernel starts after the first as usual.
+__device__ inline void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ inline void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 

@@ -45,7 +45,8 @@ cudaError_t launch_register_norm(const T* x, const float* gamma, T* out, std::in
   constexpr int kRowsPerBlock = 8 / kWarpsPerRow;
   const std::int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   rms_norm_register_kernel<T, kWarpsPerRow, kChunksPerLane>
-      <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(x, gamma, out, rows, cols, eps);
+      <<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(x, gamma, out, rows, nullptr,
+                                                                   cols, eps);
   return cudaGetLastError();
 }
 

@@ -5,6 +5,7 @@
 
 #include "core/rms_norm_order.hpp"
 #include "cuda/dtype.cuh"
+#include "cuda/hopper_async.cuh"
 
 namespace lmoe::cuda {
 
@@ -128,14 +129,21 @@ constexpr int norm_min_blocks(int chunks_per_lane) {
 
 // The fast path: cols a multiple of 8, x, out and gamma 16-byte aligned, and the row held in
 // registers between the sum and the output (one read and one write of x per element).
+// rows_device, when not null, holds the row count on the device (a graph replayed with another T;
+// at most `rows`, which sizes the grid). A kernel launched after it with programmatic dependent
+// launch may start at once (its prologue, e.g. weight copies, overlaps this kernel; it waits with
+// griddepcontrol.wait before reading `out`).
 // kWarpsPerRow warps hold a row (32·kWarpsPerRow lanes; fewer than 8 only when the row has at most
 // that many chunks), so a block of kNormThreads holds 8 / kWarpsPerRow rows. kChunksPerLane ≥
 // ceil(chunks / 256), the chunks lane i holds being i, i + 256, i + 512, …
 template <typename T, int kWarpsPerRow, int kChunksPerLane>
 __global__ void __launch_bounds__(kNormThreads, norm_min_blocks<T>(kChunksPerLane))
     rms_norm_register_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
-                             T* __restrict__ out, std::int64_t rows, int cols, float eps) {
+                             T* __restrict__ out, std::int64_t rows,
+                             const std::int32_t* __restrict__ rows_device, int cols, float eps) {
+  pdl_launch_dependents();
   constexpr int kRowLanes = 32 * kWarpsPerRow;
+  if (rows_device != nullptr) rows = min(rows, static_cast<std::int64_t>(*rows_device));
   constexpr int kRowsPerBlock = kNormThreads / kRowLanes;
   static_assert(kWarpsPerRow == 8 || kChunksPerLane == 1);
   __shared__ float lane_sums[kNormThreads];

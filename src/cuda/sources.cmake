@@ -20,6 +20,7 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/l2_evict.cu
   ${CMAKE_CURRENT_LIST_DIR}/layer_kernels.cu
   ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/tensor_map.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_executor.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_runner.cpp
 )

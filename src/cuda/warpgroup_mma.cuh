@@ -1,9 +1,9 @@
 // Warpgroup tensor-core building blocks (wgmma, sm_90a only): the shared-memory matrix descriptor
 // for 128-byte-swizzled, K-major tiles, the fences and the commit/wait of wgmma groups, and one
-// m64n128k16 step with bf16 or f16 operands from shared memory and fp32 accumulators. Only the
-// sm_90a pass emits the instructions (no other architecture has them: sm_100a's tensor cores speak
-// tcgen05); elsewhere the helpers trap, and the host never launches a kernel that calls them on a
-// device that is not compute 9.0 (grouped_gemm.cu). Device code only.
+// m64nNk16 step (N = 16 … 128) with bf16 or f16 operands from shared memory and fp32 accumulators.
+// Only the sm_90a pass emits the instructions (no other architecture has them: sm_100a's tensor
+// cores speak tcgen05); elsewhere the helpers trap, and the host never launches a kernel that calls
+// them on a device that is not compute 9.0 (grouped_gemm.cu). Device code only.
 //
 // The layout the descriptor describes (PTX ISA, "Shared Memory Matrix Layout", 128B swizzle,
 // K-major): rows of 64 16-bit elements (128 bytes) hold consecutive k; 8 rows make a 1024-byte
@@ -87,8 +87,50 @@ __device__ inline void wgmma_pin(float (&d)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// One wgmma with scale-d = 1 (d += a·b: the accumulators start at zero, as mma.sync's do, so a
-// product of −0 sums to +0 on both paths) and no negation or transpose (both operands K-major).
+// One wgmma m64nNk16 with scale-d = 1 (d += a·b: the accumulators start at zero, as mma.sync's
+// do, so a product of −0 sums to +0 on both paths) and no negation or transpose (both operands
+// K-major); one macro per N, whose operand list the instruction fixes.
+#define LMOE_WGMMA_M64N16K16(TYPE)                                                          \
+  asm volatile(                                                                             \
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %10, 0;\n"                        \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                           \
+      " {"                                                                                  \
+      "%0, %1, %2, %3, %4, %5, %6, %7"                                                      \
+      "}, %8, %9, accumulate, 1, 1, 0, 0;\n}\n"                                             \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+        "+f"(d[7])                                                                          \
+      : "l"(desc_a), "l"(desc_b), "r"(1)                                                    \
+      : "memory")
+
+#define LMOE_WGMMA_M64N32K16(TYPE)                                                              \
+  asm volatile(                                                                                 \
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"                            \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                               \
+      " {"                                                                                      \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                    \
+      "}, %16, %17, accumulate, 1, 1, 0, 0;\n}\n"                                               \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),     \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+        "+f"(d[14]), "+f"(d[15])                                                                \
+      : "l"(desc_a), "l"(desc_b), "r"(1)                                                        \
+      : "memory")
+
+#define LMOE_WGMMA_M64N64K16(TYPE)                                                                 \
+  asm volatile(                                                                                    \
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"                               \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                  \
+      " {"                                                                                         \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"             \
+      "}, %32, %33, accumulate, 1, 1, 0, 0;\n}\n"                                                  \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
+      : "l"(desc_a), "l"(desc_b), "r"(1)                                                           \
+      : "memory")
+
 #define LMOE_WGMMA_M64N128K16(TYPE)                                                                \
   asm volatile(                                                                                    \
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                               \
@@ -112,20 +154,33 @@ __device__ inline void wgmma_pin(float (&d)[kCount]) {
       : "l"(desc_a), "l"(desc_b), "r"(1)                                                           \
       : "memory")
 
-// d[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ (both K-major in shared memory, through descriptors),
+// d[64 × kN] += A[64 × 16] · B[kN × 16]ᵀ (both K-major in shared memory, through descriptors),
 // asynchronously: the result is in `d` after wgmma_commit() and a wgmma_wait() that covers it.
 // Accumulator fragment (PTX ISA, "wgmma .m64nNk16" D): thread t of the warpgroup holds d[4j + e]
 // at row 16·(t / 32) + (t % 32) / 4 + 8·(e / 2), column 8j + 2·(t % 4) + e % 2.
-template <typename T>
-__device__ inline void wgmma_m64n128k16(float (&d)[64], std::uint64_t desc_a,
-                                        std::uint64_t desc_b) {
+template <typename T, int kN>
+__device__ inline void wgmma_m64nk16(float (&d)[kN / 2], std::uint64_t desc_a,
+                                     std::uint64_t desc_b) {
+  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128, "wgmma_m64nk16: N of 16 … 128");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "wgmma_m64nk16: bf16 or f16 operands");
 #if LMOE_HAS_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    LMOE_WGMMA_M64N128K16("bf16");
-  } else {
-    static_assert(std::is_same_v<T, __half>, "wgmma_m64n128k16: bf16 or f16 operands");
-    LMOE_WGMMA_M64N128K16("f16");
+#define LMOE_WGMMA_BY_TYPE(N)                       \
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) { \
+    LMOE_WGMMA_M64N##N##K16("bf16");                \
+  } else {                                          \
+    LMOE_WGMMA_M64N##N##K16("f16");                 \
   }
+  if constexpr (kN == 16) {
+    LMOE_WGMMA_BY_TYPE(16)
+  } else if constexpr (kN == 32) {
+    LMOE_WGMMA_BY_TYPE(32)
+  } else if constexpr (kN == 64) {
+    LMOE_WGMMA_BY_TYPE(64)
+  } else {
+    LMOE_WGMMA_BY_TYPE(128)
+  }
+#undef LMOE_WGMMA_BY_TYPE
 #else
   (void)d;
   (void)desc_a;
@@ -134,6 +189,15 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], std::uint64_t desc_a,
 #endif
 }
 
+template <typename T>
+__device__ inline void wgmma_m64n128k16(float (&d)[64], std::uint64_t desc_a,
+                                        std::uint64_t desc_b) {
+  wgmma_m64nk16<T, 128>(d, desc_a, desc_b);
+}
+
+#undef LMOE_WGMMA_M64N16K16
+#undef LMOE_WGMMA_M64N32K16
+#undef LMOE_WGMMA_M64N64K16
 #undef LMOE_WGMMA_M64N128K16
 
 }  // namespace lmoe::cuda

@@ -1,0 +1,63 @@
+#include "cuda/tensor_map.hpp"
+
+#include <cudaTypedefs.h>  // the driver entry point's type; the pointer comes through the runtime
+
+namespace lmoe::cuda {
+
+namespace {
+
+// Looked up once; null when the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 function = [] {
+    void* found = nullptr;
+    cudaDriverEntryPointQueryResult result{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault,
+                                         &result) != cudaSuccess ||
+        result != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found);
+  }();
+  return function;
+}
+
+// dims[0] is the innermost (k); strides in bytes, one fewer than dims.
+cudaError_t encode(CUtensorMap& map, DType dtype, const void* base, cuuint32_t rank,
+                   const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+  const PFN_cuTensorMapEncodeTiled_v12000 function = encode_tiled();
+  if (function == nullptr) return cudaErrorNotSupported;
+  if (dtype != DType::bf16 && dtype != DType::f16) return cudaErrorInvalidValue;
+  const CUtensorMapDataType type =
+      dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status =
+      function(&map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+bool tensor_maps_available() { return encode_tiled() != nullptr; }
+
+cudaError_t encode_rows_map(CUtensorMap& map, DType dtype, const void* base, std::int64_t rows,
+                            std::int64_t k, std::int64_t pitch, int box_k, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_k), static_cast<cuuint32_t>(box_rows)};
+  return encode(map, dtype, base, 2, dims, strides, box);
+}
+
+cudaError_t encode_grouped_rows_map(CUtensorMap& map, DType dtype, const void* base,
+                                    std::int64_t groups, std::int64_t rows, std::int64_t k,
+                                    std::int64_t group_stride, int box_k, int box_rows) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2,
+                                 static_cast<cuuint64_t>(group_stride) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_k), static_cast<cuuint32_t>(box_rows), 1};
+  return encode(map, dtype, base, 3, dims, strides, box);
+}
+
+}  // namespace lmoe::cuda
