@@ -98,8 +98,8 @@ void TailCommand::execute() const {
   RunOptions options;
   options.backend = resolve_backend(backend);
   options.comm = resolve_comm(comm, options.backend);
-  options.policy =
-      with_rank_defaults(resolve_policy(tier_table), options.backend, c.tp, c.dims, c.dtype);
+  options.policy = with_rank_defaults(resolve_policy(tier_table), options.backend, c.tp, c.dims,
+                                      c.dtype, c.latent_norm);
   options.tier = parse_tier_or_auto(tier);
   check_table_fits(options.policy, running_config(options.backend, c.tp, c.dims, c.dtype, options.comm));
   if (options.backend == Backend::cpu) cpu::set_blas_threads(1);

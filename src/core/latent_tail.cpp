@@ -19,6 +19,7 @@
 
 #ifdef LMOE_HAS_CUDA
 #include "cuda/cuda_tail_executor.hpp"
+#include "cuda/fused_chained_launch.hpp"
 #include "cuda/fused_decode_launch.hpp"
 #endif
 
@@ -33,13 +34,21 @@ Backend parse_backend(std::string_view name) {
 }
 
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
-                                const std::optional<std::string>& decode_limit) {
+                                const std::optional<std::string>& decode_limit,
+                                const std::optional<std::string>& chained_limit) {
   if (backend != Backend::cuda || ranks >= kFusedDefaultMinRanks ||
       policy.fused_max_tokens.source != SettingSource::built_in) {
     return policy;
   }
   const std::string where = "default for cuda at tp " + std::to_string(ranks);
-  if (decode_limit) {
+  if (ranks == 1 && !chained_limit) {
+    policy.fused_max_tokens = {
+        kFusedDefaultTp1ChainedTokens, SettingSource::built_in,
+        where +
+            ": the decode kernel and the chained path measured at least as fast as overlap "
+            "up to " +
+            std::to_string(kFusedDefaultTp1ChainedTokens) + " tokens with cold weights"};
+  } else if (decode_limit) {
     policy.fused_max_tokens = {0, SettingSource::built_in,
                                where + " without the decode kernel (" + *decode_limit +
                                    "): fused measured slower than overlap"};
@@ -58,19 +67,34 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
 }
 
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
-                                DType dtype) {
-  std::optional<std::string> limit;
+                                DType dtype, bool latent_norm) {
+  std::optional<std::string> decode, chained = std::string("not asked");
   if (backend == Backend::cuda && ranks < kFusedDefaultMinRanks &&
       policy.fused_max_tokens.source == SettingSource::built_in) {
-    limit = fused_decode_limit(dims, dtype, ranks);
+    decode = fused_decode_limit(dims, dtype, ranks);
+    chained = latent_norm ? fused_chained_limit(dims, dtype, ranks)
+                          : std::optional<std::string>("the chained path needs the latent norm");
   }
-  return with_rank_defaults(std::move(policy), backend, ranks, limit);
+  return with_rank_defaults(std::move(policy), backend, ranks, decode, chained);
 }
 
+namespace {
+
+// Why `what` is turned off by the flag `variable`; nullopt when it is unset or on.
+std::optional<std::string> turned_off(const char* variable, const char* what) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0' || parse_flag(variable, env)) return std::nullopt;
+  return std::string(what) + " is turned off (" + variable + "=" + env + ")";
+}
+
+}  // namespace
+
 std::optional<std::string> fused_decode_turned_off() {
-  const char* env = std::getenv("LMOE_FUSED_DECODE");
-  if (env == nullptr || *env == '\0' || parse_flag("LMOE_FUSED_DECODE", env)) return std::nullopt;
-  return "the decode kernel is turned off (LMOE_FUSED_DECODE=" + std::string(env) + ")";
+  return turned_off("LMOE_FUSED_DECODE", "the decode kernel");
+}
+
+std::optional<std::string> fused_chained_turned_off() {
+  return turned_off("LMOE_FUSED_CHAINED", "the chained path");
 }
 
 std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks) {
@@ -89,6 +113,24 @@ std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ra
   }
   return std::nullopt;
 #else
+  (void)dtype;
+  return "this build has no CUDA backend";
+#endif
+}
+
+std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks) {
+  if (ranks != 1) return "the chained path runs with one rank only";
+  if (auto off = fused_chained_turned_off()) return off;
+#ifdef LMOE_HAS_CUDA
+  if (cuda_device_count() == 0) return "no CUDA device";
+  cuda::FusedChainedPlan plan;
+  if (const char* reason = cuda::fused_chained_plan(dims.d_model, dims.d_latent,
+                                                    kFusedDefaultTp1ChainedTokens, dtype, &plan)) {
+    return std::string(reason);
+  }
+  return std::nullopt;
+#else
+  (void)dims;
   (void)dtype;
   return "this build has no CUDA backend";
 #endif
@@ -195,7 +237,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   }
   impl_->options.policy =
       with_rank_defaults(std::move(impl_->options.policy), impl_->options.backend, comm.size(),
-                         impl_->options.dims, impl_->options.dtype);
+                         impl_->options.dims, impl_->options.dtype, impl_->options.latent_norm);
   const TailOptions& opts = impl_->options;
   std::optional<std::string> error = validate_options(opts, comm.size());
   if (!error) error = validate_weights(opts, norm_weight, up_proj_weight);

@@ -8,7 +8,8 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 8> kNames = {
+constexpr std::array<const char*, 9> kNames = {
+    "LMOE_FUSED_CHAINED",         // which fused kernel runs at tp 1 for T <= 128 (docs/fused.md)
     "LMOE_FUSED_DECODE",          // which fused kernel runs at T <= 16 (docs/fused.md)
     "LMOE_FUSED_TRACE",           // the fused kernels store a timestamp per block and point
     "LMOE_P2P_SHARED_GPU",        // p2p ranks may share a GPU (and its SMs, bandwidth and L2)

@@ -206,6 +206,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     params_.trace = static_cast<std::uint64_t*>(trace_.data());
   }
   choose_decode(sms, sharing);
+  choose_chained();
   if (tracing && decode_max_tokens_ > 0) {
     decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
                                  sizeof(std::uint64_t));
@@ -267,8 +268,69 @@ void FusedTail::choose_decode(int sms, int sharing) {
   decode_local_norm_rows_ = params_.tp == 2 ? 2 : 1;
 }
 
+// With one rank, calls the decode kernel does not take run the chained path up to 128 rows where
+// its plan accepts the problem on this device (compute 9.0, a tensor-map encoder, …) and N is
+// normalized (without the norm N would be the caller's routed rows, which the copy engine's map
+// cannot follow from call to call).
+void FusedTail::choose_chained() {
+  if (params_.tp > 1) {
+    chained_limit_ = "the chained path runs with one rank only";
+    return;
+  }
+  if (auto off = fused_chained_turned_off()) {
+    chained_limit_ = std::move(off);
+    return;
+  }
+  if (!params_.latent_norm) {
+    chained_limit_ = "the chained path needs the latent norm (its first kernel)";
+    return;
+  }
+  if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
+    chained_limit_ = "the chained path's copies need w_up and gamma 16-byte aligned";
+    return;
+  }
+  const std::int64_t bound = std::min(kFusedChainedMaxTokens, capacity_);
+  if (const char* reason =
+          fused_chained_plan(params_.stripe, params_.l, bound, dtype_, &chained_plan_)) {
+    chained_limit_ = std::string(reason) + " (d_model=" + std::to_string(params_.d) +
+                     ", d_latent=" + std::to_string(params_.l) + ")";
+    return;
+  }
+  FusedChainedParams& p = chained_params_;
+  p.d = params_.d;
+  p.l = params_.l;
+  p.rows = params_.stripe;
+  p.tiles = chained_plan_.tiles;
+  p.splits = chained_plan_.splits;
+  std::byte* normed = params_.workspace[0] + params_.normed_offset;
+  if (fused_chained_maps(&p, dtype_, params_.w_stripe, normed, capacity_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    chained_limit_ = "the chained path's tensor maps could not be encoded";
+    return;
+  }
+  chained_workspace_ = DeviceBuffer(sizeof(std::uint32_t));  // the calls counted
+  LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
+  if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
+    chained_trace_ = DeviceBuffer(static_cast<std::size_t>(p.tiles) * p.splits *
+                                  kChainedTracePoints * sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(chained_trace_.data(), 0, chained_trace_.bytes()));
+    p.trace = static_cast<std::uint64_t*>(chained_trace_.data());
+  }
+  chained_max_tokens_ = bound;
+}
+
+std::uint32_t FusedTail::chained_calls() const {
+  if (chained_max_tokens_ == 0) return 0;
+  std::uint32_t calls = 0;
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  LMOE_CUDA_CHECK(cudaMemcpy(&calls, chained_params_.calls, sizeof(calls), cudaMemcpyDeviceToHost));
+  return calls;
+}
+
 FusedTail::~FusedTail() {
-  if (trace_.bytes() || decode_trace_.bytes()) print_trace();
+  if (trace_.bytes() || decode_trace_.bytes() || chained_trace_.bytes()) print_trace();
   if (own_status_) cudaFreeHost(own_status_);
 }
 
@@ -322,6 +384,15 @@ void FusedTail::print_trace() noexcept {
     if (!stamps.empty())
       print_points(title.c_str(), stamps, params_.grid, kFusedTracePoints, kNames);
   }
+  if (chained_trace_.bytes()) {
+    static constexpr const char* kNames[kChainedTracePoints] = {"entry", "N ready", "multiplied",
+                                                                "end"};
+    const std::vector<std::uint64_t> stamps = read(chained_trace_);
+    const int grid = chained_plan_.tiles * chained_plan_.splits;
+    const std::string title = "[ fused trace ] rank 0, chained up-projection, grid " +
+                              std::to_string(grid) + ", last call";
+    if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
+  }
   if (decode_trace_.bytes()) {
     static constexpr const char* kNames[kDecodeTracePoints] = {"entry", "inputs landed", "normed",
                                                                "streamed", "end"};
@@ -368,7 +439,20 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
   LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
              "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
   if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
-  if (kernel_for(tokens) == FusedKernel::decode) {
+  const FusedKernel kernel = kernel_for(tokens);
+  if (kernel == FusedKernel::chained) {
+    FusedChainedParams p = chained_params_;
+    p.tokens = tokens;
+    p.tokens_device = tokens_device;
+    p.shared = shared;
+    p.out = out;
+    check(launch_fused_chained(p, routed, params_.gamma, params_.eps,
+                               params_.workspace[0] + params_.normed_offset, tokens, dtype_,
+                               chained_plan_, stream),
+          "launch_fused_chained");
+    return;
+  }
+  if (kernel == FusedKernel::decode) {
     FusedDecodeParams p;
     p.tokens = tokens;
     p.tokens_device = tokens_device;

@@ -1,16 +1,18 @@
 // The fused decode tail on one rank: its workspace (shared with the peers), its grid, and the call
-// (kernels: cuda/fused_tail.cuh, the general one, and cuda/fused_decode.cuh for T ≤ 16;
-// protocol: docs/fused.md). Host code only.
+// (kernels: cuda/fused_tail.cuh, the general one, cuda/fused_decode.cuh for T ≤ 16, and with one
+// rank cuda/fused_chained.cuh for T ≤ 128; protocol: docs/fused.md). Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "cuda/device_buffer.hpp"
+#include "cuda/fused_chained_launch.hpp"
 #include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_tail_types.hpp"
 #include "lmoe/communicator.hpp"
@@ -24,10 +26,11 @@ class P2pSharedBuffer;
 namespace lmoe::cuda {
 
 // Which kernel a call runs: `decode` (cuda/fused_decode.cuh: T ≤ 16, a GEMV-like stream of the
-// stripe's rows; with one rank no workspace) or `general` (cuda/fused_tail.cuh: T ≤ 256,
-// tensor-core tiles). With several ranks both follow the workspace protocol
-// (cuda/fused_protocol.cuh).
-enum class FusedKernel { general, decode };
+// stripe's rows; with one rank no workspace), `chained` (one rank only, T ≤ 128 on compute 9.0: a
+// norm kernel and cuda/fused_chained.cuh's wgmma up-projection chained by programmatic dependent
+// launch) or `general` (cuda/fused_tail.cuh: T ≤ 256, tensor-core tiles). With several ranks
+// decode and general follow the workspace protocol (cuda/fused_protocol.cuh).
+enum class FusedKernel { general, decode, chained };
 
 class FusedTail {
  public:
@@ -58,16 +61,36 @@ class FusedTail {
   int grid() const { return params_.grid; }
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
+  // Where the chained path runs (one rank), the decode kernel keeps only the calls of up to this
+  // many rows: K3 on an H200 (docs/fused.md, session 15), decode / chained graph replays at T = 2:
+  // 18.9 / 21.6 µs warm, 21.2 / 22.2 cold; T = 4: 19.7 / 21.5 warm, 22.8 / 22.4 cold; T = 6: 21.9 /
+  // 21.5 warm, 24.2 / 22.5 cold.
+  static constexpr std::int64_t kDecodeBesideChainedTokens = 4;
+
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
-  // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank).
+  // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank;
+  // ≤ kDecodeBesideChainedTokens where the chained path runs), else chained when tokens ≤
+  // chained_max_tokens(), else general.
   FusedKernel kernel_for(std::int64_t tokens) const {
-    return tokens >= 1 && tokens <= decode_max_tokens_ ? FusedKernel::decode : FusedKernel::general;
+    if (tokens < 1) return FusedKernel::general;
+    const std::int64_t decode_bound = chained_max_tokens_ > 0
+                                          ? std::min(decode_max_tokens_, kDecodeBesideChainedTokens)
+                                          : decode_max_tokens_;
+    if (tokens <= decode_bound) return FusedKernel::decode;
+    return tokens <= chained_max_tokens_ ? FusedKernel::chained : FusedKernel::general;
   }
-  // The largest bound the decode kernel takes here (0: it does not run; see decode_limit()).
+  // The largest bound the decode kernel can take here (0: it does not run; see decode_limit()).
   std::int64_t decode_max_tokens() const { return decode_max_tokens_; }
   // Why the decode kernel does not run here, or stops short of 16 rows (and of the workspace's
   // rows); nullopt when it takes every call of up to min(16, capacity()) rows.
   const std::optional<std::string>& decode_limit() const { return decode_limit_; }
+  // The largest bound the chained path takes here (0: it does not run; see chained_limit()).
+  std::int64_t chained_max_tokens() const { return chained_max_tokens_; }
+  // Why the chained path does not run here (several ranks, not compute 9.0, turned off, …);
+  // nullopt when it takes every call of up to min(128, capacity()) rows that decode does not.
+  const std::optional<std::string>& chained_limit() const { return chained_limit_; }
+  // Calls the chained path ran (counted on the device). Synchronizes the device.
+  std::uint32_t chained_calls() const;
   // Calls of this rank the general kernel completed (counted in its workspace; the decode kernel
   // does not count there), for tests that prove which kernel ran. Synchronizes the device.
   std::uint32_t general_calls() const;
@@ -83,6 +106,7 @@ class FusedTail {
 
  private:
   void choose_decode(int sms, int sharing);
+  void choose_chained();
   void throw_if_failed();
   void print_trace() noexcept;
 
@@ -94,12 +118,20 @@ class FusedTail {
   std::unique_ptr<P2pSharedBuffer> shared_workspace_;   // several: every rank's, from the communicator
   DeviceBuffer trace_;         // LMOE_FUSED_TRACE only: the general kernel's points
   DeviceBuffer decode_trace_;  // and the decode kernel's
+  DeviceBuffer chained_trace_;  // and the chained path's up-projection kernel's
   FusedTailParams params_;
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
   int decode_local_norm_rows_ = 0;  // several ranks: calls every block normalizes itself
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;
+  // The chained path (one rank): calls bounded by chained_max_tokens_ rows, its plan, its
+  // arguments (the tensor maps of w_up and of N in workspace_) and its calls counter.
+  std::int64_t chained_max_tokens_ = 0;
+  std::optional<std::string> chained_limit_;
+  FusedChainedPlan chained_plan_;
+  FusedChainedParams chained_params_;
+  DeviceBuffer chained_workspace_;
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;
   std::int32_t* own_abort_ = nullptr;

@@ -7,6 +7,7 @@ target_sources(lmoe_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/fused_tail.cpp
   ${CMAKE_CURRENT_LIST_DIR}/fused_tail_launch.cu
   ${CMAKE_CURRENT_LIST_DIR}/fused_decode_launch.cu
+  ${CMAKE_CURRENT_LIST_DIR}/fused_chained_launch.cu
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_group.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_communicator.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_process.cpp

@@ -41,6 +41,15 @@ const lmoe::TailDims kSmall{384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripe
 const lmoe::TailDims kK3{7168, 3584};
 const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
 
+// The current device's compute capability as 10 · major + minor (the chained path runs on 90 only).
+int compute_capability() {
+  int device = 0, major = 0, minor = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
 // The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
 // which ranks spinning on each other need: these tests run p2p ranks on one GPU, opted in for the
 // duration of each test only (the library keeps p2p on a shared GPU opt-in, docs/p2p.md, and the
@@ -113,9 +122,14 @@ TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBit
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
     expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed, &worst);
-    if (tokens <= 16) {  // the decode kernel's sizes through the general kernel too
+    if (tokens <= 16) {  // the decode kernel's sizes through the chained path (tp 1) or general
       const ScopedEnv general_only("LMOE_FUSED_DECODE", "0");
       expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed + 7u, &worst);
+    }
+    if (tp == 1 && tokens <= 128) {  // the chained path's sizes through the general kernel too
+      const ScopedEnv decode_off("LMOE_FUSED_DECODE", "0");
+      const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");
+      expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed + 13u, &worst);
     }
   }
   std::printf("[ fused  ] tp=%d %-4s T=1…256 (11 sizes) max_err/bound=%.3f\n", tp,
@@ -302,10 +316,11 @@ void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const void* t
 }
 
 // LMOE_FUSED_TRACE: destroying the FusedTail prints when the blocks of the last call of each kernel
-// reached each of its points (one call of 17 rows: the general kernel; one of 4: the decode
-// kernel); without the variable nothing is printed.
+// reached each of its points (one call of 17 rows: the general kernel, the chained path turned
+// off; one of 4: the decode kernel); without the variable nothing is printed.
 TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv general("LMOE_FUSED_CHAINED", "0");
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 17, 12u);
   const auto stderr_of_two_calls = [&](const char* trace) {
     const ScopedEnv env("LMOE_FUSED_TRACE", trace);
@@ -447,40 +462,80 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // ---- The decode kernel (cuda/fused_decode.cuh): T ≤ 16
 // -----------------------------------
 
-// Which kernel ran: the general kernel counts its calls in the workspace, the decode kernel does
-// not. Up to 16 rows (the call's T, or the bound of a call with T on the device) take the decode
-// kernel at every tp, 17 the general one.
-TEST_F(Fused, DecodeKernelRunsCallsOfAtMost16RowsAndTheGeneralKernelTheRest) {
+// Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
+// own, the decode kernel nowhere. Up to 16 rows (the call's T, or the bound of a call with T on the
+// device) take the decode kernel with several ranks, and 17 … 128 the general kernel; with one rank
+// where the chained path runs (compute 9.0) the decode kernel takes up to 4 rows and the chained
+// path 5 … 128; 129 takes the general kernel everywhere.
+TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
-    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 17, 41u);
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 129, 41u);
     const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
     lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-      FusedRank state(comm, c, 64);
+      FusedRank state(comm, c, 256);
       lmoe::cuda::FusedTail& fused = *state.fused;
       // One stream per rank: ranks spinning on each other must not share the legacy default stream.
       cudaStream_t stream = nullptr;
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       EXPECT_EQ(fused.decode_max_tokens(), 16) << fused.decode_limit().value_or("");
       EXPECT_FALSE(fused.decode_limit().has_value());
-      std::uint32_t general = fused.general_calls();
-      for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{16}, std::int64_t{17}}) {
-        const bool decode = tokens <= 16;
-        EXPECT_EQ(fused.kernel_for(tokens),
-                  decode ? lmoe::cuda::FusedKernel::decode : lmoe::cuda::FusedKernel::general)
-            << "tp=" << tp << " T=" << tokens;
+      const bool chained = tp == 1 && compute_capability() == 90;
+      EXPECT_EQ(fused.chained_max_tokens(), chained ? 128 : 0)
+          << fused.chained_limit().value_or("");
+      EXPECT_EQ(fused.chained_limit().has_value(), !chained);
+      std::uint32_t general = fused.general_calls(), chained_calls = fused.chained_calls();
+      for (std::int64_t tokens : {1, 4, 5, 16, 17, 128, 129}) {
+        using lmoe::cuda::FusedKernel;
+        const std::int64_t decode_bound =
+            chained ? lmoe::cuda::FusedTail::kDecodeBesideChainedTokens : 16;
+        const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
+                                     : chained && tokens <= 128 ? FusedKernel::chained
+                                                                : FusedKernel::general;
+        EXPECT_EQ(fused.kernel_for(tokens), expected) << "tp=" << tp << " T=" << tokens;
         comm.barrier();
         fused.run(state.routed.data(), state.shared.data(), state.out.data(), tokens, stream);
         cuda_ok(cudaStreamSynchronize(stream));
-        const std::uint32_t now = fused.general_calls();
-        EXPECT_EQ(now - general, decode ? 0u : 1u) << "tp=" << tp << " T=" << tokens;
-        general = now;
+        const std::uint32_t general_now = fused.general_calls();
+        const std::uint32_t chained_now = fused.chained_calls();
+        EXPECT_EQ(general_now - general, expected == FusedKernel::general ? 1u : 0u)
+            << "tp=" << tp << " T=" << tokens;
+        EXPECT_EQ(chained_now - chained_calls, expected == FusedKernel::chained ? 1u : 0u)
+            << "tp=" << tp << " T=" << tokens;
+        general = general_now;
+        chained_calls = chained_now;
       }
       EXPECT_EQ(fused.kernel_for(0), lmoe::cuda::FusedKernel::general);
       cudaStreamDestroy(stream);
     });
   }
+}
+
+// LMOE_FUSED_CHAINED=0 sends the chained path's calls to the general kernel and says why; without
+// the latent norm, or with several ranks, it does not run either.
+TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  const auto limit_with = [](int tp, bool latent_norm) {
+    lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 32, 43u);
+    c.latent_norm = latent_norm;
+    std::string why;
+    const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 64);
+      EXPECT_EQ(state.fused->chained_max_tokens() > 0, !state.fused->chained_limit().has_value());
+      if (rank == 0) why = state.fused->chained_limit().value_or("");
+    });
+    return why;
+  };
+  EXPECT_EQ(limit_with(1, true), "");
+  EXPECT_NE(limit_with(1, false).find("latent norm"), std::string::npos);
+  if (!lmoe::comm_group_limit("p2p", 2)) {
+    EXPECT_NE(limit_with(2, true).find("one rank only"), std::string::npos);
+  }
+  const ScopedEnv off("LMOE_FUSED_CHAINED", "0");
+  EXPECT_NE(limit_with(1, true).find("LMOE_FUSED_CHAINED=0"), std::string::npos);
 }
 
 // LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
@@ -669,6 +724,7 @@ TEST_F(Fused, ALatentTailOnP2pRanksPlacesItsWeightsOnTheRanksGpu) {
 // general kernel).
 TEST_F(Fused, DecodeStopsAt8RowsWhere16NormalizedRowsDoNotFit) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   const lmoe::TailDims dims{64, 4480};
   const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 9, 17u);
   const auto comms = lmoe::make_p2p_thread_communicators(1, {});
@@ -695,6 +751,7 @@ TEST_F(Fused, DecodeStopsAt8RowsWhere16NormalizedRowsDoNotFit) {
 // bound and crafted inputs bit for bit; with and without the latent norm.
 TEST_F(Fused, DecodeAroundItsBoundMeetsTheContractWithAndWithoutTheNorm) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   for (bool latent_norm : {true, false}) {
     for (DType dtype : {DType::bf16, DType::f16}) {
       double worst = 0;
@@ -727,6 +784,7 @@ TEST_F(Fused, DecodeAroundItsBoundMeetsTheContractWithAndWithoutTheNorm) {
 // 1 or 2 per warp, the last half past l).
 TEST_F(Fused, DecodeSmallOddShapes) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   double worst = 0;
   for (const lmoe::TailDims dims : {lmoe::TailDims{40, 48}, lmoe::TailDims{3176, 560}}) {
     for (DType dtype : {DType::bf16, DType::f16}) {
@@ -747,6 +805,7 @@ TEST_F(Fused, DecodeSmallOddShapes) {
 // runs it).
 TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   int device = 0, sms = 0;
   cuda_ok(cudaGetDevice(&device));
   cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -798,6 +857,7 @@ TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
 // as poisoned before the replay.
 TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   const std::int64_t d = kK3.d_model;
   // Both shapes of the kernel: a bound of 16 rows, and of 8 (the policy's tp-1 default).
   for (const std::int64_t max_tokens : {std::int64_t{16}, std::int64_t{8}}) {
@@ -1098,7 +1158,10 @@ void soak_graph_replays(int tp, std::int64_t max_tokens,
   std::printf(
       "[ fused  ] soak: %ld graph replays per rank, tp=%d (%s kernel), T in {%s}: %llu mismatched "
       "bytes\n",
-      replays, tp, kernel == lmoe::cuda::FusedKernel::decode ? "decode" : "general",
+      replays, tp,
+      kernel == lmoe::cuda::FusedKernel::decode    ? "decode"
+      : kernel == lmoe::cuda::FusedKernel::chained ? "chained"
+                                                   : "general",
       tokens_list.c_str(), total);
 }
 
@@ -1108,10 +1171,19 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   soak_graph_replays(2, 64, {1, 17, 64, 5}, lmoe::cuda::FusedKernel::general);
 }
 
+// The same for the chained path (one rank, a graph bounded by 128 rows: its wgmma N of 128 and
+// split K's counters over every replay).
+TEST_F(Fused, ChainedSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
+}
+
 // The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
 // nothing, and with two, through the protocol.
 TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
   soak_graph_replays(1, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says

@@ -394,12 +394,17 @@ TEST(TierPolicySelect, DefaultBreakpoints) {
 }
 
 // On cuda where the decode kernel runs the built-in fused breakpoint is its measured range: 6 at 1
-// rank, 16 from 2 to 7 ranks; where it does not, 0 (the general kernel measured slower than
-// overlap), with the reason; at 8 and 16 ranks, and on the cpu backend, the reference system's 128
-// stays; a breakpoint from the environment or a table is kept whatever the ranks.
+// rank (32 where the chained path runs too, below), 16 from 2 to 7 ranks; where it does not, 0 (the
+// general kernel measured slower than overlap), with the reason; at 8 and 16 ranks, and on the cpu
+// backend, the reference system's 128 stays; a breakpoint from the environment or a table is kept
+// whatever the ranks.
 TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
   using lmoe::Backend;
-  using lmoe::with_rank_defaults;
+  const std::optional<std::string> no_chained("the chained path runs on compute 9.0 only");
+  const auto with_rank_defaults = [&](PolicyConfig policy, Backend backend, int ranks,
+                                      const std::optional<std::string>& decode_limit) {
+    return lmoe::with_rank_defaults(std::move(policy), backend, ranks, decode_limit, no_chained);
+  };
   {
     // One rank: the decode kernel up to kFusedDefaultTp1Tokens, overlap above.
     const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, 1, std::nullopt);
@@ -427,7 +432,7 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
     setenv("LMOE_FUSED_DECODE", "0", 1);
     EXPECT_EQ(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16, 2),
               std::optional<std::string>("the decode kernel is turned off (LMOE_FUSED_DECODE=0)"));
-    EXPECT_EQ(with_rank_defaults(load({}), Backend::cuda, 2, {7168, 3584}, lmoe::DType::bf16)
+    EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, 2, {7168, 3584}, lmoe::DType::bf16)
                   .fused_max_tokens.value,
               0);
     setenv("LMOE_FUSED_DECODE", "maybe", 1);
@@ -439,7 +444,7 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
     // The dims-and-dtype form asks the decode kernel's plan; a build without CUDA has none.
     EXPECT_EQ(lmoe::fused_decode_limit({7168, 3584}, lmoe::DType::bf16),
               std::optional<std::string>("this build has no CUDA backend"));
-    EXPECT_EQ(with_rank_defaults(load({}), Backend::cuda, 1, {7168, 3584}, lmoe::DType::bf16)
+    EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, 1, {7168, 3584}, lmoe::DType::bf16)
                   .fused_max_tokens.value,
               0);
 #endif
@@ -490,6 +495,46 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
         with_rank_defaults(load({}), Backend::cpu, ranks, std::nullopt).fused_max_tokens.value,
         128);
   }
+}
+
+// One rank where the chained path runs (cuda/fused_chained_launch.hpp): fused up to
+// kFusedDefaultTp1ChainedTokens, overlap above, with the reason, whether or not the decode kernel
+// runs too (the chained path then takes every fused call); with several ranks it is not asked.
+TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
+  using lmoe::Backend;
+  for (const std::optional<std::string>& decode :
+       {std::optional<std::string>(), std::optional<std::string>("more than 8 groups per SM")}) {
+    const PolicyConfig config =
+        lmoe::with_rank_defaults(load({}), Backend::cuda, 1, decode, std::nullopt);
+    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultTp1ChainedTokens);
+    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+    EXPECT_EQ(tier_for(1, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1ChainedTokens, config), TailTier::fused);
+    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1ChainedTokens + 1, config), TailTier::overlap);
+    EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
+                HasSubstr("default for cuda at tp 1: the decode kernel and the chained path "
+                          "measured at least as fast as overlap up to 32 tokens"));
+  }
+  EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, 2, std::nullopt, std::nullopt)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultDecodeTokens);
+  EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 2),
+            std::optional<std::string>("the chained path runs with one rank only"));
+  setenv("LMOE_FUSED_CHAINED", "0", 1);
+  EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 1),
+            std::optional<std::string>("the chained path is turned off (LMOE_FUSED_CHAINED=0)"));
+  setenv("LMOE_FUSED_CHAINED", "sometimes", 1);
+  EXPECT_THROW(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 1), lmoe::Error);
+  unsetenv("LMOE_FUSED_CHAINED");
+  // Without the latent norm the chained path does not run: the decode kernel's range (or 0).
+  EXPECT_NE(lmoe::with_rank_defaults(load({}), Backend::cuda, 1, {7168, 3584}, lmoe::DType::bf16,
+                                     /*latent_norm=*/false)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultTp1ChainedTokens);
+#ifndef LMOE_HAS_CUDA
+  EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 1),
+            std::optional<std::string>("this build has no CUDA backend"));
+#endif
 }
 
 TEST(TierPolicySelect, ColumnLimitWhenSet) {

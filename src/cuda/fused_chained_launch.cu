@@ -1,0 +1,167 @@
+#include "cuda/fused_chained_launch.hpp"
+
+#include <algorithm>
+
+#include "cuda/fused_chained.cuh"
+#include "cuda/rms_norm.cuh"
+#include "cuda/tensor_map.hpp"
+
+namespace lmoe::cuda {
+
+namespace {
+
+// The wgmma N serving calls of up to `tokens` rows.
+int token_class(std::int64_t tokens) {
+  return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128;
+}
+
+template <typename T>
+const void* up_kernel_of(int token_class) {
+  switch (token_class) {
+    case 16:
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16>);
+    case 32:
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32>);
+    case 64:
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64>);
+    default:
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128>);
+  }
+}
+
+const void* up_kernel(int token_class, DType dtype) {
+  return dtype == DType::bf16 ? up_kernel_of<__nv_bfloat16>(token_class)
+                              : up_kernel_of<__half>(token_class);
+}
+
+int shared_bytes(int token_class) {
+  switch (token_class) {
+    case 16:
+      return ChainedShape<16>::kSharedBytes;
+    case 32:
+      return ChainedShape<32>::kSharedBytes;
+    case 64:
+      return ChainedShape<64>::kSharedBytes;
+    default:
+      return ChainedShape<128>::kSharedBytes;
+  }
+}
+
+// The norm kernel for rows of l elements: one row per block (8 warps), each lane holding up to
+// kChunksPerLane chunks of 8 in registers (fused_chained_plan bounds l by 8 · 256 · 8).
+template <typename T>
+const void* norm_kernel_of(std::int64_t l) {
+  const std::int64_t per_lane = (l / kNormChunk + kNormLanes - 1) / kNormLanes;
+  if (per_lane <= 1) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 1>);
+  if (per_lane <= 2) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 2>);
+  if (per_lane <= 4) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 4>);
+  return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 8>);
+}
+
+}  // namespace
+
+const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                               DType dtype, FusedChainedPlan* plan) {
+  if (dtype != DType::bf16 && dtype != DType::f16) return "the chained path runs bf16 and f16";
+  if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens)
+    return "the chained path takes 1 … 128 tokens";
+  if (rows % 8 != 0 || rows < 8 || l % 8 != 0 || l < 8 || l > 8 * kNormLanes * 8)
+    return "the chained path needs d % 8 == 0, l % 8 == 0 and l ≤ 16384";
+  if (rows > 0x7fffffff) return "the chained path's copies address at most 2^31 rows";
+  if (!tensor_maps_available()) return "the chained path needs a driver that encodes tensor maps";
+  int device = 0, sms = 0, major = 0, minor = 0, limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return "the chained path could not query the device";
+  }
+  if (major != 9 || minor != 0) return "the chained path runs on compute 9.0 only (wgmma)";
+  FusedChainedPlan result;
+  result.tiles = static_cast<int>((rows + kChainedTileRows - 1) / kChainedTileRows);
+  const int chunks = static_cast<int>((l + kChainedTileK - 1) / kChainedTileK);
+  // Split K fills the SMs the tiles leave idle (K3 at tp 1: 56 tiles, 2 splits on 132 SMs).
+  result.splits = std::clamp(sms / result.tiles, 1, std::min(kChainedMaxSplits, chunks));
+  for (int shape : {16, 32, 64, 128}) {
+    if (shape > token_class(max_tokens)) break;
+    const void* kernel = up_kernel(shape, dtype);
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess)
+      return "the chained path could not query the device";
+    const int bytes = shared_bytes(shape);
+    if (bytes > limit - static_cast<int>(attributes.sharedSizeBytes))
+      return "the chained path's stages do not fit in a block's shared memory";
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+        cudaSuccess) {
+      return "the chained path's shared memory could not be raised on this device";
+    }
+  }
+  *plan = result;
+  return nullptr;
+}
+
+cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const void* w_up,
+                               const void* normed, std::int64_t capacity) {
+  if (const cudaError_t status =
+          encode_rows_map(params->w_map, dtype, w_up, params->rows, params->l, params->l,
+                          kChainedTileK, kChainedTileRows);
+      status != cudaSuccess) {
+    return status;
+  }
+  for (int c = 0; c < kChainedTokenClasses; ++c) {
+    if (const cudaError_t status = encode_rows_map(params->n_maps[c], dtype, normed, capacity,
+                                                   params->l, params->l, kChainedTileK, 16 << c);
+        status != cudaSuccess) {
+      return status;
+    }
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed,
+                                 const float* gamma, float eps, void* normed,
+                                 std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
+                                 cudaStream_t stream) {
+  if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens || plan.tiles < 1 ||
+      (dtype != DType::bf16 && dtype != DType::f16)) {
+    return cudaErrorInvalidValue;
+  }
+  // 1. N: one block per row (the bound's rows when T is on the device: the others return).
+  const void* norm =
+      dtype == DType::bf16 ? norm_kernel_of<__nv_bfloat16>(p.l) : norm_kernel_of<__half>(p.l);
+  std::int64_t rows = p.tokens_device ? max_tokens : p.tokens;
+  const std::int32_t* rows_device = p.tokens_device;
+  int cols = static_cast<int>(p.l);
+  void* norm_args[] = {&routed, &gamma, &normed, &rows, &rows_device, &cols, &eps};
+  if (const cudaError_t status = cudaLaunchKernel(norm, dim3(static_cast<unsigned>(rows)),
+                                                  dim3(kNormThreads), norm_args, 0, stream);
+      status != cudaSuccess) {
+    return status;
+  }
+  // 2. The up-projection, allowed to start before the norm kernel ends (it waits for N itself);
+  //    a tile's splits form a cluster.
+  const int shape = token_class(max_tokens);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(plan.tiles * plan.splits));
+  config.blockDim = dim3(kChainedThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes(shape));
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = static_cast<unsigned>(plan.splits);
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  FusedChainedParams params = p;
+  params.tiles = plan.tiles;
+  params.splits = plan.splits;
+  void* up_args[] = {&params};
+  return cudaLaunchKernelExC(&config, up_kernel(shape, dtype), up_args);
+}
+
+}  // namespace lmoe::cuda

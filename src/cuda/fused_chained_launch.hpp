@@ -1,0 +1,88 @@
+// Launcher of the fused tier's chained path (cuda/fused_chained.cuh) for one rank (tp = 1, the
+// expert-parallel layout): two kernels chained by programmatic dependent launch,
+//
+//   1. N = round(rmsnorm(routed)) into the workspace (cuda/rms_norm.cuh's register kernel, one
+//      block per row, the canonical order), which lets the second start at once;
+//   2. Y = round(round(N · w_upᵀ) + shared) on wgmma tensor cores, whose weight copies start while
+//      the first still runs and which waits for N only before its first copy of N.
+//
+// Compute 9.0 (wgmma) only, bf16 or f16, T ≤ kFusedChainedMaxTokens. Host code only.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the type only)
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "lmoe/dtype.hpp"
+
+namespace lmoe::cuda {
+
+// The most tokens a chained call carries: wgmma's N of 128.
+inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
+// A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups, each
+// multiplying 64 rows of w_up (wgmma's M) by every token; 64 elements of K per stage. A tile of 128
+// rows of w_up is split over K by at most kChainedMaxSplits blocks of one cluster.
+inline constexpr int kChainedThreads = 384;
+inline constexpr int kChainedTileRows = 128;
+inline constexpr int kChainedTileK = 64;
+inline constexpr int kChainedMaxSplits = 2;
+// N's rows per copy: one box of the call's token class (16, 32, 64 or 128 rows: wgmma's N).
+inline constexpr int kChainedTokenClasses = 4;
+
+// The kernel's arguments (passed as a __grid_constant__ parameter: the tensor maps must live in
+// parameter space).
+struct FusedChainedParams {
+  CUtensorMap w_map;  // w_up [rows, l], boxes of 64 k × 128 rows, 128-byte swizzle
+  // N [capacity, l], boxes of 64 k × 16 · 2^c rows for token class c, 128-byte swizzle
+  CUtensorMap n_maps[kChainedTokenClasses];
+  std::int64_t tokens = 0;                      // T, when tokens_device is null
+  const std::int32_t* tokens_device = nullptr;  // T on the device (graph replays), ≤ the bound
+  std::int64_t d = 0, l = 0;                    // d_model, d_latent
+  std::int64_t rows = 0;                        // w_up's rows (= d at tp 1)
+  const void* shared = nullptr;                 // [T, d]
+  void* out = nullptr;                          // [T, d]
+  std::uint32_t* calls = nullptr;               // the calls counted (for tests)
+  int tiles = 0, splits = 1;  // the grid: tiles × splits blocks, clusters of `splits`
+  // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
+  // call (global timer, ns), [grid][kChainedTracePoints]; null normally.
+  std::uint64_t* trace = nullptr;
+};
+
+// The up-projection kernel's trace points, in order.
+enum ChainedTracePoint : int {
+  kChainedTraceEntry,
+  kChainedTraceNReady,      // the producer past griddepcontrol.wait: the norm kernel has ended
+  kChainedTraceMultiplied,  // the consumers' last wgmma done
+  kChainedTraceEnd,         // the block's last store (or its partials, into split 0's block)
+  kChainedTracePoints
+};
+
+// How the chained path runs on one device: tiles of 128 rows of w_up, each split over `splits`
+// ranges of K (tiles × splits blocks, at most one per SM: split K fills the SMs the tiles leave
+// idle).
+struct FusedChainedPlan {
+  int tiles = 0, splits = 0;
+};
+
+// Why the chained path cannot run calls of up to `max_tokens` rows with `rows` rows of w_up and
+// latent width l on the current device: compute 9.0 only (wgmma), bf16/f16, rows % 8, l % 8 and
+// l ≤ 16384 (the norm kernel's registers), a driver that encodes tensor maps, the stages in a
+// block's shared memory; nullptr when it can, after filling *plan and raising the kernels'
+// shared-memory limit on this device. A static string.
+const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                               DType dtype, FusedChainedPlan* plan);
+
+// The tensor maps of w_up [rows, l] and of N [capacity, l] (both 16-byte aligned) into params.
+cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const void* w_up,
+                               const void* normed, std::int64_t capacity);
+
+// Launches the norm kernel (routed [T, l] → normed, the map's buffer) and the up-projection
+// kernel for calls of up to max_tokens rows (≤ kFusedChainedMaxTokens), p.tokens or
+// p.tokens_device rows. Queries nothing (it may run inside a graph capture).
+cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed,
+                                 const float* gamma, float eps, void* normed,
+                                 std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
+                                 cudaStream_t stream);
+
+}  // namespace lmoe::cuda
