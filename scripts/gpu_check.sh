@@ -122,7 +122,9 @@ fi
 if wants sanitize; then
   if command -v compute-sanitizer >/dev/null; then
     # One small fused run under memcheck and racecheck (one rank: the sanitizer serializes kernels,
-    # and ranks spinning on each other would then wait for each other until the timeout).
+    # and ranks spinning on each other would then wait for each other until the timeout). Its sizes
+    # run all three kernels of one rank: the decode kernel, the chained path (on compute 9.0) and
+    # the general kernel.
     for tool in memcheck racecheck; do
       stage "compute-sanitizer $tool"
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/lmoe_cuda_tests \
