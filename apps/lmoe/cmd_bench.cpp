@@ -227,10 +227,14 @@ void BenchCommand::execute() {
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
   std::optional<PolicyConfig> shipped_policy;
+  // The sweep's p2p ranks are threads placed on GPU rank % GPUs: more ranks than GPUs share them.
+  const std::optional<BenchEnvironment::Gpu> gpu = bench_environment(chosen_backend).gpu;
+  const int gpus = gpu && gpu->device_count > 0 ? gpu->device_count : 1;
   for (const std::string& comm : options.comms) {
     RunningConfig running =
         running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
     running.cold_l2 = options.cold_l2;  // as this sweep will measure
+    if (comm == "p2p") running.ranks_per_gpu = (options.tp + gpus - 1) / gpus;
     check_table_fits(options.policy, running);
     // The tails choose as LatentTail does: say so where a table built into lmoe holds.
     const PolicyConfig shipped = with_shipped_tier_table(options.policy, running);

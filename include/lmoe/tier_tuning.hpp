@@ -203,6 +203,10 @@ struct RunningConfig {
   DType dtype = DType::bf16;
   std::optional<std::string> comm;
   std::string lmoe_version;
+  // Ranks of the tail's group on this rank's GPU (p2p ranks may share one, LMOE_P2P_SHARED_GPU).
+  // Not part of a table's provenance: the tables built into lmoe were all measured with one rank
+  // per GPU, and with_shipped_tier_table keeps them away from ranks that share one.
+  int ranks_per_gpu = 1;
   // How a measurement here was taken, compared (with a warning) when set: a sweep's, when a table
   // judges it; a plain run has no cache state or timing settings of its own to compare.
   std::optional<bool> cold_l2;
@@ -249,8 +253,9 @@ std::span<const ShippedTierTable> shipped_tier_tables();
 // over the table) and `running` names its comm (and its GPU, for a table measured on one), and
 // the decode kernel is not turned off (LMOE_FUSED_DECODE=0: the fused ranges were measured with
 // it); otherwise `policy` as it is. A table holds where match_tier_table accepts it (software
-// versions may differ; the caller's match then warns). Measured with one rank per GPU: ranks
-// sharing a GPU run slower than the table says.
+// versions may differ; the caller's match then warns) and the ranks have a GPU each
+// (`running.ranks_per_gpu` 1: the tables were measured so, and ranks sharing a GPU run slower than
+// they say).
 PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running);
 
 // ---- tuning -------------------------------------------------------------------------------------

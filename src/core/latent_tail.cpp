@@ -18,6 +18,7 @@
 #include "lmoe/tier_tuning.hpp"
 
 #ifdef LMOE_HAS_CUDA
+#include "comm/p2p_peer_access.hpp"
 #include "cuda/cuda_tail_executor.hpp"
 #include "cuda/fused_chained_launch.hpp"
 #include "cuda/fused_decode_launch.hpp"
@@ -223,6 +224,19 @@ std::vector<DeviceTokenBucket> make_device_token_buckets(
   return buckets;
 }
 
+namespace {
+
+// Ranks of comm's group on this rank's GPU: p2p ranks may share one (LMOE_P2P_SHARED_GPU); the
+// other communicators give each rank a device of its own or none.
+int ranks_on_my_gpu([[maybe_unused]] Communicator& comm) {
+#ifdef LMOE_HAS_CUDA
+  if (const auto* p2p = dynamic_cast<const P2pPeerAccess*>(&comm)) return p2p->ranks_on_my_gpu();
+#endif
+  return 1;
+}
+
+}  // namespace
+
 LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
                        ConstMatrixView up_proj_weight)
     : impl_(std::make_unique<Impl>(std::move(options), comm)) {
@@ -230,10 +244,10 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   // of the choice of tier is set, the table chooses (docs/tuning.md). (Without the backend there
   // is no GPU to match; validation below reports it.)
   if (backend_available(impl_->options.backend)) {
-    impl_->options.policy = with_shipped_tier_table(
-        std::move(impl_->options.policy),
-        running_config(impl_->options.backend, comm.size(), impl_->options.dims,
-                       impl_->options.dtype, std::string(comm.backend_name())));
+    RunningConfig running = running_config(impl_->options.backend, comm.size(), impl_->options.dims,
+                                           impl_->options.dtype, std::string(comm.backend_name()));
+    running.ranks_per_gpu = ranks_on_my_gpu(comm);
+    impl_->options.policy = with_shipped_tier_table(std::move(impl_->options.policy), running);
   }
   impl_->options.policy =
       with_rank_defaults(std::move(impl_->options.policy), impl_->options.backend, comm.size(),

@@ -39,8 +39,12 @@ const std::vector<TableProvenance>& shipped_provenances() {
 }  // namespace
 
 PolicyConfig with_shipped_tier_table(PolicyConfig policy, const RunningConfig& running) {
-  // The tables' fused ranges were measured with the decode kernel: not with it turned off.
-  if (!choice_untouched(policy) || !running.comm || fused_decode_turned_off()) return policy;
+  // The tables' fused ranges were measured with the decode kernel, and with one rank per GPU: not
+  // with it turned off, nor for ranks that share a GPU.
+  if (!choice_untouched(policy) || !running.comm || fused_decode_turned_off() ||
+      running.ranks_per_gpu > 1) {
+    return policy;
+  }
   const std::span<const ShippedTierTable> tables = shipped_tier_tables();
   for (std::size_t i = 0; i < tables.size(); ++i) {
     const ShippedTierTable& shipped = tables[i];

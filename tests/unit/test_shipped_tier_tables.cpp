@@ -118,7 +118,7 @@ TEST(ShippedTierTables, NoTableWhereAnotherConfigurationRuns) {
   for (const lmoe::ShippedTierTable& shipped : lmoe::shipped_tier_tables()) {
     SCOPED_TRACE(std::string(shipped.name));
     const lmoe::TableProvenance p = read(shipped).provenance;
-    std::vector<lmoe::RunningConfig> elsewhere(7, running_like(p));
+    std::vector<lmoe::RunningConfig> elsewhere(8, running_like(p));
     elsewhere[0].tp = p.tp * 2;
     elsewhere[1].dims.d_model += 8;
     elsewhere[2].dtype = p.dtype == lmoe::DType::bf16 ? lmoe::DType::f16 : lmoe::DType::bf16;
@@ -126,6 +126,7 @@ TEST(ShippedTierTables, NoTableWhereAnotherConfigurationRuns) {
     elsewhere[4].comm.reset();  // the comm not known: no table is assumed to hold
     elsewhere[5].backend = lmoe::Backend::cpu;
     elsewhere[6].gpu.reset();  // no GPU known here: a GPU's table does not hold
+    elsewhere[7].ranks_per_gpu = 2;  // ranks sharing a GPU: measured with one rank per GPU
     if (p.gpu) {
       elsewhere.push_back(running_like(p));
       elsewhere.back().gpu->name += " NVL";
