@@ -227,9 +227,10 @@ void BenchCommand::execute() {
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
   std::optional<PolicyConfig> shipped_policy;
+  const BenchEnvironment environment = bench_environment(chosen_backend);
   // The sweep's p2p ranks are threads placed on GPU rank % GPUs: more ranks than GPUs share them.
-  const std::optional<BenchEnvironment::Gpu> gpu = bench_environment(chosen_backend).gpu;
-  const int gpus = gpu && gpu->device_count > 0 ? gpu->device_count : 1;
+  const int gpus =
+      environment.gpu && environment.gpu->device_count > 0 ? environment.gpu->device_count : 1;
   for (const std::string& comm : options.comms) {
     RunningConfig running =
         running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
@@ -251,7 +252,6 @@ void BenchCommand::execute() {
   validate_bench_options(options);
   if (!cuda) cpu::set_blas_threads(1);  // ranks are the parallelism
 
-  const BenchEnvironment environment = bench_environment(chosen_backend);
   BenchSweep planned = bench_sweep_of(options, resolved.preset, environment, {});
   std::cerr << "lmoe bench: " << describe_setting(planned) << "\n";
   if (options.inject_fault)

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "cuda/fused_chained.cuh"
-#include "cuda/rms_norm.cuh"
+#include "cuda/launchers.hpp"
 #include "cuda/tensor_map.hpp"
 
 namespace lmoe::cuda {
@@ -47,17 +47,6 @@ int shared_bytes(int token_class) {
   }
 }
 
-// The norm kernel for rows of l elements: one row per block (8 warps), each lane holding up to
-// kChunksPerLane chunks of 8 in registers (fused_chained_plan bounds l by 8 · 256 · 8).
-template <typename T>
-const void* norm_kernel_of(std::int64_t l) {
-  const std::int64_t per_lane = (l / kNormChunk + kNormLanes - 1) / kNormLanes;
-  if (per_lane <= 1) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 1>);
-  if (per_lane <= 2) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 2>);
-  if (per_lane <= 4) return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 4>);
-  return reinterpret_cast<const void*>(rms_norm_register_kernel<T, 8, 8>);
-}
-
 }  // namespace
 
 const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
@@ -65,7 +54,8 @@ const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t m
   if (dtype != DType::bf16 && dtype != DType::f16) return "the chained path runs bf16 and f16";
   if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens)
     return "the chained path takes 1 … 128 tokens";
-  if (rows % 8 != 0 || rows < 8 || l % 8 != 0 || l < 8 || l > 8 * kNormLanes * 8)
+  // l ≤ 16384: launch_rms_norm's register kernels, the ones that read T on the device.
+  if (rows % 8 != 0 || rows < 8 || l % 8 != 0 || l < 8 || l > 16384)
     return "the chained path needs d % 8 == 0, l % 8 == 0 and l ≤ 16384";
   if (rows > 0x7fffffff) return "the chained path's copies address at most 2^31 rows";
   if (!tensor_maps_available()) return "the chained path needs a driver that encodes tensor maps";
@@ -128,15 +118,10 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
       (dtype != DType::bf16 && dtype != DType::f16)) {
     return cudaErrorInvalidValue;
   }
-  // 1. N: one block per row (the bound's rows when T is on the device: the others return).
-  const void* norm =
-      dtype == DType::bf16 ? norm_kernel_of<__nv_bfloat16>(p.l) : norm_kernel_of<__half>(p.l);
-  std::int64_t rows = p.tokens_device ? max_tokens : p.tokens;
-  const std::int32_t* rows_device = p.tokens_device;
-  int cols = static_cast<int>(p.l);
-  void* norm_args[] = {&routed, &gamma, &normed, &rows, &rows_device, &cols, &eps};
-  if (const cudaError_t status = cudaLaunchKernel(norm, dim3(static_cast<unsigned>(rows)),
-                                                  dim3(kNormThreads), norm_args, 0, stream);
+  // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others).
+  if (const cudaError_t status =
+          launch_rms_norm(routed, gamma, normed, p.tokens_device ? max_tokens : p.tokens, p.l, eps,
+                          dtype, stream, p.tokens_device);
       status != cudaSuccess) {
     return status;
   }

@@ -1,8 +1,8 @@
 // Launcher of the fused tier's chained path (cuda/fused_chained.cuh) for one rank (tp = 1, the
 // expert-parallel layout): two kernels chained by programmatic dependent launch,
 //
-//   1. N = round(rmsnorm(routed)) into the workspace (cuda/rms_norm.cuh's register kernel, one
-//      block per row, the canonical order), which lets the second start at once;
+//   1. N = round(rmsnorm(routed)) into the workspace (launch_rms_norm: the register kernel of
+//      cuda/rms_norm.cuh, the canonical order), which lets the second start at once;
 //   2. Y = round(round(N · w_upᵀ) + shared) on wgmma tensor cores, whose weight copies start while
 //      the first still runs and which waits for N only before its first copy of N.
 //

@@ -28,9 +28,14 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 
 // out = round(rmsnorm(x; gamma, eps)) row by row, in the contract's canonical order (bit-identical
 // to cpu::rms_norm); x and out are contiguous [rows, cols], gamma is fp32 [cols]. Any cols ≥ 1; the
-// fast path needs cols % 8 == 0 and x, out and gamma 16-byte aligned.
+// fast path needs cols % 8 == 0 and x, out and gamma 16-byte aligned. rows_device, when given,
+// holds the row count on the device (at most `rows`, which sizes the grid: a graph replayed with
+// another T); only the fast path with rows held in registers (cols ≤ 16384) reads it, elsewhere it
+// is cudaErrorInvalidValue with nothing launched. The fast path lets a kernel launched after it
+// with programmatic dependent launch start at once (rms_norm.cuh).
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
-                            std::int64_t cols, float eps, DType dtype, cudaStream_t stream);
+                            std::int64_t cols, float eps, DType dtype, cudaStream_t stream,
+                            const std::int32_t* rows_device = nullptr);
 
 // *counter += the number of bytes where a and b differ (device-side checks of many results without a
 // host round trip per result, e.g. long graph-replay soaks).

@@ -233,6 +233,12 @@ TEST(CudaRmsNormLauncher, RejectsEmptyRowsAndNegativeCountsAndSkipsZeroRows) {
   EXPECT_EQ(lmoe::cuda::launch_rms_norm(&x, &gamma, &out, 0, 1, 1e-5f, DType::f32, nullptr),
             cudaSuccess);
   EXPECT_EQ(out, 0.0f);
+  // A row count on the device is read by the register kernels only: a row too short for them
+  // (cols % 8 != 0) is refused before any launch.
+  const std::int32_t rows_device = 1;
+  EXPECT_EQ(
+      lmoe::cuda::launch_rms_norm(&x, &gamma, &out, 1, 1, 1e-5f, DType::f32, nullptr, &rows_device),
+      cudaErrorInvalidValue);
 }
 
 }  // namespace
