@@ -124,11 +124,11 @@ if wants sanitize; then
     # One small fused run under memcheck and racecheck (one rank: the sanitizer serializes kernels,
     # and ranks spinning on each other would then wait for each other until the timeout). Its sizes
     # run all three kernels of one rank: the decode kernel, the chained path (on compute 9.0) and
-    # the general kernel.
+    # the general kernel; then the chained path with every split of K (1 … 16 blocks a cluster).
     for tool in memcheck racecheck; do
       stage "compute-sanitizer $tool"
       timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/lmoe_cuda_tests \
-        --gtest_filter='TpDtype/FusedParity.*/tp1_bf16' >"$logs/sanitize_$tool.log" 2>&1
+        --gtest_filter='TpDtype/FusedParity.*/tp1_bf16:Fused.ChainedPathSplitsK*' >"$logs/sanitize_$tool.log" 2>&1
       rc[sanitize_$tool]=$?
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$logs/sanitize_$tool.log" | head -5
     done

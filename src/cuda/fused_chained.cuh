@@ -9,24 +9,29 @@
 //
 // - A block owns 128 rows of w_up (a tile) and one range of K: split K over the blocks of a
 //   cluster (tiles × splits blocks, at most one per SM, so that the SMs the tiles leave idle still
-//   stream; K3 at tp 1: 56 tiles × 2). Warpgroup 0's first thread produces: it copies each 64-wide
-//   chunk of K of the tile's rows and of N's rows (one box each: the copy engine's time goes by
-//   boxes more than by bytes, measured) into a ring of stages with the copy engine (TMA, 128-byte
-//   swizzle: the layout wgmma's descriptors read), completing on the stage's full mbarrier.
+//   stream; K3 at tp 1: 56 tiles × 2, a stripe of 896 rows: 7 × 8). Warpgroup 0's first thread
+//   produces: it copies each 64-wide chunk of K of the tile's rows and of N's rows (one box each:
+//   the copy engine's time goes by boxes more than by bytes, measured) into a ring of stages with
+//   the copy engine (TMA, 128-byte swizzle: the layout wgmma's descriptors read), completing on
+//   the stage's full mbarrier.
 //   Warpgroups 1 and 2 consume: each multiplies its 64-row half of the tile by N's rows (four
 //   m64nNk16 per chunk, fp32 accumulators in registers), keeps one wgmma group in flight and hands
 //   the previous stage back through its empty mbarrier. No block-wide barrier in the main loop.
 // - The weights do not depend on the first kernel: the producer issues the first ring of weight
 //   copies before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow
 //   the wait.
-// - Split K: the cluster's other blocks store their fp32 accumulators into block 0's (idle) stages
-//   through distributed shared memory, and block 0 adds them in split order (a fixed order: the
-//   bits do not depend on timing). Through global memory instead (partials, a fence and an arrival
-//   counter) the finish took 2–9 µs at K3, T = 17 … 128 (the fence waits behind the weight stream).
-// - The finish: block 0's consumers park round(U) in its stages as [token][row], and its threads
-//   then store 16-byte vectors of round(round(U) + shared) along Y's rows (`shared` brought into
-//   L2 by the producer's idle threads during the stream). Tokens ≥ T are never stored (their
-//   columns of the product, from whatever N's unused rows hold, are dropped).
+// - Split K over the S blocks of a cluster (S a power of two ≤ 8; K3 at tp 1: 2, a narrow
+//   stripe such as K3's 896 rows at tp 8: 8), summed as a reduce-scatter through distributed
+//   shared memory: block q of the cluster finishes the tile's q-th slice of 128 / S rows; every
+//   block stores its fp32 accumulators of each slice into the slice owner's (idle) stages, and all
+//   of q's threads add the S partials of its slice in split order (a fixed order: the bits depend
+//   neither on timing nor on S). Through global memory instead (partials, a fence and an arrival
+//   counter) the finish took 2–9 µs at K3, T = 17 … 128 (the fence waits behind the weight stream);
+//   block 0 alone summing the whole tile (session 15) was ~1 µs slower at T = 128.
+// - The finish: each block parks round(U) of its slice in its stages as [token][row], and its
+//   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows (`shared`
+//   brought into L2 by the producer's idle threads during the stream). Tokens ≥ T are never stored
+//   (their columns of the product, from whatever N's unused rows hold, are dropped).
 //
 // The mma's K order is free under the contract (it bounds the product, not its order). Device code
 // only.
@@ -58,13 +63,14 @@ struct ChainedShape {
   // As many stages as ~192 KB hold, at most 8: room beside a norm block on the SM.
   static constexpr int kStages = std::min(8, 192 * 1024 / kStageBytes);
   static constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + alignment to 1024
-  // A consumer thread's accumulators as float4 units (the partials' layout: [unit][256 threads]).
-  static constexpr int kUnits = kN / 8;
-  static constexpr int kPartialBytes = kUnits * 256 * 16;
-  // The finish's parked round(U): a token's tile rows, padded by 16 bytes so that the fragment's
-  // stores of one warp spread over the banks; after the other splits' partials.
+  // The cluster's partials, [split][fragment][slot] float2, slot = 4 · (row in the slice) + lane %
+  // 4: S splits × kN / 8 fragments × 4 · 128 / S slots, whatever S (a block's own slot stays
+  // unused).
+  static constexpr int kPartialBytes = kN * 512;
+  // The finish's parked round(U) of the block's slice: a token's rows, padded by 16 bytes so that
+  // the fragment's stores of one warp spread over the banks; after the partials.
   static constexpr int kParkPitch = kChainedTileRows * 2 + 16;
-  static constexpr int kParkOffset = (kChainedMaxSplits - 1) * kPartialBytes;
+  static constexpr int kParkOffset = kPartialBytes;
   static_assert(kStageBytes % 1024 == 0, "1024-byte swizzle atoms");
   static_assert(kParkOffset + kN * kParkPitch <= kStages * kStageBytes,
                 "partials and parking in the stages");
@@ -145,16 +151,18 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       }
     }
     __syncwarp();
-    // The other producer threads bring the tile's columns of `shared` into L2 meanwhile, for the
-    // finish's loads (two 128-byte lines per token: 256 bytes of a 128-row tile).
+    // The other producer threads bring the columns of `shared` that this block finishes into L2
+    // meanwhile, for the finish's loads (its slice of 128 / splits rows: 2 · 128 / splits bytes a
+    // token, in one or two 128-byte lines).
     if (tid >= 32) {
       const T* shared = static_cast<const T*>(p.shared);
-      constexpr int kLines = kChainedTileRows * 2 / 128;
-      for (int i = tid - 32; split == 0 && i < tokens * kLines; i += 96) {
-        const std::int64_t row =
-            static_cast<std::int64_t>(tile) * kChainedTileRows + i % kLines * 64;
+      const int slice_rows = kChainedTileRows / p.splits;
+      const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
+      for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
+        const std::int64_t row = static_cast<std::int64_t>(tile) * kChainedTileRows +
+                                 split * slice_rows + (i & lines_shift) * 64;
         if (row < p.rows) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(shared + (i / kLines) * p.d + row));
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(shared + (i >> lines_shift) * p.d + row));
         }
       }
     }
@@ -189,89 +197,100 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
 
-  const int consumer_tid = tid - 128;  // 0 … 255 in the consumers
+  // The block's slice of the tile: rows [split · R, split · R + R) of it, R = 128 / splits. splits
+  // is a power of two: shifts and masks below, as a division by a value known only at run time
+  // costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at T = 128).
+  const int slice_shift = 7 - (31 - __clz(p.splits));  // R = 1 << slice_shift
+  const int slice_rows = 1 << slice_shift;
   const int fragments = (tokens + 7) / 8;
-  if (p.splits > 1) {
+  const int lane = tid % 32;
+  // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
+  const int fragment_row = (warpgroup - 1) * 64 + (tid / 32 % 4) * 16 + lane / 4;
+  unsigned char* const parked = park + Shape::kParkOffset;
+  // round(U) of (token, tile row) into the parking: token · kParkPitch + 2 · (row in the slice).
+  const auto park_u = [&](int token, int row, float u) {
+    *reinterpret_cast<T*>(parked + token * Shape::kParkPitch + 2 * (row & (slice_rows - 1))) =
+        Storage<T>::store(u);
+  };
+  if (p.splits == 1) {
+    if (tid == 0) chained_trace(p, kChainedTracePartials);
+    if (warpgroup > 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kFragments; ++j) {
+          if (j >= fragments) continue;
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            park_u(8 * j + 2 * (lane % 4) + e, fragment_row + 8 * h, acc[4 * j + 2 * h + e]);
+        }
+      }
+    }
+  } else {
+    // Every block stores each fragment pair into the memory of the slice's owner (its own too),
+    // [split][fragment][slot], slot = 4 · (row in the slice) + lane % 4; then all of the owner's
+    // threads sum the S partials of its slice in split order and park round(U).
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // block 0's stages are free for the others' partials
-    if (split > 0) {
-      float4* theirs = cluster.map_shared_rank(
-          reinterpret_cast<float4*>(park + (split - 1) * Shape::kPartialBytes), 0);
-      if (warpgroup > 0) {
-#pragma unroll
-        for (int j = 0; j < kFragments; ++j) {
-          if (j < fragments) {
-            theirs[j * 256 + consumer_tid] =
-                make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-          }
-        }
-      }
-      cluster.sync();  // the partials are in block 0's memory
-      if (tid == 0) chained_trace(p, kChainedTraceEnd);
-      return;
-    }
-    cluster.sync();
+    float2* const partials = reinterpret_cast<float2*>(park);
+    const int slots_shift = slice_shift + 2, slots = 1 << slots_shift;  // 4 · R
+    cluster.sync();  // every block of the cluster is done with its stages
     if (warpgroup > 0) {
-      // Split 0's sums (in registers) plus splits 1, 2, … in order.
-      for (int s = 1; s < p.splits; ++s) {
-        const float4* split_units =
-            reinterpret_cast<const float4*>(park + (s - 1) * Shape::kPartialBytes) + consumer_tid;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = fragment_row + 8 * h, owner = row >> slice_shift;
+        float2* const theirs = cluster.map_shared_rank(
+            partials + split * kFragments * slots + (row & (slice_rows - 1)) * 4 + lane % 4, owner);
 #pragma unroll
         for (int j = 0; j < kFragments; ++j) {
-          if (j < fragments) {
-            const float4 v = split_units[j * 256];
-            acc[4 * j] = __fadd_rn(acc[4 * j], v.x),
-                    acc[4 * j + 1] = __fadd_rn(acc[4 * j + 1], v.y);
-            acc[4 * j + 2] = __fadd_rn(acc[4 * j + 2], v.z);
-            acc[4 * j + 3] = __fadd_rn(acc[4 * j + 3], v.w);
-          }
+          if (j < fragments)
+            theirs[j * slots] = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
       }
     }
-  }
-  unsigned char* const parked = park + Shape::kParkOffset;
-  if (warpgroup > 0) {
-    // acc[4j + e]: row 64·consumer + 16·(warp % 4) + lane / 4 + 8·(e / 2), token 8j + 2·(lane % 4)
-    // + e % 2; parked as round(U) at token · kParkPitch + 2 · row.
-    const int lane = tid % 32;
-    const int row = (warpgroup - 1) * 64 + (tid / 32 % 4) * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < kFragments; ++j) {
-      if (j < fragments) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = 8 * j + 2 * (lane % 4) + e % 2;
-          *reinterpret_cast<T*>(parked + token * Shape::kParkPitch + 2 * (row + 8 * (e / 2))) =
-              Storage<T>::store(acc[4 * j + e]);
-        }
+    cluster.sync();  // the slices' partials are in their owners' memory
+    if (tid == 0) chained_trace(p, kChainedTracePartials);
+    const int pairs = fragments * slots;
+    for (int i = tid; i < pairs; i += kChainedThreads) {
+      float2 sum = partials[i];
+      for (int s = 1; s < p.splits; ++s) {
+        const float2 v = partials[s * kFragments * slots + i];
+        sum.x = __fadd_rn(sum.x, v.x);
+        sum.y = __fadd_rn(sum.y, v.y);
       }
+      const int j = i >> slots_shift, slot = i & (slots - 1);
+      const int token = 8 * j + 2 * (slot & 3), row = slot >> 2;
+      park_u(token, row, sum.x);
+      park_u(token + 1, row, sum.y);
     }
   }
   __syncthreads();
-  constexpr int kVectors = kChainedTileRows / 8;  // 16-byte vectors of a token's tile row
-  const std::int64_t tile_row0 = static_cast<std::int64_t>(tile) * kChainedTileRows;
+  if (tid == 0) chained_trace(p, kChainedTraceParked);
+  const int vectors_shift = slice_shift - 3,
+            vectors = 1 << vectors_shift;  // a token's 16-byte vectors
+  const std::int64_t slice_row0 =
+      static_cast<std::int64_t>(tile) * kChainedTileRows + split * slice_rows;
   const T* shared = static_cast<const T*>(p.shared);
   T* out = static_cast<T*>(p.out);
   // A thread's vectors i = tid + 384·k, kBatch at a time: their loads of `shared` (in L2: the
   // producer's threads prefetched them) issued before the first add.
   constexpr int kBatch = 2;
-  const int units = tokens * kVectors;
+  const int units = tokens * vectors;
 #pragma unroll 1
   for (int first = tid; first < units; first += kBatch * kChainedThreads) {
     Vec16<T> s[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i / kVectors, v = i % kVectors;
-      const std::int64_t row = tile_row0 + 8 * v;
+      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
+      const std::int64_t row = slice_row0 + 8 * v;
       // rows % 8 == 0: a vector is all inside or all past
       if (i < units && row < p.rows)
         s[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.d + row);
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i / kVectors, v = i % kVectors;
-      const std::int64_t row = tile_row0 + 8 * v;
+      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
+      const std::int64_t row = slice_row0 + 8 * v;
       if (i >= units || row >= p.rows) continue;
       const Vec16<T> u =
           *reinterpret_cast<const Vec16<T>*>(parked + t * Shape::kParkPitch + 16 * v);

@@ -72,8 +72,12 @@ const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t m
   FusedChainedPlan result;
   result.tiles = static_cast<int>((rows + kChainedTileRows - 1) / kChainedTileRows);
   const int chunks = static_cast<int>((l + kChainedTileK - 1) / kChainedTileK);
-  // Split K fills the SMs the tiles leave idle (K3 at tp 1: 56 tiles, 2 splits on 132 SMs).
-  result.splits = std::clamp(sms / result.tiles, 1, std::min(kChainedMaxSplits, chunks));
+  // Split K fills the SMs the tiles leave idle (K3 at tp 1: 56 tiles, 2 splits on 132 SMs; 896
+  // rows: 7 tiles, 8 splits), in powers of two (a block finishes 128 / splits rows of its tile)
+  // and at most one split per chunk of K.
+  const int most = std::min({kChainedMaxSplits, std::max(1, sms / result.tiles), chunks});
+  result.splits = 1;
+  while (result.splits * 2 <= most) result.splits *= 2;
   for (int shape : {16, 32, 64, 128}) {
     if (shape > token_class(max_tokens)) break;
     const void* kernel = up_kernel(shape, dtype);
@@ -86,6 +90,27 @@ const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t m
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
         cudaSuccess) {
       return "the chained path's shared memory could not be raised on this device";
+    }
+    // Fewer splits where the device cannot hold every tile's cluster at once (a cluster's blocks
+    // share one GPC, one block of ~150–200 KB per SM).
+    while (result.splits > 1) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(static_cast<unsigned>(result.tiles * result.splits));
+      config.blockDim = dim3(kChainedThreads);
+      config.dynamicSmemBytes = static_cast<std::size_t>(bytes);
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = static_cast<unsigned>(result.splits);
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess &&
+          clusters >= result.tiles) {
+        break;
+      }
+      (void)cudaGetLastError();  // a cluster size the device refuses: fewer splits
+      result.splits /= 2;
     }
   }
   *plan = result;

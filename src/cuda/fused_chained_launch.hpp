@@ -22,11 +22,15 @@ namespace lmoe::cuda {
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
 // A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups, each
 // multiplying 64 rows of w_up (wgmma's M) by every token; 64 elements of K per stage. A tile of 128
-// rows of w_up is split over K by at most kChainedMaxSplits blocks of one cluster.
+// rows of w_up is split over K by the blocks of one cluster: a power of two, at most
+// kChainedMaxSplits, the portable cluster size (the plan asks the device whether the tiles'
+// clusters fit at once, and takes fewer splits where they do not). Clusters of 16 (non-portable)
+// measured no faster on a stripe of 896 rows: the stream shortens, the reduction lengthens
+// (docs/fused.md).
 inline constexpr int kChainedThreads = 384;
 inline constexpr int kChainedTileRows = 128;
 inline constexpr int kChainedTileK = 64;
-inline constexpr int kChainedMaxSplits = 2;
+inline constexpr int kChainedMaxSplits = 8;
 // N's rows per copy: one box of the call's token class (16, 32, 64 or 128 rows: wgmma's N).
 inline constexpr int kChainedTokenClasses = 4;
 
@@ -54,13 +58,15 @@ enum ChainedTracePoint : int {
   kChainedTraceEntry,
   kChainedTraceNReady,      // the producer past griddepcontrol.wait: the norm kernel has ended
   kChainedTraceMultiplied,  // the consumers' last wgmma done
-  kChainedTraceEnd,         // the block's last store (or its partials, into split 0's block)
+  kChainedTracePartials,    // the slice's partials of every split in the block's memory
+  kChainedTraceParked,      // round(U) of the block's slice parked in shared memory
+  kChainedTraceEnd,         // the block's last store
   kChainedTracePoints
 };
 
 // How the chained path runs on one device: tiles of 128 rows of w_up, each split over `splits`
 // ranges of K (tiles × splits blocks, at most one per SM: split K fills the SMs the tiles leave
-// idle).
+// idle; K3 at tp 1: 56 × 2, a stripe of 896 rows: 7 × 8).
 struct FusedChainedPlan {
   int tiles = 0, splits = 0;
 };

@@ -385,12 +385,13 @@ void FusedTail::print_trace() noexcept {
       print_points(title.c_str(), stamps, params_.grid, kFusedTracePoints, kNames);
   }
   if (chained_trace_.bytes()) {
-    static constexpr const char* kNames[kChainedTracePoints] = {"entry", "N ready", "multiplied",
-                                                                "end"};
+    static constexpr const char* kNames[kChainedTracePoints] = {
+        "entry", "N ready", "multiplied", "partials in", "parked", "end"};
     const std::vector<std::uint64_t> stamps = read(chained_trace_);
     const int grid = chained_plan_.tiles * chained_plan_.splits;
     const std::string title = "[ fused trace ] rank 0, chained up-projection, grid " +
-                              std::to_string(grid) + ", last call";
+                              std::to_string(grid) + ", splits " +
+                              std::to_string(chained_plan_.splits) + ", last call";
     if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
   }
   if (decode_trace_.bytes()) {

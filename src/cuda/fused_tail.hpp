@@ -89,6 +89,9 @@ class FusedTail {
   // Why the chained path does not run here (several ranks, not compute 9.0, turned off, …);
   // nullopt when it takes every call of up to min(128, capacity()) rows that decode does not.
   const std::optional<std::string>& chained_limit() const { return chained_limit_; }
+  // The chained path's blocks per 128-row tile of w_up (the splits of K over a cluster; 0 where it
+  // does not run).
+  int chained_splits() const { return chained_max_tokens_ > 0 ? chained_plan_.splits : 0; }
   // Calls the chained path ran (counted on the device). Synchronizes the device.
   std::uint32_t chained_calls() const;
   // Calls of this rank the general kernel completed (counted in its workspace; the decode kernel

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -536,6 +537,58 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   }
   const ScopedEnv off("LMOE_FUSED_CHAINED", "0");
   EXPECT_NE(limit_with(1, true).find("LMOE_FUSED_CHAINED=0"), std::string::npos);
+}
+
+// The chained path splits K over the blocks of a cluster, a power of two up to 8 per 128-row tile,
+// each block finishing 128 / splits of the tile's rows (a reduce-scatter through distributed shared
+// memory). Shapes whose tile counts give 1, 2, 4 and 8 splits on 132 SMs (the expectation is
+// derived from this device's SMs), with K not a multiple of 64 (l = 528, 1040), ranges of K of
+// unequal length (17 chunks over 8 blocks) and a tile partly past d (d = 64): random inputs within
+// the contract and crafted inputs bit for bit at T = 5, 17 and 128 (T ≤ 4 is the decode kernel's).
+TEST_F(Fused, ChainedPathSplitsKOverClustersOfOneToEightBlocks) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  int device = 0, sms = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const lmoe::TailDims shapes[] = {{8704, 256}, {7168, 256}, {2560, 512},
+                                   {1280, 528}, {896, 1040}, {64, 4480}};
+  std::vector<int> seen;
+  double worst = 0;
+  std::string taken;
+  for (const lmoe::TailDims& dims : shapes) {
+    const int tiles = static_cast<int>((dims.d_model + 127) / 128);
+    const int chunks = static_cast<int>((dims.d_latent + 63) / 64);
+    const int most = std::min({lmoe::cuda::kChainedMaxSplits, std::max(1, sms / tiles), chunks});
+    int expected = 1;
+    while (expected * 2 <= most) expected *= 2;
+    const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 128, 47u);
+    int splits = -1;
+    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 128);
+      EXPECT_FALSE(state.fused->chained_limit().has_value()) << *state.fused->chained_limit();
+      splits = state.fused->chained_splits();
+    });
+    SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " l=" + std::to_string(dims.d_latent) +
+                 " splits=" + std::to_string(splits));
+    EXPECT_EQ(splits, expected);
+    seen.push_back(splits);
+    taken += " " + std::to_string(dims.d_model) + "x" + std::to_string(dims.d_latent) + ":" +
+             std::to_string(splits);
+    for (std::int64_t tokens : {std::int64_t{5}, std::int64_t{17}, std::int64_t{128}}) {
+      SCOPED_TRACE("T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(dims, DType::bf16, 1, tokens,
+                                            11u * static_cast<std::uint64_t>(tokens) + 3u, &worst);
+    }
+  }
+  if (sms == 132) {
+    for (int splits : {1, 2, 4, 8}) {
+      EXPECT_NE(std::find(seen.begin(), seen.end(), splits), seen.end()) << splits << " splits";
+    }
+  }
+  std::printf("[ fused  ] chained splits (d x l: splits)%s, T 5/17/128 max_err/bound=%.3f\n",
+              taken.c_str(), worst);
 }
 
 // LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
