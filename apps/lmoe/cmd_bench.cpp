@@ -16,6 +16,7 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tail_bench.hpp"
+#include "lmoe/tail_floor.hpp"
 #include "progress.hpp"
 #include "sweep_options.hpp"
 #include "table.hpp"
@@ -36,6 +37,13 @@ constexpr const char* kTimeDefinition =
     "time of an iteration: the slowest rank's (cuda: CUDA events on each rank's stream; cpu: "
     "steady_clock "
     "between barriers); median, p10, p90 over the timed iterations";
+constexpr const char* kFloorDefinition =
+    "floor: the least time the tier can take on the machine's rates, max(bytes each rank sends / "
+    "link, (w_up bytes its GEMM reads + T*(l + 2d)*esize) / memory, its up-projection's FLOPs / "
+    "GEMM rate), as if all three overlapped (a bound, not a prediction; weights from memory, which "
+    "a "
+    "warm L2 can beat); x_floor = median / floor; "
+    "'-' where ranks share a GPU or no rates are known (--rates)";
 constexpr const char* kWrongDefinition =
     "#wrong: elements of a checked run's output beyond the numerics contract's per-element bound "
     "(fresh "
@@ -52,6 +60,8 @@ struct BenchCommand {
   bool no_check = false;
   std::string json_path;
   std::string from_sweep;  // --check-table against this recorded sweep instead of a measurement
+  std::string rates;       // --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS for the floors
+  std::optional<MachineRates> given_rates;  // --rates parsed, before anything is measured
 
   void execute();
   // --check-table --from-sweep FILE: the policy judged against FILE's records.
@@ -176,6 +186,7 @@ std::string describe_setting(const BenchSweep& sweep) {
 }
 
 void BenchCommand::execute() {
+  if (!rates.empty()) given_rates = parse_machine_rates(rates);
   const bool check_table = app->count("--check-table") > 0;
   if (check_table && !check_table_path.empty()) {
     if (!tier_table.empty() && tier_table != check_table_path) {
@@ -336,11 +347,28 @@ void BenchCommand::judge_recorded(bool check_table) {
 void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy, bool check_table,
                           const std::string& recorded_in) {
   const BenchResult& result = recorded.result;
+  // The machine's rates for the floors: --rates, else those lmoe knows for the sweep's GPU.
+  std::optional<MachineRates> machine;
+  std::string rates_source;
+  if (given_rates) {
+    machine = given_rates;
+    rates_source = "--rates";
+  } else if (recorded.gpu) {
+    machine = known_machine_rates(recorded.gpu->name, recorded.dtype);
+    rates_source =
+        "known for " + recorded.gpu->name + " " + std::string(dtype_name(recorded.dtype));
+  }
+  std::vector<std::optional<TierFloor>> floors;
+  for (const BenchRecord& record : result.records) {
+    floors.push_back(machine ? record_floor(recorded, record, *machine) : std::nullopt);
+  }
   Table table({"T", "bytes", "tier", "comm", "mode", "median_us", "p10_us", "p90_us", "algbw_GB/s",
-               "busbw_GB/s", "chosen", "#wrong"});
+               "busbw_GB/s", "floor_us", "x_floor", "chosen", "#wrong"});
   std::map<std::string, std::string> mode_reasons;  // comm → "eager: why"
   std::size_t unchecked = 0, declined = 0, failed = 0;
-  for (const BenchRecord& record : result.records) {
+  for (std::size_t i = 0; i < result.records.size(); ++i) {
+    const BenchRecord& record = result.records[i];
+    const std::optional<TierFloor>& floor = floors[i];
     std::vector<std::string> cells = {std::to_string(record.tokens), fixed(record.bytes, 0),
                                       std::string(tier_name(record.tier)), record.comm};
     if (record.declined) {
@@ -356,6 +384,8 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
                  {std::string(bench_mode_name(record.mode)), fixed(record.stats.median * 1e6, 1),
                   fixed(record.stats.p10 * 1e6, 1), fixed(record.stats.p90 * 1e6, 1),
                   fixed(record.algbw_gbps, 2), fixed(record.busbw_gbps, 2),
+                  floor ? fixed(floor->floor_us, 1) : "-",
+                  floor ? fixed(record.stats.median * 1e6 / floor->floor_us, 1) : "-",
                   record.chosen ? "*" : "", record.checked ? std::to_string(record.wrong()) : "-"});
     table.add_row(cells, failure_note(record));
   }
@@ -368,6 +398,13 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
   std::cout << "\n";
   table.print(std::cout);
   std::cout << "# " << kBytesDefinition << "\n# " << kBusDefinition << "\n# " << kTimeDefinition
+            << "\n# " << kFloorDefinition << "\n# rates: "
+            << (machine ? machine_rates_text(*machine) + " (" + rates_source + ")"
+                        : std::string("none known for ") +
+                              (recorded.gpu ? recorded.gpu->name + " " +
+                                                  std::string(dtype_name(recorded.dtype))
+                                            : std::string("the cpu backend")) +
+                              " (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)")
             << "\n";
   for (const auto& [comm, reason] : mode_reasons)
     std::cout << "# mode of " << comm << ": " << reason << "\n";
@@ -406,7 +443,22 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
     doc["definitions"] = {{"bytes", kBytesDefinition},
                           {"busbw", kBusDefinition},
                           {"time", kTimeDefinition},
+                          {"floor", kFloorDefinition},
                           {"wrong", kWrongDefinition}};
+    doc["floor_rates"] = machine ? nlohmann::json{{"link_gbps", machine->link_gbps},
+                                                  {"memory_gbps", machine->memory_gbps},
+                                                  {"gemm_tflops", machine->gemm_tflops},
+                                                  {"source", rates_source}}
+                                 : nlohmann::json();
+    nlohmann::json& records = doc["records"];
+    for (std::size_t i = 0; i < floors.size() && i < records.size(); ++i) {
+      const std::optional<TierFloor>& floor = floors[i];
+      records[i]["floor"] = floor ? nlohmann::json{{"comm_us", floor->comm_us},
+                                                   {"memory_us", floor->memory_us},
+                                                   {"flops_us", floor->flops_us},
+                                                   {"floor_us", floor->floor_us}}
+                                  : nlohmann::json();
+    }
     doc["from_sweep"] = recorded_in.empty() ? nlohmann::json() : nlohmann::json(recorded_in);
     doc["policy_check"] = check_table ? checks_json(checks) : nlohmann::json();
     doc["ok"] = ok && policy_ok;
@@ -453,16 +505,23 @@ void add_bench_command(CLI::App& app) {
                   "match a measured table's configuration)");
   sub->add_option("--json", command->json_path,
                   "also write the results (with every iteration's time) to this file");
+  sub->add_option(
+      "--rates", command->rates,
+      "LINK_GBS,MEMORY_GBS,GEMM_TFLOPS: one GPU's rates for the floor columns (default: "
+      "those lmoe knows for the GPU, e.g. 450,4270,790 for an H200 in bf16/f16)");
   sub->footer(std::string("Columns:\n  ") + kBytesDefinition + "\n  " + kBusDefinition + "\n  " +
-              kTimeDefinition +
+              kTimeDefinition + "\n  " + kFloorDefinition +
               "\n  mode: graph = replays of one forward captured into a CUDA graph; eager = one "
               "LatentTail::forward "
               "per iteration; device-tokens = replays of one graph per tier captured around "
-              "LatentTail::forward_device_tokens, T written to the device (docs/graphs.md)\n  chosen: * marks the tier the policy picks at this T\n  " +
+              "LatentTail::forward_device_tokens, T written to the device (docs/graphs.md)\n  "
+              "chosen: * marks the tier the policy picks at this T\n  " +
               kWrongDefinition +
               "\nExits non-zero when an element is wrong, ranks' outputs differ, a comm fails or "
               "(--check-table) a choice is slower than allowed, after printing everything.\n"
-              "--check-table: " + check_rule() + ".\nLMOE_BENCH_INJECT_FAULT=1 (for testing only) makes one element of "
+              "--check-table: " +
+              check_rule() +
+              ".\nLMOE_BENCH_INJECT_FAULT=1 (for testing only) makes one element of "
               "every checked output "
               "wrong.\nSee docs/bench.md.");
   sub->callback([command] { command->execute(); });

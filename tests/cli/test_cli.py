@@ -1126,6 +1126,64 @@ class RecordedSweeps(unittest.TestCase):
         self.assertEqual([(c["tokens"], c["chosen"], c["verdict"]) for c in judged],
                          [(c["tokens"], c["chosen"], c["verdict"]) for c in recorded])
 
+    def test_floors_of_the_h200_recordings(self):
+        # Floors from the rates lmoe knows for the recorded GPU: one rank per GPU (nccl, p2p) gets
+        # them, ranks sharing one GPU (cuda-threads) and declined rows do not.
+        out = self.path("floors.json")
+        result = lmoe("bench", "--check-table", "--from-sweep", os.path.join(DATA_DIR, "bench_k3_tp2.json"),
+                      "--json", out, check=False)
+        self.assertIn("# rates: link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s (known for NVIDIA H200 bf16)",
+                      result.stdout)
+        with open(out) as f:
+            doc = json.load(f)
+        self.assertEqual(doc["floor_rates"], {"link_gbps": 450.0, "memory_gbps": 4270.0, "gemm_tflops": 790.0,
+                                              "source": "known for NVIDIA H200 bf16"})
+        self.assertIn("floor", doc["definitions"])
+        for r in doc["records"]:
+            with self.subTest(comm=r["comm"], tier=r["tier"], tokens=r["tokens"]):
+                if r["status"] == "declined" or r["comm"] == "cuda-threads":
+                    self.assertIsNone(r["floor"])
+                    continue
+                f = r["floor"]
+                self.assertEqual(f["floor_us"], max(f["comm_us"], f["memory_us"], f["flops_us"]))
+                self.assertAlmostEqual(f["comm_us"], r["bus_bytes"] / 450e3, places=9)
+                self.assertGreater(r["median_us"], f["floor_us"])
+        # K3 at tp 2, T = 1: column reads its stripe (half of w_up's 51.4 MB) and its inputs.
+        (column,) = [r for r in doc["records"] if (r["comm"], r["tier"], r["tokens"]) == ("nccl", "column", 1)]
+        stripe, inputs = 3584 * 3584 * 2, (3584 + 2 * 7168) * 2
+        self.assertAlmostEqual(column["floor"]["memory_us"], (stripe + inputs) / 4270e3, places=9)
+        row = [line for line in result.stdout.splitlines() if line.split()[:4] == ["1", "21504", "column", "nccl"]]
+        self.assertEqual(row[0].split()[10:12], ["6.0", f"{column['median_us'] / column['floor']['floor_us']:.1f}"])
+
+    def test_rates_are_given_or_refused_before_anything_is_measured(self):
+        out = self.path("rates.json")
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "1", "-t", "4", "--iters", "1",
+                      "--warmup", "0", "--tiers", "overlap", "--rates", "100,200,1", "--json", out)
+        self.assertIn("# rates: link 100 GB/s, memory 200 GB/s, GEMM 1 TFLOP/s (--rates)", result.stdout)
+        with open(out) as f:
+            (record,) = json.load(f)["records"]
+        # d = 384, l = 192, T = 4, bf16: 2·4·192·384 FLOPs at 1 TFLOP/s; (384·192 + 4·(192 + 768))·2
+        # bytes at 200 GB/s; one rank sends nothing.
+        self.assertAlmostEqual(record["floor"]["flops_us"], 2 * 4 * 192 * 384 / 1e6, places=9)
+        self.assertAlmostEqual(record["floor"]["memory_us"], (384 * 192 + 4 * 960) * 2 / 200e3, places=9)
+        self.assertEqual(record["floor"]["comm_us"], 0.0)
+        # Without --rates the cpu backend has none: '-' in the table, null in the file.
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "1", "-t", "4", "--iters", "1",
+                      "--warmup", "0", "--tiers", "overlap", "--json", out)
+        self.assertIn("# rates: none known for the cpu backend (give --rates", result.stdout)
+        with open(out) as f:
+            doc = json.load(f)
+        self.assertIsNone(doc["floor_rates"])
+        self.assertIsNone(doc["records"][0]["floor"])
+        for rates, needle in [("1,2", "expected three numbers LINK_GBS,MEMORY_GBS,GEMM_TFLOPS, got 2"),
+                              ("1,x,3", "got 'x'"), ("1,0,3", "rates must be finite and > 0")]:
+            with self.subTest(rates=rates):
+                result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "1", "-t", "4",
+                              "--rates", rates, check=False)
+                self.assertEqual(result.returncode, 2, result.stdout)
+                self.assertIn(needle, result.stderr)
+                self.assertNotIn("[time", result.stderr)  # refused before the sweep
+
 
 class PlotScript(unittest.TestCase):
     """scripts/plot_bench.py without matplotlib: its help and the data it would draw."""

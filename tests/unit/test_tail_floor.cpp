@@ -1,0 +1,164 @@
+// Floors of the tail's tiers (lmoe/tail_floor.hpp): the bytes and FLOPs of DESIGN.md §2 over a
+// machine's rates, the rates lmoe knows and parses, and where a record's floor means nothing.
+#include "lmoe/tail_floor.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "lmoe/error.hpp"
+#include "lmoe/tail_bench.hpp"
+
+namespace {
+
+using lmoe::DType;
+using lmoe::MachineRates;
+using lmoe::TailTier;
+using ::testing::HasSubstr;
+
+const lmoe::TailDims kK3{7168, 3584};
+const MachineRates kH200{450.0, 4270.0, 790.0};
+
+// Microseconds of `bytes` at `gbps` and of `flops` at `tflops`, written out here.
+double us_of_bytes(double bytes, double gbps) { return bytes / (gbps * 1e9) * 1e6; }
+double us_of_flops(double flops, double tflops) { return flops / (tflops * 1e12) * 1e6; }
+
+TEST(TierFloor, DecodeAtK3Tp8IsTheWeightsEachRankReads) {
+  // T = 1: overlap reads all 51.4 MB of w_up, column and fused a stripe of 896 rows.
+  const double w_full = 7168.0 * 3584 * 2, w_stripe = 896.0 * 3584 * 2;
+  const double activations = 1.0 * (3584 + 2 * 7168) * 2;
+  for (TailTier tier : lmoe::kAllTiers) {
+    SCOPED_TRACE(std::string(lmoe::tier_name(tier)));
+    const lmoe::TierFloor floor = lmoe::tier_floor(tier, 1, kK3, DType::bf16, 8, kH200);
+    const bool full = tier == TailTier::overlap || tier == TailTier::token;
+    EXPECT_NEAR(floor.memory_us, us_of_bytes((full ? w_full : w_stripe) + activations, 4270), 1e-9);
+    EXPECT_NEAR(floor.comm_us, us_of_bytes(lmoe::tier_bus_bytes(tier, 1, kK3, DType::bf16, 8), 450),
+                1e-12);
+    EXPECT_DOUBLE_EQ(floor.floor_us, floor.memory_us);
+  }
+  // The numbers themselves: 12.04 µs for the whole weight, 1.51 for a stripe.
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::overlap, 1, kK3, DType::bf16, 8, kH200).floor_us, 12.0412,
+              1e-4);
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::fused, 1, kK3, DType::bf16, 8, kH200).floor_us, 1.5125,
+              1e-4);
+  // overlap's two all-reduces: 2 · 7/8 · (3584 + 7168) · 2 bytes over 450 GB/s.
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::overlap, 1, kK3, DType::bf16, 8, kH200).comm_us,
+              us_of_bytes(2.0 * 7 / 8 * 10752 * 2, 450), 1e-12);
+}
+
+TEST(TierFloor, PrefillAtK3IsTheGemmOrTheLinks) {
+  const double t = 8192;
+  // overlap: the full-width GEMM on every rank; column and fused: the stripe's; token: own rows.
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::overlap, 8192, kK3, DType::bf16, 8, kH200).flops_us,
+              us_of_flops(2 * t * 3584 * 7168, 790), 1e-6);
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::column, 8192, kK3, DType::bf16, 8, kH200).flops_us,
+              us_of_flops(2 * t * 3584 * 896, 790), 1e-6);
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::token, 8192, kK3, DType::bf16, 8, kH200).flops_us,
+              us_of_flops(2 * 1024.0 * 3584 * 7168, 790), 1e-6);
+  // token with T not a multiple of tp: the rank with the most rows, ⌈T/tp⌉.
+  EXPECT_NEAR(lmoe::tier_floor(TailTier::token, 8193, kK3, DType::bf16, 8, kH200).flops_us,
+              us_of_flops(2 * 1025.0 * 3584 * 7168, 790), 1e-6);
+  // overlap at tp 2: 533 µs of GEMM against 391 µs of all-reduces, so the GEMM is the floor; at
+  // tp 8 the all-reduces (685 µs) are, and column's stripe GEMM (67 µs) is far below them.
+  const lmoe::TierFloor overlap2 =
+      lmoe::tier_floor(TailTier::overlap, 8192, kK3, DType::bf16, 2, kH200);
+  EXPECT_DOUBLE_EQ(overlap2.floor_us, overlap2.flops_us);
+  EXPECT_NEAR(overlap2.comm_us, 391.468, 1e-3);
+  const lmoe::TierFloor overlap8 =
+      lmoe::tier_floor(TailTier::overlap, 8192, kK3, DType::bf16, 8, kH200);
+  EXPECT_DOUBLE_EQ(overlap8.floor_us, overlap8.comm_us);
+  EXPECT_NEAR(overlap8.comm_us, 685.070, 1e-3);
+  const lmoe::TierFloor column =
+      lmoe::tier_floor(TailTier::column, 8192, kK3, DType::bf16, 8, kH200);
+  EXPECT_DOUBLE_EQ(column.floor_us, column.comm_us);
+  EXPECT_NEAR(column.flops_us, 66.599, 1e-3);
+}
+
+TEST(TierFloor, OneRankSendsNothingAndBadArgumentsAreErrors) {
+  for (TailTier tier : lmoe::kAllTiers) {
+    const lmoe::TierFloor floor = lmoe::tier_floor(tier, 64, kK3, DType::f16, 1, kH200);
+    EXPECT_EQ(floor.comm_us, 0.0);
+    EXPECT_NEAR(floor.flops_us, us_of_flops(2 * 64.0 * 3584 * 7168, 790), 1e-9);
+  }
+  EXPECT_THROW(lmoe::tier_floor(TailTier::fused, 1, kK3, DType::bf16, 0, kH200), lmoe::Error);
+  EXPECT_THROW(lmoe::tier_floor(TailTier::fused, 0, kK3, DType::bf16, 2, kH200), lmoe::Error);
+  EXPECT_THROW(lmoe::tier_floor(TailTier::fused, 1, kK3, DType::bf16, 2, MachineRates{450, 0, 790}),
+               lmoe::Error);
+}
+
+TEST(MachineRates, KnownForTheH200InBf16AndF16Only) {
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    const auto rates = lmoe::known_machine_rates("NVIDIA H200", dtype);
+    ASSERT_TRUE(rates.has_value());
+    EXPECT_EQ(rates->link_gbps, 450.0);
+    EXPECT_EQ(rates->memory_gbps, 4270.0);
+    EXPECT_EQ(rates->gemm_tflops, 790.0);
+  }
+  EXPECT_FALSE(lmoe::known_machine_rates("NVIDIA H200", DType::f32).has_value());
+  EXPECT_FALSE(lmoe::known_machine_rates("NVIDIA H100 80GB HBM3", DType::bf16).has_value());
+  EXPECT_FALSE(lmoe::known_machine_rates("", DType::bf16).has_value());
+}
+
+TEST(MachineRates, ParsesThreePositiveNumbersAndNamesWhatIsWrong) {
+  const MachineRates rates = lmoe::parse_machine_rates("450,4270.5,790");
+  EXPECT_EQ(rates.link_gbps, 450.0);
+  EXPECT_EQ(rates.memory_gbps, 4270.5);
+  EXPECT_EQ(rates.gemm_tflops, 790.0);
+  EXPECT_EQ(lmoe::machine_rates_text(rates), "link 450 GB/s, memory 4270.5 GB/s, GEMM 790 TFLOP/s");
+  const auto error_of = [](const char* text) {
+    try {
+      lmoe::parse_machine_rates(text);
+    } catch (const lmoe::Error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(error_of("450,4270"),
+              HasSubstr("expected three numbers LINK_GBS,MEMORY_GBS,GEMM_TFLOPS, got 2"));
+  EXPECT_THAT(error_of("450,4270,790,1"), HasSubstr("got 4"));
+  EXPECT_THAT(error_of("450,fast,790"), HasSubstr("got 'fast'"));
+  EXPECT_THAT(error_of("450,4270,790,"), HasSubstr("got ''"));
+  EXPECT_THAT(error_of(""), HasSubstr("got ''"));
+  EXPECT_THAT(error_of("450,-1,790"), HasSubstr("rates must be finite and > 0"));
+  EXPECT_THAT(error_of("450,0,790"), HasSubstr("rates '450,0,790'"));
+}
+
+TEST(RecordFloor, OnlyWhereEachRankHasItsOwnGpu) {
+  lmoe::BenchSweep sweep;
+  sweep.backend = lmoe::Backend::cuda;
+  sweep.dims = kK3;
+  sweep.dtype = DType::bf16;
+  sweep.tp = 2;
+  sweep.gpu = lmoe::BenchEnvironment::Gpu{"NVIDIA H200", "9.0", 13000, 13000, 2};
+  lmoe::BenchRecord record;
+  record.tokens = 16;
+  record.tier = TailTier::column;
+  for (const char* comm : {"nccl", "p2p"}) {
+    record.comm = comm;
+    const auto floor = lmoe::record_floor(sweep, record, kH200);
+    ASSERT_TRUE(floor.has_value()) << comm;
+    EXPECT_DOUBLE_EQ(floor->floor_us,
+                     lmoe::tier_floor(TailTier::column, 16, kK3, DType::bf16, 2, kH200).floor_us);
+  }
+  record.comm = "cuda-threads";  // every rank on one GPU
+  EXPECT_FALSE(lmoe::record_floor(sweep, record, kH200).has_value());
+  record.comm = "p2p";
+  record.declined = "T above the workspace";
+  EXPECT_FALSE(lmoe::record_floor(sweep, record, kH200).has_value());
+  record.declined.reset();
+  sweep.tp = 8;  // 8 ranks on 2 GPUs
+  EXPECT_FALSE(lmoe::record_floor(sweep, record, kH200).has_value());
+  sweep.tp = 1;  // one rank: any comm, no peers
+  record.comm = "cuda-threads";
+  EXPECT_TRUE(lmoe::record_floor(sweep, record, kH200).has_value());
+  // The cpu backend's ranks are threads of one machine: a floor only for one rank.
+  sweep.backend = lmoe::Backend::cpu;
+  sweep.gpu.reset();
+  record.comm = "threads";
+  EXPECT_TRUE(lmoe::record_floor(sweep, record, kH200).has_value());
+  sweep.tp = 2;
+  EXPECT_FALSE(lmoe::record_floor(sweep, record, kH200).has_value());
+}
+
+}  // namespace
