@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline probe nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -351,6 +351,32 @@ if wants baseline; then
   else
     echo "gpu_check: baseline skipped (needs >= 2 GPUs and python3 with torch and safetensors)"
   fi
+fi
+
+if wants scaling; then
+  # Issue 7's sweep: every tier at K3 dims over nccl and p2p at each tp of LMOE_SCALING_TPS (default
+  # 2 4 8; those above this machine's GPU count are skipped), one rank per GPU on the first tp GPUs,
+  # with the floors (docs/bench.md) and the PyTorch baseline on the same GPUs. A tp's sweep can take
+  # minutes: one tp per call (LMOE_SCALING_TPS=8) on a large machine; LMOE_BENCH_TOKENS shortens it.
+  for tp in ${LMOE_SCALING_TPS:-2 4 8}; do
+    if [ "$tp" -gt "$gpus" ]; then echo "gpu_check: scaling tp $tp skipped ($gpus GPUs)"; continue; fi
+    visible=$(seq -s, 0 $((tp - 1)))
+    stage "scaling: lmoe bench, K3, tp $tp on GPUs $visible, nccl and p2p"
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$visible timeout 500 build/cuda/lmoe bench --backend cuda -n "$tp" --comm nccl,p2p \
+      ${LMOE_BENCH_TOKENS:+-t $LMOE_BENCH_TOKENS} --check-max-tokens 256 --json "$logs/scaling_k3_tp$tp.json" \
+      >"$logs/scaling_tp$tp.log" 2>"$logs/scaling_tp$tp.err"
+    rc[scaling_tp$tp]=$?
+    cat "$logs/scaling_tp$tp.log"; tail -3 "$logs/scaling_tp$tp.err"
+    if python3 -c "import torch, safetensors" 2>/dev/null; then
+      stage "scaling: PyTorch baseline, tp $tp on GPUs $visible"
+      CUDA_VISIBLE_DEVICES=$visible timeout 300 torchrun --standalone --nproc_per_node="$tp" scripts/torch_baseline.py --graph \
+        -t "${LMOE_BENCH_TOKENS:-1,16,128,256,1024,4096,8192}" --json "$logs/scaling_torch_tp$tp.json" \
+        >"$logs/scaling_torch_tp$tp.log" 2>&1
+      rc[scaling_torch_tp$tp]=$?
+      grep -vE "^\[|Warning" "$logs/scaling_torch_tp$tp.log" | head -30
+    fi
+  done
 fi
 
 if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
