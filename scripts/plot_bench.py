@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Plots tail latency against T for every tier, from `lmoe bench --json` or a tier table written by
 `lmoe tune` (version 2 or 3), on log axes: each tier's median with its p10-p90 band, the tier the policy
-chose at each T, and two physical floors:
+chose at each T, and physical floors:
 
   comm floor  = the fewest bytes any tier sends per rank at T / the link bandwidth
   GEMM floor  = the fewest up-projection FLOPs any tier does per rank at T / the GEMM rate
+  GPU floor   = the lowest of the tiers' floors that `lmoe bench` recorded at T (its floor_us: links,
+                memory and GEMM at the GPU's rates, docs/bench.md), where the file has them
 
 The bandwidth and the rate are --link-gbps and --gemm-tflops when given (e.g. busbw from nccl-tests,
 TFLOP/s from lmoe_kernel_bench); otherwise the best the sweep itself reached (bytes or FLOPs of a
@@ -41,6 +43,18 @@ def gemm_flops(tier, tokens, d_model, d_latent, tp):
     """Up-projection FLOPs per rank: overlap computes the full width, the others a 1/tp share."""
     full = 2.0 * tokens * d_model * d_latent
     return full if tier == "overlap" else full / tp
+
+
+def _recorded_floors(doc, comm):
+    """The lowest recorded floor_us of any tier at each T of `comm` (lmoe bench's floors), or None
+    when the file has none (older files, ranks sharing a GPU, no rates known)."""
+    lowest = {}
+    for record in doc["records"]:
+        floor = record.get("floor")
+        if record["comm"] == comm and floor:
+            t = record["tokens"]
+            lowest[t] = min(lowest.get(t, floor["floor_us"]), floor["floor_us"])
+    return lowest or None
 
 
 def _series_from_bench(doc, comm):
@@ -141,7 +155,12 @@ def prepare(doc, comm=None, link_gbps=None, gemm_tflops=None):
         gemm_tflops = max(gemm_flops(tier, t, d, l, tp) / (m * 1e-6) for t, tier, m in runs) * 1e-12
         gemm_source = "best up-projection rate in this sweep"
     floors = {"tokens": tokens, "link_gbps": link_gbps, "link_source": link_source,
-              "gemm_tflops": gemm_tflops, "gemm_source": gemm_source, "comm_us": None, "gemm_us": None}
+              "gemm_tflops": gemm_tflops, "gemm_source": gemm_source, "comm_us": None, "gemm_us": None,
+              "gpu_us": None, "gpu_rates": None}
+    recorded = _recorded_floors(doc, comm) if doc.get("command") == "bench" else None
+    if recorded:
+        floors["gpu_us"] = [recorded.get(t) for t in tokens]
+        floors["gpu_rates"] = doc.get("floor_rates")
     if link_gbps and tp > 1:
         floors["comm_us"] = [min(bus_bytes(x, t, d, l, dtype, tp) for x in TIERS) / (link_gbps * 1e9) * 1e6
                              for t in tokens]
@@ -180,6 +199,14 @@ def draw(data, output):
     if floors["gemm_us"]:
         ax.plot(floors["tokens"], floors["gemm_us"], ls=":", color="black",
                 label=f"GEMM floor: FLOPs / {floors['gemm_tflops']:.3g} TFLOP/s ({floors['gemm_source']})")
+    if floors["gpu_us"]:
+        rates = floors["gpu_rates"] or {}
+        said = ", ".join(f"{name} {rates[key]:g} {unit}" for name, key, unit in
+                         [("link", "link_gbps", "GB/s"), ("memory", "memory_gbps", "GB/s"),
+                          ("GEMM", "gemm_tflops", "TFLOP/s")] if key in rates)
+        points = [(t, f) for t, f in zip(floors["tokens"], floors["gpu_us"]) if f is not None]
+        ax.plot([t for t, _ in points], [f for _, f in points], ls="-.", color="purple",
+                label=f"GPU floor (lmoe bench{': ' + said if said else ''})")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_yscale("log")

@@ -1235,6 +1235,21 @@ class PlotScript(unittest.TestCase):
         self.assertAlmostEqual(given["floors"]["comm_us"][-1], fewest_bytes / 100e9 * 1e6, places=9)
         self.assertAlmostEqual(given["floors"]["gemm_us"][-1], 2 * t * 384 * 192 / 2 / 1e12 * 1e6, places=9)
 
+    def test_the_floors_lmoe_bench_recorded_are_drawn(self):
+        # Ranks sharing the CPU get no floors; one rank with --rates does, and the plot takes the
+        # lowest tier's at each T.
+        self.assertIsNone(self.plot.prepare(self.doc)["floors"]["gpu_us"])
+        bench = os.path.join(self.dir.name, "rates.json")
+        lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "1", "-t", "1,8", "--iters", "1",
+             "--rates", "100,200,1", "--json", bench)
+        with open(bench) as f:
+            doc = json.load(f)
+        floors = self.plot.prepare(doc)["floors"]
+        self.assertEqual(floors["gpu_rates"]["memory_gbps"], 200.0)
+        for t, value in zip(floors["tokens"], floors["gpu_us"]):
+            self.assertEqual(value, min(r["floor"]["floor_us"] for r in doc["records"]
+                                        if r["tokens"] == t and r["floor"]))
+
     def test_a_tier_table_plots_too_and_bad_input_is_refused(self):
         table = os.path.join(self.dir.name, "t.json")
         lmoe("tune", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,8", "--iters", "2", "--output", table)
