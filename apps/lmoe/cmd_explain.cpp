@@ -5,6 +5,9 @@
 #include "common.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/tail_floor.hpp"
+#include "progress.hpp"
+#include "table.hpp"
 
 namespace lmoe::cli {
 
@@ -17,8 +20,45 @@ struct ExplainCommand {
   std::string backend = "auto";
   std::string comm;  // empty: not known, so a table's comm is not compared
   std::string tier_table;
+  std::string rates;  // --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS for the floors
+
+  // Each tier's floor at T (lmoe/tail_floor.hpp), one rank per GPU, on --rates or the rates lmoe
+  // knows for this machine's GPU; a line saying why not where there are none.
+  void print_floors(const RunningConfig& running, TailDims dims, DType dtype) const {
+    std::optional<MachineRates> machine;
+    std::string source = "--rates";
+    if (!rates.empty()) {
+      machine = parse_machine_rates(rates);
+    } else if (running.gpu) {
+      machine = known_machine_rates(running.gpu->name, dtype);
+      source = "known for " + running.gpu->name + " " + std::string(dtype_name(dtype));
+    }
+    if (!machine) {
+      std::cout << "floors: no rates known for "
+                << (running.gpu ? running.gpu->name + " " + std::string(dtype_name(dtype))
+                                : std::string("the ") + std::string(backend_name(running.backend)) +
+                                      " backend")
+                << " (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)\n";
+      return;
+    }
+    if (tokens < 1) return;
+    std::cout << "floors at T=" << tokens << ", one rank per GPU (" << machine_rates_text(*machine)
+              << "; " << source << "), the least time each tier can take (docs/bench.md):\n";
+    Table table({"tier", "floor_us", "comm_us", "memory_us", "flops_us", "bound_by"});
+    for (TailTier tier : kAllTiers) {
+      const TierFloor floor = tier_floor(tier, tokens, dims, dtype, tp, *machine);
+      const char* bound = floor.floor_us == floor.comm_us     ? "links"
+                          : floor.floor_us == floor.memory_us ? "memory"
+                                                              : "GEMM";
+      table.add_row(std::vector<std::string>{std::string(tier_name(tier)), fixed(floor.floor_us, 2),
+                                             fixed(floor.comm_us, 2), fixed(floor.memory_us, 2),
+                                             fixed(floor.flops_us, 2), bound});
+    }
+    table.print(std::cout);
+  }
 
   void execute() const {
+    if (!rates.empty()) parse_machine_rates(rates);  // refused before anything is printed
     const ModelOptions::Resolved resolved = model.resolve();
     LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
     const Backend chosen = resolve_backend(backend);
@@ -47,6 +87,7 @@ struct ExplainCommand {
         }
       }
     }
+    print_floors(running, resolved.dims, resolved.dtype);
   }
 };
 
@@ -63,6 +104,9 @@ void add_explain_command(CLI::App& app) {
                   "the communicator the tail would use, for matching a measured tier table "
                   "and for the tables built into lmoe (default: not compared, none built in used)");
   sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--rates", command->rates,
+                  "LINK_GBS,MEMORY_GBS,GEMM_TFLOPS: one GPU's rates for the tiers' floors at T "
+                  "(default: those lmoe knows for this machine's GPU, e.g. an H200's)");
   sub->callback([command] { command->execute(); });
 }
 

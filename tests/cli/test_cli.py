@@ -250,6 +250,26 @@ class OtherCommands(unittest.TestCase):
         result = lmoe("explain", "--tokens", "100", "--tp", "8", "--backend", "cpu", env={"LMOE_TIER": "token"})
         self.assertIn("→ token (forced: LMOE_TIER=token)", result.stdout)
 
+    def test_explain_gives_each_tiers_floor_on_given_rates(self):
+        result = lmoe("explain", "--tokens", "128", "--tp", "8", "--backend", "cpu", "--rates", "450,4270,790")
+        self.assertIn("floors at T=128, one rank per GPU (link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s; --rates)",
+                      result.stdout)
+        rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
+                if line.split()[:1] in (["fused"], ["overlap"], ["column"], ["token"]) and len(line.split()) == 6}
+        # K3 at tp 8, T = 128: fused's one-shot latent sends (tp - 1)·T·l·2 bytes + the stripes of
+        # shared and Y; column the two all-reduces; overlap and token read all of w_up.
+        fused_bytes = 7 * 128 * 3584 * 2 + 2 * 7 / 8 * 128 * 7168 * 2
+        self.assertEqual(rows["fused"], [f"{fused_bytes / 450e3:.2f}"] * 2 + ["2.58", "1.04", "links"])
+        self.assertEqual(rows["column"][0], f"{2 * 7 / 8 * 128 * 2 * (3584 + 7168) / 450e3:.2f}")
+        self.assertEqual(rows["overlap"][-1], "memory")
+        # No rates: says so; bad rates: an error before anything is printed.
+        result = lmoe("explain", "--tokens", "1", "--tp", "2", "--backend", "cpu")
+        self.assertIn("floors: no rates known for the cpu backend (give --rates", result.stdout)
+        result = lmoe("explain", "--tokens", "1", "--backend", "cpu", "--rates", "1,2,x", check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(result.stdout, "")
+        self.assertIn("got 'x'", result.stderr)
+
     def test_bad_environment_variable_names_it(self):
         result = lmoe("explain", "--tokens", "1", "--backend", "cpu", env={"LMOE_OVERLAP_MAX_TOKENS": "lots"}, check=False)
         self.assertEqual(result.returncode, 2)
