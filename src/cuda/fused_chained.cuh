@@ -63,9 +63,8 @@ struct ChainedShape {
   // As many stages as ~192 KB hold, at most 8: room beside a norm block on the SM.
   static constexpr int kStages = std::min(8, 192 * 1024 / kStageBytes);
   static constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + alignment to 1024
-  // The cluster's partials, [split][fragment][slot] float2, slot = 4 · (row in the slice) + lane %
-  // 4: S splits × kN / 8 fragments × 4 · 128 / S slots, whatever S (a block's own slot stays
-  // unused).
+  // The cluster's partials of a block's slice, [split][fragment][slot] float2, slot = 4 · (row in
+  // the slice) + lane % 4: S splits × kN / 8 fragments × 4 · 128 / S slots, whatever S.
   static constexpr int kPartialBytes = kN * 512;
   // The finish's parked round(U) of the block's slice: a token's rows, padded by 16 bytes so that
   // the fragment's stores of one warp spread over the banks; after the partials.
@@ -91,6 +90,11 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // The cluster's blocks are the tile's splits, in order (the launch's cluster size is p.splits).
   const int tile = static_cast<int>(blockIdx.x) / p.splits;
   const int split = static_cast<int>(blockIdx.x) % p.splits;
+  // The block finishes its slice of the tile: rows [split · R, split · R + R), R = 128 / splits.
+  // splits is a power of two: shifts and masks below, as a division by a value known only at run
+  // time costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at T = 128).
+  const int slice_shift = 7 - (31 - __clz(p.splits));  // R = 1 << slice_shift
+  const int slice_rows = 1 << slice_shift;
   const int chunks = static_cast<int>((p.l + kChainedTileK - 1) / kChainedTileK);
   const int c0 = split * chunks / p.splits;
   const int n = (split + 1) * chunks / p.splits - c0;
@@ -156,7 +160,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     // token, in one or two 128-byte lines).
     if (tid >= 32) {
       const T* shared = static_cast<const T*>(p.shared);
-      const int slice_rows = kChainedTileRows / p.splits;
       const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
       for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
         const std::int64_t row = static_cast<std::int64_t>(tile) * kChainedTileRows +
@@ -197,11 +200,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
 
-  // The block's slice of the tile: rows [split · R, split · R + R) of it, R = 128 / splits. splits
-  // is a power of two: shifts and masks below, as a division by a value known only at run time
-  // costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at T = 128).
-  const int slice_shift = 7 - (31 - __clz(p.splits));  // R = 1 << slice_shift
-  const int slice_rows = 1 << slice_shift;
   const int fragments = (tokens + 7) / 8;
   const int lane = tid % 32;
   // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
