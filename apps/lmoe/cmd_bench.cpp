@@ -61,7 +61,6 @@ struct BenchCommand {
   std::string json_path;
   std::string from_sweep;  // --check-table against this recorded sweep instead of a measurement
   std::string rates;       // --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS for the floors
-  std::optional<MachineRates> given_rates;  // --rates parsed, before anything is measured
 
   void execute();
   // --check-table --from-sweep FILE: the policy judged against FILE's records.
@@ -186,7 +185,7 @@ std::string describe_setting(const BenchSweep& sweep) {
 }
 
 void BenchCommand::execute() {
-  if (!rates.empty()) given_rates = parse_machine_rates(rates);
+  if (!rates.empty()) parse_machine_rates(rates);  // refused before anything is measured
   const bool check_table = app->count("--check-table") > 0;
   if (check_table && !check_table_path.empty()) {
     if (!tier_table.empty() && tier_table != check_table_path) {
@@ -348,19 +347,12 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
                           const std::string& recorded_in) {
   const BenchResult& result = recorded.result;
   // The machine's rates for the floors: --rates, else those lmoe knows for the sweep's GPU.
-  std::optional<MachineRates> machine;
-  std::string rates_source;
-  if (given_rates) {
-    machine = given_rates;
-    rates_source = "--rates";
-  } else if (recorded.gpu) {
-    machine = known_machine_rates(recorded.gpu->name, recorded.dtype);
-    rates_source =
-        "known for " + recorded.gpu->name + " " + std::string(dtype_name(recorded.dtype));
-  }
+  const FloorRates machine =
+      floor_rates(rates, recorded.gpu ? std::optional(recorded.gpu->name) : std::nullopt,
+                  recorded.dtype, recorded.backend);
   std::vector<std::optional<TierFloor>> floors;
   for (const BenchRecord& record : result.records) {
-    floors.push_back(machine ? record_floor(recorded, record, *machine) : std::nullopt);
+    floors.push_back(machine.rates ? record_floor(recorded, record, *machine.rates) : std::nullopt);
   }
   Table table({"T", "bytes", "tier", "comm", "mode", "median_us", "p10_us", "p90_us", "algbw_GB/s",
                "busbw_GB/s", "floor_us", "x_floor", "chosen", "#wrong"});
@@ -398,14 +390,7 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
   std::cout << "\n";
   table.print(std::cout);
   std::cout << "# " << kBytesDefinition << "\n# " << kBusDefinition << "\n# " << kTimeDefinition
-            << "\n# " << kFloorDefinition << "\n# rates: "
-            << (machine ? machine_rates_text(*machine) + " (" + rates_source + ")"
-                        : std::string("none known for ") +
-                              (recorded.gpu ? recorded.gpu->name + " " +
-                                                  std::string(dtype_name(recorded.dtype))
-                                            : std::string("the cpu backend")) +
-                              " (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)")
-            << "\n";
+            << "\n# " << kFloorDefinition << "\n# rates: " << machine.text << "\n";
   for (const auto& [comm, reason] : mode_reasons)
     std::cout << "# mode of " << comm << ": " << reason << "\n";
   std::cout << "# chosen: * marks the tier the policy picks at this T (`lmoe explain` says why)\n"
@@ -445,11 +430,11 @@ void BenchCommand::report(const BenchSweep& recorded, const PolicyConfig& policy
                           {"time", kTimeDefinition},
                           {"floor", kFloorDefinition},
                           {"wrong", kWrongDefinition}};
-    doc["floor_rates"] = machine ? nlohmann::json{{"link_gbps", machine->link_gbps},
-                                                  {"memory_gbps", machine->memory_gbps},
-                                                  {"gemm_tflops", machine->gemm_tflops},
-                                                  {"source", rates_source}}
-                                 : nlohmann::json();
+    doc["floor_rates"] = machine.rates ? nlohmann::json{{"link_gbps", machine.rates->link_gbps},
+                                                        {"memory_gbps", machine.rates->memory_gbps},
+                                                        {"gemm_tflops", machine.rates->gemm_tflops},
+                                                        {"source", machine.source}}
+                                       : nlohmann::json();
     nlohmann::json& records = doc["records"];
     for (std::size_t i = 0; i < floors.size() && i < records.size(); ++i) {
       const std::optional<TierFloor>& floor = floors[i];

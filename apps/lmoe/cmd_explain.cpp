@@ -25,28 +25,19 @@ struct ExplainCommand {
   // Each tier's floor at T (lmoe/tail_floor.hpp), one rank per GPU, on --rates or the rates lmoe
   // knows for this machine's GPU; a line saying why not where there are none.
   void print_floors(const RunningConfig& running, TailDims dims, DType dtype) const {
-    std::optional<MachineRates> machine;
-    std::string source = "--rates";
-    if (!rates.empty()) {
-      machine = parse_machine_rates(rates);
-    } else if (running.gpu) {
-      machine = known_machine_rates(running.gpu->name, dtype);
-      source = "known for " + running.gpu->name + " " + std::string(dtype_name(dtype));
-    }
-    if (!machine) {
-      std::cout << "floors: no rates known for "
-                << (running.gpu ? running.gpu->name + " " + std::string(dtype_name(dtype))
-                                : std::string("the ") + std::string(backend_name(running.backend)) +
-                                      " backend")
-                << " (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)\n";
+    const FloorRates machine =
+        floor_rates(rates, running.gpu ? std::optional(running.gpu->name) : std::nullopt, dtype,
+                    running.backend);
+    if (!machine.rates) {
+      std::cout << "floors: " << machine.text << "\n";
       return;
     }
     if (tokens < 1) return;
-    std::cout << "floors at T=" << tokens << ", one rank per GPU (" << machine_rates_text(*machine)
-              << "; " << source << "), the least time each tier can take (docs/bench.md):\n";
+    std::cout << "floors at T=" << tokens << ", one rank per GPU, at " << machine.text
+              << ": the least time each tier can take (docs/bench.md):\n";
     Table table({"tier", "floor_us", "comm_us", "memory_us", "flops_us", "bound_by"});
     for (TailTier tier : kAllTiers) {
-      const TierFloor floor = tier_floor(tier, tokens, dims, dtype, tp, *machine);
+      const TierFloor floor = tier_floor(tier, tokens, dims, dtype, tp, *machine.rates);
       const char* bound = floor.floor_us == floor.comm_us     ? "links"
                           : floor.floor_us == floor.memory_us ? "memory"
                                                               : "GEMM";

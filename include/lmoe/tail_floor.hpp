@@ -20,6 +20,7 @@
 
 #include "lmoe/dims.hpp"
 #include "lmoe/dtype.hpp"
+#include "lmoe/latent_tail.hpp"
 #include "lmoe/tier.hpp"
 
 namespace lmoe {
@@ -45,6 +46,19 @@ std::optional<MachineRates> known_machine_rates(std::string_view gpu_name, DType
 MachineRates parse_machine_rates(std::string_view text);
 // "link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s"
 std::string machine_rates_text(const MachineRates& rates);
+
+// The rates a command's floors use: `given` (the text of --rates) when not empty, else those lmoe
+// knows for the GPU (nullopt: none, e.g. the cpu backend) and dtype. `text` says which, for the
+// user: "link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s (known for NVIDIA H200 bf16)", "…
+// (--rates)", or "no rates known for the cpu backend (give --rates
+// LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)". lmoe::Error from parse_machine_rates for bad `given`.
+struct FloorRates {
+  std::optional<MachineRates> rates;
+  std::string source;  // "--rates", "known for NVIDIA H200 bf16"; empty without rates
+  std::string text;
+};
+FloorRates floor_rates(std::string_view given, const std::optional<std::string>& gpu_name,
+                       DType dtype, Backend backend);
 
 struct TierFloor {
   double comm_us = 0, memory_us = 0, flops_us = 0;

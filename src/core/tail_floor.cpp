@@ -68,6 +68,24 @@ std::string machine_rates_text(const MachineRates& rates) {
          " TFLOP/s";
 }
 
+FloorRates floor_rates(std::string_view given, const std::optional<std::string>& gpu_name,
+                       DType dtype, Backend backend) {
+  FloorRates result;
+  const std::string where = gpu_name ? *gpu_name + " " + std::string(dtype_name(dtype))
+                                     : "the " + std::string(backend_name(backend)) + " backend";
+  if (!given.empty()) {
+    result.rates = parse_machine_rates(given);
+    result.source = "--rates";
+  } else if (gpu_name) {
+    result.rates = known_machine_rates(*gpu_name, dtype);
+    if (result.rates) result.source = "known for " + where;
+  }
+  result.text = result.rates ? machine_rates_text(*result.rates) + " (" + result.source + ")"
+                             : "no rates known for " + where +
+                                   " (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)";
+  return result;
+}
+
 TierFloor tier_floor(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp,
                      const MachineRates& rates) {
   LMOE_CHECK(tp >= 1, "tier_floor: expected tp >= 1, got " + std::to_string(tp));

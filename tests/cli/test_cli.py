@@ -252,7 +252,7 @@ class OtherCommands(unittest.TestCase):
 
     def test_explain_gives_each_tiers_floor_on_given_rates(self):
         result = lmoe("explain", "--tokens", "128", "--tp", "8", "--backend", "cpu", "--rates", "450,4270,790")
-        self.assertIn("floors at T=128, one rank per GPU (link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s; --rates)",
+        self.assertIn("floors at T=128, one rank per GPU, at link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s (--rates):",
                       result.stdout)
         rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
                 if line.split()[:1] in (["fused"], ["overlap"], ["column"], ["token"]) and len(line.split()) == 6}
@@ -1190,7 +1190,7 @@ class RecordedSweeps(unittest.TestCase):
         # Without --rates the cpu backend has none: '-' in the table, null in the file.
         result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "1", "-t", "4", "--iters", "1",
                       "--warmup", "0", "--tiers", "overlap", "--json", out)
-        self.assertIn("# rates: none known for the cpu backend (give --rates", result.stdout)
+        self.assertIn("# rates: no rates known for the cpu backend (give --rates", result.stdout)
         with open(out) as f:
             doc = json.load(f)
         self.assertIsNone(doc["floor_rates"])

@@ -124,6 +124,30 @@ TEST(MachineRates, ParsesThreePositiveNumbersAndNamesWhatIsWrong) {
   EXPECT_THAT(error_of("450,0,790"), HasSubstr("rates '450,0,790'"));
 }
 
+TEST(MachineRates, FloorRatesAreGivenKnownOrSaidToBeMissing) {
+  const lmoe::FloorRates given =
+      lmoe::floor_rates("1,2,3", std::string("NVIDIA H200"), DType::bf16, lmoe::Backend::cuda);
+  ASSERT_TRUE(given.rates.has_value());
+  EXPECT_EQ(given.rates->memory_gbps, 2.0);  // --rates wins over what lmoe knows
+  EXPECT_EQ(given.text, "link 1 GB/s, memory 2 GB/s, GEMM 3 TFLOP/s (--rates)");
+  const lmoe::FloorRates known =
+      lmoe::floor_rates("", std::string("NVIDIA H200"), DType::f16, lmoe::Backend::cuda);
+  ASSERT_TRUE(known.rates.has_value());
+  EXPECT_EQ(known.source, "known for NVIDIA H200 f16");
+  EXPECT_EQ(known.text,
+            "link 450 GB/s, memory 4270 GB/s, GEMM 790 TFLOP/s (known for NVIDIA H200 f16)");
+  const lmoe::FloorRates f32 =
+      lmoe::floor_rates("", std::string("NVIDIA H200"), DType::f32, lmoe::Backend::cuda);
+  EXPECT_FALSE(f32.rates.has_value());
+  EXPECT_EQ(f32.text,
+            "no rates known for NVIDIA H200 f32 (give --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS)");
+  const lmoe::FloorRates cpu = lmoe::floor_rates("", std::nullopt, DType::bf16, lmoe::Backend::cpu);
+  EXPECT_FALSE(cpu.rates.has_value());
+  EXPECT_THAT(cpu.text, HasSubstr("no rates known for the cpu backend"));
+  EXPECT_THROW(lmoe::floor_rates("1,2", std::nullopt, DType::bf16, lmoe::Backend::cpu),
+               lmoe::Error);
+}
+
 TEST(RecordFloor, OnlyWhereEachRankHasItsOwnGpu) {
   lmoe::BenchSweep sweep;
   sweep.backend = lmoe::Backend::cuda;
