@@ -107,13 +107,13 @@ if wants fusedturns; then
   # synchronization between calls (docs/fused.md, sessions 12 and 13). Repeated: a queue-order
   # race shows up only sometimes. If it stops, once more with more hardware queues per GPU, which
   # tells a false dependency between ranks' streams from a protocol fault.
-  gtest fused_turns 200 build/cuda/tests/lmoe_cuda_tests 'Fused.DecodeAndGeneralCallsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
+  gtest fused_turns 200 build/cuda/tests/lmoe_cuda_tests 'Fused.TheKernelsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
     --gtest_repeat=3
   grep -E "^\[ fused" "$logs/fused_turns.log" | sort | uniq -c
   if [ "${rc[fused_turns]}" -ne 0 ]; then
     stage "fused turns again, CUDA_DEVICE_MAX_CONNECTIONS=32"
     CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 120 build/cuda/tests/lmoe_cuda_tests \
-      --gtest_filter='Fused.DecodeAndGeneralCallsTakeTurns*' >"$logs/fused_turns32.log" 2>&1
+      --gtest_filter='Fused.TheKernelsTakeTurns*' >"$logs/fused_turns32.log" 2>&1
     rc[fused_turns32]=$?
     grep -E "^\[ fused|FAILED|exception" "$logs/fused_turns32.log" | sort -u | head -20
   fi

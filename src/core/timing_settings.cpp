@@ -8,9 +8,10 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 9> kNames = {
-    "LMOE_FUSED_CHAINED",         // which fused kernel runs at tp 1 for T <= 128 (docs/fused.md)
+constexpr std::array<const char*, 10> kNames = {
+    "LMOE_FUSED_CHAINED",         // which fused kernel runs for T <= 128 (docs/fused.md)
     "LMOE_FUSED_DECODE",          // which fused kernel runs at T <= 16 (docs/fused.md)
+    "LMOE_FUSED_EXCHANGE_GRID",   // the chained path's exchange blocks with several ranks
     "LMOE_FUSED_TRACE",           // the fused kernels store a timestamp per block and point
     "LMOE_P2P_SHARED_GPU",        // p2p ranks may share a GPU (and its SMs, bandwidth and L2)
     "LMOE_TOKEN_CHUNKS",          // how the token tier pipelines its collectives

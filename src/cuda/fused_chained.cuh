@@ -1,7 +1,11 @@
-// The fused tier's chained up-projection at tp = 1 (sm_90a only): the second of two kernels chained
-// by programmatic dependent launch (cuda/fused_chained_launch.hpp; the first writes N),
+// The fused tier's chained up-projection (sm_90a only): the kernel after the one that writes N,
+// chained by programmatic dependent launch (cuda/fused_chained_launch.hpp),
 //
 //   Y = round(round(N · w_upᵀ) + shared)   (DESIGN.md §3 `fused` with one rank)
+//
+// With several ranks it multiplies the rank's stripe of w_up, `shared` is the stripe's rank sum
+// (the exchange kernel's, cuda/fused_chained_exchange.cuh) and each output vector also goes to
+// every peer as lines for the gather kernel after it.
 //
 // At T ≤ 128 the product is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate) with
 // little arithmetic per byte, so it is built as a skinny GEMM with the weights as wgmma's M and
@@ -44,6 +48,7 @@
 
 #include "cuda/dtype.cuh"
 #include "cuda/fused_chained_launch.hpp"
+#include "cuda/fused_ll.cuh"
 #include "cuda/hopper_async.cuh"
 #include "cuda/p2p_protocol.cuh"
 #include "cuda/warpgroup_mma.cuh"
@@ -84,6 +89,10 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   constexpr int kFragments = kN / 8;  // acc[4j … 4j + 3] holds tokens 8j … 8j + 7
   extern __shared__ __align__(1024) unsigned char chained_smem[];
   __shared__ StageBarriers<Shape::kStages> bars;
+  __shared__ std::uint32_t call_epoch;  // tp > 1: the call's epoch, for the output's lines
+  // tp > 1: the call's last kernel (the gather of the peers' stripes) may start at once; it waits
+  // for this one before it closes the call.
+  if (p.tp > 1) pdl_launch_dependents();
   const int tid = static_cast<int>(threadIdx.x);
   const auto full_bar = [&](int s) { return bars.full(s); };
   const auto empty_bar = [&](int s) { return bars.empty(s); };
@@ -145,6 +154,8 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       for (int i = 0; i < first; ++i) copy_weights(i);
       pdl_wait();
       chained_trace(p, kChainedTraceNReady);
+      if (p.tp > 1)
+        call_epoch = *p.epoch + 1;  // the exchange kernel has ended: nothing advances it
       for (int i = 0; i < first; ++i) copy_rows(i);
       for (int i = first; i < n; ++i) {
         // The consumers released the stage's previous round (round i / kStages − 1).
@@ -165,7 +176,8 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         const std::int64_t row = static_cast<std::int64_t>(tile) * kChainedTileRows +
                                  split * slice_rows + (i & lines_shift) * 64;
         if (row < p.rows) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(shared + (i >> lines_shift) * p.d + row));
+          asm volatile(
+              "prefetch.global.L2 [%0];" ::"l"(shared + (i >> lines_shift) * p.shared_pitch + row));
         }
       }
     }
@@ -283,7 +295,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       const std::int64_t row = slice_row0 + 8 * v;
       // rows % 8 == 0: a vector is all inside or all past
       if (i < units && row < p.rows)
-        s[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.d + row);
+        s[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
@@ -298,7 +310,17 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         y.v[e] =
             Storage<T>::store(__fadd_rn(Storage<T>::load(u.v[e]), Storage<T>::load(s[k].v[e])));
       }
-      *reinterpret_cast<Vec16<T>*>(out + t * p.d + row) = y;
+      *reinterpret_cast<Vec16<T>*>(out + t * p.out_pitch + row) = y;
+      // tp > 1: and to every peer, two lines of 4 elements each (its gather copies them into its
+      // Y).
+      const uint4 bits = *reinterpret_cast<const uint4*>(&y);
+      for (int r = 0; r < p.tp; ++r) {
+        if (r == p.rank) continue;
+        std::byte* line = ll_line_in(p.workspace[r], p.lines_offset, p.lines_parity_bytes,
+                                     call_epoch & 1u, p.rank, p.lines_slot, t * p.rows + row);
+        ll_store(line, make_uint2(bits.x, bits.y), call_epoch);
+        ll_store(line + 16, make_uint2(bits.z, bits.w), call_epoch);
+      }
     }
   }
   if (tid == 0) chained_trace(p, kChainedTraceEnd);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda/fused_chained.cuh"
+#include "cuda/fused_chained_exchange.cuh"
 #include "cuda/launchers.hpp"
 #include "cuda/tensor_map.hpp"
 
@@ -135,23 +136,12 @@ cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const vo
   return cudaSuccess;
 }
 
-cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed,
-                                 const float* gamma, float eps, void* normed,
-                                 std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
-                                 cudaStream_t stream) {
-  if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens || plan.tiles < 1 ||
-      (dtype != DType::bf16 && dtype != DType::f16)) {
-    return cudaErrorInvalidValue;
-  }
-  // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others).
-  if (const cudaError_t status =
-          launch_rms_norm(routed, gamma, normed, p.tokens_device ? max_tokens : p.tokens, p.l, eps,
-                          dtype, stream, p.tokens_device);
-      status != cudaSuccess) {
-    return status;
-  }
-  // 2. The up-projection, allowed to start before the norm kernel ends (it waits for N itself);
-  //    a tile's splits form a cluster.
+namespace {
+
+// The up-projection, allowed to start before the kernel ahead of it ends (it waits for N itself); a
+// tile's splits form a cluster.
+cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DType dtype,
+                      const FusedChainedPlan& plan, cudaStream_t stream) {
   const int shape = token_class(max_tokens);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(plan.tiles * plan.splits));
@@ -172,6 +162,72 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
   params.splits = plan.splits;
   void* up_args[] = {&params};
   return cudaLaunchKernelExC(&config, up_kernel(shape, dtype), up_args);
+}
+
+bool launchable(std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan) {
+  return max_tokens >= 1 && max_tokens <= kFusedChainedMaxTokens && plan.tiles >= 1 &&
+         (dtype == DType::bf16 || dtype == DType::f16);
+}
+
+}  // namespace
+
+cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed,
+                                 const float* gamma, float eps, void* normed,
+                                 std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
+                                 cudaStream_t stream) {
+  if (!launchable(max_tokens, dtype, plan)) return cudaErrorInvalidValue;
+  // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others).
+  if (const cudaError_t status =
+          launch_rms_norm(routed, gamma, normed, p.tokens_device ? max_tokens : p.tokens, p.l, eps,
+                          dtype, stream, p.tokens_device);
+      status != cudaSuccess) {
+    return status;
+  }
+  // 2. The up-projection.
+  return launch_up(p, max_tokens, dtype, plan, stream);
+}
+
+cudaError_t launch_fused_chained_ranks(const FusedTailParams& x, int exchange_grid,
+                                       const FusedChainedParams& p, std::int64_t max_tokens,
+                                       DType dtype, const FusedChainedPlan& plan,
+                                       cudaStream_t stream) {
+  if (!launchable(max_tokens, dtype, plan) || x.tp < 2 || exchange_grid < 1 ||
+      max_tokens > x.cx_rows) {
+    return cudaErrorInvalidValue;
+  }
+  const bool bf16 = dtype == DType::bf16;
+  // 1. The exchange: N and the stripe's shared sum in this rank's workspace.
+  FusedTailParams args = x;
+  void* exchange_args[] = {&args};
+  if (const cudaError_t status = cudaLaunchKernel(
+          bf16 ? reinterpret_cast<const void*>(fused_chained_exchange_kernel<__nv_bfloat16>)
+               : reinterpret_cast<const void*>(fused_chained_exchange_kernel<__half>),
+          dim3(static_cast<unsigned>(exchange_grid)), dim3(kNormThreads), exchange_args,
+          static_cast<std::size_t>(x.l) * 2, stream);  // a row of N being normalized
+      status != cudaSuccess) {
+    return status;
+  }
+  // 2. The up-projection of this rank's stripe, its vectors also sent to the peers.
+  if (const cudaError_t status = launch_up(p, max_tokens, dtype, plan, stream);
+      status != cudaSuccess) {
+    return status;
+  }
+  // 3. The gather of the peers' stripes, allowed to start (and poll) while the up-projection runs.
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(exchange_grid));
+  config.blockDim = dim3(kNormThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  void* gather_args[] = {&args};
+  return cudaLaunchKernelExC(
+      &config,
+      bf16 ? reinterpret_cast<const void*>(fused_chained_gather_kernel<__nv_bfloat16>)
+           : reinterpret_cast<const void*>(fused_chained_gather_kernel<__half>),
+      gather_args);
 }
 
 }  // namespace lmoe::cuda

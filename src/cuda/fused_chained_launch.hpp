@@ -1,10 +1,14 @@
-// Launcher of the fused tier's chained path (cuda/fused_chained.cuh) for one rank (tp = 1, the
+// Launcher of the fused tier's chained path (cuda/fused_chained.cuh). One rank (tp = 1, the
 // expert-parallel layout): two kernels chained by programmatic dependent launch,
 //
 //   1. N = round(rmsnorm(routed)) into the workspace (launch_rms_norm: the register kernel of
 //      cuda/rms_norm.cuh, the canonical order), which lets the second start at once;
 //   2. Y = round(round(N · w_upᵀ) + shared) on wgmma tensor cores, whose weight copies start while
 //      the first still runs and which waits for N only before its first copy of N.
+//
+// Several ranks (launch_fused_chained_ranks): the exchange kernel of
+// cuda/fused_chained_exchange.cuh in place of the norm kernel, the same up-projection over the
+// rank's stripe, and a gather kernel.
 //
 // Compute 9.0 (wgmma) only, bf16 or f16, T ≤ kFusedChainedMaxTokens. Host code only.
 #pragma once
@@ -14,6 +18,8 @@
 
 #include <cstdint>
 
+#include "cuda/fused_tail_types.hpp"
+#include "cuda/p2p_types.hpp"
 #include "lmoe/dtype.hpp"
 
 namespace lmoe::cuda {
@@ -43,9 +49,21 @@ struct FusedChainedParams {
   std::int64_t tokens = 0;                      // T, when tokens_device is null
   const std::int32_t* tokens_device = nullptr;  // T on the device (graph replays), ≤ the bound
   std::int64_t d = 0, l = 0;                    // d_model, d_latent
-  std::int64_t rows = 0;                        // w_up's rows (= d at tp 1)
-  const void* shared = nullptr;                 // [T, d]
-  void* out = nullptr;                          // [T, d]
+  std::int64_t rows = 0;                        // w_up's rows (d at tp 1, the stripe at tp > 1)
+  // The added rows [T, rows] and the output [T, rows], their rows shared_pitch and out_pitch
+  // elements apart: at tp 1 the caller's `shared` and Y (pitch d); at tp > 1 this rank's stripe of
+  // the shared sum in its workspace (pitch rows) and Y's columns of its stripe (pitch d).
+  const void* shared = nullptr;
+  void* out = nullptr;
+  std::int64_t shared_pitch = 0, out_pitch = 0;
+  // tp > 1: every output vector also goes to each peer as LL lines (cuda/fused_ll.cuh), into the
+  // peer's workspace at lines_offset (parity 0; parities lines_parity_bytes apart), this rank's
+  // slot of lines_slot elements ([capacity, rows]); the call's epoch is *epoch + 1 (this rank's
+  // FusedFlags::epoch, which the call's last kernel advances).
+  int rank = 0, tp = 1;
+  std::byte* workspace[kP2pMaxRanks] = {};
+  std::int64_t lines_offset = 0, lines_parity_bytes = 0, lines_slot = 0;
+  const std::uint32_t* epoch = nullptr;
   std::uint32_t* calls = nullptr;               // the calls counted (for tests)
   int tiles = 0, splits = 1;  // the grid: tiles × splits blocks, clusters of `splits`
   // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
@@ -90,5 +108,17 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
                                  const float* gamma, float eps, void* normed,
                                  std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
                                  cudaStream_t stream);
+
+// With several ranks (p2p, every rank's workspace in x; x.cx_rows ≥ max_tokens): the exchange
+// kernel (two-shot all-reduce of the latent with the norm between the shots, the reduce-scatter of
+// `shared`: cuda/fused_chained_exchange.cuh), the up-projection of this rank's stripe (p: rows =
+// the stripe, shared = the stripe's shared sum, out = Y's columns of the stripe, its vectors also
+// sent to the peers as lines) and the gather of the peers' stripes, which closes the call; the
+// second and third start early (programmatic dependent launch). exchange_grid: blocks of the first
+// and third kernels. Queries nothing (it may run inside a graph capture).
+cudaError_t launch_fused_chained_ranks(const FusedTailParams& x, int exchange_grid,
+                                       const FusedChainedParams& p, std::int64_t max_tokens,
+                                       DType dtype, const FusedChainedPlan& plan,
+                                       cudaStream_t stream);
 
 }  // namespace lmoe::cuda

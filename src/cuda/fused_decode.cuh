@@ -208,7 +208,8 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
     const int k = i / row_units, u = i % row_units;
     const std::int64_t index = (block + static_cast<std::int64_t>(k) * grid) * p.l + u * 4;
     uint2 sum;
-    if (!ll_rank_sum4<T>(x, x.ll_latent_offset, x.ll_rows * p.l, index, routed + index, call, &sum))
+    if (!ll_rank_sum4<T>(x, x.ll_latent_offset, x.ll_parity_bytes, x.ll_rows * p.l, index,
+                         routed + index, call, &sum))
       break;
     *reinterpret_cast<uint2*>(normed + k * pitch + u * 8) = sum;
   }
@@ -219,8 +220,8 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
     const int t = i / (groups * 2), h = i % (groups * 2);
     const std::int64_t c = row_first + h * 4;
     uint2 sum;
-    if (!ll_rank_sum4<T>(x, x.ll_shared_offset, x.ll_rows * x.stripe, t * x.stripe + c,
-                         shared + t * p.d + p.col0 + c, call, &sum))
+    if (!ll_rank_sum4<T>(x, x.ll_shared_offset, x.ll_parity_bytes, x.ll_rows * x.stripe,
+                         t * x.stripe + c, shared + t * p.d + p.col0 + c, call, &sum))
       break;
     reinterpret_cast<uint2*>(shared_slice)[i] = sum;
   }

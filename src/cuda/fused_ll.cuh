@@ -27,11 +27,17 @@ namespace lmoe::cuda {
 
 // The line of element `index` (a multiple of 4) of sender `from`'s slot of `slot_elements` in the
 // exchange region at `region` (bytes into a workspace, parity 0) of rank `at`'s workspace.
+// The same in any exchange region of a workspace: its parities `parity_bytes` apart.
+__device__ inline std::byte* ll_line_in(std::byte* workspace, std::int64_t region,
+                                        std::int64_t parity_bytes, std::uint32_t parity, int from,
+                                        std::int64_t slot_elements, std::int64_t index) {
+  return workspace + region + static_cast<std::int64_t>(parity) * parity_bytes +
+         (from * slot_elements + index) * 4;
+}
 __device__ inline std::byte* ll_line(const FusedTailParams& x, int at, std::int64_t region,
                                      std::uint32_t parity, int from, std::int64_t slot_elements,
                                      std::int64_t index) {
-  return x.workspace[at] + region + static_cast<std::int64_t>(parity) * x.ll_parity_bytes +
-         (from * slot_elements + index) * 4;
+  return ll_line_in(x.workspace[at], region, x.ll_parity_bytes, parity, from, slot_elements, index);
 }
 
 __device__ inline void ll_store(std::byte* line, uint2 data, std::uint32_t e) {
@@ -76,19 +82,51 @@ __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, 
   }
 }
 
+// Up to kLines lines at once (those whose bit is set in `wanted`): every load issued before any
+// is checked, so that their latencies overlap; a line not there yet is then waited for as ll_load
+// does (peers[k]: its sender, for the report). False when a wait failed (reported).
+template <int kLines>
+__device__ inline bool ll_load_lines(const FusedTailParams& x, std::byte* const (&lines)[kLines],
+                                     unsigned wanted, std::uint32_t e, const int (&peers)[kLines],
+                                     FusedCall* call, uint2 (&data)[kLines]) {
+  uint4 v[kLines];
+#pragma unroll
+  for (int k = 0; k < kLines; ++k) {
+    if (wanted >> k & 1u) {
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                   : "l"(lines[k])
+                   : "memory");
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kLines; ++k) {
+    if (!(wanted >> k & 1u)) continue;
+    if (v[k].y == e && v[k].w == e) {
+      data[k] = make_uint2(v[k].x, v[k].z);
+    } else if (!ll_load(x, lines[k], e, peers[k], call, &data[k])) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Σ over the ranks, in rank order from rank 0's value and rounded once (the contract's rank sum),
 // of the 4 elements at `index` of a slot of `slot_elements`: this rank's own from `own`, every
-// peer's from its line in this rank's region (waited for). False when a wait failed (reported).
+// peer's from its line in this rank's region (parities `parity_bytes` apart; waited for). False
+// when a wait failed (reported).
 template <typename T>
 __device__ inline bool ll_rank_sum4(const FusedTailParams& x, std::int64_t region,
-                                    std::int64_t slot_elements, std::int64_t index, const T* own,
-                                    FusedCall* call, uint2* sum) {
+                                    std::int64_t parity_bytes, std::int64_t slot_elements,
+                                    std::int64_t index, const T* own, FusedCall* call, uint2* sum) {
   float acc[4];
   for (int r = 0; r < x.tp; ++r) {
     uint2 bits;
     if (r == x.rank) {
       bits = *reinterpret_cast<const uint2*>(own);
-    } else if (!ll_load(x, ll_line(x, x.rank, region, call->parity, r, slot_elements, index),
+    } else if (!ll_load(x,
+                        ll_line_in(x.workspace[x.rank], region, parity_bytes, call->parity, r,
+                                   slot_elements, index),
                         call->e, r, call, &bits)) {
       return false;
     }

@@ -29,6 +29,14 @@ std::int64_t max_splits(std::int64_t l) {
   return std::max<std::int64_t>(1, chunks / 4);
 }
 
+// Compute 9.0, where the chained path's wgmma runs.
+bool device_is_compute_90(int device) {
+  int major = 0, minor = 0;
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
 }  // namespace
 
 std::optional<std::string> FusedTail::problem_limit(TailDims dims, DType dtype, int tp) {
@@ -121,7 +129,21 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
                               params_.ll_latent_offset;
   }
-  params_.normed_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  // Then (tp > 1, where the chained path may run: compute 9.0, not turned off) per parity the
+  // chained path's exchange as LL lines (cuda/fused_chained_exchange.cuh; K3 at 128 rows: ~11 MB).
+  params_.cx_latent_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  if (tp > 1 && !fused_chained_turned_off() && device_is_compute_90(device)) {
+    const std::int64_t rows = std::min(kFusedChainedMaxTokens, capacity_), line_bytes = 4;
+    params_.cx_rows = rows;
+    params_.cx_owner_rows = (rows + tp - 1) / tp;
+    params_.cx_normed_offset =
+        params_.cx_latent_offset + align256(tp * params_.cx_owner_rows * l * line_bytes);
+    params_.cx_shared_offset = params_.cx_normed_offset + align256(rows * l * line_bytes);
+    params_.cx_out_offset = params_.cx_shared_offset + align256(tp * rows * stripe * line_bytes);
+    params_.cx_parity_bytes = params_.cx_out_offset + align256(tp * rows * stripe * line_bytes) -
+                              params_.cx_latent_offset;
+  }
+  params_.normed_offset = params_.cx_latent_offset + 2 * params_.cx_parity_bytes;
   // The partials are sized for this rank's grid: the agreed grid is no larger, so its splits are
   // no more. With one rank the epilogue reads `shared` itself: no shared-sum stripe.
   params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
@@ -145,6 +167,8 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     // which its odd epochs never are). Before the collective below, so before any peer's call.
     LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.ll_latent_offset, 0x01,
                                static_cast<std::size_t>(params_.ll_parity_bytes)));
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.cx_latent_offset, 0x01,
+                               static_cast<std::size_t>(params_.cx_parity_bytes)));
     LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
     workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
@@ -206,7 +230,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     params_.trace = static_cast<std::uint64_t*>(trace_.data());
   }
   choose_decode(sms, sharing);
-  choose_chained();
+  choose_chained(sms, sharing);
   if (tracing && decode_max_tokens_ > 0) {
     decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
                                  sizeof(std::uint64_t));
@@ -268,33 +292,41 @@ void FusedTail::choose_decode(int sms, int sharing) {
   decode_local_norm_rows_ = params_.tp == 2 ? 2 : 1;
 }
 
-// With one rank, calls the decode kernel does not take run the chained path up to 128 rows where
-// its plan accepts the problem on this device (compute 9.0, a tensor-map encoder, …) and N is
-// normalized (without the norm N would be the caller's routed rows, which the copy engine's map
-// cannot follow from call to call).
-void FusedTail::choose_chained() {
-  if (params_.tp > 1) {
-    chained_limit_ = "the chained path runs with one rank only";
-    return;
+// Calls the decode kernel does not take run the chained path up to 128 rows where its plan accepts
+// the problem on this device (compute 9.0, a tensor-map encoder, …): with one rank a norm kernel
+// and the up-projection, where N is normalized (without the norm N would be the caller's routed
+// rows, which the copy engine's map cannot follow from call to call); with several, the exchange
+// kernel, the up-projection of the rank's stripe and the gather (cuda/fused_chained_exchange.cuh),
+// where every rank runs it (collective then).
+void FusedTail::choose_chained(int sms, int sharing) {
+  const int tp = params_.tp;
+  chained_limit_ = chained_reason(sms, sharing);
+  std::int64_t bound = chained_limit_ ? 0 : std::min(kFusedChainedMaxTokens, capacity_);
+  if (tp > 1) {
+    // Every rank must run the same kernels for a call (the lines' epochs and the gather).
+    std::vector<std::int64_t> all(static_cast<std::size_t>(tp));
+    comm_.control_all_gather(&bound, all.data(), sizeof(bound));
+    const std::int64_t agreed = *std::min_element(all.begin(), all.end());
+    if (agreed < bound) chained_limit_ = "the chained path does not run on another rank";
+    bound = agreed;
   }
-  if (auto off = fused_chained_turned_off()) {
-    chained_limit_ = std::move(off);
-    return;
-  }
-  if (!params_.latent_norm) {
-    chained_limit_ = "the chained path needs the latent norm (its first kernel)";
-    return;
-  }
-  if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
-    chained_limit_ = "the chained path's copies need w_up and gamma 16-byte aligned";
-    return;
-  }
+  chained_max_tokens_ = bound;
+}
+
+std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
+  const int tp = params_.tp;
+  if (auto off = fused_chained_turned_off()) return off;
+  if (tp == 1 && !params_.latent_norm)
+    return "the chained path needs the latent norm (its first kernel)";
+  if (tp > 1 && params_.cx_rows == 0) return "the chained path runs on compute 9.0 only (wgmma)";
+  if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma))
+    return "the chained path's copies need w_up and gamma 16-byte aligned";
   const std::int64_t bound = std::min(kFusedChainedMaxTokens, capacity_);
   if (const char* reason =
           fused_chained_plan(params_.stripe, params_.l, bound, dtype_, &chained_plan_)) {
-    chained_limit_ = std::string(reason) + " (d_model=" + std::to_string(params_.d) +
-                     ", d_latent=" + std::to_string(params_.l) + ")";
-    return;
+    return std::string(reason) + " (d_model=" + std::to_string(params_.d) +
+           ", d_latent=" + std::to_string(params_.l) +
+           (tp > 1 ? ", tp=" + std::to_string(tp) : std::string()) + ")";
   }
   FusedChainedParams& p = chained_params_;
   p.d = params_.d;
@@ -302,11 +334,46 @@ void FusedTail::choose_chained() {
   p.rows = params_.stripe;
   p.tiles = chained_plan_.tiles;
   p.splits = chained_plan_.splits;
-  std::byte* normed = params_.workspace[0] + params_.normed_offset;
+  p.rank = params_.rank;
+  p.tp = tp;
+  p.out_pitch = params_.d;
+  if (tp == 1) {
+    p.shared_pitch = params_.d;  // the caller's `shared`, set per call
+  } else {
+    // The stripe's shared sum in this rank's workspace, and the output's lines to every peer.
+    p.shared = params_.workspace[params_.rank] + params_.shared_sum_offset;
+    p.shared_pitch = params_.stripe;
+    for (int r = 0; r < tp; ++r) p.workspace[r] = params_.workspace[r];
+    p.lines_offset = params_.cx_out_offset;
+    p.lines_parity_bytes = params_.cx_parity_bytes;
+    p.lines_slot = params_.cx_rows * params_.stripe;
+    p.epoch = &reinterpret_cast<const FusedFlags*>(params_.workspace[params_.rank])->epoch;
+    // The exchange and gather kernels' grid. Lines move fast only from many SMs at once (at K3
+    // tp 2, T = 32, 20 blocks pushed ~0.7 MB of lines in ~3.7 µs and the whole exchange took ~14).
+    // One rank per GPU: a block per SM, and the up-projection is launched while the exchange runs
+    // (programmatic dependent launch), though most of its blocks enter only as the exchange's
+    // leave their SMs (an SM keeps the small shared-memory configuration of the exchange kernel).
+    // Letting them in earlier (the largest carveout for the exchange and gather kernels) measured
+    // slower: the weight stream then delays the exchange's loads (K3 tp 2, T = 32: N ready at
+    // 13.1 µs instead of 8.6). Ranks sharing a GPU: the up-projection starts after the exchange,
+    // and every rank's exchange blocks must be resident at once beside the gathers that wait
+    // (LMOE_FUSED_EXCHANGE_GRID sets it, for measurements).
+    const int most = sharing == 1 ? sms : std::max(1, (sms - 1) / (2 * sharing));
+    chained_exchange_grid_ = sharing == 1 ? sms : std::min(32, most);
+    params_.cx_early_up = sharing == 1;
+    if (const char* env = std::getenv("LMOE_FUSED_EXCHANGE_GRID")) {
+      const int asked = std::atoi(env);
+      if (asked < 1 || asked > most) {
+        throw Error("LMOE_FUSED_EXCHANGE_GRID=" + std::string(env) + " is outside [1, " +
+                    std::to_string(most) + "] on this GPU");
+      }
+      chained_exchange_grid_ = asked;
+    }
+  }
+  std::byte* normed = params_.workspace[params_.rank] + params_.normed_offset;
   if (fused_chained_maps(&p, dtype_, params_.w_stripe, normed, capacity_) != cudaSuccess) {
     (void)cudaGetLastError();
-    chained_limit_ = "the chained path's tensor maps could not be encoded";
-    return;
+    return "the chained path's tensor maps could not be encoded";
   }
   chained_workspace_ = DeviceBuffer(sizeof(std::uint32_t));  // the calls counted
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
@@ -317,8 +384,13 @@ void FusedTail::choose_chained() {
                                   kChainedTracePoints * sizeof(std::uint64_t));
     LMOE_CUDA_CHECK(cudaMemset(chained_trace_.data(), 0, chained_trace_.bytes()));
     p.trace = static_cast<std::uint64_t*>(chained_trace_.data());
+    if (tp > 1) {
+      exchange_trace_ = DeviceBuffer(static_cast<std::size_t>(chained_exchange_grid_) *
+                                     kCxTracePoints * sizeof(std::uint64_t));
+      LMOE_CUDA_CHECK(cudaMemset(exchange_trace_.data(), 0, exchange_trace_.bytes()));
+    }
   }
-  chained_max_tokens_ = bound;
+  return std::nullopt;
 }
 
 std::uint32_t FusedTail::chained_calls() const {
@@ -389,10 +461,23 @@ void FusedTail::print_trace() noexcept {
         "entry", "N ready", "multiplied", "partials in", "parked", "end"};
     const std::vector<std::uint64_t> stamps = read(chained_trace_);
     const int grid = chained_plan_.tiles * chained_plan_.splits;
-    const std::string title = "[ fused trace ] rank 0, chained up-projection, grid " +
-                              std::to_string(grid) + ", splits " +
-                              std::to_string(chained_plan_.splits) + ", last call";
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
+                              ", chained up-projection, grid " + std::to_string(grid) +
+                              ", splits " + std::to_string(chained_plan_.splits) + ", last call";
     if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
+  }
+  if (exchange_trace_.bytes()) {
+    // Both kernels' points from the exchange's first entry (the up-projection's trace above has
+    // its own origin).
+    static constexpr const char* kNames[kCxTracePoints] = {
+        "entry",      "pushed",       "own rows", "shared sums",
+        "other rows", "gather entry", "gathered", "closed"};
+    const std::vector<std::uint64_t> stamps = read(exchange_trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
+                              ", chained exchange and gather, grid " +
+                              std::to_string(chained_exchange_grid_) + ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, chained_exchange_grid_, kCxTracePoints, kNames);
   }
   if (decode_trace_.bytes()) {
     static constexpr const char* kNames[kDecodeTracePoints] = {"entry", "inputs landed", "normed",
@@ -445,12 +530,22 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     FusedChainedParams p = chained_params_;
     p.tokens = tokens;
     p.tokens_device = tokens_device;
-    p.shared = shared;
-    p.out = out;
-    check(launch_fused_chained(p, routed, params_.gamma, params_.eps,
-                               params_.workspace[0] + params_.normed_offset, tokens, dtype_,
-                               chained_plan_, stream),
-          "launch_fused_chained");
+    if (params_.tp == 1) {
+      p.shared = shared;
+      p.out = out;
+      check(launch_fused_chained(p, routed, params_.gamma, params_.eps,
+                                 params_.workspace[0] + params_.normed_offset, tokens, dtype_,
+                                 chained_plan_, stream),
+            "launch_fused_chained");
+      return;
+    }
+    p.out = static_cast<std::byte*>(out) +
+            params_.rank * params_.stripe * static_cast<std::int64_t>(dtype_size(dtype_));
+    FusedTailParams x = call_params(routed, shared, out, tokens, tokens_device);
+    x.trace = static_cast<std::uint64_t*>(exchange_trace_.data());
+    check(launch_fused_chained_ranks(x, chained_exchange_grid_, p, tokens, dtype_, chained_plan_,
+                                     stream),
+          "launch_fused_chained_ranks");
     return;
   }
   if (kernel == FusedKernel::decode) {
@@ -470,25 +565,27 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     p.latent_norm = params_.latent_norm;
     p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
     if (params_.tp > 1) {
-      p.protocol = params_;
-      p.protocol.tokens = tokens;
-      p.protocol.tokens_device = tokens_device;
-      p.protocol.routed = routed;
-      p.protocol.shared = shared;
-      p.protocol.out = out;
+      p.protocol = call_params(routed, shared, out, tokens, tokens_device);
       p.protocol.trace = nullptr;
       p.local_norm_rows = decode_local_norm_rows_;
     }
     check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
     return;
   }
+  check(launch_fused_tail(call_params(routed, shared, out, tokens, tokens_device), dtype_, stream),
+        "launch_fused_tail");
+}
+
+FusedTailParams FusedTail::call_params(const void* routed, const void* shared, void* out,
+                                       std::int64_t tokens,
+                                       const std::int32_t* tokens_device) const {
   FusedTailParams p = params_;
   p.tokens = tokens;
   p.tokens_device = tokens_device;
   p.routed = routed;
   p.shared = shared;
   p.out = out;
-  check(launch_fused_tail(p, dtype_, stream), "launch_fused_tail");
+  return p;
 }
 
 }  // namespace lmoe::cuda

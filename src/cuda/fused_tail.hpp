@@ -1,6 +1,7 @@
 // The fused decode tail on one rank: its workspace (shared with the peers), its grid, and the call
-// (kernels: cuda/fused_tail.cuh, the general one, cuda/fused_decode.cuh for T ≤ 16, and with one
-// rank cuda/fused_chained.cuh for T ≤ 128; protocol: docs/fused.md). Host code only.
+// (kernels: cuda/fused_tail.cuh, the general one, cuda/fused_decode.cuh for T ≤ 16, and
+// cuda/fused_chained.cuh (with cuda/fused_chained_exchange.cuh at tp > 1) for T ≤ 128; protocol:
+// docs/fused.md). Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,10 +27,11 @@ class P2pSharedBuffer;
 namespace lmoe::cuda {
 
 // Which kernel a call runs: `decode` (cuda/fused_decode.cuh: T ≤ 16, a GEMV-like stream of the
-// stripe's rows; with one rank no workspace), `chained` (one rank only, T ≤ 128 on compute 9.0: a
-// norm kernel and cuda/fused_chained.cuh's wgmma up-projection chained by programmatic dependent
-// launch) or `general` (cuda/fused_tail.cuh: T ≤ 256, tensor-core tiles). With several ranks
-// decode and general follow the workspace protocol (cuda/fused_protocol.cuh).
+// stripe's rows; with one rank no workspace), `chained` (T ≤ 128 on compute 9.0:
+// cuda/fused_chained.cuh's wgmma up-projection of the rank's stripe behind a norm kernel with one
+// rank, between the exchange and gather kernels of cuda/fused_chained_exchange.cuh with several;
+// chained by programmatic dependent launch) or `general` (cuda/fused_tail.cuh: T ≤ 256, tensor-core
+// tiles). With several ranks every kernel follows the workspace protocol (cuda/fused_protocol.cuh).
 enum class FusedKernel { general, decode, chained };
 
 class FusedTail {
@@ -69,11 +71,11 @@ class FusedTail {
 
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
   // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank;
-  // ≤ kDecodeBesideChainedTokens where the chained path runs), else chained when tokens ≤
-  // chained_max_tokens(), else general.
+  // with one rank ≤ kDecodeBesideChainedTokens where the chained path runs), else chained when
+  // tokens ≤ chained_max_tokens() (the same on every rank), else general.
   FusedKernel kernel_for(std::int64_t tokens) const {
     if (tokens < 1) return FusedKernel::general;
-    const std::int64_t decode_bound = chained_max_tokens_ > 0
+    const std::int64_t decode_bound = chained_max_tokens_ > 0 && params_.tp == 1
                                           ? std::min(decode_max_tokens_, kDecodeBesideChainedTokens)
                                           : decode_max_tokens_;
     if (tokens <= decode_bound) return FusedKernel::decode;
@@ -86,8 +88,9 @@ class FusedTail {
   const std::optional<std::string>& decode_limit() const { return decode_limit_; }
   // The largest bound the chained path takes here (0: it does not run; see chained_limit()).
   std::int64_t chained_max_tokens() const { return chained_max_tokens_; }
-  // Why the chained path does not run here (several ranks, not compute 9.0, turned off, …);
-  // nullopt when it takes every call of up to min(128, capacity()) rows that decode does not.
+  // Why the chained path does not run here (not compute 9.0, turned off, one rank without the
+  // latent norm, another rank's, …); nullopt when it takes every call of up to min(128,
+  // capacity()) rows that decode does not.
   const std::optional<std::string>& chained_limit() const { return chained_limit_; }
   // The chained path's blocks per 128-row tile of w_up (the splits of K over a cluster; 0 where it
   // does not run).
@@ -109,8 +112,12 @@ class FusedTail {
 
  private:
   void choose_decode(int sms, int sharing);
-  void choose_chained();
+  void choose_chained(int sms, int sharing);
+  std::optional<std::string> chained_reason(int sms, int sharing);
   void throw_if_failed();
+  // The workspace's parameters with one call's buffers and T.
+  FusedTailParams call_params(const void* routed, const void* shared, void* out,
+                              std::int64_t tokens, const std::int32_t* tokens_device) const;
   void print_trace() noexcept;
 
   Communicator& comm_;
@@ -122,19 +129,21 @@ class FusedTail {
   DeviceBuffer trace_;         // LMOE_FUSED_TRACE only: the general kernel's points
   DeviceBuffer decode_trace_;  // and the decode kernel's
   DeviceBuffer chained_trace_;  // and the chained path's up-projection kernel's
+  DeviceBuffer exchange_trace_;  // and its exchange and gather kernels' (several ranks)
   FusedTailParams params_;
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
   int decode_local_norm_rows_ = 0;  // several ranks: calls every block normalizes itself
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;
-  // The chained path (one rank): calls bounded by chained_max_tokens_ rows, its plan, its
-  // arguments (the tensor maps of w_up and of N in workspace_) and its calls counter.
+  // The chained path: calls bounded by chained_max_tokens_ rows, its plan, its
+  // arguments (the tensor maps of w_up and of N in the rank's workspace) and its calls counter.
   std::int64_t chained_max_tokens_ = 0;
   std::optional<std::string> chained_limit_;
   FusedChainedPlan chained_plan_;
   FusedChainedParams chained_params_;
   DeviceBuffer chained_workspace_;
+  int chained_exchange_grid_ = 0;  // several ranks: blocks of the exchange and gather kernels
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;
   std::int32_t* own_abort_ = nullptr;

@@ -52,6 +52,20 @@ enum FusedTracePoint : int {
   kFusedTracePoints
 };
 
+// Where the blocks of the chained path's exchange and gather kernels are in a call, for
+// LMOE_FUSED_TRACE (cuda/fused_chained_exchange.cuh; both kernels have the same grid).
+enum ChainedExchangeTracePoint : int {
+  kCxTraceEntry,        // the exchange kernel's block starts
+  kCxTracePushed,       // its latent rows and shared columns sent
+  kCxTraceOwnRows,      // its share of this rank's rows of N summed, normalized and sent
+  kCxTraceSharedSums,   // its units of the stripe's shared sum written
+  kCxTraceOtherRows,    // its units of the other owners' rows of N in place
+  kCxTraceGatherEntry,  // the gather kernel's block starts
+  kCxTraceGathered,     // its units of the peers' stripes in Y
+  kCxTraceClosed,       // past the up-projection's end, counted out
+  kCxTracePoints
+};
+
 struct FusedTailParams {
   int rank = 0;
   int tp = 1;
@@ -93,6 +107,19 @@ struct FusedTailParams {
   std::int64_t ll_rows = 0;
   std::int64_t ll_latent_offset = 0, ll_shared_offset = 0, ll_stripe_offset = 0,
                ll_parity_bytes = 0;
+  // The chained path's exchange with several ranks (cuda/fused_chained_exchange.cuh), LL lines
+  // too: per parity, in every rank's workspace, the latent rows this rank owns (row t belongs to
+  // rank t mod tp) from every sender [cx_owner_rows, l] per sender; N's rows from their owners
+  // [cx_rows, l]; the columns of this rank's stripe of `shared` from every sender [cx_rows,
+  // stripe] per sender; the output stripes from every sender [cx_rows, stripe] per sender. Offsets
+  // in bytes to parity 0; absent (cx_rows 0) where the chained path does not run with several
+  // ranks.
+  std::int64_t cx_rows = 0, cx_owner_rows = 0;
+  // One rank per GPU: the up-projection is launched while the exchange runs; ranks sharing a GPU
+  // launch it after (cuda/fused_chained_exchange.cuh).
+  bool cx_early_up = false;
+  std::int64_t cx_latent_offset = 0, cx_normed_offset = 0, cx_shared_offset = 0, cx_out_offset = 0,
+               cx_parity_bytes = 0;
   // Failure reporting: the p2p group's record and abort flag, or with one rank the FusedTail's own.
   volatile P2pStatus* status = nullptr;
   volatile std::int32_t* abort_flag = nullptr;

@@ -123,11 +123,12 @@ TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBit
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
     expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed, &worst);
-    if (tokens <= 16) {  // the decode kernel's sizes through the chained path (tp 1) or general
+    if (tokens <=
+        16) {  // the decode kernel's sizes through the chained path (or the general kernel)
       const ScopedEnv general_only("LMOE_FUSED_DECODE", "0");
       expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed + 7u, &worst);
     }
-    if (tp == 1 && tokens <= 128) {  // the chained path's sizes through the general kernel too
+    if (tokens <= 128) {  // the chained path's sizes through the general kernel too
       const ScopedEnv decode_off("LMOE_FUSED_DECODE", "0");
       const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");
       expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed + 13u, &worst);
@@ -354,41 +355,51 @@ TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
   EXPECT_EQ(stderr_of_two_calls(nullptr).find("[ fused trace ]"), std::string::npos);
 }
 
+// The kernels a call of `tokens` rows runs with two ranks, for tests that run one of each: the
+// decode kernel at 4, the chained path at 33 (compute 9.0; else the general kernel).
+const std::int64_t kTwoRankKernelTokens[] = {4, 33};
+
 // A rank that never calls: its peer's kernel gives up after the timeout, and both ranks get an
 // error well within 5 s instead of hanging.
 TEST_F(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
   SKIP_WITHOUT_GPU();
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 9u);
-  lmoe::P2pOptions options;
-  options.timeout = std::chrono::milliseconds(500);
-  std::vector<std::string> errors(2);
-  const auto start = std::chrono::steady_clock::now();
-  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
-  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
-    FusedRank state(comm, c, 4);
-    cudaStream_t stream = nullptr;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cuda_ok(cudaDeviceSynchronize());
-    comm.barrier();
-    try {
-      if (rank == 0) {
-        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, stream);
-        cuda_ok(cudaStreamSynchronize(stream));
-      } else {
-        // Later than rank 0's device timeout, so that rank 0's kernel reports the stall itself
-        // (an earlier barrier timeout here would abort the group first).
-        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  for (const std::int64_t tokens : kTwoRankKernelTokens) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 9u);
+    lmoe::P2pOptions options;
+    options.timeout = std::chrono::milliseconds(500);
+    std::vector<std::string> errors(2);
+    const auto start = std::chrono::steady_clock::now();
+    const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, tokens);
+      cudaStream_t stream = nullptr;
+      cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cuda_ok(cudaDeviceSynchronize());
+      comm.barrier();
+      try {
+        if (rank == 0) {
+          state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), tokens,
+                           stream);
+          cuda_ok(cudaStreamSynchronize(stream));
+        } else {
+          // Later than rank 0's device timeout, so that rank 0's kernel reports the stall itself
+          // (an earlier barrier timeout here would abort the group first).
+          std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        }
+        comm.barrier();  // every rank learns of the device failure here
+      } catch (const lmoe::Error& error) {
+        errors[static_cast<std::size_t>(rank)] = error.what();
       }
-      comm.barrier();  // every rank learns of the device failure here
-    } catch (const lmoe::Error& error) {
-      errors[static_cast<std::size_t>(rank)] = error.what();
-    }
-    cudaStreamDestroy(stream);
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 5.0);
-  for (int r = 0; r < 2; ++r) EXPECT_FALSE(errors[static_cast<std::size_t>(r)].empty()) << "rank " << r;
-  EXPECT_NE(errors[0].find("waited more than 500 ms for rank 1"), std::string::npos) << errors[0];
+      cudaStreamDestroy(stream);
+    });
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 5.0);
+    for (int r = 0; r < 2; ++r)
+      EXPECT_FALSE(errors[static_cast<std::size_t>(r)].empty()) << "rank " << r;
+    EXPECT_NE(errors[0].find("waited more than 500 ms for rank 1"), std::string::npos) << errors[0];
+  }
 }
 
 // A buffer that fused's vector accesses cannot use, on one rank only: the ranks agree on the call
@@ -429,45 +440,51 @@ TEST_F(Fused, AMisalignedBufferOnOneRankFailsEveryRankAtOnce) {
 // not a deadlock and not silently wrong rows.
 TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
   SKIP_WITHOUT_GPU();
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 10u);
-  lmoe::P2pOptions options;
-  options.timeout = std::chrono::milliseconds(2000);
-  std::vector<std::string> errors(2);
-  const auto comms = lmoe::make_p2p_thread_communicators(2, options);
-  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
-    FusedRank state(comm, c, 4);
-    cudaStream_t first = nullptr, second = nullptr;
-    cuda_ok(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking));
-    cuda_ok(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking));
-    cuda_ok(cudaDeviceSynchronize());
-    comm.barrier();
-    try {
-      if (rank == 0) {
-        // The first call waits for rank 1, which never calls; the second finds the workspace busy.
-        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, first);
-        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 4, second);
-        cuda_ok(cudaStreamSynchronize(first));
-        cuda_ok(cudaStreamSynchronize(second));
-      }
+  for (const std::int64_t tokens : kTwoRankKernelTokens) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 10u);
+    lmoe::P2pOptions options;
+    options.timeout = std::chrono::milliseconds(2000);
+    std::vector<std::string> errors(2);
+    const auto comms = lmoe::make_p2p_thread_communicators(2, options);
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, tokens);
+      cudaStream_t first = nullptr, second = nullptr;
+      cuda_ok(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking));
+      cuda_ok(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking));
+      cuda_ok(cudaDeviceSynchronize());
       comm.barrier();
-    } catch (const lmoe::Error& error) {
-      errors[static_cast<std::size_t>(rank)] = error.what();
-    }
-    cudaStreamDestroy(first);
-    cudaStreamDestroy(second);
-  });
-  EXPECT_NE(errors[0].find("at the same time"), std::string::npos) << errors[0];
-  EXPECT_FALSE(errors[1].empty());
+      try {
+        if (rank == 0) {
+          // The first call waits for rank 1, which never calls; the second finds the workspace
+          // busy.
+          state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), tokens,
+                           first);
+          state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), tokens,
+                           second);
+          cuda_ok(cudaStreamSynchronize(first));
+          cuda_ok(cudaStreamSynchronize(second));
+        }
+        comm.barrier();
+      } catch (const lmoe::Error& error) {
+        errors[static_cast<std::size_t>(rank)] = error.what();
+      }
+      cudaStreamDestroy(first);
+      cudaStreamDestroy(second);
+    });
+    EXPECT_NE(errors[0].find("at the same time"), std::string::npos) << errors[0];
+    EXPECT_FALSE(errors[1].empty());
+  }
 }
 
 // ---- The decode kernel (cuda/fused_decode.cuh): T ≤ 16
 // -----------------------------------
 
 // Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
-// own, the decode kernel nowhere. Up to 16 rows (the call's T, or the bound of a call with T on the
-// device) take the decode kernel with several ranks, and 17 … 128 the general kernel; with one rank
-// where the chained path runs (compute 9.0) the decode kernel takes up to 4 rows and the chained
-// path 5 … 128; 129 takes the general kernel everywhere.
+// own, the decode kernel nowhere. Where the chained path runs (compute 9.0) it takes 17 … 128 rows
+// (the call's T, or the bound of a call with T on the device) with several ranks, the decode kernel
+// up to 16; with one rank the decode kernel up to 4 and the chained path 5 … 128; elsewhere the
+// decode kernel up to 16 and the general kernel above; 129 takes the general kernel everywhere.
 TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
@@ -482,7 +499,7 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       EXPECT_EQ(fused.decode_max_tokens(), 16) << fused.decode_limit().value_or("");
       EXPECT_FALSE(fused.decode_limit().has_value());
-      const bool chained = tp == 1 && compute_capability() == 90;
+      const bool chained = compute_capability() == 90;
       EXPECT_EQ(fused.chained_max_tokens(), chained ? 128 : 0)
           << fused.chained_limit().value_or("");
       EXPECT_EQ(fused.chained_limit().has_value(), !chained);
@@ -490,7 +507,7 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
       for (std::int64_t tokens : {1, 4, 5, 16, 17, 128, 129}) {
         using lmoe::cuda::FusedKernel;
         const std::int64_t decode_bound =
-            chained ? lmoe::cuda::FusedTail::kDecodeBesideChainedTokens : 16;
+            chained && tp == 1 ? lmoe::cuda::FusedTail::kDecodeBesideChainedTokens : 16;
         const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
                                      : chained && tokens <= 128 ? FusedKernel::chained
                                                                 : FusedKernel::general;
@@ -513,8 +530,9 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   }
 }
 
-// LMOE_FUSED_CHAINED=0 sends the chained path's calls to the general kernel and says why; without
-// the latent norm, or with several ranks, it does not run either.
+// LMOE_FUSED_CHAINED=0 sends the chained path's calls to the general kernel and says why; with one
+// rank and without the latent norm it does not run either (with several N lands in the workspace,
+// normalized or not).
 TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
@@ -532,11 +550,16 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   };
   EXPECT_EQ(limit_with(1, true), "");
   EXPECT_NE(limit_with(1, false).find("latent norm"), std::string::npos);
-  if (!lmoe::comm_group_limit("p2p", 2)) {
-    EXPECT_NE(limit_with(2, true).find("one rank only"), std::string::npos);
+  const bool two_ranks = !lmoe::comm_group_limit("p2p", 2);
+  if (two_ranks) {
+    EXPECT_EQ(limit_with(2, true), "");
+    EXPECT_EQ(limit_with(2, false), "");
   }
   const ScopedEnv off("LMOE_FUSED_CHAINED", "0");
   EXPECT_NE(limit_with(1, true).find("LMOE_FUSED_CHAINED=0"), std::string::npos);
+  if (two_ranks) {
+    EXPECT_NE(limit_with(2, true).find("LMOE_FUSED_CHAINED=0"), std::string::npos);
+  }
 }
 
 // The chained path splits K over the blocks of a cluster, a power of two up to 8 per 128-row tile,
@@ -888,7 +911,8 @@ TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
   EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, nine, DType::bf16)
                 .fused_max_tokens.value,
             0);
-  // With several ranks it asks about one rank's stripe (d / tp rows) and 16 rows.
+  // With several ranks it asks about one rank's stripe (d / tp rows) and 16 rows (the chained
+  // path, turned off in this test, would give its own range).
   EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16, 2).has_value());
   EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 2, kK3, DType::bf16)
                 .fused_max_tokens.value,
@@ -974,11 +998,12 @@ TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
   }
 }
 
-// The two kernels take turns on one workspace with several ranks (each call's counter targets are
-// the grids of the calls before it plus its own, and the grids differ): 40 calls of 10 cases
-// (T ≤ 16 decode, T > 16 general) in a pseudo-random order, with no host synchronization between
-// them (a rank may run a call ahead of its peers), every output against the contract and equal on
-// every rank, at tp 2, 4 and 8 (T < tp included).
+// The kernels take turns on one workspace with several ranks (each call's counter targets are the
+// grids of the calls before it plus its own, and the grids differ; the chained path's lines carry
+// the epochs the others advance): 40 calls of the cases (T ≤ 16 decode; where the chained path runs
+// 17 … 128 chained, above general; elsewhere T > 16 general) in a pseudo-random order, with no
+// host synchronization between them (a rank may run a call ahead of its peers), every output
+// against the contract and equal on every rank, at tp 2, 4 and 8 (T < tp included).
 void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) {
   constexpr int kCalls = 40;
   std::vector<std::size_t> order(kCalls);
@@ -995,10 +1020,11 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
       cases[k].up_proj_weight = cases[0].up_proj_weight;
     }
     std::vector<std::vector<lmoe::HostTensor>> outputs(static_cast<std::size_t>(tp));
-    std::vector<std::uint32_t> general_calls(static_cast<std::size_t>(tp));
+    std::vector<std::uint32_t> general_calls(static_cast<std::size_t>(tp)),
+        chained_calls(static_cast<std::size_t>(tp));
     const auto comms = lmoe::make_p2p_thread_communicators(tp);
     lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
-      FusedRank state(comm, cases[0], 64);
+      FusedRank state(comm, cases[0], 256);
       EXPECT_EQ(state.fused->decode_max_tokens(), 16) << state.fused->decode_limit().value_or("");
       // Inputs and results on the device, copied before and after: between the calls only
       // stream-ordered device copies (a pageable host copy can wait inside the driver for another
@@ -1038,16 +1064,22 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
         outputs[static_cast<std::size_t>(rank)].push_back(std::move(y));
       }
       general_calls[static_cast<std::size_t>(rank)] = state.fused->general_calls();
+      chained_calls[static_cast<std::size_t>(rank)] = state.fused->chained_calls();
       cudaStreamDestroy(stream);
     });
-    std::uint32_t general = 0;
-    for (std::size_t k : order) general += case_tokens[k] > 16 ? 1u : 0u;
+    const std::int64_t chained_bound = compute_capability() == 90 ? 128 : 16;
+    std::uint32_t general = 0, chained = 0;
+    for (std::size_t k : order) {
+      general += case_tokens[k] > chained_bound ? 1u : 0u;
+      chained += case_tokens[k] > 16 && case_tokens[k] <= chained_bound ? 1u : 0u;
+    }
     std::vector<lmoe::ContractReference> references;
     for (const lmoe::TailCase& c : cases)
       references.push_back(lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)));
     double worst = 0;
     for (int r = 0; r < tp; ++r) {
       EXPECT_EQ(general_calls[static_cast<std::size_t>(r)], general) << "rank " << r;
+      EXPECT_EQ(chained_calls[static_cast<std::size_t>(r)], chained) << "rank " << r;
       ASSERT_EQ(outputs[static_cast<std::size_t>(r)].size(), order.size()) << "rank " << r;
       for (std::size_t i = 0; i < order.size(); ++i) {
         const std::size_t k = order[i];
@@ -1065,20 +1097,22 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
         worst = std::max(worst, cmp.max_error_over_bound);
       }
     }
-    std::printf("[ fused  ] calls in turn, tp=%d, %d calls (%u general): max_err/bound=%.3f\n", tp,
-                kCalls, general, worst);
+    std::printf(
+        "[ fused  ] calls in turn, tp=%d, %d calls (%u chained, %u general): max_err/bound=%.3f\n",
+        tp, kCalls, chained, general, worst);
   }
 }
 
-TEST_F(Fused, DecodeAndGeneralCallsTakeTurnsOnOneWorkspace) {
+TEST_F(Fused, TheKernelsTakeTurnsOnOneWorkspace) {
   SKIP_WITHOUT_GPU();
   const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
-  const std::vector<std::int64_t> mixed = {1, 17, 16, 3, 40, 8, 2, 33, 5, 64};
+  const std::vector<std::int64_t> mixed = {1, 17, 16, 3, 40, 8, 2, 33, 5, 64, 129, 150};
   for (int tp : {2, 4, 8}) {
     if (lmoe::comm_group_limit("p2p", tp)) continue;
     if (tp == 8) {  // each kernel alone first: a failure below then says which part breaks
       expect_calls_in_turn(tp, {1, 16, 3, 8, 2, 5});
       expect_calls_in_turn(tp, {17, 40, 33, 64});
+      expect_calls_in_turn(tp, {129, 200, 150});
     }
     expect_calls_in_turn(tp, mixed);
   }
@@ -1221,15 +1255,19 @@ void soak_graph_replays(int tp, std::int64_t max_tokens,
 TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // the general kernel at 17 … 64 too
   soak_graph_replays(2, 64, {1, 17, 64, 5}, lmoe::cuda::FusedKernel::general);
 }
 
-// The same for the chained path (one rank, a graph bounded by 128 rows: its wgmma N of 128 and
-// split K's counters over every replay).
+// The same for the chained path (a graph bounded by 128 rows: its wgmma N of 128 and the cluster's
+// reduction over every replay): one rank, and two through the exchange and gather kernels (lines
+// of both parities, epochs, T < tp).
 TEST_F(Fused, ChainedSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
   soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  soak_graph_replays(2, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
 }
 
 // The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
