@@ -31,28 +31,32 @@ bool backend_available(Backend backend);
 // (`chained_limit` empty: the decode kernel up to 4 rows, then the chained path; at K3 dims on an
 // H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 32 tokens
 // and slower from 48), else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
-// at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultDecodeTokens (K3
-// tp 2, one rank per H200: 24.8–27.6 µs against overlap's 32.0–32.7 with cold weights at T ≤ 16;
-// the general kernel at 32 slower than overlap). From kFusedDefaultMinRanks the reference
-// system's 128 stays until eight GPUs measure it. Settings from a table, the environment or the
+// at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultChainedTokens
+// where the chained path runs (`chained_limit` empty; K3 tp 2, one rank per H200, cold weights:
+// the decode kernel up to 16 tokens, the chained path's 29.7–36.7 µs at T = 17–64 against
+// overlap's 34.4–37.6 and column's 35.3–41.0, slower from 96), else kFusedDefaultDecodeTokens
+// (the decode kernel: 24.8–27.6 µs against overlap's 32.0–32.7 at T ≤ 16; the general kernel at 32
+// slower than overlap). From kFusedDefaultMinRanks the reference system's 128 stays until eight
+// GPUs measure it. Settings from a table, the environment or the
 // caller are kept. LatentTail applies it at construction; explain() names it as the setting's
 // origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
 inline constexpr int kFusedDefaultTp1Tokens = 6;
 inline constexpr int kFusedDefaultTp1ChainedTokens = 32;
 inline constexpr int kFusedDefaultDecodeTokens = 16;
+inline constexpr int kFusedDefaultChainedTokens = 64;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
                                 const std::optional<std::string>& decode_limit,
                                 const std::optional<std::string>& chained_limit);
 // The same, asking fused_decode_limit() and fused_chained_limit() for these dims, dtype and ranks
-// when it matters (cuda, fewer than kFusedDefaultMinRanks ranks, the built-in breakpoint); without
-// the latent norm the chained path does not run.
+// when it matters (cuda, fewer than kFusedDefaultMinRanks ranks, the built-in breakpoint); with
+// one rank and without the latent norm the chained path does not run.
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
                                 DType dtype, bool latent_norm = true);
 // Why the fused tier's decode kernel is turned off in this process (LMOE_FUSED_DECODE=0; read as a
 // flag, anything but 1/0, true/false, yes/no, on/off is an error naming it); nullopt when it is on.
 std::optional<std::string> fused_decode_turned_off();
-// The same for the chained path of one rank (LMOE_FUSED_CHAINED=0: the general kernel takes its
+// The same for the chained path (LMOE_FUSED_CHAINED=0: the decode and general kernels take its
 // calls).
 std::optional<std::string> fused_chained_turned_off();
 // Why the fused tier's decode kernel cannot take the default calls (kFusedDefaultTp1Tokens rows at
@@ -61,9 +65,10 @@ std::optional<std::string> fused_chained_turned_off();
 // of 8 rows per SM, or too little shared memory), or in this build, or with the kernel turned off;
 // nullopt when it can.
 std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks = 1);
-// Why the fused tier's chained path (one rank, compute 9.0: cuda/fused_chained_launch.hpp) cannot
-// take calls of up to kFusedDefaultTp1ChainedTokens rows at these dims and dtype on the current
-// CUDA device, or with several ranks, in this build, or turned off; nullopt when it can.
+// Why the fused tier's chained path (compute 9.0: cuda/fused_chained_launch.hpp) cannot take calls
+// of up to kFusedDefaultTp1ChainedTokens rows (one rank) or kFusedDefaultChainedTokens (several)
+// over one rank's stripe of w_up (d / ranks rows) at these dims and dtype on the current CUDA
+// device, or in this build, or turned off; nullopt when it can.
 std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks = 1);
 
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for

@@ -49,6 +49,14 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
             ": the decode kernel and the chained path measured at least as fast as overlap "
             "up to " +
             std::to_string(kFusedDefaultTp1ChainedTokens) + " tokens with cold weights"};
+  } else if (ranks > 1 && !chained_limit) {
+    policy.fused_max_tokens = {
+        kFusedDefaultChainedTokens, SettingSource::built_in,
+        where +
+            ": the decode kernel and the chained path measured faster than overlap and "
+            "column up to " +
+            std::to_string(kFusedDefaultChainedTokens) +
+            " tokens at tp 2 (one rank per GPU, cold weights)"};
   } else if (decode_limit) {
     policy.fused_max_tokens = {0, SettingSource::built_in,
                                where + " without the decode kernel (" + *decode_limit +
@@ -73,8 +81,9 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
   if (backend == Backend::cuda && ranks < kFusedDefaultMinRanks &&
       policy.fused_max_tokens.source == SettingSource::built_in) {
     decode = fused_decode_limit(dims, dtype, ranks);
-    chained = latent_norm ? fused_chained_limit(dims, dtype, ranks)
-                          : std::optional<std::string>("the chained path needs the latent norm");
+    chained = latent_norm || ranks > 1
+                  ? fused_chained_limit(dims, dtype, ranks)
+                  : std::optional<std::string>("the chained path needs the latent norm");
   }
   return with_rank_defaults(std::move(policy), backend, ranks, decode, chained);
 }
@@ -120,13 +129,17 @@ std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ra
 }
 
 std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks) {
-  if (ranks != 1) return "the chained path runs with one rank only";
   if (auto off = fused_chained_turned_off()) return off;
+  if (ranks < 1 || dims.d_model % ranks != 0) {
+    return "d_model=" + std::to_string(dims.d_model) + " is not split into " +
+           std::to_string(ranks) + " stripes";
+  }
 #ifdef LMOE_HAS_CUDA
   if (cuda_device_count() == 0) return "no CUDA device";
   cuda::FusedChainedPlan plan;
-  if (const char* reason = cuda::fused_chained_plan(dims.d_model, dims.d_latent,
-                                                    kFusedDefaultTp1ChainedTokens, dtype, &plan)) {
+  const int tokens = ranks == 1 ? kFusedDefaultTp1ChainedTokens : kFusedDefaultChainedTokens;
+  if (const char* reason =
+          cuda::fused_chained_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, &plan)) {
     return std::string(reason);
   }
   return std::nullopt;

@@ -515,11 +515,8 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
                 HasSubstr("default for cuda at tp 1: the decode kernel and the chained path "
                           "measured at least as fast as overlap up to 32 tokens"));
   }
-  EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, 2, std::nullopt, std::nullopt)
-                .fused_max_tokens.value,
-            lmoe::kFusedDefaultDecodeTokens);
-  EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 2),
-            std::optional<std::string>("the chained path runs with one rank only"));
+  EXPECT_THAT(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 3).value_or(""),
+              HasSubstr("d_model=7168 is not split into 3 stripes"));
   setenv("LMOE_FUSED_CHAINED", "0", 1);
   EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 1),
             std::optional<std::string>("the chained path is turned off (LMOE_FUSED_CHAINED=0)"));
@@ -535,6 +532,40 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
   EXPECT_EQ(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 1),
             std::optional<std::string>("this build has no CUDA backend"));
 #endif
+}
+
+// Two to seven ranks where the chained path runs (exchange, the stripe's up-projection, gather):
+// fused up to kFusedDefaultChainedTokens whether or not the decode kernel runs (the chained path
+// then takes the small calls too), overlap above, with the reason; where it does not run, the
+// decode kernel's range.
+TEST(TierPolicyRankDefaults, CudaSeveralRanksTakeTheChainedPathsRangeWhereItRuns) {
+  using lmoe::Backend;
+  for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    for (const std::optional<std::string>& decode :
+         {std::optional<std::string>(), std::optional<std::string>("more than 8 groups per SM")}) {
+      const PolicyConfig config =
+          lmoe::with_rank_defaults(load({}), Backend::cuda, ranks, decode, std::nullopt);
+      EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultChainedTokens);
+      EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+      EXPECT_EQ(tier_for(1, config), TailTier::fused);
+      EXPECT_EQ(tier_for(lmoe::kFusedDefaultChainedTokens, config), TailTier::fused);
+      EXPECT_EQ(tier_for(lmoe::kFusedDefaultChainedTokens + 1, config), TailTier::overlap);
+      EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
+                  HasSubstr("default for cuda at tp " + std::to_string(ranks) +
+                            ": the decode kernel and the chained path measured faster than "
+                            "overlap and column up to 64 tokens"));
+    }
+    EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, ranks, std::nullopt,
+                                       std::string("not compute 9.0"))
+                  .fused_max_tokens.value,
+              lmoe::kFusedDefaultDecodeTokens);
+  }
+  // From eight ranks the reference system's range stays.
+  EXPECT_EQ(lmoe::with_rank_defaults(load({}), Backend::cuda, lmoe::kFusedDefaultMinRanks,
+                                     std::nullopt, std::nullopt)
+                .fused_max_tokens.value,
+            128);
 }
 
 TEST(TierPolicySelect, ColumnLimitWhenSet) {
