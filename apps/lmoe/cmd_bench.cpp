@@ -32,7 +32,8 @@ constexpr const char* kBusDefinition =
     "2(tp-1)/tp*T*x*esize and "
     "RS(x) = AG(x) = (tp-1)/tp*T*x*esize: overlap and column AR(l) + AR(d); token RS(l) + RS(d) + "
     "AG(d); "
-    "fused (one-shot latent all-reduce) (tp-1)*T*l*esize + RS(d) + AG(d)";
+    "fused (one-shot latent all-reduce) (tp-1)*T*l*esize + RS(d) + AG(d), or where its chained "
+    "path runs (cuda, tp > 1, compute 9.0, T = 17...128) two-shot AR(l) + RS(d) + AG(d)";
 constexpr const char* kTimeDefinition =
     "time of an iteration: the slowest rank's (cuda: CUDA events on each rank's stream; cpu: "
     "steady_clock "

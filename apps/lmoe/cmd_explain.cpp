@@ -37,7 +37,9 @@ struct ExplainCommand {
               << ": the least time each tier can take (docs/bench.md):\n";
     Table table({"tier", "floor_us", "comm_us", "memory_us", "flops_us", "bound_by"});
     for (TailTier tier : kAllTiers) {
-      const TierFloor floor = tier_floor(tier, tokens, dims, dtype, tp, *machine.rates);
+      const TierFloor floor =
+          tier_floor(tier, tokens, dims, dtype, tp, *machine.rates,
+                     fused_runs_two_shot(running.backend, dims, dtype, tp, tokens));
       const char* bound = floor.floor_us == floor.comm_us     ? "links"
                           : floor.floor_us == floor.memory_us ? "memory"
                                                               : "GEMM";

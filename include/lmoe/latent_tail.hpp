@@ -71,6 +71,14 @@ std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ra
 // device, or in this build, or turned off; nullopt when it can.
 std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks = 1);
 
+// Whether a fused call of T rows on `backend` exchanges the latent in two shots (a reduce-scatter
+// to the rows' owners, then N's rows back: the chained path with several ranks, on cuda where
+// fused_chained_limit() is empty, for 17 … 128 rows, or 1 … 128 where fused_decode_limit() is not
+// empty) rather than one (every rank's latent to every peer: the decode and general kernels). Where
+// the decode kernel takes only 8 rows of a stripe, its 9 … 16 are counted as one shot.
+bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
+                         std::int64_t num_tokens);
+
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).
 TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);

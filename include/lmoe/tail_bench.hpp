@@ -46,9 +46,12 @@ double tail_input_bytes(std::int64_t num_tokens, TailDims dims, DType dtype);
 //   overlap, column: AR(l) + AR(d)
 //   token:           RS(l) + RS(d) + AG(d)
 //   fused:           (tp−1)·T·l·esize (one-shot all-reduce: the latent goes whole to every peer)
-//                    + RS(d) + AG(d) (the stripes of shared and of the output)
-// 0 for tp = 1.
-double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);
+//                    + RS(d) + AG(d) (the stripes of shared and of the output); with
+//                    fused_two_shot (the chained path with several ranks, fused_runs_two_shot in
+//                    latent_tail.hpp) AR(l) + RS(d) + AG(d)
+// 0 for tp = 1. The data's bytes: lines that carry their own flags send twice as many.
+double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp,
+                      bool fused_two_shot = false);
 
 // ---- the sweep ---------------------------------------------------------------------------------
 

@@ -65,13 +65,15 @@ struct TierFloor {
   double floor_us = 0;  // max of the three
 };
 
-// The floor of one tier at T (above). tp >= 1, T >= 1; lmoe::Error otherwise or for rates <= 0.
+// The floor of one tier at T (above; fused_two_shot: tier_bus_bytes'). tp >= 1, T >= 1;
+// lmoe::Error otherwise or for rates <= 0.
 TierFloor tier_floor(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp,
-                     const MachineRates& rates);
+                     const MachineRates& rates, bool fused_two_shot = false);
 
-// The floor of a record of `sweep`, or nullopt where it means nothing: a declined record, and ranks
-// that share a GPU (comm cuda-threads with tp > 1, or more ranks than the sweep's GPUs), whose
-// "links" are their GPU's memory and whose memory and GEMM rate they split.
+// The floor of a record of `sweep`, its comm part from the bytes the sweep counted for it (for
+// fused, those of the exchange its kernel ran), or nullopt where it means nothing: a declined
+// record, and ranks that share a GPU (comm cuda-threads with tp > 1, or more ranks than the
+// sweep's GPUs), whose "links" are their GPU's memory and whose memory and GEMM rate they split.
 std::optional<TierFloor> record_floor(const BenchSweep& sweep, const BenchRecord& record,
                                       const MachineRates& rates);
 

@@ -150,6 +150,20 @@ std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int r
 #endif
 }
 
+bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
+                         std::int64_t num_tokens) {
+#ifdef LMOE_HAS_CUDA
+  if (backend != Backend::cuda || tp < 2 || num_tokens < 1 ||
+      num_tokens > cuda::kFusedChainedMaxTokens || fused_chained_limit(dims, dtype, tp)) {
+    return false;
+  }
+  return num_tokens > kFusedDefaultDecodeTokens || fused_decode_limit(dims, dtype, tp).has_value();
+#else
+  (void)backend, (void)dims, (void)dtype, (void)tp, (void)num_tokens;
+  return false;
+#endif
+}
+
 bool backend_available(Backend backend) {
   if (backend == Backend::cpu) return true;
 #ifdef LMOE_HAS_CUDA

@@ -50,7 +50,8 @@ double tail_input_bytes(std::int64_t num_tokens, TailDims dims, DType dtype) {
          static_cast<double>(dtype_size(dtype));
 }
 
-double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp) {
+double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp,
+                      bool fused_two_shot) {
   LMOE_CHECK(tp >= 1, "tier_bus_bytes: expected tp >= 1, got " + std::to_string(tp));
   const double row = static_cast<double>(num_tokens) * static_cast<double>(dtype_size(dtype));
   const double l = static_cast<double>(dims.d_latent), d = static_cast<double>(dims.d_model);
@@ -64,7 +65,8 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
     case TailTier::token:
       return scatter_or_gather(l) + 2.0 * scatter_or_gather(d);
     case TailTier::fused:
-      return static_cast<double>(tp - 1) * row * l + 2.0 * scatter_or_gather(d);
+      return (fused_two_shot ? all_reduce(l) : static_cast<double>(tp - 1) * row * l) +
+             2.0 * scatter_or_gather(d);
   }
   return 0;
 }
@@ -323,7 +325,9 @@ BenchRecord record_of(const BenchOptions& options, const std::string& comm, cons
   record.mode = slot.mode;
   record.mode_reason = slot.mode_reason;
   record.bytes = tail_input_bytes(job.tokens, options.dims, options.dtype);
-  record.bus_bytes = tier_bus_bytes(job.tier, job.tokens, options.dims, options.dtype, options.tp);
+  record.bus_bytes = tier_bus_bytes(
+      job.tier, job.tokens, options.dims, options.dtype, options.tp,
+      fused_runs_two_shot(options.backend, options.dims, options.dtype, options.tp, job.tokens));
   if (slot.declined) return record;
   // An iteration lasts until its slowest rank is done.
   record.seconds.assign(static_cast<std::size_t>(options.iters), 0.0);

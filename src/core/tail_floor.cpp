@@ -87,7 +87,7 @@ FloorRates floor_rates(std::string_view given, const std::optional<std::string>&
 }
 
 TierFloor tier_floor(TailTier tier, std::int64_t num_tokens, TailDims dims, DType dtype, int tp,
-                     const MachineRates& rates) {
+                     const MachineRates& rates, bool fused_two_shot) {
   LMOE_CHECK(tp >= 1, "tier_floor: expected tp >= 1, got " + std::to_string(tp));
   LMOE_CHECK(num_tokens >= 1, "tier_floor: expected T >= 1, got " + std::to_string(num_tokens));
   check_rates(rates, "tier_floor");
@@ -104,7 +104,8 @@ TierFloor tier_floor(TailTier tier, std::int64_t num_tokens, TailDims dims, DTyp
     cols = d;
   }
   TierFloor floor;
-  floor.comm_us = tier_bus_bytes(tier, num_tokens, dims, dtype, tp) / (rates.link_gbps * 1e3);
+  floor.comm_us =
+      tier_bus_bytes(tier, num_tokens, dims, dtype, tp, fused_two_shot) / (rates.link_gbps * 1e3);
   floor.memory_us = (weight_bytes + activation_bytes) / (rates.memory_gbps * 1e3);
   floor.flops_us = 2.0 * rows * l * cols / (rates.gemm_tflops * 1e6);
   floor.floor_us = std::max({floor.comm_us, floor.memory_us, floor.flops_us});
@@ -119,7 +120,14 @@ std::optional<TierFloor> record_floor(const BenchSweep& sweep, const BenchRecord
     const int gpus = sweep.gpu ? sweep.gpu->device_count : 0;
     if (record.comm == "cuda-threads" || sweep.tp > gpus) return std::nullopt;
   }
-  return tier_floor(record.tier, record.tokens, sweep.dims, sweep.dtype, sweep.tp, rates);
+  // The bytes the sweep counted for the record (for fused: the exchange its kernel ran).
+  TierFloor floor =
+      tier_floor(record.tier, record.tokens, sweep.dims, sweep.dtype, sweep.tp, rates);
+  if (record.bus_bytes > 0) {
+    floor.comm_us = record.bus_bytes / (rates.link_gbps * 1e3);
+    floor.floor_us = std::max({floor.comm_us, floor.memory_us, floor.flops_us});
+  }
+  return floor;
 }
 
 }  // namespace lmoe

@@ -550,6 +550,13 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   };
   EXPECT_EQ(limit_with(1, true), "");
   EXPECT_NE(limit_with(1, false).find("latent norm"), std::string::npos);
+  // What `lmoe bench` and `lmoe explain` count as its exchange: two shots at 17 … 128 rows with
+  // several ranks (the decode kernel's one below, the general kernel's above).
+  EXPECT_TRUE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 17));
+  EXPECT_TRUE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 2, 128));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 16));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 129));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 1, 64));
   const bool two_ranks = !lmoe::comm_group_limit("p2p", 2);
   if (two_ranks) {
     EXPECT_EQ(limit_with(2, true), "");

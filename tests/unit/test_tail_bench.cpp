@@ -81,6 +81,15 @@ TEST(BenchBytes, BusBytesFollowEachTiersCollectives) {
   EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::token, 5, kK3, DType::bf16, 8), rs_l + 2 * rs_d);
   EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::fused, 5, kK3, DType::bf16, 8),
                    (tp - 1) * t * l * esize + 2 * rs_d);
+  // The chained path's two-shot exchange: an all-reduce's bytes for the latent (tp / 2 times
+  // fewer than one shot), the same stripes; the other tiers do not depend on it.
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::fused, 5, kK3, DType::bf16, 8, true),
+                   ar_l + 2 * rs_d);
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::column, 5, kK3, DType::bf16, 8, true),
+                   ar_l + ar_d);
+  // At tp 2 one shot and two carry the same bytes.
+  EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::fused, 5, kK3, DType::bf16, 2, true),
+                   lmoe::tier_bus_bytes(TailTier::fused, 5, kK3, DType::bf16, 2));
   // DESIGN.md §2: at K3 dims token sends 2.5/3 of column's bytes.
   EXPECT_DOUBLE_EQ(lmoe::tier_bus_bytes(TailTier::token, 5, kK3, DType::bf16, 8) /
                        lmoe::tier_bus_bytes(TailTier::column, 5, kK3, DType::bf16, 8),

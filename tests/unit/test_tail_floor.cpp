@@ -148,13 +148,19 @@ TEST(MachineRates, FloorRatesAreGivenKnownOrSaidToBeMissing) {
                lmoe::Error);
 }
 
-TEST(RecordFloor, OnlyWhereEachRankHasItsOwnGpu) {
+// A K3 bf16 sweep on cuda with `tp` ranks on as many H200s.
+lmoe::BenchSweep k3_h200_sweep(int tp) {
   lmoe::BenchSweep sweep;
   sweep.backend = lmoe::Backend::cuda;
   sweep.dims = kK3;
   sweep.dtype = DType::bf16;
-  sweep.tp = 2;
-  sweep.gpu = lmoe::BenchEnvironment::Gpu{"NVIDIA H200", "9.0", 13000, 13000, 2};
+  sweep.tp = tp;
+  sweep.gpu = lmoe::BenchEnvironment::Gpu{"NVIDIA H200", "9.0", 13000, 13000, tp};
+  return sweep;
+}
+
+TEST(RecordFloor, OnlyWhereEachRankHasItsOwnGpu) {
+  lmoe::BenchSweep sweep = k3_h200_sweep(2);
   lmoe::BenchRecord record;
   record.tokens = 16;
   record.tier = TailTier::column;
@@ -183,6 +189,42 @@ TEST(RecordFloor, OnlyWhereEachRankHasItsOwnGpu) {
   EXPECT_TRUE(lmoe::record_floor(sweep, record, kH200).has_value());
   sweep.tp = 2;
   EXPECT_FALSE(lmoe::record_floor(sweep, record, kH200).has_value());
+}
+
+// A record's links part is the bytes its sweep counted (for fused: the exchange its kernel ran, one
+// shot or two), so that a fused record of the chained path at tp 8 is held to the two-shot floor.
+TEST(RecordFloor, TakesTheBytesTheSweepCounted) {
+  const lmoe::BenchSweep sweep = k3_h200_sweep(8);
+  lmoe::BenchRecord record;
+  record.tokens = 128;
+  record.tier = TailTier::fused;
+  record.comm = "p2p";
+  const lmoe::TierFloor one_shot =
+      lmoe::tier_floor(TailTier::fused, 128, kK3, DType::bf16, 8, kH200);
+  const lmoe::TierFloor two_shot =
+      lmoe::tier_floor(TailTier::fused, 128, kK3, DType::bf16, 8, kH200, true);
+  // K3 tp 8, T = 128: 21.4 µs of links in one shot, 10.7 in two (docs/fused.md); both bound by
+  // them.
+  EXPECT_NEAR(one_shot.comm_us, 21.4, 0.05);
+  EXPECT_NEAR(two_shot.comm_us, 10.7, 0.05);
+  EXPECT_DOUBLE_EQ(two_shot.memory_us, one_shot.memory_us);
+  record.bus_bytes = lmoe::tier_bus_bytes(TailTier::fused, 128, kK3, DType::bf16, 8, true);
+  const auto floor = lmoe::record_floor(sweep, record, kH200);
+  ASSERT_TRUE(floor.has_value());
+  EXPECT_DOUBLE_EQ(floor->comm_us, two_shot.comm_us);
+  EXPECT_DOUBLE_EQ(floor->floor_us, two_shot.floor_us);
+  record.bus_bytes = 0;  // a sweep from before bus bytes were recorded: the formula's one shot
+  EXPECT_DOUBLE_EQ(lmoe::record_floor(sweep, record, kH200)->floor_us, one_shot.floor_us);
+}
+
+// Only cuda with several ranks runs the chained path's two shots; nowhere in a build without CUDA.
+TEST(FusedTwoShot, OnlyTheChainedPathWithSeveralRanks) {
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cpu, kK3, DType::bf16, 8, 64));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 1, 64));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 129));
+#ifndef LMOE_HAS_CUDA
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 64));
+#endif
 }
 
 }  // namespace
