@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cstdlib>
+#include <cstring>
 
 #include "lmoe/error.hpp"
 
@@ -25,6 +27,21 @@ bool env_flag(const char* name) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0') return false;
   return parse_flag(name, value);
+}
+
+std::optional<long long> env_integer(const char* name, long long min, long long max,
+                                     const std::string& what) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  const char* end = text + std::strlen(text);
+  long long value = 0;
+  const auto [stop, error] = std::from_chars(text, end, value);
+  // from_chars takes a leading '-', which no setting here means.
+  if (error != std::errc() || stop != end || *text == '-' || value < min || value > max) {
+    throw Error(std::string(name) + ": expected " + what + " in [" + std::to_string(min) + ", " +
+                std::to_string(max) + "], got \"" + text + "\"");
+  }
+  return value;
 }
 
 }  // namespace lmoe

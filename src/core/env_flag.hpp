@@ -2,6 +2,7 @@
 // (any case); anything else is an lmoe::Error naming the variable, so a typo is never taken as "no".
 #pragma once
 
+#include <optional>
 #include <string>
 
 namespace lmoe {
@@ -13,5 +14,11 @@ bool parse_flag(const std::string& variable, const std::string& text);
 
 // The variable `name` of the process environment as a flag; unset or empty: false.
 bool env_flag(const char* name);
+
+// The variable `name` as a whole number in [min, max] (digits only: no sign, blank or suffix);
+// unset or empty: nullopt; anything else is an lmoe::Error "NAME: expected WHAT in [min, max], got
+// "TEXT"".
+std::optional<long long> env_integer(const char* name, long long min, long long max,
+                                     const std::string& what);
 
 }  // namespace lmoe

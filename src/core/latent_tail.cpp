@@ -97,6 +97,13 @@ std::optional<std::string> turned_off(const char* variable, const char* what) {
   return std::string(what) + " is turned off (" + variable + "=" + env + ")";
 }
 
+// Why d_model does not split into a stripe per rank (the fused kernels' rows of w_up per rank).
+std::optional<std::string> stripes_limit(TailDims dims, int ranks) {
+  if (ranks >= 1 && dims.d_model % ranks == 0) return std::nullopt;
+  return "d_model=" + std::to_string(dims.d_model) + " is not split into " + std::to_string(ranks) +
+         " stripes";
+}
+
 }  // namespace
 
 std::optional<std::string> fused_decode_turned_off() {
@@ -109,10 +116,7 @@ std::optional<std::string> fused_chained_turned_off() {
 
 std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks) {
   if (auto off = fused_decode_turned_off()) return off;
-  if (ranks < 1 || dims.d_model % ranks != 0) {
-    return "d_model=" + std::to_string(dims.d_model) + " is not split into " +
-           std::to_string(ranks) + " stripes";
-  }
+  if (auto unsplit = stripes_limit(dims, ranks)) return unsplit;
 #ifdef LMOE_HAS_CUDA
   if (cuda_device_count() == 0) return "no CUDA device";
   cuda::FusedDecodePlan plan;
@@ -130,10 +134,7 @@ std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ra
 
 std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks) {
   if (auto off = fused_chained_turned_off()) return off;
-  if (ranks < 1 || dims.d_model % ranks != 0) {
-    return "d_model=" + std::to_string(dims.d_model) + " is not split into " +
-           std::to_string(ranks) + " stripes";
-  }
+  if (auto unsplit = stripes_limit(dims, ranks)) return unsplit;
 #ifdef LMOE_HAS_CUDA
   if (cuda_device_count() == 0) return "no CUDA device";
   cuda::FusedChainedPlan plan;
@@ -144,7 +145,6 @@ std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int r
   }
   return std::nullopt;
 #else
-  (void)dims;
   (void)dtype;
   return "this build has no CUDA backend";
 #endif

@@ -1,24 +1,14 @@
 #include "core/token_chunks.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
-#include "lmoe/error.hpp"
+#include "core/env_flag.hpp"
 
 namespace lmoe {
 
 int token_chunks_setting_from_environment() {
-  const char* text = std::getenv("LMOE_TOKEN_CHUNKS");
-  if (text == nullptr || *text == '\0') return 0;
-  // Digits only: strtol alone would also take leading blanks and a sign.
-  char* end = nullptr;
-  const bool digit_first = *text >= '0' && *text <= '9';
-  const long chunks = std::strtol(text, &end, 10);
-  LMOE_CHECK(digit_first && *end == '\0' && chunks >= 1 && chunks <= kMaxTokenChunks,
-             "LMOE_TOKEN_CHUNKS: expected a count of chunks in [1, " + std::to_string(kMaxTokenChunks) +
-                 "], got \"" + text + "\"");
-  return static_cast<int>(chunks);
+  const auto chunks = env_integer("LMOE_TOKEN_CHUNKS", 1, kMaxTokenChunks, "a count of chunks");
+  return chunks ? static_cast<int>(*chunks) : 0;
 }
 
 std::int64_t token_chunk_count(std::int64_t tokens, int tp, int setting) {

@@ -316,14 +316,8 @@ __global__ void __launch_bounds__(kNormThreads, 3)
   __shared__ FusedCall call;
   cx_trace(x, kCxTraceGatherEntry);
   const int tokens = chained_call_tokens(x);
-  if (threadIdx.x == 0) {
-    const FusedFlags* own = fused_flags(x, x.rank);
-    call.failed = 0;
-    call.e = own->epoch + 1;
-    call.parity = call.e & 1u;
-    call.target = own->arrivals + gridDim.x;
-  }
-  __syncthreads();
+  // The exchange took the workspace; nothing advances the epoch before this kernel's end.
+  fused_begin(x, &call, /*take_workspace=*/false);
   const std::int64_t stripe_units = x.stripe / 4, per_peer = tokens * stripe_units;
   const std::int64_t units = per_peer * x.tp;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;

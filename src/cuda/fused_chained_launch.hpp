@@ -48,7 +48,7 @@ struct FusedChainedParams {
   CUtensorMap n_maps[kChainedTokenClasses];
   std::int64_t tokens = 0;                      // T, when tokens_device is null
   const std::int32_t* tokens_device = nullptr;  // T on the device (graph replays), ≤ the bound
-  std::int64_t d = 0, l = 0;                    // d_model, d_latent
+  std::int64_t l = 0;                           // d_latent
   std::int64_t rows = 0;                        // w_up's rows (d at tp 1, the stripe at tp > 1)
   // The added rows [T, rows] and the output [T, rows], their rows shared_pitch and out_pitch
   // elements apart: at tp 1 the caller's `shared` and Y (pitch d); at tp > 1 this rank's stripe of

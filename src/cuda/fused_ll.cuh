@@ -40,6 +40,16 @@ __device__ inline std::byte* ll_line(const FusedTailParams& x, int at, std::int6
   return ll_line_in(x.workspace[at], region, x.ll_parity_bytes, parity, from, slot_elements, index);
 }
 
+// One read of a line, past L1 (a peer writes it).
+__device__ inline uint4 ll_read(const std::byte* line) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(line)
+               : "memory");
+  return v;
+}
+
 __device__ inline void ll_store(std::byte* line, uint2 data, std::uint32_t e) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(data.x), "r"(e),
                "r"(data.y), "r"(e)
@@ -60,11 +70,7 @@ __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, 
   constexpr std::uint32_t kLlAbortStride = 256;
   std::uint64_t start = 0;
   for (std::uint32_t spins = 0;; ++spins) {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(line)
-                 : "memory");
+    const uint4 v = ll_read(line);
     if (v.y == e && v.w == e) {
       *data = make_uint2(v.x, v.z);
       return true;
@@ -92,12 +98,7 @@ __device__ inline bool ll_load_lines(const FusedTailParams& x, std::byte* const 
   uint4 v[kLines];
 #pragma unroll
   for (int k = 0; k < kLines; ++k) {
-    if (wanted >> k & 1u) {
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                   : "l"(lines[k])
-                   : "memory");
-    }
+    if (wanted >> k & 1u) v[k] = ll_read(lines[k]);
   }
 #pragma unroll
   for (int k = 0; k < kLines; ++k) {

@@ -75,9 +75,12 @@ struct FusedCall {
   int failed;               // a wait of this block failed (reported): leave
 };
 
-// Starts a call: the epoch and targets, and (block 0) the workspace taken, or the failure
-// reported when another call of this rank holds it. Every thread calls it; true to go on.
-__device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call) {
+// Starts a call: the epoch and targets, and (block 0, with take_workspace) the workspace taken, or
+// the failure reported when another call of this rank holds it. A call's later kernel (the chained
+// path's gather) reads the same epoch and its own grid's targets without taking the workspace
+// again. Every thread calls it; true to go on.
+__device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call,
+                                   bool take_workspace = true) {
   if (threadIdx.x == 0) {
     const FusedFlags* own = fused_flags(p, p.rank);
     call->failed = 0;
@@ -88,7 +91,8 @@ __device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call) {
     call->general_e = own->general_calls + 1;
     // No read of the host-mapped abort flag here (see kP2pAbortPollAfterNs): the host checks the
     // group's status before every call, and a wait finds a later abort.
-    if (blockIdx.x == 0 && atomicExch(&fused_flags(p, p.rank)->in_use, 1u) != 0u) {
+    if (take_workspace && blockIdx.x == 0 &&
+        atomicExch(&fused_flags(p, p.rank)->in_use, 1u) != 0u) {
       p2p_fail(fused_report(p), kP2pConcurrentUse, -1, call->e);
       call->failed = 1;
     }

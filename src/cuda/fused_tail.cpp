@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/p2p_peer_access.hpp"
+#include "core/env_flag.hpp"
 #include "cuda/alignment.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused_decode_launch.hpp"
@@ -329,7 +330,6 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
            (tp > 1 ? ", tp=" + std::to_string(tp) : std::string()) + ")";
   }
   FusedChainedParams& p = chained_params_;
-  p.d = params_.d;
   p.l = params_.l;
   p.rows = params_.stripe;
   p.tiles = chained_plan_.tiles;
@@ -361,13 +361,9 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     const int most = sharing == 1 ? sms : std::max(1, (sms - 1) / (2 * sharing));
     chained_exchange_grid_ = sharing == 1 ? sms : std::min(32, most);
     params_.cx_early_up = sharing == 1;
-    if (const char* env = std::getenv("LMOE_FUSED_EXCHANGE_GRID")) {
-      const int asked = std::atoi(env);
-      if (asked < 1 || asked > most) {
-        throw Error("LMOE_FUSED_EXCHANGE_GRID=" + std::string(env) + " is outside [1, " +
-                    std::to_string(most) + "] on this GPU");
-      }
-      chained_exchange_grid_ = asked;
+    if (const auto asked =
+            env_integer("LMOE_FUSED_EXCHANGE_GRID", 1, most, "a count of blocks on this GPU")) {
+      chained_exchange_grid_ = static_cast<int>(*asked);
     }
   }
   std::byte* normed = params_.workspace[params_.rank] + params_.normed_offset;

@@ -569,6 +569,32 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   }
 }
 
+// LMOE_FUSED_EXCHANGE_GRID (the chained path's exchange blocks with several ranks, for
+// measurements) outside [1, what the GPU allows] or not a number: every rank's construction fails
+// naming it, before any kernel of the call is launched.
+TEST_F(Fused, ABadExchangeGridIsAnErrorOnEveryRank) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 32, 44u);
+  for (const char* bad : {"0", "100000", "8x"}) {
+    SCOPED_TRACE(bad);
+    const ScopedEnv grid("LMOE_FUSED_EXCHANGE_GRID", bad);
+    std::vector<std::string> errors(2);
+    const auto comms = lmoe::make_p2p_thread_communicators(2, {});
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      try {
+        FusedRank state(comm, c, 64);
+      } catch (const lmoe::Error& error) {
+        errors[static_cast<std::size_t>(rank)] = error.what();
+      }
+    });
+    expect_every_rank_error(errors,
+                            "LMOE_FUSED_EXCHANGE_GRID: expected a count of blocks on this "
+                            "GPU in [1, ");
+  }
+}
+
 // The chained path splits K over the blocks of a cluster, a power of two up to 8 per 128-row tile,
 // each block finishing 128 / splits of the tile's rows (a reduce-scatter through distributed shared
 // memory). Shapes whose tile counts give 1, 2, 4 and 8 splits on 132 SMs (the expectation is

@@ -1040,3 +1040,30 @@ TEST(EnvFlag, AcceptsTheSameWordsEverywhereAndNamesTheVariableOtherwise) {
   }
   unsetenv(kName);
 }
+
+// Whole-number variables (LMOE_TOKEN_CHUNKS, LMOE_FUSED_EXCHANGE_GRID): digits only, inside the
+// range, else an error naming the variable, the range and the text.
+TEST(EnvInteger, DigitsInsideTheRangeOrAnErrorNamingTheVariable) {
+  constexpr const char* kName = "LMOE_TEST_ENV_INTEGER";
+  unsetenv(kName);
+  EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), std::nullopt);
+  setenv(kName, "", 1);
+  EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), std::nullopt);
+  for (const auto& [text, value] :
+       {std::pair{"1", 1LL}, std::pair{"32", 32LL}, std::pair{"007", 7LL}}) {
+    setenv(kName, text, 1);
+    EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), value) << text;
+  }
+  for (const char* bad : {"0", "33", "-1", "+2", " 2", "2 ", "2x", "two", "99999999999999999999"}) {
+    setenv(kName, bad, 1);
+    try {
+      lmoe::env_integer(kName, 1, 32, "blocks");
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const lmoe::Error& e) {
+      EXPECT_EQ(
+          e.message(),
+          std::string("LMOE_TEST_ENV_INTEGER: expected blocks in [1, 32], got \"") + bad + "\"");
+    }
+  }
+  unsetenv(kName);
+}

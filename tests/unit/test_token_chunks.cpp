@@ -43,7 +43,7 @@ TEST(TokenChunks, TheVariableIsReadStrictlyAndNamedOnError) {
     setenv("LMOE_TOKEN_CHUNKS", std::to_string(c).c_str(), 1);
     EXPECT_EQ(lmoe::token_chunks_setting_from_environment(), c);
   }
-  for (const char* bad : {"0", "9", "-1", "two", "2x", " 2"}) {
+  for (const char* bad : {"0", "9", "-1", "+2", "two", "2x", " 2"}) {
     setenv("LMOE_TOKEN_CHUNKS", bad, 1);
     try {
       lmoe::token_chunks_setting_from_environment();
