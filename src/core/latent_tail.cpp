@@ -140,7 +140,7 @@ std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int r
   cuda::FusedChainedPlan plan;
   const int tokens = ranks == 1 ? kFusedDefaultTp1ChainedTokens : kFusedDefaultChainedTokens;
   if (const char* reason =
-          cuda::fused_chained_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, &plan)) {
+          cuda::fused_chained_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, 0, &plan)) {
     return std::string(reason);
   }
   return std::nullopt;

@@ -11,27 +11,31 @@
 // little arithmetic per byte, so it is built as a skinny GEMM with the weights as wgmma's M and
 // the tokens as its N ("swap AB": the tokens, too few for an M of 64, fill an N of 16 … 128):
 //
-// - A block owns 128 rows of w_up (a tile) and one range of K: split K over the blocks of a
-//   cluster (tiles × splits blocks, at most one per SM, so that the SMs the tiles leave idle still
-//   stream; K3 at tp 1: 56 tiles × 2, a stripe of 896 rows: 7 × 8). Warpgroup 0's first thread
-//   produces: it copies each 64-wide chunk of K of the tile's rows and of N's rows (one box each:
-//   the copy engine's time goes by boxes more than by bytes, measured) into a ring of stages with
-//   the copy engine (TMA, 128-byte swizzle: the layout wgmma's descriptors read), completing on
-//   the stage's full mbarrier.
-//   Warpgroups 1 and 2 consume: each multiplies its 64-row half of the tile by N's rows (four
-//   m64nNk16 per chunk, fp32 accumulators in registers), keeps one wgmma group in flight and hands
-//   the previous stage back through its empty mbarrier. No block-wide barrier in the main loop.
+// - A block owns a tile of 64 or 128 rows of w_up and one range of K: split K over the blocks of
+//   a cluster (tiles × splits blocks, at most one per SM, so that the SMs the tiles leave idle
+//   still stream; the plan, cuda/fused_chained_launch.hpp, takes the tile that puts more SMs to
+//   work: K3 at tp 1 112 tiles of 64 rows, a stripe of 896 rows 14 × 8 splits). Warpgroup 0's first
+//   thread produces: it copies each 64-wide chunk of K of the tile's rows and of N's rows (one box
+//   each: the copy engine's time goes by boxes more than by bytes, measured) into a ring of stages
+//   with the copy engine (TMA, 128-byte swizzle: the layout wgmma's descriptors read), completing
+//   on the stage's full mbarrier.
+//   Warpgroups 1 and 2 consume: in a tile of 128 rows each multiplies its 64-row half by N's rows
+//   (four m64nNk16 per chunk), in a tile of 64 each multiplies all 64 rows over its half of the
+//   chunk's K (two m64nNk16: two partial sums per row); fp32 accumulators in registers, one wgmma
+//   group in flight, the previous stage handed back through its empty mbarrier. No block-wide
+//   barrier in the main loop.
 // - The weights do not depend on the first kernel: the producer issues the first ring of weight
 //   copies before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow
 //   the wait.
-// - Split K over the S blocks of a cluster (S a power of two ≤ 8; K3 at tp 1: 2, a narrow
-//   stripe such as K3's 896 rows at tp 8: 8), summed as a reduce-scatter through distributed
-//   shared memory: block q of the cluster finishes the tile's q-th slice of 128 / S rows; every
-//   block stores its fp32 accumulators of each slice into the slice owner's (idle) stages, and all
-//   of q's threads add the S partials of its slice in split order (a fixed order: the bits depend
-//   neither on timing nor on S). Through global memory instead (partials, a fence and an arrival
-//   counter) the finish took 2–9 µs at K3, T = 17 … 128 (the fence waits behind the weight stream);
-//   block 0 alone summing the whole tile (session 15) was ~1 µs slower at T = 128.
+// - Split K over the S blocks of a cluster (S a power of two ≤ 8; a narrow stripe such as K3's 896
+//   rows at tp 8: 8), summed as a reduce-scatter through distributed shared memory: block q of the
+//   cluster finishes the tile's q-th slice of tile / S rows; every consumer stores its fp32
+//   accumulators of each slice into the slice owner's (idle) stages, and all of q's threads add
+//   the partials of its slice in a fixed order (splits in order, each split's consumers in order:
+//   the bits do not depend on timing; like the mma's K order, the partition of K is the plan's).
+//   Through global memory instead (partials, a fence and an arrival counter) the finish took 2–9 µs
+//   at K3, T = 17 … 128 (the fence waits behind the weight stream); block 0 alone summing the whole
+//   tile (session 15) was ~1 µs slower at T = 128.
 // - The finish: each block parks round(U) of its slice in its stages as [token][row], and its
 //   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows (`shared`
 //   brought into L2 by the producer's idle threads during the stream). Tokens ≥ T are never stored
@@ -59,33 +63,44 @@ __device__ inline void chained_trace(const FusedChainedParams& p, int point) {
   if (p.trace != nullptr) p.trace[blockIdx.x * kChainedTracePoints + point] = p2p_clock_ns();
 }
 
-template <int kN>
+template <int kN, int kTileRows>
 struct ChainedShape {
   static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128);
+  static_assert(kTileRows == 64 || kTileRows == 128);
+  static constexpr int kTileShift = kTileRows == 128 ? 7 : 6;
+  // The consumer warpgroups' partial sums of a row: a tile of 128 rows gives each consumer 64 of
+  // them (one partial); in a tile of 64 both multiply all 64, each half of every chunk's K (two
+  // partials, added in consumer order with the splits').
+  static constexpr int kConsumerParts = kTileRows == 128 ? 1 : 2;
+  static constexpr int kStepsPerConsumer = kChainedTileK / 16 / kConsumerParts;  // k16 wgmmas
   static constexpr int kRowBytes = kChainedTileK * 2;  // 64 elements of 16 bits
-  static constexpr int kWeightBytes = kChainedTileRows * kRowBytes;
+  static constexpr int kWeightBytes = kTileRows * kRowBytes;
   static constexpr int kStageBytes = kWeightBytes + kN * kRowBytes;
-  // As many stages as ~192 KB hold, at most 8: room beside a norm block on the SM.
-  static constexpr int kStages = std::min(8, 192 * 1024 / kStageBytes);
+  // As many stages as ~192 KB hold, at most 8 of 128 rows (16 of 64: the same weight bytes in
+  // flight): room beside a norm block on the SM.
+  static constexpr int kStages = std::min(kTileRows == 128 ? 8 : 16, 192 * 1024 / kStageBytes);
   static constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + alignment to 1024
-  // The cluster's partials of a block's slice, [split][fragment][slot] float2, slot = 4 · (row in
-  // the slice) + lane % 4: S splits × kN / 8 fragments × 4 · 128 / S slots, whatever S.
+  // The partials of a block's slice, [part][fragment][slot] float2 (part = split · kConsumerParts +
+  // consumer), slot = 4 · (row in the slice) + lane % 4: S · kConsumerParts parts × kN / 8
+  // fragments × 4 · kTileRows / S slots = kN · 512 bytes, whatever S and the tile.
   static constexpr int kPartialBytes = kN * 512;
   // The finish's parked round(U) of the block's slice: a token's rows, padded by 16 bytes so that
   // the fragment's stores of one warp spread over the banks; after the partials.
-  static constexpr int kParkPitch = kChainedTileRows * 2 + 16;
+  static constexpr int kParkPitch = kTileRows * 2 + 16;
   static constexpr int kParkOffset = kPartialBytes;
   static_assert(kStageBytes % 1024 == 0, "1024-byte swizzle atoms");
+  static_assert(kConsumerParts * kTileRows * kN / 8 * 4 * 8 == kPartialBytes, "partials' bytes");
   static_assert(kParkOffset + kN * kParkPitch <= kStages * kStageBytes,
                 "partials and parking in the stages");
 };
 
-// kN: the wgmma N, the most tokens this instance serves.
-template <typename T, int kN>
+// kN: the wgmma N, the most tokens this instance serves; kTileRows: rows of w_up per tile (64 or
+// 128, the plan's).
+template <typename T, int kN, int kTileRows>
 __global__ void __launch_bounds__(kChainedThreads, 1)
     fused_chained_up_kernel(const __grid_constant__ FusedChainedParams p) {
 #if LMOE_HAS_WGMMA
-  using Shape = ChainedShape<kN>;
+  using Shape = ChainedShape<kN, kTileRows>;
   constexpr int kFragments = kN / 8;  // acc[4j … 4j + 3] holds tokens 8j … 8j + 7
   extern __shared__ __align__(1024) unsigned char chained_smem[];
   __shared__ StageBarriers<Shape::kStages> bars;
@@ -99,10 +114,11 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // The cluster's blocks are the tile's splits, in order (the launch's cluster size is p.splits).
   const int tile = static_cast<int>(blockIdx.x) / p.splits;
   const int split = static_cast<int>(blockIdx.x) % p.splits;
-  // The block finishes its slice of the tile: rows [split · R, split · R + R), R = 128 / splits.
-  // splits is a power of two: shifts and masks below, as a division by a value known only at run
-  // time costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at T = 128).
-  const int slice_shift = 7 - (31 - __clz(p.splits));  // R = 1 << slice_shift
+  // The block finishes its slice of the tile: rows [split · R, split · R + R), R = kTileRows /
+  // splits. splits is a power of two: shifts and masks below, as a division by a value known only
+  // at run time costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at
+  // T = 128).
+  const int slice_shift = Shape::kTileShift - (31 - __clz(p.splits));  // R = 1 << slice_shift
   const int slice_rows = 1 << slice_shift;
   const int chunks = static_cast<int>((p.l + kChainedTileK - 1) / kChainedTileK);
   const int c0 = split * chunks / p.splits;
@@ -136,7 +152,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     if (tid == 0) {
       const CUtensorMap* n_map = &p.n_maps[kN == 16 ? 0 : kN == 32 ? 1 : kN == 64 ? 2 : 3];
       const int first = n < Shape::kStages ? n : Shape::kStages;
-      const int row0 = tile * kChainedTileRows;
+      const int row0 = tile * kTileRows;
       const auto copy_weights = [&](int i) {
         const int s = i % Shape::kStages;
         mbarrier_arrive_expect_tx(full_bar(s), Shape::kStageBytes);
@@ -173,8 +189,8 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       const T* shared = static_cast<const T*>(p.shared);
       const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
       for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
-        const std::int64_t row = static_cast<std::int64_t>(tile) * kChainedTileRows +
-                                 split * slice_rows + (i & lines_shift) * 64;
+        const std::int64_t row = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows +
+                                 (i & lines_shift) * 64;
         if (row < p.rows) {
           asm volatile(
               "prefetch.global.L2 [%0];" ::"l"(shared + (i >> lines_shift) * p.shared_pitch + row));
@@ -190,12 +206,17 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     for (int i = 0; i < n; ++i) {
       const int s = i % Shape::kStages;
       mbarrier_wait(full_bar(s), static_cast<std::uint32_t>(i / Shape::kStages) & 1u);
+      // A tile of 128: the consumer's 64 rows, all of K; of 64: every row, the consumer's half of
+      // K (32 bytes of a swizzled row per k16 step).
+      const std::uint32_t first_step =
+          Shape::kConsumerParts == 2 ? consumer * Shape::kStepsPerConsumer * 32 : 0;
       const std::uint32_t a_rows =
-          stage_at(s) + static_cast<std::uint32_t>(consumer * 64 * Shape::kRowBytes);
-      const std::uint32_t b_rows = stage_at(s) + Shape::kWeightBytes;
+          stage_at(s) + first_step +
+          (Shape::kConsumerParts == 1 ? consumer * 64 * Shape::kRowBytes : 0);
+      const std::uint32_t b_rows = stage_at(s) + Shape::kWeightBytes + first_step;
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kChainedTileK / 16; ++ks) {
+      for (int ks = 0; ks < Shape::kStepsPerConsumer; ++ks) {
         wgmma_m64nk16<T, kN>(acc, wgmma_descriptor_128b(a_rows + ks * 32),
                              wgmma_descriptor_128b(b_rows + ks * 32));
       }
@@ -215,14 +236,16 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int fragments = (tokens + 7) / 8;
   const int lane = tid % 32;
   // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
-  const int fragment_row = (warpgroup - 1) * 64 + (tid / 32 % 4) * 16 + lane / 4;
+  const int fragment_row =
+      (Shape::kConsumerParts == 1 ? (warpgroup - 1) * 64 : 0) + (tid / 32 % 4) * 16 + lane / 4;
   unsigned char* const parked = park + Shape::kParkOffset;
   // round(U) of (token, tile row) into the parking: token · kParkPitch + 2 · (row in the slice).
   const auto park_u = [&](int token, int row, float u) {
     *reinterpret_cast<T*>(parked + token * Shape::kParkPitch + 2 * (row & (slice_rows - 1))) =
         Storage<T>::store(u);
   };
-  if (p.splits == 1) {
+  const int parts = p.splits * Shape::kConsumerParts;
+  if (parts == 1) {
     if (tid == 0) chained_trace(p, kChainedTracePartials);
     if (warpgroup > 0) {
 #pragma unroll
@@ -237,20 +260,32 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       }
     }
   } else {
-    // Every block stores each fragment pair into the memory of the slice's owner (its own too),
-    // [split][fragment][slot], slot = 4 · (row in the slice) + lane % 4; then all of the owner's
-    // threads sum the S partials of its slice in split order and park round(U).
+    // Every consumer stores each fragment pair into the memory of the slice's owner (its own
+    // block's when it owns the slice, or when the tile is not split),
+    // [part][fragment][slot], slot = 4 · (row in the slice) + lane % 4; then all of the owner's
+    // threads sum the parts of its slice in part order (splits in order, each split's consumers in
+    // order) and park round(U).
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
+    const auto all_blocks_sync = [&] {
+      if (p.splits > 1) {
+        cluster.sync();
+      } else {
+        __syncthreads();
+      }
+    };
     float2* const partials = reinterpret_cast<float2*>(park);
     const int slots_shift = slice_shift + 2, slots = 1 << slots_shift;  // 4 · R
-    cluster.sync();  // every block of the cluster is done with its stages
+    all_blocks_sync();  // every block of the cluster is done with its stages
     if (warpgroup > 0) {
+      const int part =
+          split * Shape::kConsumerParts + (Shape::kConsumerParts == 2 ? warpgroup - 1 : 0);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = fragment_row + 8 * h, owner = row >> slice_shift;
-        float2* const theirs = cluster.map_shared_rank(
-            partials + split * kFragments * slots + (row & (slice_rows - 1)) * 4 + lane % 4, owner);
+        float2* const mine =
+            partials + part * kFragments * slots + (row & (slice_rows - 1)) * 4 + lane % 4;
+        float2* const theirs = p.splits > 1 ? cluster.map_shared_rank(mine, owner) : mine;
 #pragma unroll
         for (int j = 0; j < kFragments; ++j) {
           if (j < fragments)
@@ -258,12 +293,12 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         }
       }
     }
-    cluster.sync();  // the slices' partials are in their owners' memory
+    all_blocks_sync();  // the slices' partials are in their owners' memory
     if (tid == 0) chained_trace(p, kChainedTracePartials);
     const int pairs = fragments * slots;
     for (int i = tid; i < pairs; i += kChainedThreads) {
       float2 sum = partials[i];
-      for (int s = 1; s < p.splits; ++s) {
+      for (int s = 1; s < parts; ++s) {
         const float2 v = partials[s * kFragments * slots + i];
         sum.x = __fadd_rn(sum.x, v.x);
         sum.y = __fadd_rn(sum.y, v.y);
@@ -278,8 +313,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   if (tid == 0) chained_trace(p, kChainedTraceParked);
   const int vectors_shift = slice_shift - 3,
             vectors = 1 << vectors_shift;  // a token's 16-byte vectors
-  const std::int64_t slice_row0 =
-      static_cast<std::int64_t>(tile) * kChainedTileRows + split * slice_rows;
+  const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
   const T* shared = static_cast<const T*>(p.shared);
   T* out = static_cast<T*>(p.out);
   // A thread's vectors i = tid + 384·k, kBatch at a time: their loads of `shared` (in L2: the

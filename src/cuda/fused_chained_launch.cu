@@ -16,76 +16,67 @@ int token_class(std::int64_t tokens) {
   return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128;
 }
 
-template <typename T>
+template <typename T, int kTileRows>
 const void* up_kernel_of(int token_class) {
   switch (token_class) {
     case 16:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16, kTileRows>);
     case 32:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32, kTileRows>);
     case 64:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64, kTileRows>);
     default:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128, kTileRows>);
   }
 }
 
-const void* up_kernel(int token_class, DType dtype) {
-  return dtype == DType::bf16 ? up_kernel_of<__nv_bfloat16>(token_class)
-                              : up_kernel_of<__half>(token_class);
+const void* up_kernel(int token_class, int tile_rows, DType dtype) {
+  if (dtype == DType::bf16) {
+    return tile_rows == 64 ? up_kernel_of<__nv_bfloat16, 64>(token_class)
+                           : up_kernel_of<__nv_bfloat16, 128>(token_class);
+  }
+  return tile_rows == 64 ? up_kernel_of<__half, 64>(token_class)
+                         : up_kernel_of<__half, 128>(token_class);
 }
 
-int shared_bytes(int token_class) {
+template <int kTileRows>
+int shared_bytes_of(int token_class) {
   switch (token_class) {
     case 16:
-      return ChainedShape<16>::kSharedBytes;
+      return ChainedShape<16, kTileRows>::kSharedBytes;
     case 32:
-      return ChainedShape<32>::kSharedBytes;
+      return ChainedShape<32, kTileRows>::kSharedBytes;
     case 64:
-      return ChainedShape<64>::kSharedBytes;
+      return ChainedShape<64, kTileRows>::kSharedBytes;
     default:
-      return ChainedShape<128>::kSharedBytes;
+      return ChainedShape<128, kTileRows>::kSharedBytes;
   }
 }
 
-}  // namespace
+int shared_bytes(int token_class, int tile_rows) {
+  return tile_rows == 64 ? shared_bytes_of<64>(token_class) : shared_bytes_of<128>(token_class);
+}
 
-const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
-                               DType dtype, FusedChainedPlan* plan) {
-  if (dtype != DType::bf16 && dtype != DType::f16) return "the chained path runs bf16 and f16";
-  if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens)
-    return "the chained path takes 1 … 128 tokens";
-  // l ≤ 16384: launch_rms_norm's register kernels, the ones that read T on the device.
-  if (rows % 8 != 0 || rows < 8 || l % 8 != 0 || l < 8 || l > 16384)
-    return "the chained path needs d % 8 == 0, l % 8 == 0 and l ≤ 16384";
-  if (rows > 0x7fffffff) return "the chained path's copies address at most 2^31 rows";
-  if (!tensor_maps_available()) return "the chained path needs a driver that encodes tensor maps";
-  int device = 0, sms = 0, major = 0, minor = 0, limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    return "the chained path could not query the device";
-  }
-  if (major != 9 || minor != 0) return "the chained path runs on compute 9.0 only (wgmma)";
+// The plan for tiles of `tile_rows` rows: splits of K fill the SMs the tiles leave idle (K3 at
+// tp 1 in tiles of 128: 56 tiles, 2 splits on 132 SMs; 896 rows in tiles of 64: 14 tiles, 8
+// splits), in powers of two (a block finishes tile / splits rows of its tile) and at most one split
+// per chunk of K; fewer where the device cannot hold every tile's cluster at once. Raises the
+// kernels' shared-memory limit for every token class up to max_tokens' on this device.
+const char* plan_tiles(int tile_rows, std::int64_t rows, int chunks, int sms, int limit,
+                       std::int64_t max_tokens, DType dtype, FusedChainedPlan* plan) {
   FusedChainedPlan result;
-  result.tiles = static_cast<int>((rows + kChainedTileRows - 1) / kChainedTileRows);
-  const int chunks = static_cast<int>((l + kChainedTileK - 1) / kChainedTileK);
-  // Split K fills the SMs the tiles leave idle (K3 at tp 1: 56 tiles, 2 splits on 132 SMs; 896
-  // rows: 7 tiles, 8 splits), in powers of two (a block finishes 128 / splits rows of its tile)
-  // and at most one split per chunk of K.
+  result.tile_rows = tile_rows;
+  result.tiles = static_cast<int>((rows + tile_rows - 1) / tile_rows);
   const int most = std::min({kChainedMaxSplits, std::max(1, sms / result.tiles), chunks});
   result.splits = 1;
   while (result.splits * 2 <= most) result.splits *= 2;
   for (int shape : {16, 32, 64, 128}) {
     if (shape > token_class(max_tokens)) break;
-    const void* kernel = up_kernel(shape, dtype);
+    const void* kernel = up_kernel(shape, tile_rows, dtype);
     cudaFuncAttributes attributes{};
     if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess)
       return "the chained path could not query the device";
-    const int bytes = shared_bytes(shape);
+    const int bytes = shared_bytes(shape, tile_rows);
     if (bytes > limit - static_cast<int>(attributes.sharedSizeBytes))
       return "the chained path's stages do not fit in a block's shared memory";
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
@@ -118,11 +109,55 @@ const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t m
   return nullptr;
 }
 
+}  // namespace
+
+const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                               DType dtype, int tile_rows, FusedChainedPlan* plan) {
+  if (dtype != DType::bf16 && dtype != DType::f16) return "the chained path runs bf16 and f16";
+  if (max_tokens < 1 || max_tokens > kFusedChainedMaxTokens)
+    return "the chained path takes 1 … 128 tokens";
+  // l ≤ 16384: launch_rms_norm's register kernels, the ones that read T on the device.
+  if (rows % 8 != 0 || rows < 8 || l % 8 != 0 || l < 8 || l > 16384)
+    return "the chained path needs d % 8 == 0, l % 8 == 0 and l ≤ 16384";
+  if (rows > 0x7fffffff) return "the chained path's copies address at most 2^31 rows";
+  if (!tensor_maps_available()) return "the chained path needs a driver that encodes tensor maps";
+  int device = 0, sms = 0, major = 0, minor = 0, limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return "the chained path could not query the device";
+  }
+  if (major != 9 || minor != 0) return "the chained path runs on compute 9.0 only (wgmma)";
+  const int chunks = static_cast<int>((l + kChainedTileK - 1) / kChainedTileK);
+  if (tile_rows != 0) {
+    if (tile_rows != 64 && tile_rows != 128) return "the chained path's tiles are 64 or 128 rows";
+    return plan_tiles(tile_rows, rows, chunks, sms, limit, max_tokens, dtype, plan);
+  }
+  // The tile that puts more SMs to work (blocks = tiles × splits, at most one wave); at equal
+  // blocks the one with fewer splits (less of the cluster's reduce-scatter), then 128.
+  FusedChainedPlan wide, narrow;
+  if (const char* reason = plan_tiles(128, rows, chunks, sms, limit, max_tokens, dtype, &wide))
+    return reason;
+  const int wide_blocks = wide.tiles * wide.splits;
+  if (plan_tiles(64, rows, chunks, sms, limit, max_tokens, dtype, &narrow) == nullptr) {
+    const int narrow_blocks = narrow.tiles * narrow.splits;
+    if (narrow_blocks <= sms && (narrow_blocks > wide_blocks ||
+                                 (narrow_blocks == wide_blocks && narrow.splits < wide.splits))) {
+      *plan = narrow;
+      return nullptr;
+    }
+  }
+  *plan = wide;
+  return nullptr;
+}
+
 cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const void* w_up,
-                               const void* normed, std::int64_t capacity) {
-  if (const cudaError_t status =
-          encode_rows_map(params->w_map, dtype, w_up, params->rows, params->l, params->l,
-                          kChainedTileK, kChainedTileRows);
+                               const void* normed, std::int64_t capacity, int tile_rows) {
+  if (const cudaError_t status = encode_rows_map(params->w_map, dtype, w_up, params->rows,
+                                                 params->l, params->l, kChainedTileK, tile_rows);
       status != cudaSuccess) {
     return status;
   }
@@ -146,7 +181,7 @@ cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DTyp
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(plan.tiles * plan.splits));
   config.blockDim = dim3(kChainedThreads);
-  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes(shape));
+  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes(shape, plan.tile_rows));
   config.stream = stream;
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -161,11 +196,12 @@ cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DTyp
   params.tiles = plan.tiles;
   params.splits = plan.splits;
   void* up_args[] = {&params};
-  return cudaLaunchKernelExC(&config, up_kernel(shape, dtype), up_args);
+  return cudaLaunchKernelExC(&config, up_kernel(shape, plan.tile_rows, dtype), up_args);
 }
 
 bool launchable(std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan) {
   return max_tokens >= 1 && max_tokens <= kFusedChainedMaxTokens && plan.tiles >= 1 &&
+         (plan.tile_rows == 64 || plan.tile_rows == 128) &&
          (dtype == DType::bf16 || dtype == DType::f16);
 }
 

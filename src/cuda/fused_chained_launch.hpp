@@ -26,15 +26,14 @@ namespace lmoe::cuda {
 
 // The most tokens a chained call carries: wgmma's N of 128.
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
-// A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups, each
-// multiplying 64 rows of w_up (wgmma's M) by every token; 64 elements of K per stage. A tile of 128
-// rows of w_up is split over K by the blocks of one cluster: a power of two, at most
-// kChainedMaxSplits, the portable cluster size (the plan asks the device whether the tiles'
-// clusters fit at once, and takes fewer splits where they do not). Clusters of 16 (non-portable)
-// measured no faster on a stripe of 896 rows: the stream shortens, the reduction lengthens
-// (docs/fused.md).
+// A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups
+// multiplying a tile of 64 or 128 rows of w_up (wgmma's M: each consumer 64 rows of a tile of 128,
+// or all 64 rows over half of K) by every token; 64 elements of K per stage. A tile is split over K
+// by the blocks of one cluster: a power of two, at most kChainedMaxSplits, the portable cluster
+// size (the plan asks the device whether the tiles' clusters fit at once, and takes fewer splits
+// where they do not). Clusters of 16 (non-portable) measured no faster on a stripe of 896 rows in
+// tiles of 128: the stream shortens, the reduction lengthens (docs/fused.md).
 inline constexpr int kChainedThreads = 384;
-inline constexpr int kChainedTileRows = 128;
 inline constexpr int kChainedTileK = 64;
 inline constexpr int kChainedMaxSplits = 8;
 // N's rows per copy: one box of the call's token class (16, 32, 64 or 128 rows: wgmma's N).
@@ -43,7 +42,7 @@ inline constexpr int kChainedTokenClasses = 4;
 // The kernel's arguments (passed as a __grid_constant__ parameter: the tensor maps must live in
 // parameter space).
 struct FusedChainedParams {
-  CUtensorMap w_map;  // w_up [rows, l], boxes of 64 k × 128 rows, 128-byte swizzle
+  CUtensorMap w_map;  // w_up [rows, l], boxes of 64 k × the tile's rows, 128-byte swizzle
   // N [capacity, l], boxes of 64 k × 16 · 2^c rows for token class c, 128-byte swizzle
   CUtensorMap n_maps[kChainedTokenClasses];
   std::int64_t tokens = 0;                      // T, when tokens_device is null
@@ -82,24 +81,27 @@ enum ChainedTracePoint : int {
   kChainedTracePoints
 };
 
-// How the chained path runs on one device: tiles of 128 rows of w_up, each split over `splits`
-// ranges of K (tiles × splits blocks, at most one per SM: split K fills the SMs the tiles leave
-// idle; K3 at tp 1: 56 × 2, a stripe of 896 rows: 7 × 8).
+// How the chained path runs on one device: tiles of tile_rows (64 or 128) rows of w_up, each split
+// over `splits` ranges of K (tiles × splits blocks, at most one per SM: split K fills the SMs the
+// tiles leave idle; K3 at tp 1: 112 tiles of 64 × 1, a stripe of 896 rows: 14 × 8).
 struct FusedChainedPlan {
-  int tiles = 0, splits = 0;
+  int tile_rows = 0, tiles = 0, splits = 0;
 };
 
 // Why the chained path cannot run calls of up to `max_tokens` rows with `rows` rows of w_up and
 // latent width l on the current device: compute 9.0 only (wgmma), bf16/f16, rows % 8, l % 8 and
 // l ≤ 16384 (the norm kernel's registers), a driver that encodes tensor maps, the stages in a
 // block's shared memory; nullptr when it can, after filling *plan and raising the kernels'
-// shared-memory limit on this device. A static string.
+// shared-memory limit on this device. tile_rows: 64 or 128 to ask for that tile (for
+// measurements), 0 for the plan's choice: the tile whose plan has more blocks within one wave
+// (at equal blocks, fewer splits, then 128). A static string.
 const char* fused_chained_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
-                               DType dtype, FusedChainedPlan* plan);
+                               DType dtype, int tile_rows, FusedChainedPlan* plan);
 
-// The tensor maps of w_up [rows, l] and of N [capacity, l] (both 16-byte aligned) into params.
+// The tensor maps of w_up [rows, l] (boxes of the plan's tile_rows) and of N [capacity, l] (both
+// 16-byte aligned) into params.
 cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const void* w_up,
-                               const void* normed, std::int64_t capacity);
+                               const void* normed, std::int64_t capacity, int tile_rows);
 
 // Launches the norm kernel (routed [T, l] → normed, the map's buffer) and the up-projection
 // kernel for calls of up to max_tokens rows (≤ kFusedChainedMaxTokens), p.tokens or

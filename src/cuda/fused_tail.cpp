@@ -323,8 +323,17 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma))
     return "the chained path's copies need w_up and gamma 16-byte aligned";
   const std::int64_t bound = std::min(kFusedChainedMaxTokens, capacity_);
+  // LMOE_FUSED_CHAINED_TILE_ROWS: 64 or 128 asks for that tile (measurements); else the plan's.
+  int tile_rows = 0;
+  if (const auto asked = env_integer("LMOE_FUSED_CHAINED_TILE_ROWS", 64, 128, "64 or 128")) {
+    if (*asked != 64 && *asked != 128) {
+      throw Error("LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128, got \"" +
+                  std::to_string(*asked) + "\"");
+    }
+    tile_rows = static_cast<int>(*asked);
+  }
   if (const char* reason =
-          fused_chained_plan(params_.stripe, params_.l, bound, dtype_, &chained_plan_)) {
+          fused_chained_plan(params_.stripe, params_.l, bound, dtype_, tile_rows, &chained_plan_)) {
     return std::string(reason) + " (d_model=" + std::to_string(params_.d) +
            ", d_latent=" + std::to_string(params_.l) +
            (tp > 1 ? ", tp=" + std::to_string(tp) : std::string()) + ")";
@@ -367,7 +376,8 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     }
   }
   std::byte* normed = params_.workspace[params_.rank] + params_.normed_offset;
-  if (fused_chained_maps(&p, dtype_, params_.w_stripe, normed, capacity_) != cudaSuccess) {
+  if (fused_chained_maps(&p, dtype_, params_.w_stripe, normed, capacity_,
+                         chained_plan_.tile_rows) != cudaSuccess) {
     (void)cudaGetLastError();
     return "the chained path's tensor maps could not be encoded";
   }
@@ -457,9 +467,10 @@ void FusedTail::print_trace() noexcept {
         "entry", "N ready", "multiplied", "partials in", "parked", "end"};
     const std::vector<std::uint64_t> stamps = read(chained_trace_);
     const int grid = chained_plan_.tiles * chained_plan_.splits;
-    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
-                              ", chained up-projection, grid " + std::to_string(grid) +
-                              ", splits " + std::to_string(chained_plan_.splits) + ", last call";
+    const std::string title =
+        "[ fused trace ] rank " + std::to_string(params_.rank) + ", chained up-projection, grid " +
+        std::to_string(grid) + " (tiles of " + std::to_string(chained_plan_.tile_rows) +
+        " rows, splits " + std::to_string(chained_plan_.splits) + "), last call";
     if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
   }
   if (exchange_trace_.bytes()) {

@@ -92,8 +92,9 @@ class FusedTail {
   // latent norm, another rank's, …); nullopt when it takes every call of up to min(128,
   // capacity()) rows that decode does not.
   const std::optional<std::string>& chained_limit() const { return chained_limit_; }
-  // The chained path's blocks per 128-row tile of w_up (the splits of K over a cluster; 0 where it
-  // does not run).
+  // The chained path's tile of w_up (64 or 128 rows) and its blocks per tile (the splits of K over
+  // a cluster); 0 where it does not run.
+  int chained_tile_rows() const { return chained_max_tokens_ > 0 ? chained_plan_.tile_rows : 0; }
   int chained_splits() const { return chained_max_tokens_ > 0 ? chained_plan_.splits : 0; }
   // Calls the chained path ran (counted on the device). Synchronizes the device.
   std::uint32_t chained_calls() const;

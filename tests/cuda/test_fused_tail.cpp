@@ -595,12 +595,15 @@ TEST_F(Fused, ABadExchangeGridIsAnErrorOnEveryRank) {
   }
 }
 
-// The chained path splits K over the blocks of a cluster, a power of two up to 8 per 128-row tile,
-// each block finishing 128 / splits of the tile's rows (a reduce-scatter through distributed shared
-// memory). Shapes whose tile counts give 1, 2, 4 and 8 splits on 132 SMs (the expectation is
-// derived from this device's SMs), with K not a multiple of 64 (l = 528, 1040), ranges of K of
-// unequal length (17 chunks over 8 blocks) and a tile partly past d (d = 64): random inputs within
-// the contract and crafted inputs bit for bit at T = 5, 17 and 128 (T ≤ 4 is the decode kernel's).
+// The chained path splits K over the blocks of a cluster, a power of two up to 8 per tile of 64 or
+// 128 rows, each block finishing tile / splits of the tile's rows (a reduce-scatter through
+// distributed shared memory; a tile of 64 also adds its two consumers' halves of K). Shapes whose
+// tile counts give 1, 2, 4 and 8 splits with either tile on 132 SMs (the expectation is derived
+// from this device's SMs), each run with both tiles (LMOE_FUSED_CHAINED_TILE_ROWS), with K not a
+// multiple of 64 (l = 528, 1040), ranges of K of unequal length (17 chunks over 8 blocks), a tile
+// partly past d (d = 64) and more tiles of 64 than SMs (d = 8704): random inputs within the
+// contract and crafted inputs bit for bit at T = 5, 17 and 128 (T ≤ 4 is the decode kernel's).
+// Unset, the plan takes the tile with more blocks in one wave, at equal blocks fewer splits.
 TEST_F(Fused, ChainedPathSplitsKOverClustersOfOneToEightBlocks) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
@@ -609,42 +612,96 @@ TEST_F(Fused, ChainedPathSplitsKOverClustersOfOneToEightBlocks) {
   cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const lmoe::TailDims shapes[] = {{8704, 256}, {7168, 256}, {2560, 512},
                                    {1280, 528}, {896, 1040}, {64, 4480}};
-  std::vector<int> seen;
-  double worst = 0;
-  std::string taken;
-  for (const lmoe::TailDims& dims : shapes) {
-    const int tiles = static_cast<int>((dims.d_model + 127) / 128);
+  struct Plan {
+    int tile_rows, tiles, splits;
+  };
+  const auto expected_plan = [&](const lmoe::TailDims& dims, int tile_rows) {
+    const int tiles = static_cast<int>((dims.d_model + tile_rows - 1) / tile_rows);
     const int chunks = static_cast<int>((dims.d_latent + 63) / 64);
     const int most = std::min({lmoe::cuda::kChainedMaxSplits, std::max(1, sms / tiles), chunks});
-    int expected = 1;
-    while (expected * 2 <= most) expected *= 2;
-    const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 128, 47u);
-    int splits = -1;
+    int splits = 1;
+    while (splits * 2 <= most) splits *= 2;
+    return Plan{tile_rows, tiles, splits};
+  };
+  // The plan's tile and splits for `dims` with LMOE_FUSED_CHAINED_TILE_ROWS as it is set now.
+  const auto taken_plan = [](const lmoe::TailCase& c) {
+    Plan plan{};
     const auto comms = lmoe::make_p2p_thread_communicators(1, {});
     lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
       FusedRank state(comm, c, 128);
       EXPECT_FALSE(state.fused->chained_limit().has_value()) << *state.fused->chained_limit();
-      splits = state.fused->chained_splits();
+      plan = {state.fused->chained_tile_rows(), 0, state.fused->chained_splits()};
     });
-    SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " l=" + std::to_string(dims.d_latent) +
-                 " splits=" + std::to_string(splits));
-    EXPECT_EQ(splits, expected);
-    seen.push_back(splits);
-    taken += " " + std::to_string(dims.d_model) + "x" + std::to_string(dims.d_latent) + ":" +
-             std::to_string(splits);
-    for (std::int64_t tokens : {std::int64_t{5}, std::int64_t{17}, std::int64_t{128}}) {
-      SCOPED_TRACE("T=" + std::to_string(tokens));
-      expect_random_and_crafted_inputs_pass(dims, DType::bf16, 1, tokens,
-                                            11u * static_cast<std::uint64_t>(tokens) + 3u, &worst);
+    return plan;
+  };
+  std::vector<std::pair<int, int>> seen;  // (tile rows, splits)
+  double worst = 0;
+  std::string taken;
+  for (const lmoe::TailDims& dims : shapes) {
+    const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 128, 47u);
+    const std::string shape = std::to_string(dims.d_model) + "x" + std::to_string(dims.d_latent);
+    {
+      const Plan wide = expected_plan(dims, 128), narrow = expected_plan(dims, 64);
+      const int wide_blocks = wide.tiles * wide.splits,
+                narrow_blocks = narrow.tiles * narrow.splits;
+      const Plan expected =
+          narrow_blocks <= sms && (narrow_blocks > wide_blocks ||
+                                   (narrow_blocks == wide_blocks && narrow.splits < wide.splits))
+              ? narrow
+              : wide;
+      const ScopedEnv unset("LMOE_FUSED_CHAINED_TILE_ROWS", nullptr);
+      const Plan plan = taken_plan(c);
+      EXPECT_EQ(plan.tile_rows, expected.tile_rows) << shape;
+      EXPECT_EQ(plan.splits, expected.splits) << shape;
+      taken +=
+          " " + shape + ":" + std::to_string(plan.tile_rows) + "/" + std::to_string(plan.splits);
+    }
+    for (const char* tile : {"64", "128"}) {
+      const ScopedEnv set("LMOE_FUSED_CHAINED_TILE_ROWS", tile);
+      const Plan expected = expected_plan(dims, std::atoi(tile));
+      const Plan plan = taken_plan(c);
+      SCOPED_TRACE(shape + " tile=" + tile + " splits=" + std::to_string(plan.splits));
+      EXPECT_EQ(plan.tile_rows, expected.tile_rows);
+      EXPECT_EQ(plan.splits, expected.splits);
+      seen.emplace_back(plan.tile_rows, plan.splits);
+      for (std::int64_t tokens : {std::int64_t{5}, std::int64_t{17}, std::int64_t{128}}) {
+        SCOPED_TRACE("T=" + std::to_string(tokens));
+        expect_random_and_crafted_inputs_pass(
+            dims, DType::bf16, 1, tokens, 11u * static_cast<std::uint64_t>(tokens) + 3u, &worst);
+      }
     }
   }
   if (sms == 132) {
-    for (int splits : {1, 2, 4, 8}) {
-      EXPECT_NE(std::find(seen.begin(), seen.end(), splits), seen.end()) << splits << " splits";
+    for (int tile_rows : {64, 128}) {
+      for (int splits : {1, 2, 4, 8}) {
+        EXPECT_NE(std::find(seen.begin(), seen.end(), std::make_pair(tile_rows, splits)),
+                  seen.end())
+            << tile_rows << " rows, " << splits << " splits";
+      }
     }
   }
-  std::printf("[ fused  ] chained splits (d x l: splits)%s, T 5/17/128 max_err/bound=%.3f\n",
-              taken.c_str(), worst);
+  {
+    // Anything but 64 or 128 is an error naming the variable, before anything runs.
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 16, 5u);
+    for (const char* bad : {"96", "32", "256", "64x"}) {
+      const ScopedEnv set("LMOE_FUSED_CHAINED_TILE_ROWS", bad);
+      std::string error;
+      const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+      lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+        try {
+          FusedRank state(comm, c, 16);
+        } catch (const lmoe::Error& e) {
+          error = e.what();
+        }
+      });
+      EXPECT_NE(error.find("LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128"), std::string::npos)
+          << bad << ": " << error;
+    }
+  }
+  std::printf(
+      "[ fused  ] chained plans (d x l: tile rows/splits by default)%s; both tiles at "
+      "T 5/17/128 max_err/bound=%.3f\n",
+      taken.c_str(), worst);
 }
 
 // LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
