@@ -33,6 +33,10 @@
 //   accumulators of each slice into the slice owner's (idle) stages, and all of q's threads add
 //   the partials of its slice in a fixed order (splits in order, each split's consumers in order:
 //   the bits do not depend on timing; like the mma's K order, the partition of K is the plan's).
+//   Up to 32 tokens the partials have shared memory of their own beside the ring, so the blocks
+//   store them as soon as they are done multiplying and one cluster barrier closes the exchange
+//   (the 896-row stripe at T = 1: 1.0 µs from the last wgmma to the partials in, against 1.25
+//   with the partials in the stages, which takes a barrier before the stores as well).
 //   Through global memory instead (partials, a fence and an arrival counter) the finish took 2–9 µs
 //   at K3, T = 17 … 128 (the fence waits behind the weight stream); block 0 alone summing the whole
 //   tile (session 15) was ~1 µs slower at T = 128.
@@ -79,19 +83,26 @@ struct ChainedShape {
   // As many stages as ~192 KB hold, at most 8 of 128 rows (16 of 64: the same weight bytes in
   // flight): room beside a norm block on the SM.
   static constexpr int kStages = std::min(kTileRows == 128 ? 8 : 16, 192 * 1024 / kStageBytes);
-  static constexpr int kSharedBytes = kStages * kStageBytes + 1024;  // + alignment to 1024
+  static constexpr int kRingBytes = kStages * kStageBytes;
   // The partials of a block's slice, [part][fragment][slot] float2 (part = split · kConsumerParts +
   // consumer), slot = 4 · (row in the slice) + lane % 4: S · kConsumerParts parts × kN / 8
   // fragments × 4 · kTileRows / S slots = kN · 512 bytes, whatever S and the tile.
   static constexpr int kPartialBytes = kN * 512;
+  // Up to 32 tokens the partials have a region of their own past the ring (it fits beside it in
+  // 220 KB): the cluster's blocks may then store into it while its owner still multiplies, and the
+  // reduction takes one cluster barrier instead of two. Larger classes keep them in the stages.
+  static constexpr bool kOwnPartials = kRingBytes + kPartialBytes + 1024 <= 220 * 1024;
+  static constexpr int kPartialOffset = kOwnPartials ? kRingBytes : 0;
+  static constexpr int kSharedBytes =
+      kRingBytes + (kOwnPartials ? kPartialBytes : 0) + 1024;  // + alignment to 1024
   // The finish's parked round(U) of the block's slice: a token's rows, padded by 16 bytes so that
-  // the fragment's stores of one warp spread over the banks; after the partials.
+  // the fragment's stores of one warp spread over the banks; in the stages, past the partials
+  // where they are there too.
   static constexpr int kParkPitch = kTileRows * 2 + 16;
-  static constexpr int kParkOffset = kPartialBytes;
+  static constexpr int kParkOffset = kOwnPartials ? 0 : kPartialBytes;
   static_assert(kStageBytes % 1024 == 0, "1024-byte swizzle atoms");
   static_assert(kConsumerParts * kTileRows * kN / 8 * 4 * 8 == kPartialBytes, "partials' bytes");
-  static_assert(kParkOffset + kN * kParkPitch <= kStages * kStageBytes,
-                "partials and parking in the stages");
+  static_assert(kParkOffset + kN * kParkPitch <= kRingBytes, "parking in the stages");
 };
 
 // kN: the wgmma N, the most tokens this instance serves; kTileRows: rows of w_up per tile (64 or
@@ -135,6 +146,9 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     mbarrier_init_fence();
     if (blockIdx.x == 0) atomicAdd(p.calls, 1u);
   }
+  // Split K with the partials in a region of their own: this block has started (the finish's
+  // first cluster wait proves it for every block before any stores into another's memory).
+  if (Shape::kOwnPartials && p.splits > 1) cluster_arrive_relaxed();
   __syncthreads();
   const std::uint32_t smem_base =
       static_cast<std::uint32_t>(__cvta_generic_to_shared(chained_smem));
@@ -233,6 +247,30 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
 
+  // The finish's vectors: a thread's i = tid + 384·k, kBatch at a time, their loads of `shared`
+  // (in L2: the producer's threads prefetched them) issued before the first add — the first batch
+  // here, so that its loads' latency passes during the reduction (with several ranks `shared` is
+  // the exchange kernel's, which thread 0's griddepcontrol.wait has seen end).
+  const int vectors_shift = slice_shift - 3,
+            vectors = 1 << vectors_shift;  // a token's 16-byte vectors
+  const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
+  const T* shared = static_cast<const T*>(p.shared);
+  T* out = static_cast<T*>(p.out);
+  constexpr int kBatch = 2;
+  const int units = tokens * vectors;
+  const auto load_shared = [&](int first, Vec16<T>* into) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
+      const std::int64_t row = slice_row0 + 8 * v;
+      // rows % 8 == 0: a vector is all inside or all past
+      if (i < units && row < p.rows)
+        into[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
+    }
+  };
+  Vec16<T> added[kBatch];
+  load_shared(tid, added);
+
   const int fragments = (tokens + 7) / 8;
   const int lane = tid % 32;
   // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
@@ -267,16 +305,15 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     // order) and park round(U).
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    const auto all_blocks_sync = [&] {
-      if (p.splits > 1) {
-        cluster.sync();
-      } else {
-        __syncthreads();
-      }
-    };
-    float2* const partials = reinterpret_cast<float2*>(park);
+    float2* const partials = reinterpret_cast<float2*>(park + Shape::kPartialOffset);
     const int slots_shift = slice_shift + 2, slots = 1 << slots_shift;  // 4 · R
-    all_blocks_sync();  // every block of the cluster is done with its stages
+    if (p.splits > 1) {
+      // The owners' partials may be written once every block of the cluster has started (a region
+      // of its own) or is done with its stages (partials in the stages). One block: its own
+      // stages are free since the barrier above.
+      if (!Shape::kOwnPartials) cluster_arrive_release();
+      cluster_wait();
+    }
     if (warpgroup > 0) {
       const int part =
           split * Shape::kConsumerParts + (Shape::kConsumerParts == 2 ? warpgroup - 1 : 0);
@@ -293,7 +330,13 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         }
       }
     }
-    all_blocks_sync();  // the slices' partials are in their owners' memory
+    // The slices' partials are in their owners' memory.
+    if (p.splits > 1) {
+      cluster_arrive_release();
+      cluster_wait();
+    } else {
+      __syncthreads();
+    }
     if (tid == 0) chained_trace(p, kChainedTracePartials);
     const int pairs = fragments * slots;
     for (int i = tid; i < pairs; i += kChainedThreads) {
@@ -311,26 +354,9 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   }
   __syncthreads();
   if (tid == 0) chained_trace(p, kChainedTraceParked);
-  const int vectors_shift = slice_shift - 3,
-            vectors = 1 << vectors_shift;  // a token's 16-byte vectors
-  const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
-  const T* shared = static_cast<const T*>(p.shared);
-  T* out = static_cast<T*>(p.out);
-  // A thread's vectors i = tid + 384·k, kBatch at a time: their loads of `shared` (in L2: the
-  // producer's threads prefetched them) issued before the first add.
-  constexpr int kBatch = 2;
-  const int units = tokens * vectors;
 #pragma unroll 1
   for (int first = tid; first < units; first += kBatch * kChainedThreads) {
-    Vec16<T> s[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
-      const std::int64_t row = slice_row0 + 8 * v;
-      // rows % 8 == 0: a vector is all inside or all past
-      if (i < units && row < p.rows)
-        s[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
-    }
+    if (first != tid) load_shared(first, added);
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
       const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
@@ -342,7 +368,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
 #pragma unroll
       for (int e = 0; e < Vec16<T>::kSize; ++e) {
         y.v[e] =
-            Storage<T>::store(__fadd_rn(Storage<T>::load(u.v[e]), Storage<T>::load(s[k].v[e])));
+            Storage<T>::store(__fadd_rn(Storage<T>::load(u.v[e]), Storage<T>::load(added[k].v[e])));
       }
       *reinterpret_cast<Vec16<T>*>(out + t * p.out_pitch + row) = y;
       // tp > 1: and to every peer, two lines of 4 elements each (its gather copies them into its

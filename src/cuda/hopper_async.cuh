@@ -2,10 +2,11 @@
 // shared-memory mbarriers (a ring's full and empty pairs, init, arrive, arrive with an expected
 // transaction count, wait on a phase's parity), the arrival of a thread's cp.async copies on an
 // mbarrier, the bulk tensor copy (TMA) of a 2-D or 3-D box into shared memory completing on an
-// mbarrier, and the register reallocation between warpgroups. Only the sm_90a pass emits them
-// (LMOE_HAS_WGMMA, warpgroup_mma.cuh: the kernels that use them also issue wgmma); elsewhere they
-// trap, and the host launches no kernel that calls them off compute 9.0. Also programmatic
-// dependent launch (compute 9.0 and later; no-ops before). Device code only.
+// mbarrier, the cluster barrier's two halves, and the register reallocation between warpgroups.
+// Only the sm_90a pass emits them (LMOE_HAS_WGMMA, warpgroup_mma.cuh: the kernels that use them
+// also issue wgmma); elsewhere they trap, and the host launches no kernel that calls them off
+// compute 9.0. Also programmatic dependent launch (compute 9.0 and later; no-ops before). Device
+// code only.
 //
 // An mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier")
 // counts the arrivals still expected in its current phase and the transaction bytes still due;
@@ -52,6 +53,36 @@ __device__ inline void mbarrier_init([[maybe_unused]] std::uint32_t bar,
 __device__ inline void mbarrier_init_fence() {
 #if LMOE_HAS_WGMMA
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// The cluster's barrier in two halves (PTX barrier.cluster; every thread of every block of the
+// cluster calls each, in turn, with the whole warp): arrive, then wait until every thread has
+// arrived. A relaxed arrival orders nothing (e.g. at kernel start, so that a later wait proves
+// every block of the cluster has started, before any touches another's shared memory); the
+// release arrival with the acquiring wait makes the writes before it, shared memory of other
+// blocks included, visible after the wait.
+__device__ inline void cluster_arrive_relaxed() {
+#if LMOE_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ inline void cluster_arrive_release() {
+#if LMOE_HAS_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ inline void cluster_wait() {
+#if LMOE_HAS_WGMMA
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
   __trap();
 #endif
