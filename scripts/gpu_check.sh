@@ -390,6 +390,12 @@ if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
   done
 fi
 
+if wants probe && [ -x build/cuda/benchmarks/lmoe_launch_floor ]; then
+  # What a graph replay costs in lmoe bench with no work in it (docs/fused.md, the replay's floor).
+  stage "launch floor"
+  timeout 60 build/cuda/benchmarks/lmoe_launch_floor --json "$logs/launch_floor.json" 2>&1 | tee "$logs/launch_floor.log"
+fi
+
 mpi_tests() {  # name, limit in seconds, processes, binary, environment (VAR=value ...)
   local name=$1 limit=$2 ranks=$3 binary=$4; shift 4
   local exports=() assignment

@@ -28,13 +28,13 @@ bool backend_available(Backend backend);
 // ranks: fused_max_tokens becomes the fused kernels' measured range where they run (docs/fused.md)
 // and 0 where they do not (`decode_limit` says why: the general kernel measured slower than
 // `overlap` there). One rank: kFusedDefaultTp1ChainedTokens where the chained path runs
-// (`chained_limit` empty: the decode kernel up to 4 rows, then the chained path; at K3 dims on an
+// (`chained_limit` empty: the decode kernel up to 2 rows, then the chained path; at K3 dims on an
 // H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 32 tokens
 // and slower from 48), else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
 // at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultChainedTokens
 // where the chained path runs (`chained_limit` empty; K3 tp 2, one rank per H200, cold weights:
-// the decode kernel up to 16 tokens, the chained path's 29.7–36.7 µs at T = 17–64 against
-// overlap's 34.4–37.6 and column's 35.3–41.0, slower from 96), else kFusedDefaultDecodeTokens
+// the decode kernel up to 4 tokens and the chained path from 5, 22.1–38.1 µs at T = 1–64 against
+// overlap's 32.6–38.4 and column's 31.0–40.1, slower from 96), else kFusedDefaultDecodeTokens
 // (the decode kernel: 24.8–27.6 µs against overlap's 32.0–32.7 at T ≤ 16; the general kernel at 32
 // slower than overlap). From kFusedDefaultMinRanks the reference system's 128 stays until eight
 // GPUs measure it. Settings from a table, the environment or the
@@ -73,9 +73,11 @@ std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int r
 
 // Whether a fused call of T rows on `backend` exchanges the latent in two shots (a reduce-scatter
 // to the rows' owners, then N's rows back: the chained path with several ranks, on cuda where
-// fused_chained_limit() is empty, for 17 … 128 rows, or 1 … 128 where fused_decode_limit() is not
-// empty) rather than one (every rank's latent to every peer: the decode and general kernels). Where
-// the decode kernel takes only 8 rows of a stripe, its 9 … 16 are counted as one shot.
+// fused_chained_limit() is empty, for the rows above cuda::fused_decode_beside_chained_tokens(tp)
+// up to 128 — 5 … 128 at tp 2 … 7, 17 … 128 from tp 8 — or 1 … 128 where fused_decode_limit() is
+// not empty) rather than one (every rank's latent to every peer: the decode and general kernels).
+// Where the decode kernel takes only 8 rows of a stripe from tp 8, its 9 … 16 are counted as one
+// shot.
 bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
                          std::int64_t num_tokens);
 

@@ -157,7 +157,8 @@ bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
       num_tokens > cuda::kFusedChainedMaxTokens || fused_chained_limit(dims, dtype, tp)) {
     return false;
   }
-  return num_tokens > kFusedDefaultDecodeTokens || fused_decode_limit(dims, dtype, tp).has_value();
+  return num_tokens > cuda::fused_decode_beside_chained_tokens(tp) ||
+         fused_decode_limit(dims, dtype, tp).has_value();
 #else
   (void)backend, (void)dims, (void)dtype, (void)tp, (void)num_tokens;
   return false;

@@ -26,6 +26,17 @@ namespace lmoe::cuda {
 
 // The most tokens a chained call carries: wgmma's N of 128.
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
+// Where the chained path runs, the decode kernel keeps only the calls of up to this many rows
+// (docs/fused.md, session 18; K3, two H200s, graph replays, cold L2, median µs, decode /
+// chained): one rank 2 (T = 1 21.1 / 21.4, T = 2 21.8 / 21.4, T = 3 22.7 / 21.2, T = 4 23.4 /
+// 21.3: even at T = 2, the decode kernel kept there), 2 … 7 ranks 4 (tp 2 across two GPUs: T = 1
+// 22.4 / 24.3, T = 4 25.5 / 25.4, T = 8 26.7 / 26.1, T = 16 28.1 / 27.1); from 8 ranks all 16
+// of the decode kernel until 8 GPUs measure it (issue 7: its one-shot exchange against the
+// chained path's two shots).
+constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
+  return tp == 1 ? 2 : tp < 8 ? 4 : 16;
+}
+
 // A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups
 // multiplying a tile of 64 or 128 rows of w_up (wgmma's M: each consumer 64 rows of a tile of 128,
 // or all 64 rows over half of K) by every token; 64 elements of K per stage. A tile is split over K

@@ -63,21 +63,16 @@ class FusedTail {
   int grid() const { return params_.grid; }
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
-  // Where the chained path runs (one rank), the decode kernel keeps only the calls of up to this
-  // many rows: K3 on an H200 (docs/fused.md, session 15), decode / chained graph replays at T = 2:
-  // 18.9 / 21.6 µs warm, 21.2 / 22.2 cold; T = 4: 19.7 / 21.5 warm, 22.8 / 22.4 cold; T = 6: 21.9 /
-  // 21.5 warm, 24.2 / 22.5 cold.
-  static constexpr std::int64_t kDecodeBesideChainedTokens = 4;
-
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
   // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank;
-  // with one rank ≤ kDecodeBesideChainedTokens where the chained path runs), else chained when
+  // ≤ fused_decode_beside_chained_tokens(tp) where the chained path runs), else chained when
   // tokens ≤ chained_max_tokens() (the same on every rank), else general.
   FusedKernel kernel_for(std::int64_t tokens) const {
     if (tokens < 1) return FusedKernel::general;
-    const std::int64_t decode_bound = chained_max_tokens_ > 0 && params_.tp == 1
-                                          ? std::min(decode_max_tokens_, kDecodeBesideChainedTokens)
-                                          : decode_max_tokens_;
+    const std::int64_t decode_bound =
+        chained_max_tokens_ > 0
+            ? std::min(decode_max_tokens_, fused_decode_beside_chained_tokens(params_.tp))
+            : decode_max_tokens_;
     if (tokens <= decode_bound) return FusedKernel::decode;
     return tokens <= chained_max_tokens_ ? FusedKernel::chained : FusedKernel::general;
   }

@@ -481,10 +481,10 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // -----------------------------------
 
 // Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
-// own, the decode kernel nowhere. Where the chained path runs (compute 9.0) it takes 17 … 128 rows
-// (the call's T, or the bound of a call with T on the device) with several ranks, the decode kernel
-// up to 16; with one rank the decode kernel up to 4 and the chained path 5 … 128; elsewhere the
-// decode kernel up to 16 and the general kernel above; 129 takes the general kernel everywhere.
+// own, the decode kernel nowhere. Where the chained path runs (compute 9.0) the decode kernel takes
+// up to 2 rows with one rank and up to 4 with 2 … 7 ranks (the call's T, or the bound of a call
+// with T on the device), the chained path the rest up to 128; elsewhere the decode kernel up to 16
+// and the general kernel above; 129 takes the general kernel everywhere.
 TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
@@ -504,10 +504,11 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
           << fused.chained_limit().value_or("");
       EXPECT_EQ(fused.chained_limit().has_value(), !chained);
       std::uint32_t general = fused.general_calls(), chained_calls = fused.chained_calls();
-      for (std::int64_t tokens : {1, 4, 5, 16, 17, 128, 129}) {
+      // Each bound ±1: decode ≤ 2 (one rank) or ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
+      for (std::int64_t tokens : {1, 2, 3, 4, 5, 16, 17, 128, 129}) {
         using lmoe::cuda::FusedKernel;
-        const std::int64_t decode_bound =
-            chained && tp == 1 ? lmoe::cuda::FusedTail::kDecodeBesideChainedTokens : 16;
+        const std::int64_t decode_bound = chained ? (tp == 1 ? 2 : 4) : 16;
+        EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 2 : 4);
         const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
                                      : chained && tokens <= 128 ? FusedKernel::chained
                                                                 : FusedKernel::general;
@@ -550,10 +551,13 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   };
   EXPECT_EQ(limit_with(1, true), "");
   EXPECT_NE(limit_with(1, false).find("latent norm"), std::string::npos);
-  // What `lmoe bench` and `lmoe explain` count as its exchange: two shots at 17 … 128 rows with
-  // several ranks (the decode kernel's one below, the general kernel's above).
+  // What `lmoe bench` and `lmoe explain` count as its exchange: two shots where the chained path
+  // takes the call with several ranks (5 … 128 rows at tp 2 … 7, 17 … 128 from tp 8; the decode
+  // kernel's one shot below, the general kernel's above).
   EXPECT_TRUE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 17));
   EXPECT_TRUE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 2, 128));
+  EXPECT_TRUE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 2, 5));
+  EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 2, 4));
   EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 16));
   EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 8, 129));
   EXPECT_FALSE(lmoe::fused_runs_two_shot(lmoe::Backend::cuda, kK3, DType::bf16, 1, 64));
@@ -1090,8 +1094,9 @@ TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
 
 // The kernels take turns on one workspace with several ranks (each call's counter targets are the
 // grids of the calls before it plus its own, and the grids differ; the chained path's lines carry
-// the epochs the others advance): 40 calls of the cases (T ≤ 16 decode; where the chained path runs
-// 17 … 128 chained, above general; elsewhere T > 16 general) in a pseudo-random order, with no
+// the epochs the others advance): 40 calls of the cases (where the chained path runs decode up to
+// 4 rows at tp 2 and 4, 16 at tp 8, chained to 128, above general; elsewhere decode up to 16, above
+// general) in a pseudo-random order, with no
 // host synchronization between them (a rank may run a call ahead of its peers), every output
 // against the contract and equal on every rank, at tp 2, 4 and 8 (T < tp included).
 void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) {
@@ -1157,11 +1162,15 @@ void expect_calls_in_turn(int tp, const std::vector<std::int64_t>& case_tokens) 
       chained_calls[static_cast<std::size_t>(rank)] = state.fused->chained_calls();
       cudaStreamDestroy(stream);
     });
-    const std::int64_t chained_bound = compute_capability() == 90 ? 128 : 16;
+    // Where the chained path runs: decode up to decode_beside_chained_tokens(tp), chained to 128.
+    const bool chained_runs = compute_capability() == 90;
+    const std::int64_t chained_bound = chained_runs ? 128 : 16;
+    const std::int64_t decode_bound =
+        chained_runs ? lmoe::cuda::fused_decode_beside_chained_tokens(tp) : 16;
     std::uint32_t general = 0, chained = 0;
     for (std::size_t k : order) {
       general += case_tokens[k] > chained_bound ? 1u : 0u;
-      chained += case_tokens[k] > 16 && case_tokens[k] <= chained_bound ? 1u : 0u;
+      chained += case_tokens[k] > decode_bound && case_tokens[k] <= chained_bound ? 1u : 0u;
     }
     std::vector<lmoe::ContractReference> references;
     for (const lmoe::TailCase& c : cases)
@@ -1208,12 +1217,14 @@ TEST_F(Fused, TheKernelsTakeTurnsOnOneWorkspace) {
   }
 }
 
-// K3 dims with several ranks (tp 2: 448 groups of the stripe, tp 8: 112, over the blocks the
-// ranks sharing this GPU split), T = 1 and 16, random inputs within the contract's bound and
-// crafted inputs bit for bit (through LatentTail, as a model calls it).
+// K3 dims with several ranks through the decode kernel (tp 2: 448 groups of the stripe, tp 8: 112,
+// over the blocks the ranks sharing this GPU split; the chained path off, which would take T = 16
+// at tp 2), T = 1 and 16, random inputs within the contract's bound and crafted inputs bit for bit
+// (through LatentTail, as a model calls it).
 TEST_F(Fused, DecodeK3WithSeveralRanksMeetsTheContract) {
   SKIP_WITHOUT_GPU();
   const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // the decode kernel up to 16 rows
   for (int tp : {2, 8}) {
     if (lmoe::comm_group_limit("p2p", tp)) continue;
     double worst = 0;
