@@ -573,29 +573,50 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
   }
 }
 
-// LMOE_FUSED_EXCHANGE_GRID (the chained path's exchange blocks with several ranks, for
-// measurements) outside [1, what the GPU allows] or not a number: every rank's construction fails
-// naming it, before any kernel of the call is launched.
-TEST_F(Fused, ABadExchangeGridIsAnErrorOnEveryRank) {
+// The chained path's measurement settings with a bad value — LMOE_FUSED_EXCHANGE_GRID (the exchange
+// blocks with several ranks) outside [1, what the GPU allows] or not a number, and
+// LMOE_FUSED_CHAINED_TILE_ROWS (the up-projection's tile) anything but 64 or 128: every rank's
+// construction fails naming the variable, before any kernel of the call is launched (one rank and
+// two; the exchange grid is read with several ranks only).
+TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
-  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 32, 44u);
-  for (const char* bad : {"0", "100000", "8x"}) {
-    SCOPED_TRACE(bad);
-    const ScopedEnv grid("LMOE_FUSED_EXCHANGE_GRID", bad);
-    std::vector<std::string> errors(2);
-    const auto comms = lmoe::make_p2p_thread_communicators(2, {});
-    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
-      try {
-        FusedRank state(comm, c, 64);
-      } catch (const lmoe::Error& error) {
-        errors[static_cast<std::size_t>(rank)] = error.what();
+  struct Bad {
+    const char* variable;
+    std::vector<const char*> values;
+    const char* error;
+    int min_tp;
+  };
+  const Bad bads[] = {
+      {"LMOE_FUSED_EXCHANGE_GRID",
+       {"0", "100000", "8x"},
+       "LMOE_FUSED_EXCHANGE_GRID: expected a count of blocks on this GPU in [1, ",
+       2},
+      {"LMOE_FUSED_CHAINED_TILE_ROWS",
+       {"96", "32", "256", "64x"},
+       "LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128",
+       1},
+  };
+  for (int tp : {1, 2}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 32, 44u);
+    for (const Bad& bad : bads) {
+      if (tp < bad.min_tp) continue;
+      for (const char* value : bad.values) {
+        SCOPED_TRACE(std::string(bad.variable) + "=" + value + " tp=" + std::to_string(tp));
+        const ScopedEnv set(bad.variable, value);
+        std::vector<std::string> errors(static_cast<std::size_t>(tp));
+        const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+        lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+          try {
+            FusedRank state(comm, c, 64);
+          } catch (const lmoe::Error& error) {
+            errors[static_cast<std::size_t>(rank)] = error.what();
+          }
+        });
+        expect_every_rank_error(errors, bad.error);
       }
-    });
-    expect_every_rank_error(errors,
-                            "LMOE_FUSED_EXCHANGE_GRID: expected a count of blocks on this "
-                            "GPU in [1, ");
+    }
   }
 }
 
@@ -682,24 +703,6 @@ TEST_F(Fused, ChainedPathSplitsKOverClustersOfOneToEightBlocks) {
                   seen.end())
             << tile_rows << " rows, " << splits << " splits";
       }
-    }
-  }
-  {
-    // Anything but 64 or 128 is an error naming the variable, before anything runs.
-    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 16, 5u);
-    for (const char* bad : {"96", "32", "256", "64x"}) {
-      const ScopedEnv set("LMOE_FUSED_CHAINED_TILE_ROWS", bad);
-      std::string error;
-      const auto comms = lmoe::make_p2p_thread_communicators(1, {});
-      lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-        try {
-          FusedRank state(comm, c, 16);
-        } catch (const lmoe::Error& e) {
-          error = e.what();
-        }
-      });
-      EXPECT_NE(error.find("LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128"), std::string::npos)
-          << bad << ": " << error;
     }
   }
   std::printf(
