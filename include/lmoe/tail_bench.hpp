@@ -85,6 +85,12 @@ struct BenchOptions {
   // sharing a GPU share its L2 (one's eviction can overlap a peer's timed forward): meant for one
   // rank per GPU.
   bool cold_l2 = false;
+  // Tails a timed iteration runs back to back (in one graph in graph mode), each with its own copy
+  // of the weights, `shared` and output, as consecutive layers of a model; times are per tail (the
+  // iteration's / layers). With 1 a graph mode time includes the replay's own cost (3–5 µs on an
+  // H200, docs/bench.md), which a model's graph of many layers pays once: with layers > 1 it is
+  // spread over them, as there. 1 … kMaxBenchLayers.
+  int layers = 1;
   std::uint64_t seed = 2026;             // the weights and, mixed with (T, tier, rank), the inputs
   std::int64_t check_max_tokens = 2048;  // check every T up to this against the contract; 0: none
   std::optional<BenchMode> mode;  // nullopt: graph where the comm and tail allow it, else eager
@@ -93,8 +99,10 @@ struct BenchOptions {
   bool inject_fault = false;
 };
 
+inline constexpr int kMaxBenchLayers = 64;
+
 // Throws lmoe::Error naming the first bad option (tp, tokens, tiers, comms, warm-up, iterations,
-// a mode or cold_l2 the backend cannot run).
+// layers, a mode or cold_l2 the backend cannot run).
 void validate_bench_options(const BenchOptions& options);
 
 struct BenchRecord {
@@ -192,6 +200,7 @@ struct BenchSweep {
   std::vector<std::int64_t> tokens;
   int warmup = 0, iters = 0;
   bool cold_l2 = false;  // L2 evicted before each timed iteration; absent in older (warm) files
+  int layers = 1;        // tails a timed iteration (BenchOptions::layers); absent in older files: 1
   TimingSettings settings;  // the timing settings it ran with; absent (none) in older files
   std::uint64_t seed = 0;
   std::int64_t check_max_tokens = 0;

@@ -181,6 +181,7 @@ BenchSweep bench_sweep_of(const BenchOptions& options, const std::string& preset
   sweep.warmup = options.warmup;
   sweep.iters = options.iters;
   sweep.cold_l2 = options.cold_l2;
+  sweep.layers = options.layers;
   sweep.settings = environment.settings;
   sweep.seed = options.seed;
   sweep.check_max_tokens = options.check_max_tokens;
@@ -228,6 +229,7 @@ std::string write_bench_json(const BenchSweep& sweep) {
                     {"warmup", sweep.warmup},
                     {"iters", sweep.iters},
                     {"cold_l2", sweep.cold_l2},
+                    {"layers", sweep.layers},
                     {"settings", sweep.settings},
                     {"seed", sweep.seed},
                     {"check_max_tokens", sweep.check_max_tokens},
@@ -292,6 +294,8 @@ BenchSweep read_bench_json(const std::string& json_text, const std::string& orig
   sweep.iters = int_field(doc, "iters", where, 1);
   // Files written before it was recorded lack it: they were measured warm.
   sweep.cold_l2 = doc.contains("cold_l2") && bool_field(doc, "cold_l2", where);
+  // Likewise: one tail a timed iteration.
+  sweep.layers = doc.contains("layers") ? int_field(doc, "layers", where, 1) : 1;
   if (doc.contains("settings")) sweep.settings = text_map_field(doc, "settings", where);
   const json& seed = field(doc, "seed", where);
   if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<std::int64_t>() >= 0)) {

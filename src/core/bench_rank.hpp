@@ -1,12 +1,14 @@
 // One rank's side of the tail benchmark (include/lmoe/tail_bench.hpp): its input and output
-// buffers for up to max_tokens rows, and how it runs and times forwards. The host version keeps
-// host buffers and times with steady_clock between barriers; the CUDA version
-// (src/cuda/cuda_tail_bench.cpp) keeps device buffers and its own stream, times with CUDA events
-// and can capture a forward into a CUDA graph.
+// buffers for up to max_tokens rows, and how it runs and times forwards. A forward runs every
+// layer's tail (BenchOptions::layers: each its own weights, `shared` and output; the same routed
+// input), back to back. The host version keeps host buffers and times with steady_clock between
+// barriers; the CUDA version (src/cuda/cuda_tail_bench.cpp) keeps device buffers and its own
+// stream, times with CUDA events and can capture a forward into a CUDA graph.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "lmoe/communicator.hpp"
@@ -31,21 +33,28 @@ class BenchRank {
   virtual void prepare(TailTier tier, BenchMode mode) = 0;
   // `count` forwards, not timed.
   virtual void warm_up(int count) = 0;
-  // `count` forwards, the seconds each took on this rank.
+  // `count` forwards, the seconds each took on this rank (all its layers).
   virtual std::vector<double> time(int count) = 0;
   // Restores shared, poisons out (all bits set: NaN in every dtype), runs one forward as prepared
-  // and returns out [T, d] in host memory.
+  // and returns an output [T, d] in host memory: first_differing_output of the layers'.
   virtual HostTensor checked_output() = 0;
 };
 
-std::unique_ptr<BenchRank> make_host_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens);
+// The output a check should see of several layers' (each the same tail on the same inputs): the
+// first whose bits differ from layer 0's, else layer 0's. A layer that went wrong alone (a
+// workspace two tails share, a graph that left one out) is then what the contract judges.
+HostTensor first_differing_output(std::vector<HostTensor> outputs);
+
+// `layers`: the tails a forward runs, in order (at least one; they outlive the rank).
+std::unique_ptr<BenchRank> make_host_bench_rank(std::span<LatentTail* const> layers,
+                                                Communicator& comm, std::int64_t max_tokens);
 
 #ifdef LMOE_HAS_CUDA
 // On the current device; `comm` must be a device communicator. `cold_l2`: time() evicts the
 // device's L2 before each timed forward (BenchOptions::cold_l2).
-std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens, bool cold_l2);
+std::unique_ptr<BenchRank> make_cuda_bench_rank(std::span<LatentTail* const> layers,
+                                                Communicator& comm, std::int64_t max_tokens,
+                                                bool cold_l2);
 #endif
 
 }  // namespace lmoe

@@ -1,7 +1,10 @@
-// The benchmark's rank on host memory (the cpu backend): buffers are HostTensors and a forward is
-// timed with steady_clock between two barriers, so that it spans the slowest rank's work.
+// The benchmark's rank on host memory (the cpu backend): buffers are HostTensors and a forward
+// (every layer's tail) is timed with steady_clock between two barriers, so that it spans the
+// slowest rank's work.
 #include <chrono>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "core/bench_rank.hpp"
 #include "core/bench_values.hpp"
@@ -13,19 +16,33 @@ void fill_bench_values(void* dst, std::size_t count, DType dtype, std::uint64_t 
   for (std::size_t i = 0; i < count; ++i) store_from_float(dst, i, dtype, bench::value(seed, i));
 }
 
+HostTensor first_differing_output(std::vector<HostTensor> outputs) {
+  LMOE_CHECK(!outputs.empty(), "bench: expected at least one layer's output, got none");
+  for (HostTensor& output : outputs) {
+    if (output.nbytes() != outputs[0].nbytes() ||
+        std::memcmp(output.data(), outputs[0].data(), output.nbytes()) != 0) {
+      return std::move(output);
+    }
+  }
+  return std::move(outputs[0]);
+}
+
 namespace {
 
 class HostBenchRank final : public BenchRank {
  public:
-  HostBenchRank(LatentTail& tail, Communicator& comm, std::int64_t max_tokens)
-      : tail_(tail),
+  HostBenchRank(std::span<LatentTail* const> layers, Communicator& comm, std::int64_t max_tokens)
+      : layers_(layers.begin(), layers.end()),
         comm_(comm),
-        dims_(tail.options().dims),
-        dtype_(tail.options().dtype),
+        dims_(layers.front()->options().dims),
+        dtype_(layers.front()->options().dtype),
         routed_(dtype_, {max_tokens, dims_.d_latent}),
-        shared_(dtype_, {max_tokens, dims_.d_model}),
-        pristine_shared_(dtype_, {max_tokens, dims_.d_model}),
-        out_(dtype_, {max_tokens, dims_.d_model}) {}
+        pristine_shared_(dtype_, {max_tokens, dims_.d_model}) {
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      shared_.emplace_back(dtype_, std::vector<std::int64_t>{max_tokens, dims_.d_model});
+      out_.emplace_back(dtype_, std::vector<std::int64_t>{max_tokens, dims_.d_model});
+    }
+  }
 
   void load_inputs(std::int64_t num_tokens, std::uint64_t routed_seed,
                    std::uint64_t shared_seed) override {
@@ -67,9 +84,13 @@ class HostBenchRank final : public BenchRank {
     restore_and_poison();
     comm_.barrier();
     forward();
-    HostTensor y(dtype_, {tokens_, dims_.d_model});
-    std::memcpy(y.data(), out_.data(), y.nbytes());
-    return y;
+    std::vector<HostTensor> outputs;
+    for (const HostTensor& out : out_) {
+      HostTensor y(dtype_, {tokens_, dims_.d_model});
+      std::memcpy(y.data(), out.data(), y.nbytes());
+      outputs.push_back(std::move(y));
+    }
+    return first_differing_output(std::move(outputs));
   }
 
  private:
@@ -77,32 +98,39 @@ class HostBenchRank final : public BenchRank {
 
   void restore_and_poison() {
     const std::size_t bytes = elements(dims_.d_model) * dtype_size(dtype_);
-    std::memcpy(shared_.data(), pristine_shared_.data(), bytes);
-    std::memset(out_.data(), 0xff, bytes);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      std::memcpy(shared_[i].data(), pristine_shared_.data(), bytes);
+      std::memset(out_[i].data(), 0xff, bytes);
+    }
   }
 
   void forward() {
-    tail_.forward(routed_.matrix().row_block(0, tokens_), shared_.matrix().row_block(0, tokens_),
-                  out_.matrix().row_block(0, tokens_), tier_);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      layers_[i]->forward(routed_.matrix().row_block(0, tokens_),
+                          shared_[i].matrix().row_block(0, tokens_),
+                          out_[i].matrix().row_block(0, tokens_), tier_);
+    }
   }
 
-  LatentTail& tail_;
+  std::vector<LatentTail*> layers_;
   Communicator& comm_;
   TailDims dims_;
   DType dtype_;
-  HostTensor routed_;           // [max T, l]
-  HostTensor shared_;           // [max T, d]: the call's input, which column overwrites
+  HostTensor routed_;           // [max T, l], every layer's input
   HostTensor pristine_shared_;  // [max T, d]: the loaded shared, to restore it
-  HostTensor out_;              // [max T, d]
+  std::vector<HostTensor>
+      shared_;                   // per layer [max T, d]: the call's input, which column overwrites
+  std::vector<HostTensor> out_;  // per layer [max T, d]
   std::int64_t tokens_ = 0;
   TailTier tier_ = TailTier::overlap;
 };
 
 }  // namespace
 
-std::unique_ptr<BenchRank> make_host_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens) {
-  return std::make_unique<HostBenchRank>(tail, comm, max_tokens);
+std::unique_ptr<BenchRank> make_host_bench_rank(std::span<LatentTail* const> layers,
+                                                Communicator& comm, std::int64_t max_tokens) {
+  LMOE_CHECK(!layers.empty(), "bench: expected at least one layer's tail, got none");
+  return std::make_unique<HostBenchRank>(layers, comm, max_tokens);
 }
 
 }  // namespace lmoe

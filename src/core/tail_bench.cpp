@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <ctime>
+#include <memory>
 #include <set>
 
 #include "core/bench_rank.hpp"
@@ -108,6 +109,9 @@ void validate_bench_options(const BenchOptions& options) {
              "bench: warmup: expected >= 0 iterations, got " + std::to_string(options.warmup));
   LMOE_CHECK(options.iters >= 1,
              "bench: iters: expected >= 1 timed iterations, got " + std::to_string(options.iters));
+  LMOE_CHECK(options.layers >= 1 && options.layers <= kMaxBenchLayers,
+             "bench: layers (--layers): expected 1 to " + std::to_string(kMaxBenchLayers) +
+                 " tails a timed iteration, got " + std::to_string(options.layers));
   LMOE_CHECK(options.check_max_tokens >= 0, "bench: check_max_tokens: expected >= 0, got " +
                                                 std::to_string(options.check_max_tokens));
   LMOE_CHECK(options.dims.d_model > 0 && options.dims.d_latent > 0,
@@ -194,15 +198,16 @@ ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, st
   return {BenchMode::eager, *why_not};
 }
 
-std::unique_ptr<BenchRank> make_bench_rank(const BenchOptions& options, LatentTail& tail,
-                                           Communicator& comm, std::int64_t max_tokens) {
+std::unique_ptr<BenchRank> make_bench_rank(const BenchOptions& options,
+                                           std::span<LatentTail* const> layers, Communicator& comm,
+                                           std::int64_t max_tokens) {
   const Backend backend = options.backend;
 #ifdef LMOE_HAS_CUDA
   if (backend == Backend::cuda)
-    return make_cuda_bench_rank(tail, comm, max_tokens, options.cold_l2);
+    return make_cuda_bench_rank(layers, comm, max_tokens, options.cold_l2);
 #endif
   LMOE_CHECK(backend == Backend::cpu, "bench: the cuda backend is not built");
-  return make_host_bench_rank(tail, comm, max_tokens);
+  return make_host_bench_rank(layers, comm, max_tokens);
 }
 
 bool is_checked(const BenchOptions& options, std::int64_t tokens) {
@@ -266,9 +271,18 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
     // Workspaces sized once for the largest T: no forward allocates (which would stall ranks that
     // share a GPU and spin on each other) and every forward can be captured.
     tail_options.max_tokens = max_tokens;
-    LatentTail tail(tail_options, comm, weights.norm_weight.matrix(),
-                    weights.up_proj_weight.matrix());
-    const std::unique_ptr<BenchRank> bench_rank = make_bench_rank(options, tail, comm, max_tokens);
+    // One tail per layer, each with its own copy of the weights (and its own workspaces), as a
+    // model's layers have: a layer's weights are not in L2 because the previous layer read them.
+    std::vector<std::unique_ptr<LatentTail>> owned_layers;
+    std::vector<LatentTail*> layers;
+    for (int i = 0; i < options.layers; ++i) {
+      owned_layers.push_back(std::make_unique<LatentTail>(
+          tail_options, comm, weights.norm_weight.matrix(), weights.up_proj_weight.matrix()));
+      layers.push_back(owned_layers.back().get());
+    }
+    LatentTail& tail = *layers.front();  // what the policy and capabilities are asked of
+    const std::unique_ptr<BenchRank> bench_rank =
+        make_bench_rank(options, layers, comm, max_tokens);
     const ModeChoice mode = choose_mode(options, comm, max_tokens);
     const std::size_t r = static_cast<std::size_t>(rank);
 
@@ -300,6 +314,7 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
         bench_rank->prepare(job.tier, mode.mode);
         bench_rank->warm_up(options.warmup);
         slot.rank_seconds[r] = bench_rank->time(options.iters);
+        for (double& seconds : slot.rank_seconds[r]) seconds /= options.layers;  // per tail
         if (is_checked(options, job.tokens)) {
           HostTensor y = bench_rank->checked_output();
           if (rank == 0) slot.output = std::move(y);

@@ -1,11 +1,13 @@
 // The benchmark's rank on a GPU: device buffers for the largest T, inputs generated on the device,
-// forwards on the rank's own stream timed with CUDA events, and (graph mode) one forward per
-// (T, tier) captured into a CUDA graph and replayed.
+// forwards (every layer's tail, back to back) on the rank's own stream timed with CUDA events, and
+// (graph mode) one forward per (T, tier) captured into a CUDA graph and replayed.
 #include <cuda_runtime_api.h>
 
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "core/bench_rank.hpp"
@@ -45,17 +47,20 @@ UniqueEvent make_timing_event() {
 
 class CudaBenchRank final : public BenchRank {
  public:
-  CudaBenchRank(LatentTail& tail, Communicator& comm, std::int64_t max_tokens, bool cold_l2)
-      : tail_(tail),
+  CudaBenchRank(std::span<LatentTail* const> layers, Communicator& comm, std::int64_t max_tokens,
+                bool cold_l2)
+      : layers_(layers.begin(), layers.end()),
         comm_(comm),
-        dims_(tail.options().dims),
-        dtype_(tail.options().dtype),
+        dims_(layers.front()->options().dims),
+        dtype_(layers.front()->options().dtype),
         max_tokens_(max_tokens),
         routed_(bytes(max_tokens * dims_.d_latent)),
-        shared_(bytes(max_tokens * dims_.d_model)),
         pristine_shared_(bytes(max_tokens * dims_.d_model)),
-        out_(bytes(max_tokens * dims_.d_model)),
         tokens_device_(sizeof(std::int32_t)) {
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      shared_.emplace_back(bytes(max_tokens * dims_.d_model));
+      out_.emplace_back(bytes(max_tokens * dims_.d_model));
+    }
     LMOE_CHECK(comm.memory_space() == MemorySpace::device,
                "bench: the cuda backend needs a device communicator, got '" +
                    std::string(comm.backend_name()) + "'");
@@ -135,7 +140,8 @@ class CudaBenchRank final : public BenchRank {
         evictor_->evict(stream());
         // The inputs back in L2: in a model, the kernels that wrote them ran just before the tail.
         evictor_->touch(routed_.data(), bytes(tokens_ * dims_.d_latent), stream());
-        evictor_->touch(shared_.data(), bytes(tokens_ * dims_.d_model), stream());
+        for (const DeviceBuffer& shared : shared_)
+          evictor_->touch(shared.data(), bytes(tokens_ * dims_.d_model), stream());
       }
       LMOE_CUDA_CHECK(cudaEventRecord(starts_[i].get(), stream()));
       forward();
@@ -156,11 +162,15 @@ class CudaBenchRank final : public BenchRank {
     restore_and_poison();
     quiesce();
     forward();
-    HostTensor y(dtype_, {tokens_, dims_.d_model});
-    LMOE_CUDA_CHECK(
-        cudaMemcpyAsync(y.data(), out_.data(), y.nbytes(), cudaMemcpyDeviceToHost, stream()));
+    std::vector<HostTensor> outputs;
+    for (const DeviceBuffer& out : out_) {
+      HostTensor y(dtype_, {tokens_, dims_.d_model});
+      LMOE_CUDA_CHECK(
+          cudaMemcpyAsync(y.data(), out.data(), y.nbytes(), cudaMemcpyDeviceToHost, stream()));
+      outputs.push_back(std::move(y));
+    }
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
-    return y;
+    return first_differing_output(std::move(outputs));
   }
 
  private:
@@ -178,10 +188,12 @@ class CudaBenchRank final : public BenchRank {
 
   void restore_and_poison() {
     const std::size_t model_bytes = bytes(tokens_ * dims_.d_model);
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(shared_.data(), pristine_shared_.data(), model_bytes,
-                                    cudaMemcpyDeviceToDevice, stream()));
-    // All bits set is NaN in every dtype: an element the tail does not write cannot pass.
-    LMOE_CUDA_CHECK(cudaMemsetAsync(out_.data(), 0xff, model_bytes, stream()));
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(shared_[i].data(), pristine_shared_.data(), model_bytes,
+                                      cudaMemcpyDeviceToDevice, stream()));
+      // All bits set is NaN in every dtype: an element the tail does not write cannot pass.
+      LMOE_CUDA_CHECK(cudaMemsetAsync(out_[i].data(), 0xff, model_bytes, stream()));
+    }
   }
 
   MatrixView view(const DeviceBuffer& buffer, std::int64_t cols) const {
@@ -189,17 +201,22 @@ class CudaBenchRank final : public BenchRank {
   }
 
   void eager_forward() {
-    tail_.forward(view(routed_, dims_.d_latent), view(shared_, dims_.d_model),
-                  view(out_, dims_.d_model), tier_, stream());
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      layers_[i]->forward(view(routed_, dims_.d_latent), view(shared_[i], dims_.d_model),
+                          view(out_[i], dims_.d_model), tier_, stream());
+    }
   }
 
   // T read on the device (tokens_device_), the views holding every row of the buffers.
   void device_forward() {
-    MatrixView routed = view(routed_, dims_.d_latent), shared = view(shared_, dims_.d_model),
-               out = view(out_, dims_.d_model);
-    routed.rows = shared.rows = out.rows = max_tokens_;
-    tail_.forward_device_tokens(routed, shared, out, static_cast<const std::int32_t*>(tokens_device_.data()), tier_,
-                                stream());
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      MatrixView routed = view(routed_, dims_.d_latent), shared = view(shared_[i], dims_.d_model),
+                 out = view(out_[i], dims_.d_model);
+      routed.rows = shared.rows = out.rows = max_tokens_;
+      layers_[i]->forward_device_tokens(routed, shared, out,
+                                        static_cast<const std::int32_t*>(tokens_device_.data()),
+                                        tier_, stream());
+    }
   }
 
   void forward() {
@@ -233,15 +250,16 @@ class CudaBenchRank final : public BenchRank {
     return UniqueGraphExec(exec);
   }
 
-  LatentTail& tail_;
+  std::vector<LatentTail*> layers_;
   Communicator& comm_;
   TailDims dims_;
   DType dtype_;
   std::int64_t max_tokens_;
-  DeviceBuffer routed_;           // [max T, l]
-  DeviceBuffer shared_;           // [max T, d]: the call's input, which column overwrites
+  DeviceBuffer routed_;           // [max T, l], every layer's input
   DeviceBuffer pristine_shared_;  // [max T, d]: the loaded shared, to restore it
-  DeviceBuffer out_;              // [max T, d]
+  std::vector<DeviceBuffer>
+      shared_;  // per layer [max T, d]: the call's input, which column overwrites
+  std::vector<DeviceBuffer> out_;  // per layer [max T, d]
   UniqueStream stream_;
   std::vector<UniqueEvent> starts_, stops_;
   UniqueGraphExec graph_;  // graph mode: one forward of tier_ at tokens_
@@ -255,9 +273,11 @@ class CudaBenchRank final : public BenchRank {
 
 }  // namespace
 
-std::unique_ptr<BenchRank> make_cuda_bench_rank(LatentTail& tail, Communicator& comm,
-                                                std::int64_t max_tokens, bool cold_l2) {
-  return std::make_unique<CudaBenchRank>(tail, comm, max_tokens, cold_l2);
+std::unique_ptr<BenchRank> make_cuda_bench_rank(std::span<LatentTail* const> layers,
+                                                Communicator& comm, std::int64_t max_tokens,
+                                                bool cold_l2) {
+  LMOE_CHECK(!layers.empty(), "bench: expected at least one layer's tail, got none");
+  return std::make_unique<CudaBenchRank>(layers, comm, max_tokens, cold_l2);
 }
 
 }  // namespace lmoe

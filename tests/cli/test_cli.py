@@ -431,7 +431,7 @@ class BenchCommand(unittest.TestCase):
         "command", "tool", "version", "date", "hostname", "backend", "gpu", "nccl_version", "preset", "d_model",
         "d_latent", "dtype", "eps", "tp", "comms", "tiers", "tokens", "warmup", "iters", "seed", "check_max_tokens",
         "fault_injected", "definitions", "records", "comm_errors", "tier_table", "policy_check", "ok",
-        "driver_version", "from_sweep", "cold_l2", "settings",
+        "driver_version", "from_sweep", "cold_l2", "settings", "layers",
     ]
 
     def bench(self, *args, env=None, check=True):
@@ -465,6 +465,7 @@ class BenchCommand(unittest.TestCase):
         self.assertEqual(doc["comms"], ["threads"])
         self.assertEqual(doc["iters"], 2)
         self.assertIs(doc["cold_l2"], False)
+        self.assertEqual(doc["layers"], 1)
         self.assertEqual(doc["settings"], {})
         self.assertIn("2 warm-up + 2 timed iterations\n", result.stderr)  # no ", L2 evicted before each"
         self.assertIsNone(doc["gpu"])
@@ -495,6 +496,19 @@ class BenchCommand(unittest.TestCase):
         self.assertEqual(chosen, {1: "fused", 3: "fused", 64: "fused"})
         # The declined tier has one line with its reason in the table.
         self.assertTrue(any("declined: T=1 < tp=2" in line for line in result.stdout.splitlines()))
+
+    def test_layers_time_several_tails_and_check_them(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "bench.json")
+            result = self.bench("-n", "2", "-t", "1,4", "--tiers", "fused,column", "--iters", "2", "--layers", "3",
+                                "--json", path)
+            with open(path) as f:
+                doc = json.load(f)
+        self.assertIn("all rows ok (4 checked", result.stdout)
+        self.assertIn("2 timed iterations of 3 tails (layers, each its own weights; times per tail)", result.stderr)
+        self.assertIn("of 3 tails", result.stdout)  # the table's header line
+        self.assertEqual(doc["layers"], 3)
+        self.assertTrue(doc["ok"])
 
     def test_rows_above_the_check_limit_are_unchecked_and_say_so(self):
         result = self.bench("-n", "2", "-t", "2,40", "--tiers", "overlap", "--iters", "1", "--check-max-tokens", "8")
@@ -531,6 +545,7 @@ class BenchCommand(unittest.TestCase):
             (["--mode", "lazy"], "--mode: unknown bench mode 'lazy'"),
             (["--mode", "device-tokens"], "mode device-tokens needs the cuda backend"),
             (["--cold-l2"], "cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has no device L2 to evict"),
+            (["--layers", "0"], "bench: layers (--layers): expected 1 to 64 tails a timed iteration, got 0"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):
@@ -979,6 +994,8 @@ class RecordedSweeps(unittest.TestCase):
              "--from-sweep: --tiers shapes a measurement"),
             (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "-n", "2", "--no-check"],
              "--from-sweep: -n/--ranks, --no-check shape"),
+            (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "--layers", "4"],
+             "--from-sweep: --layers shapes a measurement"),
             (["bench", "--from-sweep", self.sweep], "--from-sweep: needs --check-table"),
             (["tune", "--from-sweep", self.table, "-o", out], f"{self.table}: is a tier table, not a recorded sweep"),
             (["tune", "--from-sweep", self.path("missing.json"), "-o", out], "cannot read the sweep file"),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -128,13 +129,10 @@ TEST(CudaBench, TheL2EvictorReadsTwiceTheL2) {
   cuda_ok(cudaStreamDestroy(stream));
 }
 
-TEST(CudaBench, AColdL2SweepMeetsTheContract) {
-  SKIP_WITHOUT_GPU();
-  lmoe::BenchOptions options = small_options({1, 130});
-  options.tp = 1;  // cold numbers are meant for one rank per GPU
-  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
-  options.cold_l2 = true;
-  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+// Every record of a sweep that ran (3 timed iterations, no comm failed) checked and right; how many
+// ran, and each one's mode (all must be `mode` when given).
+std::size_t expect_ran_records_right(const lmoe::BenchResult& result,
+                                     std::optional<lmoe::BenchMode> mode = std::nullopt) {
   for (const lmoe::BenchCommError& error : result.comm_errors)
     ADD_FAILURE() << error.comm << ": " << error.error;
   std::size_t ran = 0;
@@ -143,12 +141,45 @@ TEST(CudaBench, AColdL2SweepMeetsTheContract) {
                  std::string(lmoe::tier_name(record.tier)));
     if (record.declined) continue;
     ++ran;
+    if (mode) {
+      EXPECT_EQ(record.mode, *mode);
+    }
     EXPECT_TRUE(record.checked);
+    EXPECT_EQ(record.wrong(), 0);
     EXPECT_TRUE(record.ok());
-    ASSERT_EQ(record.seconds.size(), 3u);
+    EXPECT_EQ(record.seconds.size(), 3u);
     EXPECT_GT(record.stats.median, 0);
   }
-  EXPECT_GE(ran, 4u);
+  return ran;
+}
+
+TEST(CudaBench, AColdL2SweepMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  lmoe::BenchOptions options = small_options({1, 130});
+  options.tp = 1;  // cold numbers are meant for one rank per GPU
+  options.comms = {lmoe::default_comm_backend(lmoe::Backend::cuda)};
+  options.cold_l2 = true;
+  EXPECT_GE(expect_ran_records_right(lmoe::run_tail_bench(options)), 4u);
+}
+
+// Several layers' tails in one graph (each its own weights, workspaces and buffers): every tier,
+// the fused tier's kernels (decode, chained, general) among them, in graph and device-tokens mode,
+// at one rank and two on p2p; a layer whose output differed from the first's would be the one
+// checked.
+TEST(CudaBench, LayersInOneGraphMeetTheContract) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv shared_gpu("LMOE_P2P_SHARED_GPU", "1");  // two ranks on a machine of one GPU
+  for (const lmoe::BenchMode mode : {lmoe::BenchMode::graph, lmoe::BenchMode::device_tokens}) {
+    for (const int tp : {1, 2}) {
+      SCOPED_TRACE(std::string(lmoe::bench_mode_name(mode)) + " tp=" + std::to_string(tp));
+      lmoe::BenchOptions options = small_options({1, 5, 17, 130});
+      options.tp = tp;
+      options.comms = {"p2p"};
+      options.mode = mode;
+      options.layers = 3;
+      EXPECT_GE(expect_ran_records_right(lmoe::run_tail_bench(options), mode), 8u);
+    }
+  }
 }
 
 TEST(CudaBench, EnvironmentNamesTheGpu) {

@@ -101,6 +101,7 @@ void expect_same_sweep(const BenchSweep& a, const BenchSweep& b) {
   EXPECT_EQ(a.warmup, b.warmup);
   EXPECT_EQ(a.iters, b.iters);
   EXPECT_EQ(a.cold_l2, b.cold_l2);
+  EXPECT_EQ(a.layers, b.layers);
   EXPECT_EQ(a.settings, b.settings);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.check_max_tokens, b.check_max_tokens);
@@ -161,6 +162,7 @@ BenchSweep crafted_sweep() {
   s.warmup = 5;
   s.iters = 3;
   s.cold_l2 = true;                  // not the default: the round trip must keep it
+  s.layers = 8;                      // likewise
   s.settings = {{"LMOE_FUSED_DECODE", "1"}, {"NCCL_ALGO", "Ring"}};
   s.seed = 18446744073709551557ull;  // above INT64_MAX: read back whole
   s.check_max_tokens = 256;
@@ -202,6 +204,8 @@ TEST(BenchJson, WrittenAndReadBackIsIdentical) {
   EXPECT_EQ(lmoe::write_bench_json(read), text);
   EXPECT_TRUE(read.cold_l2);
   EXPECT_EQ(nlohmann::json::parse(text)["cold_l2"], true);
+  EXPECT_EQ(read.layers, 8);
+  EXPECT_EQ(nlohmann::json::parse(text)["layers"], 8);
   EXPECT_EQ(nlohmann::json::parse(text)["settings"]["LMOE_FUSED_DECODE"], "1");
   EXPECT_EQ(read.settings.size(), 2u);
   // The wrong records stay wrong, the others right.
@@ -302,6 +306,8 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
             "b.json: comm_errors[0]: missing \"error\"");
   EXPECT_EQ(read_error([](auto& d) { d["cold_l2"] = "yes"; }),
             "b.json: cold_l2: expected true or false, got \"yes\"");
+  EXPECT_EQ(read_error([](auto& d) { d["layers"] = 0; }),
+            "b.json: layers: expected an integer >= 1, got 0");
   EXPECT_EQ(read_error([](auto& d) { d["settings"] = "LMOE_FUSED_DECODE=1"; }),
             "b.json: settings: expected an object of strings, got \"LMOE_FUSED_DECODE=1\"");
   EXPECT_EQ(read_error([](auto& d) { d["settings"]["NCCL_ALGO"] = 1; }),
@@ -315,18 +321,20 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
               HasSubstr("b.json: not valid JSON"));
   EXPECT_EQ(error_of([] { lmoe::read_bench_file("/nonexistent/b.json"); }),
             "cannot read the sweep file '/nonexistent/b.json'");
-  // Files from before the kernel driver, the elements and cold_l2 were recorded still read (cold_l2
-  // as false: those sweeps were warm).
+  // Files from before the kernel driver, the elements, cold_l2 and layers were recorded still read
+  // (cold_l2 as false: those sweeps were warm; layers as 1).
   nlohmann::json doc = nlohmann::json::parse(lmoe::write_bench_json(crafted_sweep()));
   ASSERT_EQ(doc["cold_l2"], true);
   doc.erase("driver_version");
   doc.erase("cold_l2");
+  doc.erase("layers");
   doc.erase("settings");
   for (auto& record : doc["records"]) record.erase("elements");
   const BenchSweep old = lmoe::read_bench_json(doc.dump(), "b.json");
   EXPECT_FALSE(old.driver_version.has_value());
   EXPECT_EQ(old.result.records[1].comparison.elements, 0);
   EXPECT_FALSE(old.cold_l2);
+  EXPECT_EQ(old.layers, 1);
   EXPECT_TRUE(old.settings.empty());
 }
 

@@ -205,6 +205,48 @@ TEST(TailBench, CpuSweepTimesAndChecksEveryTier) {
   EXPECT_TRUE(find(result, 130, TailTier::overlap).chosen);
 }
 
+TEST(TailBench, LayersRunTailsOfTheirOwnAndEveryOneIsChecked) {
+  lmoe::BenchOptions options = small_options(2, {1, 4});
+  options.layers = 3;
+  const lmoe::BenchResult result = lmoe::run_tail_bench(options);
+  ASSERT_TRUE(result.comm_errors.empty());
+  ASSERT_EQ(result.records.size(), 2u * 4u);
+  EXPECT_TRUE(result.ok());
+  for (const lmoe::BenchRecord& record : result.records) {
+    SCOPED_TRACE("T=" + std::to_string(record.tokens) + " " +
+                 std::string(lmoe::tier_name(record.tier)));
+    if (record.declined) continue;  // token at T = 1 < tp
+    ASSERT_EQ(record.seconds.size(), 3u);
+    EXPECT_TRUE(record.checked);
+    EXPECT_EQ(record.wrong(), 0);
+    EXPECT_TRUE(record.ranks_identical);
+  }
+  // The layers' outputs are compared before the check: a layer that differs is the one checked.
+  options.tiers = {TailTier::column};
+  options.inject_fault = true;
+  EXPECT_FALSE(lmoe::run_tail_bench(options).ok());
+}
+
+TEST(BenchLayers, TheCheckSeesTheFirstLayerWhoseOutputDiffers) {
+  const auto output = [](float value) {
+    lmoe::HostTensor t(DType::f32, {1, 2});
+    t.set(0, value);
+    t.set(1, 1.0f);
+    return t;
+  };
+  const auto first_of = [&](std::vector<float> values) {
+    std::vector<lmoe::HostTensor> outputs;
+    for (float v : values) outputs.push_back(output(v));
+    return lmoe::first_differing_output(std::move(outputs)).get(0);
+  };
+  EXPECT_EQ(first_of({2, 2, 2}), 2);
+  EXPECT_EQ(first_of({2, 2, 5, 7}), 5);
+  EXPECT_EQ(first_of({4}), 4);
+  // -0 and +0 compare equal as floats but not as bits: the bits decide.
+  EXPECT_EQ(std::signbit(first_of({0.0f, -0.0f})), true);
+  EXPECT_THROW(lmoe::first_differing_output({}), lmoe::Error);
+}
+
 TEST(TailBench, AWrongElementIsCaught) {
   lmoe::BenchOptions options = small_options(2, {4});
   options.tiers = {TailTier::column, TailTier::token};
@@ -251,6 +293,16 @@ TEST(TailBench, BadOptionsNameTheOption) {
   options = small_options(2, {1});
   options.iters = 0;
   EXPECT_THAT(message_of(options), HasSubstr("iters: expected >= 1"));
+  for (int layers : {0, lmoe::kMaxBenchLayers + 1}) {
+    options = small_options(2, {1});
+    options.layers = layers;
+    EXPECT_EQ(message_of(options),
+              "bench: layers (--layers): expected 1 to 64 tails a timed "
+              "iteration, got " +
+                  std::to_string(layers));
+  }
+  options.layers = lmoe::kMaxBenchLayers;
+  EXPECT_EQ(message_of(options), "no error");
   options = small_options(2, {1});
   options.cold_l2 = true;
   EXPECT_THAT(message_of(options),
