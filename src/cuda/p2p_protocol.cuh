@@ -56,7 +56,12 @@ struct P2pFailureReport {
   std::uint64_t timeout_ns;
 };
 
-// Records the first failure of this rank and aborts the group so that peers stop waiting.
+// Records the first failure of this rank and aborts the group so that peers stop waiting. The
+// record's code is made visible before the abort flag, and a wait that sees the flag fences before
+// it reads the code (p2p_wait_expired): a thread that stops because of another's failure then finds
+// that failure's record and leaves it alone. (Without the two fences a thread of another block,
+// aborted by the first failure, could still find the code unset and write its own peer, -1, into
+// the record: "waited more than 500 ms for rank -1", seen on two H200s.)
 __device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t code, int peer, std::uint32_t round) {
   if (report.status->code == kP2pOk) {
     report.status->peer = peer;
@@ -64,6 +69,7 @@ __device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t cod
     report.status->round = static_cast<std::int32_t>(round);
     __threadfence_system();
     report.status->code = code;
+    __threadfence_system();
   }
   *report.abort_flag = 1;
   __threadfence_system();
@@ -77,6 +83,7 @@ __device__ inline bool p2p_wait_expired(const P2pFailureReport& report, std::uin
                                         bool may_read_abort, int peer, std::uint32_t round) {
   const std::uint64_t waited = p2p_clock_ns() - start;
   if (may_read_abort && waited > kP2pAbortPollAfterNs && *report.abort_flag) {
+    __threadfence_system();  // the record of the failure that raised the flag, if any, is seen
     p2p_fail(report, kP2pAborted, -1, round);
     return true;
   }
