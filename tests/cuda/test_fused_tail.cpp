@@ -504,11 +504,11 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
           << fused.chained_limit().value_or("");
       EXPECT_EQ(fused.chained_limit().has_value(), !chained);
       std::uint32_t general = fused.general_calls(), chained_calls = fused.chained_calls();
-      // Each bound ±1: decode ≤ 2 (one rank) or ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
+      // Each bound ±1: decode ≤ 1 (one rank) or ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
       for (std::int64_t tokens : {1, 2, 3, 4, 5, 16, 17, 128, 129}) {
         using lmoe::cuda::FusedKernel;
-        const std::int64_t decode_bound = chained ? (tp == 1 ? 2 : 4) : 16;
-        EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 2 : 4);
+        const std::int64_t decode_bound = chained ? (tp == 1 ? 1 : 4) : 16;
+        EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 1 : 4);
         const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
                                      : chained && tokens <= 128 ? FusedKernel::chained
                                                                 : FusedKernel::general;
