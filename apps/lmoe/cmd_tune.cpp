@@ -29,10 +29,12 @@ struct TuneCommand {
   std::int64_t check_max_tokens = 64;
   std::string output;
   std::string from_sweep;  // derive the table from this recorded sweep instead of measuring
+  std::string refit;       // fit this table's own grid again instead of measuring
 
   void execute();
   void measure();
   void derive();
+  void refit_table();
   // Prints the grid and the fits; writes the table unless a checked output was wrong.
   void report(const TuneResult& result, const std::string& setting, const std::string& where);
 };
@@ -68,7 +70,9 @@ std::string describe_setting(const std::string& preset, const TableProvenance& p
 }
 
 void TuneCommand::execute() {
-  if (!from_sweep.empty()) {
+  if (!refit.empty()) {
+    refit_table();
+  } else if (!from_sweep.empty()) {
     derive();
   } else {
     measure();
@@ -115,19 +119,40 @@ void TuneCommand::measure() {
   report(result, setting, "");
 }
 
+// Everything that would shape a measurement comes from the file with --from-sweep and --refit:
+// giving it too is a mistake (it would silently not apply).
+void refuse_measuring_options(const CLI::App& app, const SweepOptions& sweep,
+                              const std::string& flag, const std::string& source) {
+  std::vector<std::string> measuring = sweep.given(app);
+  if (app.count("--check-max-tokens") > 0) measuring.push_back("--check-max-tokens");
+  if (flag == "--refit" && app.count("--comm") > 0) measuring.push_back("--comm");
+  if (measuring.empty()) return;
+  std::string names;
+  for (const std::string& name : measuring) names += (names.empty() ? "" : ", ") + name;
+  throw Error(flag + ": " + names + (measuring.size() == 1 ? " shapes" : " shape") +
+              " a measurement; with " + flag + " the configuration, grid and iterations are the " +
+              source + "'s (leave " + (measuring.size() == 1 ? "it" : "them") +
+              " out, or measure with `lmoe tune`)");
+}
+
+void TuneCommand::refit_table() {
+  refuse_measuring_options(*app, sweep, "--refit", "table");
+  LMOE_CHECK(from_sweep.empty(),
+             "--refit and --from-sweep: give one (a table to fit again, or a "
+             "recorded sweep to derive one from)");
+  const TierTable table = read_tier_table_file(refit);
+  probe_output(output);
+  const TuneResult result = refit_tier_table(table);
+  const TableProvenance& p = result.table.provenance;
+  const std::string setting = describe_setting(p.preset, p, result.table.grid.size());
+  std::cerr << "lmoe tune: " << setting << ", fitted again from the grid of " << refit << "\n";
+  report(result, setting,
+         ", fitted again from the grid of " + refit + " (measured " + p.date_utc + ", host " +
+             p.hostname + "; nothing measured here)");
+}
+
 void TuneCommand::derive() {
-  // Everything that would shape a measurement comes from the file: giving it here is a mistake
-  // (it would silently not apply).
-  std::vector<std::string> measuring = sweep.given(*app);
-  if (app->count("--check-max-tokens") > 0) measuring.push_back("--check-max-tokens");
-  if (!measuring.empty()) {
-    std::string names;
-    for (const std::string& name : measuring) names += (names.empty() ? "" : ", ") + name;
-    throw Error("--from-sweep: " + names + (measuring.size() == 1 ? " shapes" : " shape") +
-                " a measurement; with --from-sweep the configuration, grid and iterations "
-                "are the recorded sweep's (leave " +
-                (measuring.size() == 1 ? "it" : "them") + " out, or measure with `lmoe tune`)");
-  }
+  refuse_measuring_options(*app, sweep, "--from-sweep", "recorded sweep");
   const BenchSweep recorded = read_bench_file(from_sweep);
   probe_output(output);
   const TuneResult result = tune_from_sweep(
@@ -247,6 +272,10 @@ void add_tune_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("-o,--output", command->output, "the tier table to write (JSON, version 3)")
       ->required();
+  sub->add_option("--refit", command->refit,
+                  "measure nothing: fit the ranges and breakpoints of this tier table again to its "
+                  "own grid by this lmoe's rules (a table tuned before a rule changed); grid and "
+                  "provenance are kept");
   sub->add_option("--from-sweep", command->from_sweep,
                   "measure nothing: derive the table from a sweep recorded with `lmoe bench --json "
                   "FILE` (its records of --comm, or of its only comm), on any machine; the "

@@ -5,8 +5,9 @@
 //
 // find_ranges gives every grid point the tier decide() ends up with when it prefers the fastest
 // measured tier there (so declines count), merges neighbours with equal tiers and puts each
-// boundary between grid points a < b at floor(sqrt(a·b)): any tier in any T range, zero regret at
-// every grid point where the fastest tier can run. The breakpoints (tier_policy.hpp) can express
+// boundary between grid points a < b where the two tiers' medians cross, interpolated linearly in
+// T (else at floor(sqrt(a·b))): any tier in any T range, zero regret at every grid point where the
+// fastest tier can run. The breakpoints (tier_policy.hpp) can express
 // one order only: fused for T <= fused_max_tokens, overlap up to overlap_max_tokens, column up to
 // column_max_tokens, token above; find_breakpoints picks, among every such assignment of the grid's
 // T, the one with the least total regret, where the regret at T is median(chosen)/median(fastest) −
@@ -125,13 +126,16 @@ BreakpointFit find_breakpoints(std::span<const GridPoint> grid);
 
 // The ranges for the grid (sorted by T, each T once, T >= 1; lmoe::Error otherwise): at each point
 // the tier decide() runs when the fastest measured tier is preferred there, consecutive equal tiers
-// merged, the boundary between grid points a < b at floor(sqrt(a·b)) (T <= boundary takes a's
-// tier), the last piece unbounded. A point where no tier ran takes the tier of the point before it
+// merged, the boundary between grid points a < b placed as find_breakpoints places a breakpoint
+// (where the two tiers' medians cross, interpolated linearly in T, when both ran at both points
+// and each is at least as fast at its own end; else floor(sqrt(a·b))); T <= boundary takes a's
+// tier, the last piece unbounded. A point where no tier ran takes the tier of the point before it
 // (the first such points, the tier after them); a grid where nothing ran at all gives fused
 // everywhere.
 RangeFit find_ranges(std::span<const GridPoint> grid);
 
-// floor(sqrt(a·b)) exactly, for 1 <= a < b: the boundary find_ranges puts between a and b.
+// floor(sqrt(a·b)) exactly, for 1 <= a < b: the boundary between a and b where the two tiers'
+// crossing cannot be interpolated.
 std::int64_t range_boundary(std::int64_t a, std::int64_t b);
 
 // How `policy` does on the grid: what it chooses at every point, and the regret.
@@ -191,6 +195,8 @@ struct TierTable {
 std::string write_tier_table(const TierTable& table);
 // Reads a version-2 or version-3 table; lmoe::Error naming `origin` and the bad field otherwise.
 TierTable read_tier_table(const std::string& json_text, const std::string& origin);
+// read_tier_table of a file (origin: its path); lmoe::Error naming the path when it cannot be read.
+TierTable read_tier_table_file(const std::string& path);
 
 // The configuration a table is matched against. Fields left unset are not compared.
 struct RunningConfig {
@@ -302,6 +308,11 @@ RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm
 // table then.
 TuneResult tune_from_sweep(const BenchSweep& sweep, const std::optional<std::string>& comm,
                            const std::string& origin);
+
+// The table with its ranges and breakpoints fitted again to its own grid by this version's rules
+// (`lmoe tune --refit`): grid and provenance as they are, nothing measured; `bench` is empty. For
+// a table tuned before a rule changed (docs/tuning.md). lmoe::Error for a table without a grid.
+TuneResult refit_tier_table(const TierTable& table);
 
 // ---- checking a policy against a sweep ----------------------------------------------------------
 

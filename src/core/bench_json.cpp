@@ -4,12 +4,11 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <set>
-#include <sstream>
 
 #include "core/json_fields.hpp"
+#include "core/text_file.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tail_bench.hpp"
@@ -341,12 +340,7 @@ BenchSweep read_bench_json(const std::string& json_text, const std::string& orig
 }
 
 BenchSweep read_bench_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) throw Error("cannot read the sweep file '" + path + "'");
-  std::ostringstream text;
-  text << file.rdbuf();
-  if (!file && !file.eof()) throw Error("reading the sweep file '" + path + "' failed");
-  return read_bench_json(text.str(), path);
+  return read_bench_json(read_text_file(path, "sweep file"), path);
 }
 
 }  // namespace lmoe

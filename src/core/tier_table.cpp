@@ -24,6 +24,7 @@
 #include <cmath>
 
 #include "core/json_fields.hpp"
+#include "core/text_file.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tier_policy.hpp"
 #include "lmoe/tier_tuning.hpp"
@@ -234,6 +235,11 @@ ordered ranges_json(const std::vector<TierRange>& ranges) {
 json parse_json(const std::string& json_text, const std::string& origin) {
   json table = parse_object(json_text, origin);
   if (table.value("format", std::string()) != "lmoe-tier-table") {
+    if (table.value("command", std::string()) == "bench") {
+      throw Error(origin +
+                  ": is a recorded sweep of `lmoe bench --json`, not a tier table (derive "
+                  "one from it with `lmoe tune --from-sweep`)");
+    }
     throw Error(origin + ": \"format\" must be \"lmoe-tier-table\"");
   }
   return table;
@@ -291,8 +297,8 @@ std::string write_tier_table(const TierTable& table) {
         {"max_regret", rounded(by_ranges.max_regret)},
         {"rule",
          "ranges: at each grid T the tier decide() runs when preferring the fastest measured tier, "
-         "equal neighbours merged, the boundary between grid points a < b at floor(sqrt(a*b)) "
-         "(docs/tuning.md)"},
+         "equal neighbours merged, the boundary between grid points a < b where the two tiers' "
+         "medians cross, interpolated linearly in T, else at floor(sqrt(a*b)) (docs/tuning.md)"},
         {"breakpoints",
          {{"total_regret", rounded(by_breakpoints.total_regret)},
           {"max_regret", rounded(by_breakpoints.max_regret)},
@@ -370,6 +376,10 @@ void apply_tier_table(PolicyConfig& config, const std::string& json_text,
     }
     set(config.overlap_disabled, table["overlap_disabled"].get<bool>(), "overlap_disabled");
   }
+}
+
+TierTable read_tier_table_file(const std::string& path) {
+  return read_tier_table(read_text_file(path, "tier table file"), path);
 }
 
 }  // namespace lmoe

@@ -661,13 +661,17 @@ class TuneCommand(unittest.TestCase):
             self.assertEqual(regret, 0.0)
             self.assertEqual(point["regret"], 0.0)
         self.assertEqual(self.doc["fit"]["total_regret"], 0.0)
-        # Boundaries: floor(sqrt(a*b)) between the neighbours whose tiers differ; equal ones merged.
+        # Boundaries: where the tiers cross between the neighbours whose tiers differ; equal ones merged.
         tokens = [point["tokens"] for point in grid]
+        medians = {point["tokens"]: {tier: t["median_us"] for tier, t in point["tiers"].items() if "median_us" in t}
+                   for point in grid}
         for piece, following in zip(ranges, ranges[1:]):
             self.assertNotEqual(piece["tier"], following["tier"])
             upper = next(t for t in tokens if t > piece["max_tokens"])
             lower = tokens[tokens.index(upper) - 1]
-            self.assertEqual(piece["max_tokens"], math.isqrt(lower * upper))
+            self.assertEqual(piece["max_tokens"],
+                             range_boundary(lower, upper, medians[lower], medians[upper], piece["tier"],
+                                            following["tier"]))
         described = ", ".join(p["tier"] + (f" T<={p['max_tokens']}" if p["max_tokens"] is not None else " above")
                               for p in ranges) if len(ranges) > 1 else ranges[0]["tier"] + " for every T"
         self.assertIn(f"ranges: {described} (regret: total 0.0%", self.result.stdout)
@@ -878,16 +882,28 @@ def load_plot_script():
     return path, module
 
 
+def range_boundary(a, b, times_a, times_b, lower, upper):
+    """Where a range boundary between grid T a < b goes (docs/tuning.md): where the lower and upper
+    tiers' medians cross, interpolated linearly in T, when both ran at both points and each leads at
+    its own end; else floor(sqrt(a*b)). times_a, times_b: {tier: median_us} at a and b."""
+    if all(tier in times for tier in (lower, upper) for times in (times_a, times_b)):
+        lead_lo, lead_hi = times_a[upper] - times_a[lower], times_b[lower] - times_b[upper]
+        if lead_lo >= 0 and lead_hi >= 0 and lead_lo + lead_hi > 0:
+            return min(max(math.floor(a + (b - a) * lead_lo / (lead_lo + lead_hi)), a), b - 1)
+    return math.isqrt(a * b)
+
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
 
 
-def fitted_ranges(grid_tokens, fastest):
+def fitted_ranges(grid_tokens, fastest, medians):
     """The ranges find_ranges gives when every T's fastest tier can run: equal neighbours merged,
-    boundaries at floor(sqrt(a*b)) (docs/tuning.md), written again here from the records."""
+    boundaries where the tiers cross (range_boundary below; docs/tuning.md), written again here from
+    the records. medians: {T: {tier: median_us}} of the tiers that ran."""
     ranges = [{"max_tokens": None, "tier": fastest[grid_tokens[0]]}]
     for a, b in zip(grid_tokens, grid_tokens[1:]):
         if fastest[b] != ranges[-1]["tier"]:
-            ranges[-1]["max_tokens"] = math.isqrt(a * b)
+            ranges[-1]["max_tokens"] = range_boundary(a, b, medians[a], medians[b], ranges[-1]["tier"], fastest[b])
             ranges.append({"max_tokens": None, "tier": fastest[b]})
     return ranges
 
@@ -938,11 +954,12 @@ class RecordedSweeps(unittest.TestCase):
                 for key in ["median_us", "p10_us", "p90_us"]:
                     self.assertAlmostEqual(timing[key], record[key], places=3)
         # The ranges, recomputed from the records.
-        fastest = {}
+        fastest, medians = {}, {}
         for t in [1, 4, 16, 64]:
             ran = [r for r in records if r["tokens"] == t and r["status"] == "ran"]
             fastest[t] = min(ran, key=lambda r: (r["median_us"], TIERS.index(r["tier"])))["tier"]
-        self.assertEqual(doc["ranges"], fitted_ranges([1, 4, 16, 64], fastest))
+            medians[t] = {r["tier"]: r["median_us"] for r in ran}
+        self.assertEqual(doc["ranges"], fitted_ranges([1, 4, 16, 64], fastest, medians))
         self.assertEqual(doc["fit"]["total_regret"], 0.0)
         # The provenance is the sweep's, with where it was derived from.
         p, sweep = doc["provenance"], self.doc
@@ -977,6 +994,23 @@ class RecordedSweeps(unittest.TestCase):
                 self.assertIn(f"tier table {self.table} was measured for another configuration", result.stderr)
                 self.assertIn(needle, result.stderr)
 
+    def test_refit_fits_a_tables_own_grid_again(self):
+        # A table whose ranges and breakpoints say something else than its grid: --refit puts back what
+        # the grid gives, and keeps the grid and the provenance.
+        doc = json.loads(json.dumps(self.table_doc))
+        doc["ranges"] = [{"max_tokens": None, "tier": "token"}]
+        doc["breakpoints"] = {"fused_max_tokens": 0, "overlap_max_tokens": 0, "column_max_tokens": 0}
+        edited, out = self.path("stale.json"), self.path("refit.json")
+        with open(edited, "w") as f:
+            json.dump(doc, f)
+        result = lmoe("tune", "--refit", edited, "-o", out)
+        self.assertIn(f"fitted again from the grid of {edited} (measured ", result.stdout)
+        self.assertIn("nothing measured here", result.stdout)
+        with open(out) as f:
+            refit = json.load(f)
+        for key in ("ranges", "breakpoints", "grid", "provenance", "fit"):
+            self.assertEqual(refit[key], self.table_doc[key], key)
+
     def test_options_that_shape_a_measurement_are_refused(self):
         out = self.path("never.json")
         cases = [
@@ -999,6 +1033,13 @@ class RecordedSweeps(unittest.TestCase):
             (["bench", "--from-sweep", self.sweep], "--from-sweep: needs --check-table"),
             (["tune", "--from-sweep", self.table, "-o", out], f"{self.table}: is a tier table, not a recorded sweep"),
             (["tune", "--from-sweep", self.path("missing.json"), "-o", out], "cannot read the sweep file"),
+            (["tune", "--refit", self.table, "-o", out, "-t", "1,2", "--comm", "threads"],
+             "--refit: -t/--tokens, --comm shape a measurement; with --refit the configuration, grid and iterations "
+             "are the table's"),
+            (["tune", "--refit", self.table, "--from-sweep", self.sweep, "-o", out], "--refit and --from-sweep: give one"),
+            (["tune", "--refit", self.sweep, "-o", out],
+             f"{self.sweep}: is a recorded sweep of `lmoe bench --json`, not a tier table"),
+            (["tune", "--refit", self.path("missing.json"), "-o", out], "cannot read the tier table file"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):
@@ -1138,7 +1179,7 @@ class RecordedSweeps(unittest.TestCase):
         bench, check = os.path.join(DATA_DIR, "bench_k3_tp2.json"), os.path.join(DATA_DIR, "check_k3_tp2.json")
         table = self.path("tiers_k3_tp2_v3.json")
         result = lmoe("tune", "--from-sweep", bench, "--comm", "nccl", "-o", table)
-        self.assertIn("ranges: column T<=45, overlap T<=512, token above (regret: total 0.0% over 8 T", result.stdout)
+        self.assertIn("ranges: column T<=76, overlap T<=648, token above (regret: total 0.0% over 8 T", result.stdout)
         self.assertIn("(NVIDIA H200, cc 9.0), from the sweep recorded in", result.stdout)
         with open(table) as f:
             p = json.load(f)["provenance"]

@@ -603,11 +603,11 @@ TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
   EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "bench_k3_tp2.json"); }),
               HasSubstr("several comms (nccl, p2p, cuda-threads); say which with --comm"));
   const lmoe::TuneResult result = lmoe::tune_from_sweep(sweep, "nccl", "bench_k3_tp2.json");
-  // Column at 1 and 16, overlap at 128 and 256, token from 1024: boundaries floor(sqrt(16·128))
-  // = 45 and floor(sqrt(256·1024)) = 512.
-  EXPECT_EQ(result.table.ranges,
-            (std::vector<TierRange>{
-                {45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}}));
+  // Column at 1 and 16, overlap at 128 and 256, token from 1024: boundaries where the medians
+  // cross between 16 and 128 (76) and between 256 and 1024 (648), interpolated linearly in T.
+  EXPECT_EQ(result.table.ranges, (std::vector<TierRange>{{76, TailTier::column},
+                                                         {648, TailTier::overlap},
+                                                         {std::nullopt, TailTier::token}}));
   EXPECT_EQ(result.range_fit.total_regret, 0);
   // The breakpoints cannot put overlap after column: column up to the column/token crossing.
   EXPECT_FALSE(result.table.breakpoints.column_max_tokens == std::nullopt);

@@ -128,14 +128,15 @@ std::vector<GridPoint> h200_tp2_grid() {
 }
 
 const std::vector<TierRange> kH200Ranges = {
-    {45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}};
+    {77, TailTier::column}, {652, TailTier::overlap}, {std::nullopt, TailTier::token}};
 
 TEST(FindRanges, TheH200GridGivesColumnOverlapTokenAtZeroRegret) {
   const std::vector<GridPoint> grid = h200_tp2_grid();
   const lmoe::RangeFit fit = lmoe::find_ranges(grid);
-  // floor(sqrt(16·128)) = 45 and floor(sqrt(256·1024)) = 512.
+  // Where the medians cross: 16 + 112·7.7/14.0 = 77.6 and 256 + 768·15.3/29.6 = 653.0 (floored; the
+  // geometric means would be 45 and 512).
   EXPECT_EQ(fit.ranges, kH200Ranges);
-  EXPECT_EQ(lmoe::describe_tier_ranges(fit.ranges), "column T<=45, overlap T<=512, token above");
+  EXPECT_EQ(lmoe::describe_tier_ranges(fit.ranges), "column T<=77, overlap T<=652, token above");
   ASSERT_EQ(fit.points.size(), grid.size());
   for (const lmoe::PointFit& p : fit.points) {
     EXPECT_EQ(p.chosen, p.fastest) << "T=" << p.tokens;
@@ -146,10 +147,10 @@ TEST(FindRanges, TheH200GridGivesColumnOverlapTokenAtZeroRegret) {
   EXPECT_EQ(fit.max_regret, 0);
   // ±1 around each boundary, through the policy itself.
   const PolicyConfig policy = lmoe::policy_from(fit.ranges, "table t.json");
-  EXPECT_EQ(lmoe::preferred_tier(45, policy), TailTier::column);
-  EXPECT_EQ(lmoe::preferred_tier(46, policy), TailTier::overlap);
-  EXPECT_EQ(lmoe::preferred_tier(512, policy), TailTier::overlap);
-  EXPECT_EQ(lmoe::preferred_tier(513, policy), TailTier::token);
+  EXPECT_EQ(lmoe::preferred_tier(77, policy), TailTier::column);
+  EXPECT_EQ(lmoe::preferred_tier(78, policy), TailTier::overlap);
+  EXPECT_EQ(lmoe::preferred_tier(652, policy), TailTier::overlap);
+  EXPECT_EQ(lmoe::preferred_tier(653, policy), TailTier::token);
 
   // The breakpoints cannot follow column → overlap → token: the best they do is column up to the
   // column/token crossing (256 + 768·0.6/32.9 = 270), 10.8 % slower than overlap at T=128.
@@ -197,7 +198,7 @@ TEST(FindRanges, TheCheckOfATableJudgesItsRanges) {
   EXPECT_EQ(failed, (std::vector<std::int64_t>{128, 256}));
 }
 
-TEST(FindRanges, BoundariesAreTheFlooredGeometricMean) {
+TEST(FindRanges, BoundariesAreWhereTheTiersCrossElseTheFlooredGeometricMean) {
   EXPECT_EQ(lmoe::range_boundary(16, 128), 45);  // sqrt(2048) = 45.25
   EXPECT_EQ(lmoe::range_boundary(256, 1024), 512);
   EXPECT_EQ(lmoe::range_boundary(2, 8), 4);  // exact square
@@ -223,11 +224,27 @@ TEST(FindRanges, BoundariesAreTheFlooredGeometricMean) {
                                      ", b=" + std::to_string(b));
     }
   }
-  // In a fit: T <= boundary takes the lower point's tier.
-  const lmoe::RangeFit fit = lmoe::find_ranges(
-      std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {20, 10, 20, 20})});
-  EXPECT_EQ(fit.ranges,
+  // In a fit: T <= boundary takes the lower point's tier. Both tiers timed at both points: where
+  // their medians cross, interpolated linearly in T (16 + 112·10/20 = 72; 16 + 112·10/(10 + 30) =
+  // 44).
+  EXPECT_EQ(lmoe::find_ranges(
+                std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {20, 10, 20, 20})})
+                .ranges,
+            (std::vector<TierRange>{{72, TailTier::fused}, {std::nullopt, TailTier::overlap}}));
+  EXPECT_EQ(lmoe::find_ranges(
+                std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {40, 10, 20, 20})})
+                .ranges,
+            (std::vector<TierRange>{{44, TailTier::fused}, {std::nullopt, TailTier::overlap}}));
+  // One of them declined at an end: no crossing to read, the geometric mean (45).
+  EXPECT_EQ(lmoe::find_ranges(
+                std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {-1, 10, 20, 20})})
+                .ranges,
             (std::vector<TierRange>{{45, TailTier::fused}, {std::nullopt, TailTier::overlap}}));
+  // The same boundaries as the breakpoints between the same points.
+  EXPECT_EQ(lmoe::find_breakpoints(
+                std::vector<GridPoint>{point(16, {10, 20, 20, 20}), point(128, {20, 10, 20, 20})})
+                .breakpoints.fused_max_tokens,
+            72);
 }
 
 TEST(FindRanges, EqualNeighboursMergeAndOneTierIsOnePiece) {
@@ -240,7 +257,7 @@ TEST(FindRanges, EqualNeighboursMergeAndOneTierIsOnePiece) {
       point(1, {10, 20, 20, 20}), point(4, {20, 10, 20, 20}), point(16, {10, 20, 20, 20})};
   EXPECT_EQ(lmoe::find_ranges(back_and_forth).ranges,
             (std::vector<TierRange>{
-                {2, TailTier::fused}, {8, TailTier::overlap}, {std::nullopt, TailTier::fused}}));
+                {2, TailTier::fused}, {10, TailTier::overlap}, {std::nullopt, TailTier::fused}}));
 }
 
 TEST(FindRanges, PointsWhereNothingRunsJoinAPieceAndSplitNone) {
@@ -270,7 +287,7 @@ TEST(FindRanges, BadGridsAreErrors) {
 }
 
 // On random grids with random declines and winners: the fastest tier at every point, boundaries
-// at floor(sqrt(a·b)) between differing neighbours only, and never more regret than the
+// between differing neighbours only (a <= boundary < b), and never more regret than the
 // breakpoints.
 TEST(FindRanges, ZeroRegretAndNeverWorseThanTheBreakpointsOnRandomGrids) {
   std::mt19937_64 rng(2027);
@@ -291,8 +308,24 @@ TEST(FindRanges, ZeroRegretAndNeverWorseThanTheBreakpointsOnRandomGrids) {
                                       [&](const GridPoint& p) { return p.tokens > boundary; });
       ASSERT_NE(above, grid.begin()) << "trial " << trial;
       ASSERT_NE(above, grid.end()) << "trial " << trial;
-      ASSERT_EQ(boundary, lmoe::range_boundary((above - 1)->tokens, above->tokens))
-          << "trial " << trial;
+      // Where the two tiers' medians cross, interpolated linearly in T, when both ran at both
+      // points and each leads at its own end; else the floored geometric mean.
+      const GridPoint &lo = *(above - 1), &hi = *above;
+      const TailTier below_tier = fit.ranges[r].tier, above_tier = fit.ranges[r + 1].tier;
+      std::int64_t expected = lmoe::range_boundary(lo.tokens, hi.tokens);
+      if (lo[below_tier].ran() && lo[above_tier].ran() && hi[below_tier].ran() &&
+          hi[above_tier].ran()) {
+        const double lead_lo = lo[above_tier].median_us - lo[below_tier].median_us;
+        const double lead_hi = hi[below_tier].median_us - hi[above_tier].median_us;
+        if (lead_lo >= 0 && lead_hi >= 0 && lead_lo + lead_hi > 0) {
+          const double at =
+              static_cast<double>(lo.tokens) +
+              static_cast<double>(hi.tokens - lo.tokens) * lead_lo / (lead_lo + lead_hi);
+          expected =
+              std::clamp(static_cast<std::int64_t>(std::floor(at)), lo.tokens, hi.tokens - 1);
+        }
+      }
+      ASSERT_EQ(boundary, expected) << "trial " << trial;
       ASSERT_NE(fit.ranges[r].tier, fit.ranges[r + 1].tier) << "trial " << trial;
     }
     // The fit's account agrees with the policy it describes.
@@ -704,8 +737,8 @@ TEST(TierTableV3, WrittenFitHasTheRangesAndTheBreakpoints) {
   table.ranges = lmoe::find_ranges(table.grid).ranges;
   table.breakpoints = lmoe::find_breakpoints(table.grid).breakpoints;
   const nlohmann::json doc = nlohmann::json::parse(lmoe::write_tier_table(table));
-  EXPECT_EQ(doc["ranges"], nlohmann::json::parse(R"([{"max_tokens": 45, "tier": "column"},
-      {"max_tokens": 512, "tier": "overlap"}, {"max_tokens": null, "tier": "token"}])"));
+  EXPECT_EQ(doc["ranges"], nlohmann::json::parse(R"([{"max_tokens": 77, "tier": "column"},
+      {"max_tokens": 652, "tier": "overlap"}, {"max_tokens": null, "tier": "token"}])"));
   EXPECT_EQ(doc["breakpoints"], nlohmann::json::parse(
                                     R"({"fused_max_tokens": 0, "overlap_max_tokens": 0,
                                         "column_max_tokens": 270})"));
@@ -1078,9 +1111,9 @@ TEST_F(TableFiles, BreakpointVariablesSetTheTableRangesAside) {
   EXPECT_EQ(config.ranges.value, kH200Ranges);
   EXPECT_FALSE(config.ranges_set_aside);
   EXPECT_EQ(lmoe::decide(128, config, support).summary,
-            "T=128 → overlap (preferred: 45 < T <= 512: overlap, table " + path + " ranges)");
+            "T=128 → overlap (preferred: 77 < T <= 652: overlap, table " + path + " ranges)");
   EXPECT_THAT(lmoe::explain(128, config, support),
-              HasSubstr("rule: ranges column T<=45, overlap T<=512, token above (table " + path +
+              HasSubstr("rule: ranges column T<=77, overlap T<=652, token above (table " + path +
                         " ranges); the breakpoints are not used\n"));
 
   // Each breakpoint variable sets them aside, even at a value the table already has: the
@@ -1102,7 +1135,7 @@ TEST_F(TableFiles, BreakpointVariablesSetTheTableRangesAside) {
     EXPECT_THAT(text, HasSubstr("rule: breakpoints; the table's ranges are set aside because " +
                                 name + "=" + value + " is set\n"));
     EXPECT_THAT(text, HasSubstr("  ranges              none    set aside by " + name + "=" + value +
-                                " (were column T<=45, overlap T<=512, token above, table " + path +
+                                " (were column T<=77, overlap T<=652, token above, table " + path +
                                 " ranges)\n"));
     ASSERT_TRUE(config.table);  // the measurements stay for explain()
   }
