@@ -32,6 +32,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/hopper_async.cuh"
+#include "cuda/launch_config.hpp"
 #include "graph_timer.hpp"
 #include "lmoe/error.hpp"
 
@@ -86,17 +87,9 @@ int run(const Settings& settings) {
   LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   const auto launch_wave = [&](bool chained) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(sms));
-    config.blockDim = dim3(kWaveThreads);
-    config.dynamicSmemBytes = kWaveSharedBytes;
-    config.stream = stream;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = chained ? 1 : 0;
-    LMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, wave_kernel, sink));
+    lmoe::cuda::LaunchConfig config(dim3(static_cast<unsigned>(sms)), dim3(kWaveThreads),
+                                    kWaveSharedBytes, stream);
+    LMOE_CUDA_CHECK(cudaLaunchKernelEx(config.programmatic(chained).get(), wave_kernel, sink));
   };
   // One operation per graph launch (no amortizing copies), an event before and after each launch,
   // back to back: as `lmoe bench` times a forward.

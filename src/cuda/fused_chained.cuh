@@ -116,9 +116,11 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   extern __shared__ __align__(1024) unsigned char chained_smem[];
   __shared__ StageBarriers<Shape::kStages> bars;
   __shared__ std::uint32_t call_epoch;  // tp > 1: the call's epoch, for the output's lines
-  // tp > 1: the call's last kernel (the gather of the peers' stripes) may start at once; it waits
-  // for this one before it closes the call.
-  if (p.tp > 1) pdl_launch_dependents();
+  // The stream's next kernel may start at once: with several ranks the call's last kernel (the
+  // gather of the peers' stripes), which waits for this one before it closes the call; with one
+  // rank the next call's norm kernel, launched programmatically (launch_fused_chained), so that
+  // this kernel's successor streams its weights as soon as this one's blocks leave their SMs.
+  pdl_launch_dependents();
   const int tid = static_cast<int>(threadIdx.x);
   const auto full_bar = [&](int s) { return bars.full(s); };
   const auto empty_bar = [&](int s) { return bars.empty(s); };
@@ -134,9 +136,14 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int chunks = static_cast<int>((p.l + kChainedTileK - 1) / kChainedTileK);
   const int c0 = split * chunks / p.splits;
   const int n = (split + 1) * chunks / p.splits - c0;
-  // The bound is the host's contract; the clamp keeps a wrong T inside the stages.
-  const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
-  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > kN ? kN : t_read);
+  // T, read once the kernels before this one have ended (griddepcontrol.wait: with one rank the
+  // norm kernel may itself have started before the kernel that wrote T ended). The bound is the
+  // host's contract; the clamp keeps a wrong T inside the stages.
+  const auto read_tokens = [&] {
+    pdl_wait();
+    const std::int64_t t = p.tokens_device ? *p.tokens_device : p.tokens;
+    return static_cast<int>(t < 0 ? 0 : t > kN ? kN : t);
+  };
   if (tid == 0) {
     chained_trace(p, kChainedTraceEntry);
     for (int s = 0; s < Shape::kStages; ++s) {
@@ -201,6 +208,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     // token, in one or two 128-byte lines).
     if (tid >= 32) {
       const T* shared = static_cast<const T*>(p.shared);
+      const int tokens = read_tokens();
       const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
       for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
         const std::int64_t row = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows +
@@ -246,6 +254,9 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // Every wgmma of the block is done with its stages and every copy has landed (each was waited
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
+  // Every thread past griddepcontrol.wait before it reads T, `shared` or writes Y (the kernels
+  // before this one, which may read Y or write `shared`, have ended).
+  const int tokens = read_tokens();
 
   // The finish's vectors: a thread's i = tid + 384·k, kBatch at a time, their loads of `shared`
   // (in L2: the producer's threads prefetched them) issued before the first add — the first batch

@@ -4,6 +4,7 @@
 
 #include "cuda/fused_chained.cuh"
 #include "cuda/fused_chained_exchange.cuh"
+#include "cuda/launch_config.hpp"
 #include "cuda/launchers.hpp"
 #include "cuda/tensor_map.hpp"
 
@@ -178,25 +179,14 @@ namespace {
 cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DType dtype,
                       const FusedChainedPlan& plan, cudaStream_t stream) {
   const int shape = token_class(max_tokens);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(plan.tiles * plan.splits));
-  config.blockDim = dim3(kChainedThreads);
-  config.dynamicSmemBytes = static_cast<std::size_t>(shared_bytes(shape, plan.tile_rows));
-  config.stream = stream;
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  attributes[1].id = cudaLaunchAttributeClusterDimension;
-  attributes[1].val.clusterDim.x = static_cast<unsigned>(plan.splits);
-  attributes[1].val.clusterDim.y = 1;
-  attributes[1].val.clusterDim.z = 1;
-  config.attrs = attributes;
-  config.numAttrs = 2;
+  LaunchConfig config(dim3(static_cast<unsigned>(plan.tiles * plan.splits)), dim3(kChainedThreads),
+                      static_cast<std::size_t>(shared_bytes(shape, plan.tile_rows)), stream);
+  config.programmatic().cluster(static_cast<unsigned>(plan.splits));
   FusedChainedParams params = p;
   params.tiles = plan.tiles;
   params.splits = plan.splits;
   void* up_args[] = {&params};
-  return cudaLaunchKernelExC(&config, up_kernel(shape, plan.tile_rows, dtype), up_args);
+  return cudaLaunchKernelExC(config.get(), up_kernel(shape, plan.tile_rows, dtype), up_args);
 }
 
 bool launchable(std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan) {
@@ -212,10 +202,14 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
                                  std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
                                  cudaStream_t stream) {
   if (!launchable(max_tokens, dtype, plan)) return cudaErrorInvalidValue;
-  // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others).
+  // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others),
+  // launched programmatically: it may start before the stream's previous kernel ends (it waits for
+  // it before reading anything) and lets the up-projection start at once, whose weights depend on
+  // nothing. Behind a kernel that lets its dependents start early (e.g. the previous call's
+  // up-projection) the weight stream then begins as soon as that kernel's blocks leave.
   if (const cudaError_t status =
           launch_rms_norm(routed, gamma, normed, p.tokens_device ? max_tokens : p.tokens, p.l, eps,
-                          dtype, stream, p.tokens_device);
+                          dtype, stream, p.tokens_device, /*programmatic=*/true);
       status != cudaSuccess) {
     return status;
   }
@@ -249,18 +243,10 @@ cudaError_t launch_fused_chained_ranks(const FusedTailParams& x, int exchange_gr
     return status;
   }
   // 3. The gather of the peers' stripes, allowed to start (and poll) while the up-projection runs.
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(exchange_grid));
-  config.blockDim = dim3(kNormThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  LaunchConfig config(dim3(static_cast<unsigned>(exchange_grid)), dim3(kNormThreads), 0, stream);
   void* gather_args[] = {&args};
   return cudaLaunchKernelExC(
-      &config,
+      config.programmatic().get(),
       bf16 ? reinterpret_cast<const void*>(fused_chained_gather_kernel<__nv_bfloat16>)
            : reinterpret_cast<const void*>(fused_chained_gather_kernel<__half>),
       gather_args);

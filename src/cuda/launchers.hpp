@@ -32,10 +32,12 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 // holds the row count on the device (at most `rows`, which sizes the grid: a graph replayed with
 // another T); only the fast path with rows held in registers (cols ≤ 16384) reads it, elsewhere it
 // is cudaErrorInvalidValue with nothing launched. The fast path lets a kernel launched after it
-// with programmatic dependent launch start at once (rms_norm.cuh).
+// with programmatic dependent launch start at once (rms_norm.cuh); with `programmatic` it is itself
+// launched so (it may start before the stream's previous kernel ends, and waits for it before it
+// reads anything; the other paths launch as usual).
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream,
-                            const std::int32_t* rows_device = nullptr);
+                            const std::int32_t* rows_device = nullptr, bool programmatic = false);
 
 // *counter += the number of bytes where a and b differ (device-side checks of many results without a
 // host round trip per result, e.g. long graph-replay soaks).

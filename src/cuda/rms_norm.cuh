@@ -132,7 +132,8 @@ constexpr int norm_min_blocks(int chunks_per_lane) {
 // rows_device, when not null, holds the row count on the device (a graph replayed with another T;
 // at most `rows`, which sizes the grid). A kernel launched after it with programmatic dependent
 // launch may start at once (its prologue, e.g. weight copies, overlaps this kernel; it waits with
-// griddepcontrol.wait before reading `out`).
+// griddepcontrol.wait before reading `out`). It may itself be launched so (launch_rms_norm's
+// `programmatic`): it waits for the kernel before it before it reads anything.
 // kWarpsPerRow warps hold a row (32·kWarpsPerRow lanes; fewer than 8 only when the row has at most
 // that many chunks), so a block of kNormThreads holds 8 / kWarpsPerRow rows. kChunksPerLane ≥
 // ceil(chunks / 256), the chunks lane i holds being i, i + 256, i + 512, …
@@ -142,6 +143,7 @@ __global__ void __launch_bounds__(kNormThreads, norm_min_blocks<T>(kChunksPerLan
                              T* __restrict__ out, std::int64_t rows,
                              const std::int32_t* __restrict__ rows_device, int cols, float eps) {
   pdl_launch_dependents();
+  pdl_wait();  // launched programmatically: x, gamma and the row count may be the last kernel's
   constexpr int kRowLanes = 32 * kWarpsPerRow;
   if (rows_device != nullptr) rows = min(rows, static_cast<std::int64_t>(*rows_device));
   constexpr int kRowsPerBlock = kNormThreads / kRowLanes;
