@@ -356,18 +356,26 @@ fi
 if wants scaling; then
   # Issue 7's sweep: every tier at K3 dims over nccl and p2p at each tp of LMOE_SCALING_TPS (default
   # 2 4 8; those above this machine's GPU count are skipped), one rank per GPU on the first tp GPUs,
-  # with the floors (docs/bench.md) and the PyTorch baseline on the same GPUs. A tp's sweep can take
-  # minutes: one tp per call (LMOE_SCALING_TPS=8) on a large machine; LMOE_BENCH_TOKENS shortens it.
+  # weights evicted from L2 before each timed iteration, with the floors (docs/bench.md), then the
+  # decode sizes per tail in graphs of 8 layers (what a model's graph pays), and the PyTorch baseline
+  # on the same GPUs. A tp's sweep can take minutes: one tp per call (LMOE_SCALING_TPS=8) on a large
+  # machine; LMOE_BENCH_TOKENS shortens it.
   for tp in ${LMOE_SCALING_TPS:-2 4 8}; do
     if [ "$tp" -gt "$gpus" ]; then echo "gpu_check: scaling tp $tp skipped ($gpus GPUs)"; continue; fi
     visible=$(seq -s, 0 $((tp - 1)))
     stage "scaling: lmoe bench, K3, tp $tp on GPUs $visible, nccl and p2p"
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=$visible timeout 500 build/cuda/lmoe bench --backend cuda -n "$tp" --comm nccl,p2p \
-      ${LMOE_BENCH_TOKENS:+-t $LMOE_BENCH_TOKENS} --check-max-tokens 256 --json "$logs/scaling_k3_tp$tp.json" \
+      ${LMOE_BENCH_TOKENS:+-t $LMOE_BENCH_TOKENS} --check-max-tokens 256 --cold-l2 --json "$logs/scaling_k3_tp$tp.json" \
       >"$logs/scaling_tp$tp.log" 2>"$logs/scaling_tp$tp.err"
     rc[scaling_tp$tp]=$?
     cat "$logs/scaling_tp$tp.log"; tail -3 "$logs/scaling_tp$tp.err"
+    stage "scaling: per tail in graphs of 8 layers, tp $tp, decode sizes"
+    CUDA_VISIBLE_DEVICES=$visible timeout 300 build/cuda/lmoe bench --backend cuda -n "$tp" --comm nccl,p2p \
+      -t 1,4,16,32,64,128,256 --check-max-tokens 256 --cold-l2 --layers 8 --json "$logs/scaling_layers8_k3_tp$tp.json" \
+      >"$logs/scaling_layers8_tp$tp.log" 2>"$logs/scaling_layers8_tp$tp.err"
+    rc[scaling_layers8_tp$tp]=$?
+    cat "$logs/scaling_layers8_tp$tp.log"; tail -3 "$logs/scaling_layers8_tp$tp.err"
     if python3 -c "import torch, safetensors" 2>/dev/null; then
       stage "scaling: PyTorch baseline, tp $tp on GPUs $visible"
       CUDA_VISIBLE_DEVICES=$visible timeout 300 torchrun --standalone --nproc_per_node="$tp" scripts/torch_baseline.py --graph \
@@ -475,9 +483,12 @@ if wants tune; then
   # measured. Several GPUs: one rank per GPU, for every comm of LMOE_TUNE_COMMS (default: p2p and
   # nccl), named as the tables lmoe carries (docs/tuning.md): a checked one can be copied as it is to
   # src/models/kimi_k3/tier_tables/. One GPU: 8 ranks sharing it through cuda-threads (a table for
-  # this machine only: ranks sharing a GPU are not what a built-in table describes).
+  # this machine only: ranks sharing a GPU are not what a built-in table describes). With one rank
+  # per GPU the weights are evicted from L2 before each timed forward, as the built-in tables were
+  # measured (cold numbers are meant for one rank per GPU).
+  cold_args=()
   if [ "$gpus" -ge 2 ]; then
-    ranks=$gpus; comms="${LMOE_TUNE_COMMS:-p2p nccl}"
+    ranks=$gpus; comms="${LMOE_TUNE_COMMS:-p2p nccl}"; cold_args=(--cold-l2)
     gpu_tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/^NVIDIA //' | tr 'A-Z ' 'a-z_')
   else
     ranks=8; comms=cuda-threads; gpu_tag=""
@@ -487,11 +498,11 @@ if wants tune; then
     name="tiers_k3_tp${ranks}_$comm"; [ -n "$gpu_tag" ] && name="${gpu_tag}x${gpus}_tp${ranks}_$comm"
     stage "lmoe tune: K3, tp $ranks, $comm -> $name.json"
     timeout 300 build/cuda/lmoe tune --backend cuda -n "$ranks" --comm "$comm" "${grid_args[@]}" --iters 20 \
-      --output "$logs/$name.json" >"$logs/tune_$comm.log" 2>"$logs/tune_$comm.err"
+      "${cold_args[@]}" --output "$logs/$name.json" >"$logs/tune_$comm.log" 2>"$logs/tune_$comm.err"
     rc[tune_$comm]=$?
     cat "$logs/tune_$comm.log"; tail -3 "$logs/tune_$comm.err"
     stage "lmoe bench --check-table $name.json (a fresh sweep of its grid)"
-    timeout 300 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comm" --iters 20 \
+    timeout 300 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm "$comm" --iters 20 "${cold_args[@]}" \
       --tier-table "$logs/$name.json" --check-table --check-max-tokens 64 \
       --json "$logs/check_$name.json" >"$logs/check_$comm.log" 2>"$logs/check_$comm.err"
     rc[check_table_$comm]=$?
