@@ -62,7 +62,6 @@ struct BenchCommand {
   std::string json_path;
   std::string from_sweep;  // --check-table against this recorded sweep instead of a measurement
   std::string rates;       // --rates LINK_GBS,MEMORY_GBS,GEMM_TFLOPS for the floors
-  int layers = 1;          // --layers: tails a timed iteration (BenchOptions::layers)
 
   void execute();
   // --check-table --from-sweep FILE: the policy judged against FILE's records.
@@ -181,13 +180,10 @@ std::string describe_setting(const BenchSweep& sweep) {
                         std::string(dtype_name(sweep.dtype)) + ", tp " + std::to_string(sweep.tp) +
                         ", backend " + std::string(backend_name(sweep.backend));
   if (sweep.gpu) setting += " (" + sweep.gpu->name + ", cc " + sweep.gpu->compute_capability + ")";
-  const std::string layers = sweep.layers > 1
-                                 ? " of " + std::to_string(sweep.layers) +
-                                       " tails (layers, each its own weights; times per tail)"
-                                 : "";
   return setting + ", comm " + joined(sweep.comms) + ", " + std::to_string(sweep.warmup) +
-         " warm-up + " + std::to_string(sweep.iters) + " timed iterations" + layers +
-         l2_note(sweep.backend, sweep.cold_l2) + settings_note(sweep.settings);
+         " warm-up + " + std::to_string(sweep.iters) + " timed iterations" +
+         layers_note(sweep.layers) + l2_note(sweep.backend, sweep.cold_l2) +
+         settings_note(sweep.settings);
 }
 
 void BenchCommand::execute() {
@@ -251,6 +247,7 @@ void BenchCommand::execute() {
     RunningConfig running =
         running_config(chosen_backend, options.tp, options.dims, options.dtype, comm);
     running.cold_l2 = options.cold_l2;  // as this sweep will measure
+    running.layers = options.layers;
     if (comm == "p2p") running.ranks_per_gpu = (options.tp + gpus - 1) / gpus;
     check_table_fits(options.policy, running);
     // The tails choose as LatentTail does: say so where a table built into lmoe holds.
@@ -264,7 +261,6 @@ void BenchCommand::execute() {
   }
   if (shipped_policy) options.policy = std::move(*shipped_policy);
   options.check_max_tokens = no_check ? 0 : check_max_tokens;
-  options.layers = layers;
   options.inject_fault = inject_fault_from_environment();
   validate_bench_options(options);
   if (!cuda) cpu::set_blas_threads(1);  // ranks are the parallelism
@@ -291,7 +287,7 @@ void BenchCommand::judge_recorded(bool check_table) {
   // Everything that would shape a measurement comes from the file: giving it here is a mistake
   // (it would silently not apply).
   std::vector<std::string> measuring = sweep.given(*app);
-  for (const char* flag : {"--tiers", "--check-max-tokens", "--no-check", "--layers"}) {
+  for (const char* flag : {"--tiers", "--check-max-tokens", "--no-check"}) {
     if (app->count(flag) > 0) measuring.emplace_back(flag);
   }
   if (!measuring.empty()) {
@@ -482,13 +478,6 @@ void add_bench_command(CLI::App& app) {
          "check every T up to this against the contract (the CPU reference costs 2*T*d*l FLOPs)")
       ->capture_default_str();
   sub->add_flag("--no-check", command->no_check, "check nothing (#wrong is '-')");
-  sub->add_option("--layers", command->layers,
-                  "tails a timed iteration, back to back (one graph in graph mode), each with its "
-                  "own copy of the weights, shared and output, as a model's layers; times are per "
-                  "tail (the iteration's / N), so a graph's own launch cost is spread as in a "
-                  "model's graph (1 to 64; the check sees a layer whose output differs from the "
-                  "first's)")
-      ->capture_default_str();
   sub->add_option("--tier-table", command->tier_table,
                   "tier table JSON for `chosen` (default: $LMOE_TIER_TABLE); a measured table also "
                   "sets the default --comm");

@@ -66,7 +66,7 @@ std::string describe_setting(const std::string& preset, const TableProvenance& p
          std::to_string(p.tp) + ", backend " + std::string(backend_name(p.backend)) + ", comm " +
          p.comm + ", " + std::to_string(token_counts) + " token counts, " +
          std::to_string(p.warmup) + " warm-up + " + std::to_string(p.iters) + " timed iterations" +
-         l2_note(p.backend, p.cold_l2) + settings_note(p.settings);
+         layers_note(p.layers) + l2_note(p.backend, p.cold_l2) + settings_note(p.settings);
 }
 
 void TuneCommand::execute() {
@@ -107,6 +107,7 @@ void TuneCommand::measure() {
   planned.warmup = options.warmup;
   planned.iters = options.iters;
   planned.cold_l2 = options.cold_l2;
+  planned.layers = options.layers;
   const std::string setting = describe_setting(resolved.preset, planned, options.tokens.size());
   std::cerr << "lmoe tune: " << setting << "\n";
 

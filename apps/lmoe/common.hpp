@@ -46,6 +46,9 @@ std::string resolve_comm(const std::string& name, Backend backend);
 // (--cold-l2) or, on cuda, left warm (weights may stay in L2 between back-to-back replays); nothing
 // on cpu.
 std::string l2_note(Backend backend, bool cold_l2);
+// " of 8 tails (layers, each its own weights; times per tail)" after "timed iterations" for a sweep
+// of several tails an iteration (--layers); "" for one.
+std::string layers_note(int layers);
 // ", with LMOE_FUSED_DECODE=1" for the timing settings a measurement ran with; "" for none.
 std::string settings_note(const TimingSettings& settings);
 

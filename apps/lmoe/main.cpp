@@ -46,6 +46,12 @@ std::string l2_note(Backend backend, bool cold_l2) {
   return backend == Backend::cuda ? ", L2 warm (see --cold-l2)" : "";
 }
 
+std::string layers_note(int layers) {
+  return layers > 1 ? " of " + std::to_string(layers) +
+                          " tails (layers, each its own weights; times per tail)"
+                    : "";
+}
+
 std::string settings_note(const TimingSettings& settings) {
   return settings.empty() ? "" : ", with " + timing_settings_text(settings);
 }

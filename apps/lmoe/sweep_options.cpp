@@ -31,6 +31,12 @@ void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
       "cuda: evict the GPU's L2 (read max(2x its size, 64 MiB)) before each timed forward, "
       "outside its time, then read the inputs back, as other layers would between two "
       "calls of the tail; meant for one rank per GPU (docs/bench.md)");
+  app.add_option("--layers", layers,
+                 "tails a timed iteration, back to back (one graph in graph mode), each with its "
+                 "own copy of the weights, shared and output, as a model's layers; times are per "
+                 "tail (the iteration's / N), so a graph's own launch cost is spread as in a "
+                 "model's graph (1 to 64; docs/bench.md)")
+      ->capture_default_str();
   app.add_option(
          "--mode", mode,
          "auto (graph where the comm is capturable and the workspaces persistent), graph, eager or "
@@ -73,14 +79,15 @@ SweepOptions::Resolved SweepOptions::resolve(
     }
   }
   options.cold_l2 = cold_l2;
+  options.layers = layers;
   options.seed = seed;
   return resolved;
 }
 
 std::vector<std::string> SweepOptions::given(const CLI::App& app) const {
   const std::vector<std::string> flags = {
-      "--preset",    "--d-model", "--d-latent", "--dtype",   "--eps",  "--backend", ranks_flag_,
-      "-t/--tokens", "--warmup",  "--iters",    "--cold-l2", "--mode", "--seed"};
+      "--preset",    "--d-model", "--d-latent", "--dtype",   "--eps",    "--backend", ranks_flag_,
+      "-t/--tokens", "--warmup",  "--iters",    "--cold-l2", "--layers", "--mode",    "--seed"};
   std::vector<std::string> found;
   for (const std::string& flag : flags) {
     // CLI11 finds an option by any one of its names: the last of "-t/--tokens".

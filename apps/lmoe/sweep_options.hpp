@@ -23,6 +23,7 @@ struct SweepOptions {
   std::optional<int> warmup;
   std::optional<int> iters;
   bool cold_l2 = false;
+  int layers = 1;
   std::string mode = "auto";
   std::uint64_t seed = 2026;
 
@@ -32,7 +33,7 @@ struct SweepOptions {
 
   struct Resolved {
     BenchOptions options;  // backend, dims, eps, dtype, tp, tokens, warm-up, iterations, cold_l2,
-                           // mode, seed
+                           // layers, mode, seed
     std::string preset;    // the model's name
   };
   // Throws lmoe::Error naming the first bad option. `app` tells whether --preset was given.

@@ -175,6 +175,7 @@ struct TableProvenance {
   std::string date_utc, hostname, preset, mode;
   int warmup = 0, iters = 0;
   bool cold_l2 = false;  // L2 evicted before each timed iteration; absent (false) in older tables
+  int layers = 1;  // tails a timed iteration (BenchOptions::layers); absent (1) in older tables
   // The timing settings the measurements were taken with (lmoe/timing_settings.hpp); absent (none)
   // in older tables. Loading the table under other settings warns.
   TimingSettings settings;
@@ -216,6 +217,7 @@ struct RunningConfig {
   // How a measurement here was taken, compared (with a warning) when set: a sweep's, when a table
   // judges it; a plain run has no cache state or timing settings of its own to compare.
   std::optional<bool> cold_l2;
+  std::optional<int> layers;
   std::optional<TimingSettings> settings;
 };
 
@@ -230,8 +232,8 @@ std::optional<std::string> nvidia_driver_version();
 // Throws lmoe::Error listing every field in which the table and the running configuration differ
 // (GPU name, compute capability, backend, tp, d_model, d_latent, dtype, comm), each with both
 // values. Returns one warning per software version that differs (driver, CUDA driver and runtime,
-// NCCL, lmoe), per timing setting set differently and for another cold_l2 (each when set in
-// `running`): the table is used, but its measurements may no longer hold.
+// NCCL, lmoe), per timing setting set differently and for another cold_l2 or layers (each when set
+// in `running`): the table is used, but its measurements may no longer hold.
 std::vector<std::string> match_tier_table(const TableProvenance& table,
                                           const RunningConfig& running,
                                           const std::string& table_name);

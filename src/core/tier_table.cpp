@@ -79,6 +79,7 @@ ordered provenance_json(const TableProvenance& p) {
           {"warmup", p.warmup},
           {"iters", p.iters},
           {"cold_l2", p.cold_l2},
+          {"layers", p.layers},
           {"settings", p.settings},
           {"eps", p.eps ? ordered(*p.eps) : ordered()},
           {"derived_from", p.derived_from ? ordered{{"path", p.derived_from->path},
@@ -114,8 +115,10 @@ TableProvenance read_provenance(const json& object, const std::string& where) {
   p.mode = text_field(object, "mode", where);
   p.warmup = int_field(object, "warmup", where, 0);
   p.iters = int_field(object, "iters", where, 0);
-  // Optional: tables written before these were recorded lack them (cold_l2: they were warm).
+  // Optional: tables written before these were recorded lack them (cold_l2: they were warm; layers:
+  // one tail a timed iteration).
   p.cold_l2 = object.contains("cold_l2") && bool_field(object, "cold_l2", where);
+  p.layers = object.contains("layers") ? int_field(object, "layers", where, 1) : 1;
   if (object.contains("settings")) p.settings = text_map_field(object, "settings", where);
   if (object.contains("eps") && !object["eps"].is_null()) {
     p.eps = static_cast<float>(nonnegative_field(object, "eps", where));

@@ -342,7 +342,8 @@ bool TableProvenance::operator==(const TableProvenance& o) const {
          dims.d_model == o.dims.d_model && dims.d_latent == o.dims.d_latent && dtype == o.dtype &&
          comm == o.comm && date_utc == o.date_utc && hostname == o.hostname && preset == o.preset &&
          mode == o.mode && warmup == o.warmup && iters == o.iters && cold_l2 == o.cold_l2 &&
-         settings == o.settings && eps == o.eps && derived_from == o.derived_from;
+         layers == o.layers && settings == o.settings && eps == o.eps &&
+         derived_from == o.derived_from;
 }
 
 std::optional<std::string> nvidia_driver_version() {
@@ -464,6 +465,12 @@ std::vector<std::string> match_tier_table(const TableProvenance& table,
     warn_if(table.cold_l2 != *running.cold_l2, "cold_l2", table.cold_l2 ? "true" : "false",
             *running.cold_l2 ? "true" : "false");
   }
+  if (running.layers) {
+    // Tails timed in a graph of their own or several to a graph pay the replay's own cost
+    // differently (docs/bench.md, "Layers").
+    warn_if(table.layers != *running.layers, "layers", std::to_string(table.layers),
+            std::to_string(*running.layers));
+  }
   if (running.settings) {
     // A setting that picks another kernel or algorithm changes the times the table holds.
     for (const std::string& difference :
@@ -574,6 +581,7 @@ TableProvenance provenance_of(const BenchSweep& sweep, const std::string& comm) 
   p.warmup = sweep.warmup;
   p.iters = sweep.iters;
   p.cold_l2 = sweep.cold_l2;
+  p.layers = sweep.layers;
   p.settings = sweep.settings;
   p.mode = mode_of(sweep.result.records, comm);
   return p;
@@ -647,6 +655,7 @@ RunningConfig running_config_of(const BenchSweep& sweep, const std::string& comm
   running.comm = comm;
   running.lmoe_version = sweep.lmoe_version;
   running.cold_l2 = sweep.cold_l2;
+  running.layers = sweep.layers;
   running.settings = sweep.settings;
   return running;
 }

@@ -625,6 +625,17 @@ class TuneCommand(unittest.TestCase):
             json.dump(doc, f)
         return path
 
+    def test_a_table_tuned_with_layers_records_them_and_a_sweep_without_warns(self):
+        table = os.path.join(self.dir.name, "layers.json")
+        result = lmoe("tune", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,4", "--warmup", "0",
+                      "--iters", "2", "--layers", "2", "--output", table)
+        self.assertIn("2 timed iterations of 2 tails (layers, each its own weights; times per tail)", result.stdout)
+        with open(table) as f:
+            self.assertEqual(json.load(f)["provenance"]["layers"], 2)
+        result = lmoe("bench", "--backend", "cpu", "--preset", "small", "-n", "2", "-t", "1,4", "--warmup", "0",
+                      "--iters", "2", "--check-table", table, check=False)
+        self.assertIn(f"tier table {table}: layers is 2 in the table, 1 here", result.stderr)
+
     def test_table_has_provenance_grid_and_breakpoints(self):
         doc = self.doc
         self.assertEqual((doc["format"], doc["version"]), ("lmoe-tier-table", 3))
@@ -633,7 +644,7 @@ class TuneCommand(unittest.TestCase):
         self.assertEqual(p["dims"], {"d_model": 384, "d_latent": 192})
         self.assertIsNone(p["gpu"])
         self.assertIsNone(p["nccl_version"])
-        self.assertEqual((p["warmup"], p["iters"], p["mode"], p["cold_l2"]), (0, 3, "eager", False))
+        self.assertEqual((p["warmup"], p["iters"], p["mode"], p["cold_l2"], p["layers"]), (0, 3, "eager", False, 1))
         for field in ["lmoe_version", "date", "hostname", "driver_version"]:
             self.assertIn(field, p)
         self.assertEqual([point["tokens"] for point in doc["grid"]], [1, 4, 16, 64])
@@ -1024,6 +1035,7 @@ class RecordedSweeps(unittest.TestCase):
             (["tune", "--from-sweep", self.sweep, "-o", out, "--mode", "eager", "--seed", "3", "--warmup", "1"],
              "--from-sweep: --warmup, --mode, --seed shape"),
             (["tune", "--from-sweep", self.sweep, "-o", out, "--cold-l2"], "--from-sweep: --cold-l2 shapes a measurement"),
+            (["tune", "--from-sweep", self.sweep, "-o", out, "--layers", "2"], "--from-sweep: --layers shapes a measurement"),
             (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "--tiers", "column"],
              "--from-sweep: --tiers shapes a measurement"),
             (["bench", "--check-table", self.table, "--from-sweep", self.sweep, "-n", "2", "--no-check"],

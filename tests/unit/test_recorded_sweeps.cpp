@@ -492,6 +492,14 @@ TEST(TuneFromSweep, TheTableKeepsTheSweepsTimingSettingsAndLoadingUnderOthersWar
       lmoe::match_tier_table(read.provenance, running, "t.json"),
       (std::vector<std::string>{"tier table t.json: cold_l2 is false in the table, true here; "
                                 "the table is used, but its measurements may not hold"}));
+  // And tails timed one to a graph against several (--layers).
+  running.cold_l2.reset();
+  EXPECT_EQ(lmoe::running_config_of(sweep, table.provenance.comm).layers, 1);
+  running.layers = 8;
+  EXPECT_EQ(
+      lmoe::match_tier_table(read.provenance, running, "t.json"),
+      (std::vector<std::string>{"tier table t.json: layers is 1 in the table, 8 here; the table "
+                                "is used, but its measurements may not hold"}));
 }
 
 TEST(TuneFromSweep, AWrongRowIsRefusedByName) {

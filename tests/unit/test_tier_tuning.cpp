@@ -644,6 +644,7 @@ lmoe::TierTable sample_table() {
   p.warmup = 5;
   p.iters = 50;
   p.cold_l2 = true;  // not the default: round trips must keep it
+  p.layers = 8;      // likewise
   p.settings = {{"LMOE_TOKEN_CHUNKS", "4"}};
   table.grid = {point(1, {20.5, 30.25, 40.125, -1}), point(256, {990, 950.5, 901, 812}),
                 point(512, {1800, 1700, 1500, 1300})};
@@ -936,6 +937,11 @@ TEST(TierTableV3, MalformedTablesNameTheField) {
   const lmoe::TierTable old = lmoe::read_tier_table(replaced("\"cold_l2\": true,", ""), "t.json");
   EXPECT_FALSE(old.provenance.cold_l2);
   EXPECT_TRUE(lmoe::read_tier_table(good, "t.json").provenance.cold_l2);
+  // Layers the same way: one tail a timed iteration before they were recorded; at least 1.
+  EXPECT_EQ(read_error(replaced("\"layers\": 8", "\"layers\": 0")),
+            "t.json: provenance.layers: expected an integer >= 1, got 0");
+  EXPECT_EQ(lmoe::read_tier_table(replaced("\"layers\": 8,", ""), "t.json").provenance.layers, 1);
+  EXPECT_EQ(lmoe::read_tier_table(good, "t.json").provenance.layers, 8);
   EXPECT_EQ(read_error(replaced("\"LMOE_TOKEN_CHUNKS\": \"4\"", "\"LMOE_TOKEN_CHUNKS\": 4")),
             "t.json: provenance.settings.LMOE_TOKEN_CHUNKS: expected a string, got 4");
   // Tables from before the timing settings were recorded: none.
