@@ -28,9 +28,11 @@ bool backend_available(Backend backend);
 // ranks: fused_max_tokens becomes the fused kernels' measured range where they run (docs/fused.md)
 // and 0 where they do not (`decode_limit` says why: the general kernel measured slower than
 // `overlap` there). One rank: kFusedDefaultTp1ChainedTokens where the chained path runs
-// (`chained_limit` empty: the decode kernel up to 2 rows, then the chained path; at K3 dims on an
-// H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 32 tokens
-// and slower from 48), else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
+// (`chained_limit` empty: the decode kernel for 1 row, then the chained path; at K3 dims on an
+// H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 64 tokens —
+// graph replays T = 48 23.2 against 23.8 µs, T = 64 within ±0.3; per tail in graphs of 8 layers
+// 20.8 / 21.9 and 19.6 / 21.7 — and slower from 80: 25.5 / 23.9, per tail 23.5 / 22.0; session 19),
+// else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
 // at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultChainedTokens
 // where the chained path runs (`chained_limit` empty; K3 tp 2, one rank per H200, cold weights:
 // the decode kernel up to 4 tokens and the chained path from 5, 22.1–38.1 µs at T = 1–64 against
@@ -42,7 +44,7 @@ bool backend_available(Backend backend);
 // origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
 inline constexpr int kFusedDefaultTp1Tokens = 6;
-inline constexpr int kFusedDefaultTp1ChainedTokens = 32;
+inline constexpr int kFusedDefaultTp1ChainedTokens = 64;
 inline constexpr int kFusedDefaultDecodeTokens = 16;
 inline constexpr int kFusedDefaultChainedTokens = 64;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,

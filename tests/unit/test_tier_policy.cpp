@@ -513,7 +513,7 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
     EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1ChainedTokens + 1, config), TailTier::overlap);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                 HasSubstr("default for cuda at tp 1: the decode kernel and the chained path "
-                          "measured at least as fast as overlap up to 32 tokens"));
+                          "measured at least as fast as overlap up to 64 tokens"));
   }
   EXPECT_THAT(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 3).value_or(""),
               HasSubstr("d_model=7168 is not split into 3 stripes"));
