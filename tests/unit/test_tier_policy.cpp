@@ -75,6 +75,15 @@ TailTier tier_for(std::int64_t tokens, const PolicyConfig& config,
   return lmoe::select(tokens, config, support);
 }
 
+// A built-in fused bound: fused from T = 1 up to `bound` and overlap just above it.
+void expect_built_in_fused_bound(const PolicyConfig& config, std::int64_t bound) {
+  EXPECT_EQ(config.fused_max_tokens.value, bound);
+  EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
+  EXPECT_EQ(tier_for(1, config), TailTier::fused);
+  EXPECT_EQ(tier_for(bound, config), TailTier::fused);
+  EXPECT_EQ(tier_for(bound + 1, config), TailTier::overlap);
+}
+
 std::string select_error(std::int64_t tokens, const PolicyConfig& config,
                          const TierSupport& support) {
   try {
@@ -408,11 +417,7 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
   {
     // One rank: the decode kernel up to kFusedDefaultTp1Tokens, overlap above.
     const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, 1, std::nullopt);
-    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultTp1Tokens);
-    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
-    EXPECT_EQ(tier_for(1, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1Tokens, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1Tokens + 1, config), TailTier::overlap);
+    expect_built_in_fused_bound(config, lmoe::kFusedDefaultTp1Tokens);
     EXPECT_EQ(tier_for(256, config), TailTier::overlap);
     EXPECT_EQ(tier_for(257, config), TailTier::column);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()), HasSubstr("default for cuda at tp 1"));
@@ -452,11 +457,7 @@ TEST(TierPolicyRankDefaults, CudaBelowEightRanksTakesTheDecodeKernelsRange) {
   for (const int ranks : {2, 4, lmoe::kFusedDefaultMinRanks - 1}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
     const PolicyConfig config = with_rank_defaults(load({}), Backend::cuda, ranks, std::nullopt);
-    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultDecodeTokens);
-    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
-    EXPECT_EQ(tier_for(1, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultDecodeTokens, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultDecodeTokens + 1, config), TailTier::overlap);
+    expect_built_in_fused_bound(config, lmoe::kFusedDefaultDecodeTokens);
     EXPECT_EQ(tier_for(256, config), TailTier::overlap);
     EXPECT_EQ(tier_for(257, config), TailTier::column);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
@@ -506,11 +507,7 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
        {std::optional<std::string>(), std::optional<std::string>("more than 8 groups per SM")}) {
     const PolicyConfig config =
         lmoe::with_rank_defaults(load({}), Backend::cuda, 1, decode, std::nullopt);
-    EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultTp1ChainedTokens);
-    EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
-    EXPECT_EQ(tier_for(1, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1ChainedTokens, config), TailTier::fused);
-    EXPECT_EQ(tier_for(lmoe::kFusedDefaultTp1ChainedTokens + 1, config), TailTier::overlap);
+    expect_built_in_fused_bound(config, lmoe::kFusedDefaultTp1ChainedTokens);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                 HasSubstr("default for cuda at tp 1: the decode kernel and the chained path "
                           "measured at least as fast as overlap up to 64 tokens"));
@@ -546,11 +543,7 @@ TEST(TierPolicyRankDefaults, CudaSeveralRanksTakeTheChainedPathsRangeWhereItRuns
          {std::optional<std::string>(), std::optional<std::string>("more than 8 groups per SM")}) {
       const PolicyConfig config =
           lmoe::with_rank_defaults(load({}), Backend::cuda, ranks, decode, std::nullopt);
-      EXPECT_EQ(config.fused_max_tokens.value, lmoe::kFusedDefaultChainedTokens);
-      EXPECT_EQ(config.fused_max_tokens.source, SettingSource::built_in);
-      EXPECT_EQ(tier_for(1, config), TailTier::fused);
-      EXPECT_EQ(tier_for(lmoe::kFusedDefaultChainedTokens, config), TailTier::fused);
-      EXPECT_EQ(tier_for(lmoe::kFusedDefaultChainedTokens + 1, config), TailTier::overlap);
+      expect_built_in_fused_bound(config, lmoe::kFusedDefaultChainedTokens);
       EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                   HasSubstr("default for cuda at tp " + std::to_string(ranks) +
                             ": the decode kernel and the chained path measured faster than "
