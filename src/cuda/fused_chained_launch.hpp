@@ -27,16 +27,16 @@ namespace lmoe::cuda {
 // The most tokens a chained call carries: wgmma's N of 128.
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
 // Where the chained path runs, the decode kernel keeps only the calls of up to this many rows
-// (docs/fused.md, sessions 18–19; K3, H200s, cold L2, median µs, decode / chained). One rank: 1
-// (graph replays: T = 1 21.1 / 21.4, T = 2 21.8 / 21.4, T = 3 22.7 / 21.2; per tail in a graph of
-// 8 layers, `lmoe bench --layers 8`: T = 1 18.8 / 18.8, T = 2 19.7 / 18.9, T = 3 20.6 / 18.9).
+// (docs/fused.md, sessions 18–20; K3, H200s, cold L2, median µs, decode / chained). One rank: none
+// (since the chained path's norm kernel is launched programmatically, session 20: T = 1 per tail
+// in a graph of 8 layers, `lmoe bench --layers 8`, 19.0 / 17.7, as graph replays 21.2 / 21.1).
 // 2 … 7 ranks: 4 (tp 2 across two GPUs, graph replays: T = 1 22.4 / 24.3, T = 4 25.5 / 25.4,
 // T = 8 26.7 / 26.1, T = 16 28.1 / 27.1). From 8 ranks all 16 of the decode kernel until 8 GPUs
 // measure it (issue 7: its one-shot exchange against the chained path's two shots; on one rank's
 // stripe at K3 tp 8 without peers the decode kernel's per-block norm makes it the slower from
 // T = 4: 7.7 / 7.9, 9.7 / 8.0, 14.2 / 7.9 µs per tail at T = 4, 8, 16).
 constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
-  return tp == 1 ? 1 : tp < 8 ? 4 : 16;
+  return tp == 1 ? 0 : tp < 8 ? 4 : 16;
 }
 
 // A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups

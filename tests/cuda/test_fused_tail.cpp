@@ -569,11 +569,11 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
           << fused.chained_limit().value_or("");
       EXPECT_EQ(fused.chained_limit().has_value(), !chained);
       std::uint32_t general = fused.general_calls(), chained_calls = fused.chained_calls();
-      // Each bound ±1: decode ≤ 1 (one rank) or ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
+      // Each bound ±1: no decode with one rank, ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
       for (std::int64_t tokens : {1, 2, 3, 4, 5, 16, 17, 128, 129}) {
         using lmoe::cuda::FusedKernel;
-        const std::int64_t decode_bound = chained ? (tp == 1 ? 1 : 4) : 16;
-        EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 1 : 4);
+        const std::int64_t decode_bound = chained ? (tp == 1 ? 0 : 4) : 16;
+        EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 0 : 4);
         const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
                                      : chained && tokens <= 128 ? FusedKernel::chained
                                                                 : FusedKernel::general;
@@ -788,8 +788,11 @@ TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
       FusedRank state(comm, c, 4);
       bounds[static_cast<std::size_t>(rank)] = state.fused->decode_max_tokens();
       if (rank == 0) *why = state.fused->decode_limit().value_or("");
+      // T = 1 runs it where it runs, unless the chained path takes T = 1 (one rank on compute 9.0).
+      const bool chained_takes_one = state.fused->chained_max_tokens() > 0 &&
+                                     lmoe::cuda::fused_decode_beside_chained_tokens(tp) < 1;
       EXPECT_EQ(state.fused->kernel_for(1) == lmoe::cuda::FusedKernel::decode,
-                bounds[static_cast<std::size_t>(rank)] > 0);
+                bounds[static_cast<std::size_t>(rank)] > 0 && !chained_takes_one);
     });
     for (std::int64_t b : bounds) EXPECT_EQ(b, bounds[0]);
     return bounds[0];
