@@ -21,9 +21,11 @@
 //   on the stage's full mbarrier.
 //   Warpgroups 1 and 2 consume: in a tile of 128 rows each multiplies its 64-row half by N's rows
 //   (four m64nNk16 per chunk), in a tile of 64 each multiplies all 64 rows over its half of the
-//   chunk's K (two m64nNk16: two partial sums per row); fp32 accumulators in registers, one wgmma
-//   group in flight, the previous stage handed back through its empty mbarrier. No block-wide
-//   barrier in the main loop.
+//   chunk's K (two m64nNk16: two partial sums per row) — except up to 32 tokens, where warpgroup 1
+//   alone multiplies all of it (four m64nNk16 a chunk keep well ahead of the stream) and warpgroup
+//   2 only helps finish, so that no partial sums of the block's own are stored and added; fp32
+//   accumulators in registers, one wgmma group in flight, the previous stage handed back through
+//   its empty mbarrier. No block-wide barrier in the main loop.
 // - The weights do not depend on the first kernel: the producer issues the first ring of weight
 //   copies before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow
 //   the wait.
@@ -72,10 +74,13 @@ struct ChainedShape {
   static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128);
   static_assert(kTileRows == 64 || kTileRows == 128);
   static constexpr int kTileShift = kTileRows == 128 ? 7 : 6;
+  // The warpgroups that multiply: one in a tile of 64 serving up to 32 tokens (all rows, all of K),
+  // else two.
+  static constexpr int kConsumers = kTileRows == 64 && kN <= 32 ? 1 : 2;
   // The consumer warpgroups' partial sums of a row: a tile of 128 rows gives each consumer 64 of
-  // them (one partial); in a tile of 64 both multiply all 64, each half of every chunk's K (two
-  // partials, added in consumer order with the splits').
-  static constexpr int kConsumerParts = kTileRows == 128 ? 1 : 2;
+  // them (one partial); in a tile of 64 two consumers both multiply all 64, each half of every
+  // chunk's K (two partials, added in consumer order with the splits'), one all of K (one).
+  static constexpr int kConsumerParts = kTileRows == 128 ? 1 : kConsumers;
   static constexpr int kStepsPerConsumer = kChainedTileK / 16 / kConsumerParts;  // k16 wgmmas
   static constexpr int kRowBytes = kChainedTileK * 2;  // 64 elements of 16 bits
   static constexpr int kWeightBytes = kTileRows * kRowBytes;
@@ -86,8 +91,8 @@ struct ChainedShape {
   static constexpr int kRingBytes = kStages * kStageBytes;
   // The partials of a block's slice, [part][fragment][slot] float2 (part = split · kConsumerParts +
   // consumer), slot = 4 · (row in the slice) + lane % 4: S · kConsumerParts parts × kN / 8
-  // fragments × 4 · kTileRows / S slots = kN · 512 bytes, whatever S and the tile.
-  static constexpr int kPartialBytes = kN * 512;
+  // fragments × 4 · kTileRows / S slots, whatever S.
+  static constexpr int kPartialBytes = kConsumerParts * kTileRows * kN * 4;
   // Up to 32 tokens the partials have a region of their own past the ring (it fits beside it in
   // 220 KB): the cluster's blocks may then store into it while its owner still multiplies, and the
   // reduction takes one cluster barrier instead of two. Larger classes keep them in the stages.
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     chained_trace(p, kChainedTraceEntry);
     for (int s = 0; s < Shape::kStages; ++s) {
       mbarrier_init(full_bar(s), 1);       // the producer's arrive.expect_tx
-      mbarrier_init(empty_bar(s), 2 * 4);  // lane 0 of each consumer warp
+      mbarrier_init(empty_bar(s), Shape::kConsumers * 4);  // lane 0 of each consumer warp
     }
     mbarrier_init_fence();
     if (blockIdx.x == 0) atomicAdd(p.calls, 1u);
@@ -219,7 +224,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         }
       }
     }
-  } else {
+  } else if (warpgroup <= Shape::kConsumers) {
     const int consumer = warpgroup - 1;
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
@@ -296,7 +301,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int parts = p.splits * Shape::kConsumerParts;
   if (parts == 1) {
     if (tid == 0) chained_trace(p, kChainedTracePartials);
-    if (warpgroup > 0) {
+    if (warpgroup > 0 && warpgroup <= Shape::kConsumers) {  // the multiplying warpgroups
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -325,7 +330,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       if (!Shape::kOwnPartials) cluster_arrive_release();
       cluster_wait();
     }
-    if (warpgroup > 0) {
+    if (warpgroup > 0 && warpgroup <= Shape::kConsumers) {  // the multiplying warpgroups
       const int part =
           split * Shape::kConsumerParts + (Shape::kConsumerParts == 2 ? warpgroup - 1 : 0);
 #pragma unroll
