@@ -28,9 +28,9 @@ bool backend_available(Backend backend);
 // ranks: fused_max_tokens becomes the fused kernels' measured range where they run (docs/fused.md)
 // and 0 where they do not (`decode_limit` says why: the general kernel measured slower than
 // `overlap` there). One rank: kFusedDefaultTp1ChainedTokens where the chained path runs
-// (`chained_limit` empty: the decode kernel for 1 row, then the chained path; at K3 dims on an
-// H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 64 tokens —
-// graph replays T = 48 23.2 against 23.8 µs, T = 64 within ±0.3; per tail in graphs of 8 layers
+// (`chained_limit` empty: the chained path from 1 row, the decode kernel not at all; at K3 dims on
+// an H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 64 tokens
+// — graph replays T = 48 23.2 against 23.8 µs, T = 64 within ±0.3; per tail in graphs of 8 layers
 // 20.8 / 21.9 and 19.6 / 21.7 — and slower from 80: 25.5 / 23.9, per tail 23.5 / 22.0; session 19),
 // else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
 // at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultChainedTokens

@@ -106,7 +106,6 @@ struct ChainedShape {
   static constexpr int kParkPitch = kTileRows * 2 + 16;
   static constexpr int kParkOffset = kOwnPartials ? 0 : kPartialBytes;
   static_assert(kStageBytes % 1024 == 0, "1024-byte swizzle atoms");
-  static_assert(kConsumerParts * kTileRows * kN / 8 * 4 * 8 == kPartialBytes, "partials' bytes");
   static_assert(kParkOffset + kN * kParkPitch <= kRingBytes, "parking in the stages");
 };
 

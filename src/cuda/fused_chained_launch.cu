@@ -58,6 +58,15 @@ int shared_bytes(int token_class, int tile_rows) {
   return tile_rows == 64 ? shared_bytes_of<64>(token_class) : shared_bytes_of<128>(token_class);
 }
 
+// The up-projection's launch: tiles × splits blocks of kChainedThreads, clusters of `splits` (what
+// the plan asks the device about, and what launch_up launches).
+LaunchConfig up_config(int tiles, int splits, int shared_bytes, cudaStream_t stream) {
+  LaunchConfig config(dim3(static_cast<unsigned>(tiles * splits)), dim3(kChainedThreads),
+                      static_cast<std::size_t>(shared_bytes), stream);
+  config.cluster(static_cast<unsigned>(splits));
+  return config;
+}
+
 // The plan for tiles of `tile_rows` rows: splits of K fill the SMs the tiles leave idle (K3 at
 // tp 1 in tiles of 128: 56 tiles, 2 splits on 132 SMs; 896 rows in tiles of 64: 14 tiles, 8
 // splits), in powers of two (a block finishes tile / splits rows of its tile) and at most one split
@@ -87,18 +96,9 @@ const char* plan_tiles(int tile_rows, std::int64_t rows, int chunks, int sms, in
     // Fewer splits where the device cannot hold every tile's cluster at once (a cluster's blocks
     // share one GPC, one block of ~150–200 KB per SM).
     while (result.splits > 1) {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(static_cast<unsigned>(result.tiles * result.splits));
-      config.blockDim = dim3(kChainedThreads);
-      config.dynamicSmemBytes = static_cast<std::size_t>(bytes);
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = static_cast<unsigned>(result.splits);
-      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
+      LaunchConfig config = up_config(result.tiles, result.splits, bytes, nullptr);
       int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess &&
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, config.get()) == cudaSuccess &&
           clusters >= result.tiles) {
         break;
       }
@@ -179,9 +179,9 @@ namespace {
 cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DType dtype,
                       const FusedChainedPlan& plan, cudaStream_t stream) {
   const int shape = token_class(max_tokens);
-  LaunchConfig config(dim3(static_cast<unsigned>(plan.tiles * plan.splits)), dim3(kChainedThreads),
-                      static_cast<std::size_t>(shared_bytes(shape, plan.tile_rows)), stream);
-  config.programmatic().cluster(static_cast<unsigned>(plan.splits));
+  LaunchConfig config =
+      up_config(plan.tiles, plan.splits, shared_bytes(shape, plan.tile_rows), stream);
+  config.programmatic();
   FusedChainedParams params = p;
   params.tiles = plan.tiles;
   params.splits = plan.splits;

@@ -41,7 +41,8 @@ constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
 
 // A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups
 // multiplying a tile of 64 or 128 rows of w_up (wgmma's M: each consumer 64 rows of a tile of 128,
-// or all 64 rows over half of K) by every token; 64 elements of K per stage. A tile is split over K
+// or all 64 rows over half of K; up to 32 tokens in a tile of 64 the first alone multiplies all of
+// it) by every token; 64 elements of K per stage. A tile is split over K
 // by the blocks of one cluster: a power of two, at most kChainedMaxSplits, the portable cluster
 // size (the plan asks the device whether the tiles' clusters fit at once, and takes fewer splits
 // where they do not). Clusters of 16 (non-portable) measured no faster on a stripe of 896 rows in
