@@ -1,6 +1,7 @@
 // What the benchmark programs share: one operation timed as a CUDA graph of `inner` copies of it
 // (enough for about graph_target_us of GPU time), launched `repeats` times after `warmup`, with
-// CUDA events; per-operation median and 10th/90th percentiles. Host code; benchmarks only.
+// CUDA events; per-operation median and 10th/90th percentiles. And the probes' plain timing of
+// launches issued back to back. Host code; benchmarks only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -98,5 +99,25 @@ class Timer {
   cudaStream_t stream_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
+
+// The mean µs of `iters` launches issued back to back on `stream` between two events, after
+// three untimed; body(i) issues launch i (a probe may rotate its inputs by i so that every launch
+// reads from memory, not L2).
+inline double back_to_back_us(const std::function<void(int)>& body, cudaStream_t stream,
+                              int iters) {
+  cudaEvent_t start, stop;
+  LMOE_CUDA_CHECK(cudaEventCreate(&start));
+  LMOE_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) body(i);
+  LMOE_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < iters; ++i) body(i);
+  LMOE_CUDA_CHECK(cudaEventRecord(stop, stream));
+  LMOE_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  LMOE_CUDA_CHECK(cudaEventDestroy(start));
+  LMOE_CUDA_CHECK(cudaEventDestroy(stop));
+  return 1000.0 * ms / iters;
+}
 
 }  // namespace lmoe::bench

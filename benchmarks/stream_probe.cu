@@ -26,6 +26,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
+#include "graph_timer.hpp"
 
 namespace {
 
@@ -309,22 +310,6 @@ cudaError_t launch(const Config& c, const StreamParams& p, int grid, cudaStream_
   }
 }
 
-double time_us(const std::function<void()>& body, cudaStream_t stream, int iters) {
-  cudaEvent_t start, stop;
-  LMOE_CUDA_CHECK(cudaEventCreate(&start));
-  LMOE_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) body();
-  LMOE_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < iters; ++i) body();
-  LMOE_CUDA_CHECK(cudaEventRecord(stop, stream));
-  LMOE_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  LMOE_CUDA_CHECK(cudaEventDestroy(start));
-  LMOE_CUDA_CHECK(cudaEventDestroy(stop));
-  return 1000.0 * ms / iters;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -351,8 +336,8 @@ int main(int argc, char** argv) {
     const int iters = 50;
 
     std::vector<std::pair<std::string, double>> results;
-    const double read_us = time_us(
-        [&] {
+    const double read_us = lmoe::bench::back_to_back_us(
+        [&](int) {
           read_kernel<<<sms * 8, 256, 0, stream>>>(static_cast<const uint4*>(w.data()), bytes / 16,
                                                     static_cast<unsigned*>(sink.data()));
         },
@@ -387,7 +372,8 @@ int main(int argc, char** argv) {
       p.sink = static_cast<unsigned*>(sink.data());
       if (rows % c.cols != 0 || row_bytes % (c.seg * c.splits) != 0) continue;
       const int grid = sms * c.blocks_per_sm;
-      const double us = time_us([&] { LMOE_CUDA_CHECK(launch(c, p, grid, stream)); }, stream, iters);
+      const double us = lmoe::bench::back_to_back_us(
+          [&](int) { LMOE_CUDA_CHECK(launch(c, p, grid, stream)); }, stream, iters);
       std::printf("%-9s %5d %5d %6d %7d %6lld %6d %9.2f %7.2f\n", c.mode.c_str(), c.cols, c.seg, c.stages,
                   c.blocks_per_sm, static_cast<long long>(c.splits), grid, us, bytes / us / 1e6);
       results.emplace_back(c.mode + "_c" + std::to_string(c.cols) + "_s" + std::to_string(c.seg) + "_st" +
@@ -408,8 +394,8 @@ int main(int argc, char** argv) {
     };
     if (rows % 8 == 0 && row_bytes % (16 * 64) == 0) {
       for (const RingConfig& r : rings) {
-        const double us = time_us(
-            [&] {
+        const double us = lmoe::bench::back_to_back_us(
+            [&](int) {
               r.kernel<<<static_cast<int>(std::min<std::int64_t>(sms, rows / 8)), kRingThreads, 0,
                          stream>>>(static_cast<const std::byte*>(w.data()), rows, row_bytes,
                                    static_cast<unsigned*>(sink.data()));
@@ -428,7 +414,7 @@ int main(int argc, char** argv) {
           {"lane_ring_d16", [&] { launch_lane_ring<16>(grid, stream, wp, rows, row_bytes, sp); }},
       };
       for (const auto& [name, body] : lane_rings) {
-        const double us = time_us(body, stream, iters);
+        const double us = lmoe::bench::back_to_back_us([&](int) { body(); }, stream, iters);
         std::printf("%-22s %6d %9.2f %7.2f\n", name, grid, us, bytes / us / 1e6);
         results.emplace_back(name, us);
       }

@@ -447,6 +447,12 @@ if wants kernels && [ -x build/cuda/benchmarks/lmoe_kernel_bench ]; then
     timeout 60 build/cuda/benchmarks/lmoe_stream_probe --json "$logs/stream_probe.json" 2>&1 | tee "$logs/stream_probe.log"
     timeout 60 build/cuda/benchmarks/lmoe_stream_probe --rows 896 --json "$logs/stream_probe_896.json" 2>&1 | tee -a "$logs/stream_probe.log"
   fi
+  if [ -x build/cuda/benchmarks/lmoe_tma_stream_probe ]; then
+    # The copy engine's stream of the same weights by box shape (the chained path's copies).
+    stage "TMA stream probe (K3 w_up, and one tp-8 stripe)"
+    timeout 60 build/cuda/benchmarks/lmoe_tma_stream_probe --json "$logs/tma_stream_probe.json" 2>&1 | tee "$logs/tma_stream_probe.log"
+    timeout 60 build/cuda/benchmarks/lmoe_tma_stream_probe --rows 896 --json "$logs/tma_stream_probe_896.json" 2>&1 | tee -a "$logs/tma_stream_probe.log"
+  fi
 fi
 
 if wants kernels && [ "$gpus" -ge 2 ] && [ -x build/cuda/benchmarks/lmoe_comm_bench ]; then
