@@ -44,8 +44,10 @@
 //   tile (session 15) was ~1 µs slower at T = 128.
 // - The finish: each block parks round(U) of its slice in its stages as [token][row], and its
 //   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows (`shared`
-//   brought into L2 by the producer's idle threads during the stream). Tokens ≥ T are never stored
-//   (their columns of the product, from whatever N's unused rows hold, are dropped).
+//   brought into L2 by the producer's idle threads during the stream; up to 32 tokens every
+//   thread's first vectors of it are already in its registers, loaded as soon as the thread
+//   passed griddepcontrol.wait). Tokens ≥ T are never stored (their columns of the product, from
+//   whatever N's unused rows hold, are dropped).
 //
 // The mma's K order is free under the contract (it bounds the product, not its order). Device code
 // only.
@@ -144,9 +146,47 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // norm kernel may itself have started before the kernel that wrote T ended). The bound is the
   // host's contract; the clamp keeps a wrong T inside the stages.
   const auto read_tokens = [&] {
-    pdl_wait();
     const std::int64_t t = p.tokens_device ? *p.tokens_device : p.tokens;
     return static_cast<int>(t < 0 ? 0 : t > kN ? kN : t);
+  };
+
+  // The finish's vectors: a thread's i = tid + 384·k, kBatch at a time, their loads of `shared`
+  // issued before they are added — the first batch as soon as the thread has passed
+  // griddepcontrol.wait (learn_tokens below), so that their latency passes during the stream.
+  const int vectors_shift = slice_shift - 3,
+            vectors = 1 << vectors_shift;  // a token's 16-byte vectors
+  const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
+  const T* shared = static_cast<const T*>(p.shared);
+  T* out = static_cast<T*>(p.out);
+  constexpr int kBatch = 2;
+  int tokens = 0;
+  Vec16<T> added[kBatch];
+  const auto load_shared = [&](int first, Vec16<T>* into) {
+    const int units = tokens * vectors;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
+      const std::int64_t row = slice_row0 + 8 * v;
+      // rows % 8 == 0: a vector is all inside or all past
+      if (i < units && row < p.rows)
+        into[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
+    }
+  };
+  // Every thread learns T and loads its first vectors of `shared` once it is past
+  // griddepcontrol.wait (the kernels before this one, which may write T or `shared` or read Y, have
+  // ended: with several ranks `shared` is the exchange kernel's). Up to 32 tokens each does so
+  // where it has nothing else to do: the consumers before their first chunk (which needs N, copied
+  // only after the wait anyway), the idle threads at once, the producer after its last copy —
+  // done at the finish, after the stream, the wait and the loads took ~0.7 µs before the first
+  // store (K3 tp 1, T ≤ 32: 0.4–0.7 µs a tail faster). Larger classes learn at the finish (early,
+  // K3 at T = 64 was 0.5 µs a tail slower), except the threads that prefetch `shared`.
+  constexpr bool kLearnEarly = kN <= 32;
+  bool learned = false;
+  const auto learn_tokens = [&](bool waited) {
+    if (!waited) pdl_wait();
+    tokens = read_tokens();
+    load_shared(tid, added);
+    learned = true;
   };
   if (tid == 0) {
     chained_trace(p, kChainedTraceEntry);
@@ -205,14 +245,15 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         copy_weights(i);
         copy_rows(i);
       }
+      if (kLearnEarly) learn_tokens(/*waited=*/true);
+    } else if (kLearnEarly || tid >= 32) {
+      learn_tokens(/*waited=*/false);
     }
     __syncwarp();
     // The other producer threads bring the columns of `shared` that this block finishes into L2
     // meanwhile, for the finish's loads (its slice of 128 / splits rows: 2 · 128 / splits bytes a
     // token, in one or two 128-byte lines).
     if (tid >= 32) {
-      const T* shared = static_cast<const T*>(p.shared);
-      const int tokens = read_tokens();
       const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
       for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
         const std::int64_t row = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows +
@@ -225,6 +266,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     }
   } else if (warpgroup <= Shape::kConsumers) {
     const int consumer = warpgroup - 1;
+    if (kLearnEarly) learn_tokens(/*waited=*/false);
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
     wgmma_pin(acc);
@@ -254,37 +296,14 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     wgmma_wait<0>();
     wgmma_pin(acc);
     if (tid == 128) chained_trace(p, kChainedTraceMultiplied);
+  } else if (kLearnEarly) {
+    learn_tokens(/*waited=*/false);  // a warpgroup that only helps finish
   }
   // Every wgmma of the block is done with its stages and every copy has landed (each was waited
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
-  // Every thread past griddepcontrol.wait before it reads T, `shared` or writes Y (the kernels
-  // before this one, which may read Y or write `shared`, have ended).
-  const int tokens = read_tokens();
-
-  // The finish's vectors: a thread's i = tid + 384·k, kBatch at a time, their loads of `shared`
-  // (in L2: the producer's threads prefetched them) issued before the first add — the first batch
-  // here, so that its loads' latency passes during the reduction (with several ranks `shared` is
-  // the exchange kernel's, which thread 0's griddepcontrol.wait has seen end).
-  const int vectors_shift = slice_shift - 3,
-            vectors = 1 << vectors_shift;  // a token's 16-byte vectors
-  const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
-  const T* shared = static_cast<const T*>(p.shared);
-  T* out = static_cast<T*>(p.out);
-  constexpr int kBatch = 2;
+  if (!learned) learn_tokens(/*waited=*/false);
   const int units = tokens * vectors;
-  const auto load_shared = [&](int first, Vec16<T>* into) {
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
-      const std::int64_t row = slice_row0 + 8 * v;
-      // rows % 8 == 0: a vector is all inside or all past
-      if (i < units && row < p.rows)
-        into[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
-    }
-  };
-  Vec16<T> added[kBatch];
-  load_shared(tid, added);
 
   const int fragments = (tokens + 7) / 8;
   const int lane = tid % 32;
