@@ -415,13 +415,18 @@ FusedTail::~FusedTail() {
 namespace {
 
 // One kernel's points over its blocks: min / median / max µs after the earliest entry (point 0),
-// on stderr; points no block reached (0) are left out.
+// on stderr; points no block reached (0) are left out. Then the global timer's value (ns) at the
+// first entry and at the last stamp of any block, so that the traces of the tails of one graph
+// (`lmoe bench --layers N`: each tail prints its own) line up: the gap between one tail's last
+// stamp and the next tail's first entry is what passes between them.
 void print_points(const char* title, const std::vector<std::uint64_t>& stamps, int grid, int points,
                   const char* const* names) {
-  std::uint64_t origin = ~std::uint64_t{0};
+  std::uint64_t origin = ~std::uint64_t{0}, last = 0;
   for (int b = 0; b < grid; ++b) {
     const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * points];
     if (entry) origin = std::min(origin, entry);
+    for (int point = 0; point < points; ++point)
+      last = std::max(last, stamps[static_cast<std::size_t>(b) * points + point]);
   }
   if (origin == ~std::uint64_t{0}) return;  // the kernel did not run
   std::fprintf(stderr, "%s (us after the first entry: min / median / max over blocks)\n", title);
@@ -436,6 +441,8 @@ void print_points(const char* title, const std::vector<std::uint64_t>& stamps, i
     std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", names[point], at.front(),
                  at[at.size() / 2], at.back());
   }
+  std::fprintf(stderr, "[ fused trace ] global timer: first entry %llu ns, last stamp %llu ns\n",
+               static_cast<unsigned long long>(origin), static_cast<unsigned long long>(last));
 }
 
 }  // namespace

@@ -352,6 +352,24 @@ TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
         << point << "\n"
         << traced;
   }
+  // Each kernel's trace ends with the global timer at its first entry and last stamp (two kernels:
+  // the general and the decode kernel), the first no later than the second.
+  std::size_t at = 0;
+  int timers = 0;
+  while ((at = traced.find("[ fused trace ] global timer: first entry ", at)) !=
+         std::string::npos) {
+    unsigned long long first = 0, last = 0;
+    EXPECT_EQ(std::sscanf(traced.c_str() + at,
+                          "[ fused trace ] global timer: first entry %llu ns, last stamp %llu ns",
+                          &first, &last),
+              2)
+        << traced;
+    EXPECT_GT(first, 0ull);
+    EXPECT_LE(first, last);
+    ++timers;
+    ++at;
+  }
+  EXPECT_EQ(timers, 2) << traced;
   EXPECT_EQ(stderr_of_two_calls(nullptr).find("[ fused trace ]"), std::string::npos);
 }
 
