@@ -228,6 +228,7 @@ int main(int argc, char** argv) {
     };
     const std::int64_t chunks = k / 64;
     for (const Config& c : configs) {
+      if (rows % c.rows_per_box != 0) continue;  // whole boxes only
       ProbeParams p;
       p.shape = c.shape;
       p.chunks_per_box = c.chunks_per_box;
