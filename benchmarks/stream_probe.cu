@@ -27,6 +27,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_buffer.hpp"
 #include "graph_timer.hpp"
+#include "plain_read.cuh"
 
 namespace {
 
@@ -125,16 +126,6 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(StreamParams p) {
   }
   cp_async_wait<0>();
   if (acc == 0x9e3779b9u) *p.sink = acc;  // never true for these inputs; keeps the loads alive
-}
-
-__global__ void read_kernel(const uint4* w, std::int64_t vectors, unsigned* sink) {
-  unsigned acc = 0;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < vectors;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(w + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
 }
 
 // Register rings (the decode kernel's way, cuda/fused_decode.cuh): no shared memory; each thread
@@ -338,8 +329,8 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, double>> results;
     const double read_us = lmoe::bench::back_to_back_us(
         [&](int) {
-          read_kernel<<<sms * 8, 256, 0, stream>>>(static_cast<const uint4*>(w.data()), bytes / 16,
-                                                    static_cast<unsigned*>(sink.data()));
+          lmoe::bench::plain_read_kernel<<<sms * 8, 256, 0, stream>>>(
+              static_cast<const uint4*>(w.data()), bytes / 16, static_cast<unsigned*>(sink.data()));
         },
         stream, iters);
     std::printf("lmoe_stream_probe: %lld x %lld bytes (%.1f MB), %d SMs, %d iterations per row\n",

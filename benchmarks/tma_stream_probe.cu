@@ -42,6 +42,7 @@
 #include "cuda/hopper_async.cuh"
 #include "cuda/tensor_map.hpp"
 #include "graph_timer.hpp"
+#include "plain_read.cuh"
 
 namespace {
 
@@ -110,16 +111,6 @@ __global__ void __launch_bounds__(64, 1)
     }
     if (acc == 0x9e3779b9u) *p.sink = acc;
   }
-}
-
-__global__ void plain_read_kernel(const uint4* w, std::int64_t vectors, unsigned* sink) {
-  unsigned acc = 0;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       i < vectors; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcs(w + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
 }
 
 struct Config {
@@ -209,7 +200,7 @@ int main(int argc, char** argv) {
     };
     const double read_us = lmoe::bench::back_to_back_us(
         [&](int i) {
-          plain_read_kernel<<<sms * 8, 256, 0, stream>>>(
+          lmoe::bench::plain_read_kernel<<<sms * 8, 256, 0, stream>>>(
               static_cast<const uint4*>(weights[i % copies]->data()), bytes / 16,
               static_cast<unsigned*>(sink.data()));
         },

@@ -385,7 +385,9 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
   // LMOE_FUSED_CHAINED_ONE_KERNEL=1 (one rank; for measurements, off by default until measured):
   // the up-projection normalizes the rows itself instead of a norm kernel before it.
-  chained_one_kernel_ = tp == 1 && env_flag("LMOE_FUSED_CHAINED_ONE_KERNEL");
+  // Read at every tp, so that a value it cannot take is an error wherever it is set.
+  const bool one_kernel_asked = env_flag("LMOE_FUSED_CHAINED_ONE_KERNEL");
+  chained_one_kernel_ = tp == 1 && one_kernel_asked;
   if (chained_one_kernel_) {
     chained_norm_counters_ = DeviceBuffer(sizeof(ChainedNormCounters));
     LMOE_CUDA_CHECK(cudaMemset(chained_norm_counters_.data(), 0, chained_norm_counters_.bytes()));
