@@ -29,9 +29,6 @@
 // - The weights do not depend on the first kernel: the producer issues the first ring of weight
 //   copies before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow
 //   the wait.
-// - With one rank and the norm inside (kNormInside, LMOE_FUSED_CHAINED_ONE_KERNEL=1; experimental)
-//   there is no first kernel: warpgroup 1 of the first T blocks normalizes a row each into N
-//   (chained_normalize_rows) and counts it, and every producer waits for the call's count.
 // - Split K over the S blocks of a cluster (S a power of two ≤ 8; a narrow stripe such as K3's 896
 //   rows at tp 8: 8), summed as a reduce-scatter through distributed shared memory: block q of the
 //   cluster finishes the tile's q-th slice of tile / S rows; every consumer stores its fp32
@@ -66,57 +63,12 @@
 #include "cuda/fused_ll.cuh"
 #include "cuda/hopper_async.cuh"
 #include "cuda/p2p_protocol.cuh"
-#include "cuda/rms_norm.cuh"
 #include "cuda/warpgroup_mma.cuh"
 
 namespace lmoe::cuda {
 
 __device__ inline void chained_trace(const FusedChainedParams& p, int point) {
   if (p.trace != nullptr) p.trace[blockIdx.x * kChainedTracePoints + point] = p2p_clock_ns();
-}
-
-// One rank with the norm inside (FusedChainedParams::routed): the 128 threads of warpgroup 1
-// normalize rows blockIdx.x, blockIdx.x + gridDim.x, … < tokens of `routed` into N in the
-// contract's canonical order (core/rms_norm_order.hpp: lane i adds its chunks i, i + 256, … in
-// order, then the halving tree over 256 lanes). Thread c holds lanes c and c + 128, so the tree's
-// level h = 128 is its own two sums, and tree_of_lane_sums<4> takes levels 64 … 1. Each row is
-// counted in rows_normed once its stores are made visible (release, after a proxy fence: the
-// other blocks' producers copy N with the copy engine). Reads `routed` twice (the second from L2)
-// to keep the consumers' registers free.
-template <typename T>
-__device__ void chained_normalize_rows(const FusedChainedParams& p, int tokens, float* scratch) {
-  const int c = static_cast<int>(threadIdx.x) - 128;
-  const int l = static_cast<int>(p.l);
-  const int chunks = l / kNormChunk;  // l % 8 == 0: the plan's
-  for (int row = static_cast<int>(blockIdx.x); row < tokens; row += static_cast<int>(gridDim.x)) {
-    const T* x = static_cast<const T*>(p.routed) + static_cast<std::int64_t>(row) * l;
-    T* y = static_cast<T*>(p.normed) + static_cast<std::int64_t>(row) * l;
-    float lane_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      for (int k = c + half * 128; k < chunks; k += kNormLanes) {
-        NormChunk<T> chunk;
-        chunk.load(x + k * kNormChunk);
-        lane_sum[half] = add_chunk_squares(lane_sum[half], chunk);
-      }
-    }
-    scratch[c] = __fadd_rn(lane_sum[0], lane_sum[1]);  // s[c] += s[c + 128]
-    named_barrier_sync(1, 128);
-    const float rstd = rms_norm_rstd(tree_of_lane_sums<4>(scratch), l, p.eps);
-    for (int k = c; k < chunks; k += 128) {
-      NormChunk<T> chunk;
-      chunk.load(x + k * kNormChunk);
-      normalize_chunk(chunk, p.gamma + k * kNormChunk, rstd);
-      chunk.store(y + k * kNormChunk);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    named_barrier_sync(1, 128);  // the row's stores issued, the scratch read by every warp
-    if (c == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(&p.norm_counters->rows_normed)
-                   : "memory");
-    }
-  }
 }
 
 template <int kN, int kTileRows>
@@ -160,9 +112,8 @@ struct ChainedShape {
 };
 
 // kN: the wgmma N, the most tokens this instance serves; kTileRows: rows of w_up per tile (64 or
-// 128, the plan's); kNormInside: one rank, the rows normalized here (FusedChainedParams::routed;
-// an instance of its own, so that the others' code is what it was).
-template <typename T, int kN, int kTileRows, bool kNormInside>
+// 128, the plan's).
+template <typename T, int kN, int kTileRows>
 __global__ void __launch_bounds__(kChainedThreads, 1)
     fused_chained_up_kernel(const __grid_constant__ FusedChainedParams p) {
 #if LMOE_HAS_WGMMA
@@ -171,9 +122,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   extern __shared__ __align__(1024) unsigned char chained_smem[];
   __shared__ StageBarriers<Shape::kStages> bars;
   __shared__ std::uint32_t call_epoch;  // tp > 1: the call's epoch, for the output's lines
-  __shared__ float norm_scratch[kNormInside ? 128 : 1];  // the norm inside: a row's tree
-  constexpr bool norm_inside = kNormInside;
-  std::uint32_t norm_base = 0;  // thread 0, the norm inside: rows normalized before this call
   // The stream's next kernel may start at once: with several ranks the call's last kernel (the
   // gather of the peers' stripes), which waits for this one before it closes the call; with one
   // rank the next call's norm kernel, launched programmatically (launch_fused_chained), so that
@@ -286,15 +234,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       // T = 17, as the norm's reads no longer queue behind the weights, but no faster overall.)
       for (int i = 0; i < first; ++i) copy_weights(i);
       pdl_wait();
-      if constexpr (norm_inside) {
-        // The call's T rows, normalized by the first blocks of the grid (each counts its rows).
-        // A timeout is reported (the host throws at the next call); the copies go on, so that
-        // every wait of this block still ends.
-        norm_base = p.norm_counters->rows_base;
-        (void)p2p_wait_until({p.status, p.abort_flag, p.timeout_ns}, &p.norm_counters->rows_normed,
-                             norm_base + static_cast<std::uint32_t>(read_tokens()), -1, norm_base);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-      }
       chained_trace(p, kChainedTraceNReady);
       if (p.tp > 1)
         call_epoch = *p.epoch + 1;  // the exchange kernel has ended: nothing advances it
@@ -328,12 +267,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   } else if (warpgroup <= Shape::kConsumers) {
     const int consumer = warpgroup - 1;
     if (kLearnEarly) learn_tokens(/*waited=*/false);
-    if constexpr (norm_inside) {
-      if (consumer == 0) {
-        pdl_wait();
-        chained_normalize_rows<T>(p, read_tokens(), norm_scratch);
-      }
-    }
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
     wgmma_pin(acc);
@@ -485,16 +418,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     }
   }
   if (tid == 0) chained_trace(p, kChainedTraceEnd);
-  // The norm inside: the call's last block to end moves the base past this call's rows (every
-  // block's thread 0 read it before it counted itself here; the next call reads it only after
-  // griddepcontrol.wait).
-  if constexpr (norm_inside) {
-    if (tid == 0 && atomicAdd(&p.norm_counters->blocks_done, 1u) == gridDim.x - 1) {
-      p.norm_counters->blocks_done = 0;
-      p.norm_counters->rows_base = norm_base + static_cast<std::uint32_t>(tokens);
-      __threadfence();
-    }
-  }
 #else
   (void)p;
   __trap();  // no wgmma on this architecture: the host never launches it here

@@ -17,34 +17,27 @@ int token_class(std::int64_t tokens) {
   return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128;
 }
 
-template <typename T, int kTileRows, bool kNormInside>
+template <typename T, int kTileRows>
 const void* up_kernel_of(int token_class) {
   switch (token_class) {
     case 16:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16, kTileRows, kNormInside>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16, kTileRows>);
     case 32:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32, kTileRows, kNormInside>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32, kTileRows>);
     case 64:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64, kTileRows, kNormInside>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64, kTileRows>);
     default:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128, kTileRows, kNormInside>);
+      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128, kTileRows>);
   }
 }
 
-template <typename T, bool kNormInside>
-const void* up_kernel_of(int token_class, int tile_rows) {
-  return tile_rows == 64 ? up_kernel_of<T, 64, kNormInside>(token_class)
-                         : up_kernel_of<T, 128, kNormInside>(token_class);
-}
-
-// norm_inside: the instance that normalizes the rows itself (one rank, FusedChainedParams::routed).
-const void* up_kernel(int token_class, int tile_rows, DType dtype, bool norm_inside) {
+const void* up_kernel(int token_class, int tile_rows, DType dtype) {
   if (dtype == DType::bf16) {
-    return norm_inside ? up_kernel_of<__nv_bfloat16, true>(token_class, tile_rows)
-                       : up_kernel_of<__nv_bfloat16, false>(token_class, tile_rows);
+    return tile_rows == 64 ? up_kernel_of<__nv_bfloat16, 64>(token_class)
+                           : up_kernel_of<__nv_bfloat16, 128>(token_class);
   }
-  return norm_inside ? up_kernel_of<__half, true>(token_class, tile_rows)
-                     : up_kernel_of<__half, false>(token_class, tile_rows);
+  return tile_rows == 64 ? up_kernel_of<__half, 64>(token_class)
+                         : up_kernel_of<__half, 128>(token_class);
 }
 
 template <int kTileRows>
@@ -89,20 +82,16 @@ const char* plan_tiles(int tile_rows, std::int64_t rows, int chunks, int sms, in
   while (result.splits * 2 <= most) result.splits *= 2;
   for (int shape : {16, 32, 64, 128}) {
     if (shape > token_class(max_tokens)) break;
-    const void* kernel = up_kernel(shape, tile_rows, dtype, /*norm_inside=*/false);
+    const void* kernel = up_kernel(shape, tile_rows, dtype);
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess)
+      return "the chained path could not query the device";
     const int bytes = shared_bytes(shape, tile_rows);
-    // Both instances (the one with the norm inside has a row's tree in static shared memory).
-    for (const bool norm_inside : {false, true}) {
-      const void* instance = up_kernel(shape, tile_rows, dtype, norm_inside);
-      cudaFuncAttributes attributes{};
-      if (cudaFuncGetAttributes(&attributes, instance) != cudaSuccess)
-        return "the chained path could not query the device";
-      if (bytes > limit - static_cast<int>(attributes.sharedSizeBytes))
-        return "the chained path's stages do not fit in a block's shared memory";
-      if (cudaFuncSetAttribute(instance, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
-          cudaSuccess) {
-        return "the chained path's shared memory could not be raised on this device";
-      }
+    if (bytes > limit - static_cast<int>(attributes.sharedSizeBytes))
+      return "the chained path's stages do not fit in a block's shared memory";
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+        cudaSuccess) {
+      return "the chained path's shared memory could not be raised on this device";
     }
     // Fewer splits where the device cannot hold every tile's cluster at once (a cluster's blocks
     // share one GPC, one block of ~150–200 KB per SM).
@@ -197,8 +186,7 @@ cudaError_t launch_up(const FusedChainedParams& p, std::int64_t max_tokens, DTyp
   params.tiles = plan.tiles;
   params.splits = plan.splits;
   void* up_args[] = {&params};
-  return cudaLaunchKernelExC(config.get(),
-                             up_kernel(shape, plan.tile_rows, dtype, p.routed != nullptr), up_args);
+  return cudaLaunchKernelExC(config.get(), up_kernel(shape, plan.tile_rows, dtype), up_args);
 }
 
 bool launchable(std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan) {
@@ -214,13 +202,6 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
                                  std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,
                                  cudaStream_t stream) {
   if (!launchable(max_tokens, dtype, plan)) return cudaErrorInvalidValue;
-  if (p.routed != nullptr) {
-    if (p.normed != normed || p.norm_counters == nullptr || p.status == nullptr ||
-        p.abort_flag == nullptr) {
-      return cudaErrorInvalidValue;
-    }
-    return launch_up(p, max_tokens, dtype, plan, stream);  // the norm inside
-  }
   // 1. N (the bound's rows when T is on the device: the kernel reads T and skips the others),
   // launched programmatically: it may start before the stream's previous kernel ends (it waits for
   // it before reading anything) and lets the up-projection start at once, whose weights depend on

@@ -6,9 +6,6 @@
 //   2. Y = round(round(N · w_upᵀ) + shared) on wgmma tensor cores, whose weight copies start while
 //      the first still runs and which waits for N only before its first copy of N.
 //
-// Or (LMOE_FUSED_CHAINED_ONE_KERNEL=1, experimental: not yet measured) the second alone, its first
-// blocks normalizing the rows (FusedChainedParams::routed), so that a call is one kernel.
-//
 // Several ranks (launch_fused_chained_ranks): the exchange kernel of
 // cuda/fused_chained_exchange.cuh in place of the norm kernel, the same up-projection over the
 // rank's stripe, and a gather kernel.
@@ -56,15 +53,6 @@ inline constexpr int kChainedMaxSplits = 8;
 // N's rows per copy: one box of the call's token class (16, 32, 64 or 128 rows: wgmma's N).
 inline constexpr int kChainedTokenClasses = 4;
 
-// With one rank and the norm inside the up-projection (FusedChainedParams::routed set): the rows
-// normalized so far, counted by the blocks that normalize them, and the count at the start of the
-// call, which the call's last block advances (zeroed at construction).
-struct ChainedNormCounters {
-  std::uint32_t rows_normed;  // every call's rows, as the blocks publish them
-  std::uint32_t rows_base;    // rows_normed before this call (stable while it runs)
-  std::uint32_t blocks_done;  // this call's blocks that have ended
-};
-
 // The kernel's arguments (passed as a __grid_constant__ parameter: the tensor maps must live in
 // parameter space).
 struct FusedChainedParams {
@@ -94,26 +82,12 @@ struct FusedChainedParams {
   // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
   // call (global timer, ns), [grid][kChainedTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
-  // One rank, the norm inside (one kernel a call; null routed: the norm kernel writes N before):
-  // block b normalizes rows b, b + grid, … < T of the caller's routed [T, l] (pitch l) into N
-  // (`normed`, the maps' buffer) in the canonical order and counts each in norm_counters; every
-  // block's producer waits for the call's T rows (bounded: a failure goes to `status`) before
-  // its first copy of N.
-  const void* routed = nullptr;
-  const float* gamma = nullptr;
-  float eps = 0;
-  void* normed = nullptr;
-  ChainedNormCounters* norm_counters = nullptr;
-  volatile P2pStatus* status = nullptr;
-  volatile std::int32_t* abort_flag = nullptr;
-  std::uint64_t timeout_ns = 0;
 };
 
 // The up-projection kernel's trace points, in order.
 enum ChainedTracePoint : int {
   kChainedTraceEntry,
-  kChainedTraceNReady,      // the producer past griddepcontrol.wait (the norm kernel has ended) or,
-                            // with the norm inside, past the wait for the call's rows
+  kChainedTraceNReady,      // the producer past griddepcontrol.wait: the norm kernel has ended
   kChainedTraceMultiplied,  // the consumers' last wgmma done
   kChainedTracePartials,    // the slice's partials of every split in the block's memory
   kChainedTraceParked,      // round(U) of the block's slice parked in shared memory
@@ -145,8 +119,7 @@ cudaError_t fused_chained_maps(FusedChainedParams* params, DType dtype, const vo
 
 // Launches the norm kernel (routed [T, l] → normed, the map's buffer) and the up-projection
 // kernel for calls of up to max_tokens rows (≤ kFusedChainedMaxTokens), p.tokens or
-// p.tokens_device rows; with p.routed set, the up-projection alone (it normalizes the rows
-// itself). Queries nothing (it may run inside a graph capture).
+// p.tokens_device rows. Queries nothing (it may run inside a graph capture).
 cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed,
                                  const float* gamma, float eps, void* normed,
                                  std::int64_t max_tokens, DType dtype, const FusedChainedPlan& plan,

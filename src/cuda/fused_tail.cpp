@@ -383,22 +383,6 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   }
   chained_workspace_ = DeviceBuffer(sizeof(std::uint32_t));  // the calls counted
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
-  // LMOE_FUSED_CHAINED_ONE_KERNEL=1 (one rank; for measurements, off by default until measured):
-  // the up-projection normalizes the rows itself instead of a norm kernel before it.
-  // Read at every tp, so that a value it cannot take is an error wherever it is set.
-  const bool one_kernel_asked = env_flag("LMOE_FUSED_CHAINED_ONE_KERNEL");
-  chained_one_kernel_ = tp == 1 && one_kernel_asked;
-  if (chained_one_kernel_) {
-    chained_norm_counters_ = DeviceBuffer(sizeof(ChainedNormCounters));
-    LMOE_CUDA_CHECK(cudaMemset(chained_norm_counters_.data(), 0, chained_norm_counters_.bytes()));
-    p.gamma = params_.gamma;
-    p.eps = params_.eps;
-    p.normed = normed;
-    p.norm_counters = static_cast<ChainedNormCounters*>(chained_norm_counters_.data());
-    p.status = params_.status;  // one rank: the FusedTail's own record
-    p.abort_flag = params_.abort_flag;
-    p.timeout_ns = params_.timeout_ns;
-  }
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
   if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
@@ -563,7 +547,6 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     if (params_.tp == 1) {
       p.shared = shared;
       p.out = out;
-      if (chained_one_kernel_) p.routed = routed;
       check(launch_fused_chained(p, routed, params_.gamma, params_.eps,
                                  params_.workspace[0] + params_.normed_offset, tokens, dtype_,
                                  chained_plan_, stream),

@@ -139,10 +139,6 @@ class FusedTail {
   FusedChainedPlan chained_plan_;
   FusedChainedParams chained_params_;
   DeviceBuffer chained_workspace_;
-  // One rank, LMOE_FUSED_CHAINED_ONE_KERNEL=1 (measurements): the up-projection normalizes the
-  // rows itself (one kernel a call), counting them in these ChainedNormCounters.
-  bool chained_one_kernel_ = false;
-  DeviceBuffer chained_norm_counters_;
   int chained_exchange_grid_ = 0;  // several ranks: blocks of the exchange and gather kernels
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;

@@ -508,19 +508,14 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // it before reading anything), and the up-projection lets its successor start at once: every call
 // must still read what the call before it wrote. Outputs poisoned, calls issued back to back
 // (eager, then captured into one graph), each step checked against the contract on the input it
-// had; also with the norm inside the up-projection (LMOE_FUSED_CHAINED_ONE_KERNEL=1), which reads
-// the previous call's output itself.
+// had.
 TEST_F(Fused, ACallReadsWhatTheCallBeforeItWrote) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailDims dims{384, 384};
   constexpr int kSteps = 4;
-  for (int variant = 0; variant < 4; ++variant) {
-    const bool graph = (variant & 1) != 0;
-    const char* one_kernel = (variant & 2) != 0 ? "1" : "0";
-    const ScopedEnv norm_inside("LMOE_FUSED_CHAINED_ONE_KERNEL", one_kernel);
+  for (const bool graph : {false, true}) {
     for (const std::int64_t tokens : {1, 5, 17}) {  // the decode kernel, then the chained path
-      SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens) +
-                   " one kernel=" + one_kernel);
+      SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens));
       const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, tokens,
                                                       90u + static_cast<std::uint64_t>(tokens));
       const std::size_t bytes = static_cast<std::size_t>(tokens * dims.d_model) * 2;
@@ -1463,28 +1458,6 @@ TEST_F(Fused, ChainedSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   soak_graph_replays(2, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
-}
-
-// LMOE_FUSED_CHAINED_ONE_KERNEL=1 (one rank; off by default until measured): the up-projection
-// normalizes the rows itself — block b rows b, b + grid, … — and every block's producer waits for
-// the call's count before its first copy of N. Crafted inputs bit for bit (the canonical order)
-// and random ones within the bound at every token class (the small case's 12 blocks take up to 11
-// rows each at T = 128; K3's 112 blocks one each), then graph replays with T changing on the
-// device.
-TEST_F(Fused, ChainedOneKernelNormalizesTheRowsItself) {
-  SKIP_WITHOUT_GPU();
-  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
-  const ScopedEnv one_kernel("LMOE_FUSED_CHAINED_ONE_KERNEL", "1");
-  double worst = 0;
-  for (const std::int64_t tokens : {1, 17, 33, 65, 128}) {
-    SCOPED_TRACE("T=" + std::to_string(tokens));
-    expect_random_and_crafted_inputs_pass(kSmall, DType::bf16, 1, tokens,
-                                          300u + static_cast<std::uint64_t>(tokens), &worst);
-  }
-  expect_random_and_crafted_inputs_pass(kSmall, DType::f16, 1, 128, 431u, &worst);
-  expect_random_and_crafted_inputs_pass(kK3, DType::bf16, 1, 16, 432u, &worst);
-  soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
-  std::printf("[ fused  ] chained, the norm inside, tp=1: max_err/bound=%.3f\n", worst);
 }
 
 // The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
