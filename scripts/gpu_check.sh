@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
 #   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace tailgap profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
+#   LMOE_CHECK_SETTINGS="- LMOE_FUSED_CHAINED_PACE_NS=200"        # tailgap: the settings to compare
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -213,41 +214,33 @@ if wants fusedtrace; then
 fi
 
 if wants tailgap; then
-  # What passes between consecutive tp-1 tails in one graph (docs/fused.md, session 21): K3 T = 2 in
-  # a graph of 8 layers, traced (each tail's up-projection prints the global timer at its first
-  # entry and last stamp), with the norm kernel before the up-projection and with the norm inside
-  # (LMOE_FUSED_CHAINED_ONE_KERNEL=1); then the norm inside's tests, and per tail in 8 layers, cold,
-  # off against on, two rounds (K3 and one rank's stripe at tp 8).
-  for one_kernel in 0 1; do
-    stage "tail gap: K3 T=2, 8 layers, traced, LMOE_FUSED_CHAINED_ONE_KERNEL=$one_kernel"
-    LMOE_FUSED_CHAINED_ONE_KERNEL=$one_kernel LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench \
-      --backend cuda -n 1 --comm p2p --tiers fused -t 2 --layers 8 --warmup 5 --iters 20 --no-check \
-      >"$logs/tailgap_$one_kernel.log" 2>&1
-    rc[tailgap_$one_kernel]=$?
-    # Tails by first entry: each one's span, and the gap to the next one's first entry.
-    # (Integers in Python: the timer's ns exceed a double's exact range.)
-    python3 - "$logs/tailgap_$one_kernel.log" <<'PY'
-import re, sys
-tails = sorted((int(a), int(b)) for a, b in re.findall(
-    r"global timer: first entry (\d+) ns, last stamp (\d+) ns", open(sys.argv[1]).read()))
-for i, ((first, last), (after, _)) in enumerate(zip(tails, tails[1:]), 1):
-    print(f"tail {i}: span {(last - first) / 1e3:.2f} us, then {(after - last) / 1e3:.2f} us to the "
-          f"next entry (period {(after - first) / 1e3:.2f})")
-PY
-  done
-  gtest tailgap_tests 200 build/cuda/tests/lmoe_cuda_tests \
-    'Fused.ChainedOneKernel*:Fused.ACallReads*:Fused.EachCall*:Fused.TraceLists*'
+  # What passes between consecutive tp-1 tails in one graph (docs/fused.md, sessions 21–22): K3 T = 2
+  # in a graph of 8 layers, traced, its timeline (scripts/tail_timeline.py: per tail the median
+  # entry, N ready, the last wgmma and the end on one time axis), then per tail in 8 layers, cold,
+  # two rounds (K3 and one rank's stripe at tp 8) — for each of LMOE_CHECK_SETTINGS, a list of
+  # settings separated by spaces, each "VAR=value[,VAR=value…]" or "-" for none (the default).
   for round in 1 2; do
-    for one_kernel in 0 1; do
+    for setting in ${LMOE_CHECK_SETTINGS:--}; do
+      env_args=(); [ "$setting" != "-" ] && IFS=, read -ra env_args <<<"$setting"
+      tag=${setting//[^A-Za-z0-9]/_}
+      if [ "$round" = 1 ]; then
+        stage "tail timeline: K3 T=2, 8 layers, traced, $setting"
+        env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n 1 \
+          --comm p2p --tiers fused -t 2 --layers 8 --warmup 5 --iters 20 --no-check \
+          >"$logs/timeline_$tag.log" 2>&1
+        rc[timeline_$tag]=$?
+        python3 scripts/tail_timeline.py "$logs/timeline_$tag.log" --json "$logs/timeline_$tag.json"
+      fi
       for spec in "k3:" "stripe896:--d-model 896"; do
         name=${spec%%:*}; args=${spec#*:}
-        stage "per tail, 8 layers, $name, LMOE_FUSED_CHAINED_ONE_KERNEL=$one_kernel (round $round)"
-        LMOE_FUSED_CHAINED_ONE_KERNEL=$one_kernel timeout 90 build/cuda/lmoe bench --backend cuda -n 1 \
-          --comm p2p --tiers fused -t 1,4,16,32,64,128 $args --cold-l2 --iters 30 --layers 8 \
-          --check-max-tokens 128 --json "$logs/tailgap_${name}_${one_kernel}_r$round.json" \
-          >"$logs/tailgap_${name}_${one_kernel}_r$round.log" 2>&1
-        rc[tailgap_${name}_${one_kernel}_r$round]=$?
-        grep -E "^ *[0-9]+ " "$logs/tailgap_${name}_${one_kernel}_r$round.log" | head -8
+        stage "per tail, 8 layers, $name, $setting (round $round)"
+        env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
+          --tiers fused -t 1,4,16,32,64,128 $args --cold-l2 --iters 30 --layers 8 \
+          --check-max-tokens 128 --json "$logs/tailgap_${name}_${tag}_r$round.json" \
+          >"$logs/tailgap_${name}_${tag}_r$round.log" 2>&1
+        rc[tailgap_${name}_${tag}_r$round]=$?
+        grep -E "^ *[0-9]+ " "$logs/tailgap_${name}_${tag}_r$round.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
+        echo
       done
     done
   done
