@@ -26,9 +26,12 @@
 //   2 only helps finish, so that no partial sums of the block's own are stored and added; fp32
 //   accumulators in registers, one wgmma group in flight, the previous stage handed back through
 //   its empty mbarrier. No block-wide barrier in the main loop.
-// - The weights do not depend on the first kernel: the producer issues the first ring of weight
-//   copies before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow
-//   the wait.
+// - The weights do not depend on the first kernel: the first ring of weight copies is issued
+//   before griddepcontrol.wait, so they stream while the norm still runs; N's copies follow the
+//   wait. Paced (pace_cycles > 0; one rank by default): a thread of its own issues them one box
+//   every pace_cycles at about the rate the memory serves the grid, instead of the producer all at
+//   once, so that the memory's queue holds what keeps it busy and not the whole grid's first round
+//   ahead of the norm kernel's reads (K3, per tail: N ready ~1 µs sooner, 0.6–1.0 µs a tail less).
 // - Split K over the S blocks of a cluster (S a power of two ≤ 8; a narrow stripe such as K3's 896
 //   rows at tp 8: 8), summed as a reduce-scatter through distributed shared memory: block q of the
 //   cluster finishes the tile's q-th slice of tile / S rows; every consumer stores its fp32
@@ -188,6 +191,9 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     load_shared(tid, added);
     learned = true;
   };
+  // The ring's first round, asked for before N exists: `first` stages.
+  const int first = n < Shape::kStages ? n : Shape::kStages;
+  const bool paced = p.pace_cycles > 0;
   if (tid == 0) {
     chained_trace(p, kChainedTraceEntry);
     for (int s = 0; s < Shape::kStages; ++s) {
@@ -195,6 +201,10 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       mbarrier_init(empty_bar(s), Shape::kConsumers * 4);  // lane 0 of each consumer warp
     }
     mbarrier_init_fence();
+    // Paced (below): the first round's bytes are expected before any thread issues its copies.
+    if (paced) {
+      for (int i = 0; i < first; ++i) mbarrier_arrive_expect_tx(full_bar(i), Shape::kStageBytes);
+    }
     if (blockIdx.x == 0) atomicAdd(p.calls, 1u);
   }
   // Split K with the partials in a region of their own: this block has started (the finish's
@@ -214,14 +224,16 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   float acc[kN / 2];
 
   if (warpgroup == 0) {
+    const int row0 = tile * kTileRows;
+    const auto issue_weights = [&](int i) {
+      const int s = i % Shape::kStages;
+      tma_load_2d(stage_at(s), &p.w_map, full_bar(s), (c0 + i) * kChainedTileK, row0);
+    };
     if (tid == 0) {
       const CUtensorMap* n_map = &p.n_maps[kN == 16 ? 0 : kN == 32 ? 1 : kN == 64 ? 2 : 3];
-      const int first = n < Shape::kStages ? n : Shape::kStages;
-      const int row0 = tile * kTileRows;
       const auto copy_weights = [&](int i) {
-        const int s = i % Shape::kStages;
-        mbarrier_arrive_expect_tx(full_bar(s), Shape::kStageBytes);
-        tma_load_2d(stage_at(s), &p.w_map, full_bar(s), (c0 + i) * kChainedTileK, row0);
+        mbarrier_arrive_expect_tx(full_bar(i % Shape::kStages), Shape::kStageBytes);
+        issue_weights(i);
       };
       // N's kN rows (those past T hold whatever an earlier call left: their products are dropped).
       const auto copy_rows = [&](int i) {
@@ -232,7 +244,9 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       // The first ring of weights, before N exists; then N, once the norm kernel has ended. (Two
       // stages before the wait instead of the ring: N ready at 1.8 µs instead of 4.1 at K3,
       // T = 17, as the norm's reads no longer queue behind the weights, but no faster overall.)
-      for (int i = 0; i < first; ++i) copy_weights(i);
+      if (!paced) {
+        for (int i = 0; i < first; ++i) copy_weights(i);
+      }
       pdl_wait();
       chained_trace(p, kChainedTraceNReady);
       if (p.tp > 1)
@@ -246,8 +260,21 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         copy_rows(i);
       }
       if (kLearnEarly) learn_tokens(/*waited=*/true);
-    } else if (kLearnEarly || tid >= 32) {
-      learn_tokens(/*waited=*/false);
+    } else {
+      if (tid == 32 && paced) {
+        // The first round paced: pace_burst copies at once, then one every pace_cycles, so that
+        // the memory's queue holds about what keeps it busy rather than every block's whole first
+        // round — the norm kernel's reads of the rows, issued once the kernel before it has
+        // ended, queue behind whatever is asked for ahead of them, and N waits for them.
+        const long long start = clock64();
+        for (int i = 0; i < first; ++i) {
+          const long long due = static_cast<long long>(i - p.pace_burst + 1) * p.pace_cycles;
+          while (i >= p.pace_burst && clock64() - start < due) {
+          }
+          issue_weights(i);
+        }
+      }
+      if (kLearnEarly || tid >= 32) learn_tokens(/*waited=*/false);
     }
     __syncwarp();
     // The other producer threads bring the columns of `shared` that this block finishes into L2

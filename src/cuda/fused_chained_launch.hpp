@@ -78,11 +78,21 @@ struct FusedChainedParams {
   std::int64_t lines_offset = 0, lines_parity_bytes = 0, lines_slot = 0;
   const std::uint32_t* epoch = nullptr;
   std::uint32_t* calls = nullptr;               // the calls counted (for tests)
+  // The ring's first round (the weights asked for before N exists) issued by a thread of its own,
+  // pace_burst copies at once, then one every pace_cycles SM clocks; 0: all at once by the
+  // producer (FusedTail chooses: paced with one rank).
+  int pace_cycles = 0, pace_burst = 0;
   int tiles = 0, splits = 1;  // the grid: tiles × splits blocks, clusters of `splits`
   // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
   // call (global timer, ns), [grid][kChainedTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
 };
+
+// The rate (bytes per ns) at which the chained path's grid streams w_up from its entry on an H200
+// (K3 at tp 1, 112 blocks: ~3.7 TB/s, the rate of a plain read of the same bytes; docs/fused.md,
+// session 20), from which its first round's pace follows: one box a block every grid · box / rate
+// ns (K3: 112 boxes of 8 KB every 250 ns, the best of 200 … 400 measured in session 22).
+inline constexpr double kChainedStreamBytesPerNs = 112.0 * 8192.0 / 250.0;
 
 // The up-projection kernel's trace points, in order.
 enum ChainedTracePoint : int {

@@ -385,6 +385,29 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
+  // The ring's first round is paced with one rank (docs/fused.md, session 22): a copy of weights
+  // per block every `pace` ns, so that the whole grid asks for them at about the rate the memory
+  // serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of the
+  // rows — issued only once the kernel before it has ended — wait behind them, and N with them:
+  // K3 on an H200, per tail in a graph of 8, 17.3 / 17.0 / 17.7 µs at T = 1 / 16 / 32 all at once,
+  // 16.4 / 16.1 / 16.9 paced. With several ranks the exchange kernel comes before the
+  // up-projection; not measured across GPUs yet, so not paced by default there.
+  // LMOE_FUSED_CHAINED_PACE_NS (0: all at once) and _BURST (copies issued before the pace starts;
+  // 1) set it at any tp, for measurements.
+  const double grid_box_bytes = static_cast<double>(p.tiles) * p.splits * chained_plan_.tile_rows *
+                                kChainedTileK * dtype_size(dtype_);
+  double pace_ns = tp == 1 ? grid_box_bytes / kChainedStreamBytesPerNs : 0.0;
+  if (const auto ns = env_integer("LMOE_FUSED_CHAINED_PACE_NS", 0, 100000, "nanoseconds"))
+    pace_ns = static_cast<double>(*ns);
+  if (pace_ns > 0) {
+    int device = 0, khz = 0;
+    LMOE_CUDA_CHECK(cudaGetDevice(&device));  // the rank's, made current at construction
+    LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
+    p.pace_cycles = std::max(1, static_cast<int>(pace_ns * khz / 1e6));  // the SM's peak clock
+    p.pace_burst = 1;
+    if (const auto burst = env_integer("LMOE_FUSED_CHAINED_PACE_BURST", 1, 64, "a count of copies"))
+      p.pace_burst = static_cast<int>(*burst);
+  }
   if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
     chained_trace_ = DeviceBuffer(static_cast<std::size_t>(p.tiles) * p.splits *
                                   kChainedTracePoints * sizeof(std::uint64_t));

@@ -508,14 +508,20 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 // it before reading anything), and the up-projection lets its successor start at once: every call
 // must still read what the call before it wrote. Outputs poisoned, calls issued back to back
 // (eager, then captured into one graph), each step checked against the contract on the input it
-// had.
+// had; with one rank the up-projection's first copies are paced (issued from a thread of their
+// own while the producer waits for the norm kernel), so also with them all at once
+// (LMOE_FUSED_CHAINED_PACE_NS=0).
 TEST_F(Fused, ACallReadsWhatTheCallBeforeItWrote) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailDims dims{384, 384};
   constexpr int kSteps = 4;
-  for (const bool graph : {false, true}) {
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool graph = (variant & 1) != 0;
+    const bool at_once = (variant & 2) != 0;
+    const ScopedEnv pace("LMOE_FUSED_CHAINED_PACE_NS", at_once ? "0" : nullptr);
     for (const std::int64_t tokens : {1, 5, 17}) {  // the decode kernel, then the chained path
-      SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens));
+      SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens) +
+                   (at_once ? " first copies at once" : ""));
       const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, tokens,
                                                       90u + static_cast<std::uint64_t>(tokens));
       const std::size_t bytes = static_cast<std::size_t>(tokens * dims.d_model) * 2;
@@ -1458,6 +1464,30 @@ TEST_F(Fused, ChainedSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   soak_graph_replays(2, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
+}
+
+// The ring's first round paced at another pace than one rank's default, and with two ranks
+// (sharing the GPU: the exchange kernel before the up-projection), where it is not paced by
+// default (LMOE_FUSED_CHAINED_PACE_NS=300, _BURST=1: one copy at a time, 300 ns apart, by a thread
+// of its own, the bytes of each stage expected before any is issued). Crafted inputs bit for bit
+// and random ones within the bound at every token class, then graph replays with T changing on
+// the device.
+TEST_F(Fused, ChainedPacedFirstCopiesGiveTheContractsResults) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  const ScopedEnv paced("LMOE_FUSED_CHAINED_PACE_NS", "300");
+  const ScopedEnv burst("LMOE_FUSED_CHAINED_PACE_BURST", "1");
+  double worst = 0;
+  for (const int tp : {1, 2}) {
+    for (const std::int64_t tokens : {1, 17, 33, 65, 128}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(kSmall, DType::bf16, tp, tokens,
+                                            300u + static_cast<std::uint64_t>(tokens), &worst);
+    }
+  }
+  expect_random_and_crafted_inputs_pass(kK3, DType::bf16, 1, 16, 432u, &worst);
+  soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
+  std::printf("[ fused  ] chained, first copies paced: max_err/bound=%.3f\n", worst);
 }
 
 // The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
