@@ -19,11 +19,11 @@
 //   each: the copy engine's time goes by boxes more than by bytes, measured) into a ring of stages
 //   with the copy engine (TMA, 128-byte swizzle: the layout wgmma's descriptors read), completing
 //   on the stage's full mbarrier.
-//   Warpgroups 1 and 2 consume: in a tile of 128 rows each multiplies its 64-row half by N's rows
-//   (four m64nNk16 per chunk), in a tile of 64 each multiplies all 64 rows over its half of the
-//   chunk's K (two m64nNk16: two partial sums per row) — except up to 32 tokens, where warpgroup 1
-//   alone multiplies all of it (four m64nNk16 a chunk keep well ahead of the stream) and warpgroup
-//   2 only helps finish, so that no partial sums of the block's own are stored and added; fp32
+//   Consumers: in a tile of 128 rows warpgroups 1 and 2 each multiply a 64-row half by N's rows
+//   (four m64nNk16 per chunk); in a tile of 64 warpgroup 1 alone multiplies all of it (four
+//   m64nNk16 a chunk keep ahead of the stream) and warpgroup 2 only helps finish, so that no
+//   partial sums of the block's own are stored and added (two consumers each taking half of every
+//   chunk's K took ~1.0 / 1.35 µs more at T = 64 / 128 for those partials, session 22); fp32
 //   accumulators in registers, one wgmma group in flight, the previous stage handed back through
 //   its empty mbarrier. No block-wide barrier in the main loop.
 // - The weights do not depend on the first kernel: the first ring of weight copies is issued
@@ -79,9 +79,10 @@ struct ChainedShape {
   static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128);
   static_assert(kTileRows == 64 || kTileRows == 128);
   static constexpr int kTileShift = kTileRows == 128 ? 7 : 6;
-  // The warpgroups that multiply: one in a tile of 64 serving up to 32 tokens (all rows, all of K),
-  // else two.
-  static constexpr int kConsumers = kTileRows == 64 && kN <= 32 ? 1 : 2;
+  // The warpgroups that multiply: one in a tile of 64 (all rows, all of K: four m64nNk16 a chunk
+  // keep ahead of the stream at every N, and no partial sums of the block's own are stored and
+  // added), two in a tile of 128 (64 rows each).
+  static constexpr int kConsumers = kTileRows == 64 ? 1 : 2;
   // The consumer warpgroups' partial sums of a row: a tile of 128 rows gives each consumer 64 of
   // them (one partial); in a tile of 64 two consumers both multiply all 64, each half of every
   // chunk's K (two partials, added in consumer order with the splits'), one all of K (one).
