@@ -1354,6 +1354,78 @@ class PlotScript(unittest.TestCase):
         self.assertIn("comm 'nccl' is not in this file", result.stderr)
 
 
+class TailTimelineScript(unittest.TestCase):
+    """scripts/tail_timeline.py on a recorded trace (tests/data/fused_trace_k3_t2_layers8.log: K3 tp 1,
+    T = 2, 8 tails in one graph, LMOE_FUSED_TRACE=1, an H200, 2026-12-01) and on crafted ones."""
+
+    @classmethod
+    def setUpClass(cls):
+        import importlib.util
+        here = os.path.dirname(os.path.abspath(__file__))
+        cls.path = os.path.join(here, "..", "..", "scripts", "tail_timeline.py")
+        spec = importlib.util.spec_from_file_location("tail_timeline", cls.path)
+        cls.script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cls.script)
+        cls.recorded = os.path.join(here, "..", "data", "fused_trace_k3_t2_layers8.log")
+
+    def test_recorded_trace(self):
+        with open(self.recorded) as f:
+            rows = self.script.timeline(self.script.parse(f.read().splitlines()))
+        self.assertEqual([r["tail"] for r in rows], list(range(1, 9)))
+        # Tail 2 printed its points after a first entry 1152 ns after tail 1's: entry median 14.34,
+        # N ready 20.22, end max 31.78 µs after its own first entry; tail 1's last block ended at
+        # 16.06 and its median end at 14.98.
+        self.assertAlmostEqual(rows[1]["entry_median"], 1.152 + 14.34, places=2)
+        self.assertAlmostEqual(rows[1]["n_ready_median"], 1.152 + 20.22, places=2)
+        self.assertAlmostEqual(rows[1]["n_ready_after_previous_end"], 1.152 + 20.22 - 16.06, places=2)
+        self.assertAlmostEqual(rows[1]["period"], 1.152 + 30.98 - 14.98, places=2)
+        self.assertNotIn("period", rows[0])
+        for r in rows:  # on one axis, in order
+            self.assertLess(r["entry_median"], r["n_ready_median"])
+            self.assertLess(r["n_ready_median"], r["multiplied_median"])
+            self.assertLessEqual(r["end_median"], r["end_max"])
+
+    def test_only_rank_0_and_the_chained_kernel_are_read_and_bad_input_is_refused(self):
+        crafted = "\n".join([
+            "[ fused trace ] rank 1, chained up-projection, grid 2 (tiles of 64 rows, splits 1), last call",
+            "[ fused trace ] entry                0.00     5.00     9.00",
+            "[ fused trace ] global timer: first entry 1000 ns, last stamp 9000 ns",
+            "[ fused trace ] rank 0, grid 4, general kernel",
+            "[ fused trace ] entry                0.00     7.00     7.00",
+            "[ fused trace ] global timer: first entry 500 ns, last stamp 9000 ns",
+            "[ fused trace ] rank 0, chained up-projection, grid 2 (tiles of 64 rows, splits 1), last call",
+            "[ fused trace ] entry                0.00     1.00     2.00",
+            "[ fused trace ] N ready              3.00     3.00     3.00",
+            "[ fused trace ] end                  8.00     9.00    10.00",
+            "[ fused trace ] global timer: first entry 2000 ns, last stamp 12000 ns",
+            "[ fused trace ] rank 0, chained up-projection, grid 2 (tiles of 64 rows, splits 1), last call",
+            "[ fused trace ] entry                0.00     1.00     2.00",
+            "[ fused trace ] N ready              4.00     4.00     4.00",
+            "[ fused trace ] end                  8.00     9.00    10.00",
+            "[ fused trace ] global timer: first entry 11000 ns, last stamp 21000 ns",
+        ])
+        rows = self.script.timeline(self.script.parse(crafted.splitlines()))
+        self.assertEqual(len(rows), 2)
+        self.assertEqual(rows[0]["entry_median"], 1.0)
+        self.assertEqual(rows[1]["n_ready_median"], 9.0 + 4.0)
+        self.assertEqual(rows[1]["n_ready_after_previous_end"], 13.0 - 10.0)
+        self.assertEqual(rows[1]["period"], 18.0 - 9.0)
+        with tempfile.TemporaryDirectory() as d:
+            empty = os.path.join(d, "empty.log")
+            with open(empty, "w") as f:
+                f.write("lmoe bench: nothing traced\n")
+            result = subprocess.run([sys.executable, self.path, empty], capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(result.returncode, 0)
+            self.assertIn("no chained up-projection trace", result.stderr)
+            out = os.path.join(d, "rows.json")
+            result = subprocess.run([sys.executable, self.path, self.recorded, "--json", out],
+                                    capture_output=True, text=True, timeout=60)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            self.assertIn("N after prev. last end", result.stdout)
+            with open(out) as f:
+                self.assertEqual(len(json.load(f)), 8)
+
+
 if __name__ == "__main__":
     LMOE = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)
