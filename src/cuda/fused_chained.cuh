@@ -376,6 +376,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
             park_u(8 * j + 2 * (lane % 4) + e, fragment_row + 8 * h, acc[4 * j + 2 * h + e]);
         }
       }
+      if (tid == 128) chained_trace(p, kChainedTraceStored);
     }
   } else {
     // Every consumer stores each fragment pair into the memory of the slice's owner (its own
@@ -431,6 +432,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       park_u(token, row, sum.x);
       park_u(token + 1, row, sum.y);
     }
+    if (tid == 0) chained_trace(p, kChainedTraceStored);
   }
   __syncthreads();
   if (tid == 0) chained_trace(p, kChainedTraceParked);

@@ -117,6 +117,7 @@ enum ChainedTracePoint : int {
   kChainedTraceNReady,      // the producer past griddepcontrol.wait: the norm kernel has ended
   kChainedTraceMultiplied,  // the consumers' last wgmma done
   kChainedTracePartials,    // the slice's partials of every split in the block's memory
+  kChainedTraceStored,      // a thread's parking stores issued (before the block barrier)
   kChainedTraceParked,      // round(U) of the block's slice parked in shared memory
   kChainedTraceEnd,         // the block's last store
   kChainedTracePoints

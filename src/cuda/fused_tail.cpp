@@ -506,7 +506,7 @@ void FusedTail::print_trace() noexcept {
   }
   if (chained_trace_.bytes()) {
     static constexpr const char* kNames[kChainedTracePoints] = {
-        "entry", "N ready", "multiplied", "partials in", "parked", "end"};
+        "entry", "N ready", "multiplied", "partials in", "stored", "parked", "end"};
     const std::vector<std::uint64_t> stamps = read(chained_trace_);
     const int grid = chained_plan_.tiles * chained_plan_.splits;
     const std::string title =
