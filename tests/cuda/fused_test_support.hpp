@@ -1,0 +1,298 @@
+// Shared by the fused tier's GPU tests (test_fused_tail.cpp, test_fused_decode.cpp,
+// test_fused_chained.cpp): the dims they use, the fixture that lets p2p ranks share one GPU, a
+// call through the runner checked against the CPU contract, one rank's FusedTail driven directly
+// (FusedRank), and the soak of graph replays with T and inputs changing on the device.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu/cpu_math.hpp"
+#include "cuda/device_buffer.hpp"
+#include "cuda/fused_tail.hpp"
+#include "cuda/launchers.hpp"
+#include "gpu_test_support.hpp"
+#include "lmoe/comm_group.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/latent_tail.hpp"
+#include "lmoe/p2p_communicator.hpp"
+#include "lmoe/reference.hpp"
+#include "lmoe/tail_runner.hpp"
+#include "lmoe/threads_communicator.hpp"
+
+namespace lmoe_fused_test {
+
+using lmoe::DType;
+using lmoe::TailTier;
+using lmoe::cuda::DeviceBuffer;
+
+inline const lmoe::TailDims kSmall{
+    384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripes of 48 … 384 columns)
+inline const lmoe::TailDims kK3{7168, 3584};
+inline const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
+
+// The current device's compute capability as 10 · major + minor (the chained path runs on 90 only).
+inline int compute_capability() {
+  int device = 0, major = 0, minor = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
+// The fused kernel sizes its grid so that the blocks of every rank on a GPU are resident at once,
+// which ranks spinning on each other need: these tests run p2p ranks on one GPU, opted in for the
+// duration of each test only (the library keeps p2p on a shared GPU opt-in, docs/p2p.md, and the
+// other tests of this binary see its default).
+class ScopedSharedGpu : public ScopedEnv {
+ public:
+  ScopedSharedGpu() : ScopedEnv("LMOE_P2P_SHARED_GPU", "1") {}
+};
+
+class Fused : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { lmoe::cpu::set_blas_threads(4); }
+  ScopedSharedGpu shared_gpu_;
+};
+
+inline lmoe::CaseRun run_fused(const lmoe::TailCase& c, bool graph = false) {
+  lmoe::RunOptions options;
+  options.backend = lmoe::Backend::cuda;
+  options.comm = "p2p";  // with one rank: no peers, but capturable (cuda-threads is not)
+  options.tier = TailTier::fused;
+  options.graph = graph;
+  options.repeats = graph ? 2 : 1;
+  return lmoe::run_case_on_threads(c, options);
+}
+
+inline void expect_meets_contract(const lmoe::TailCase& c, const lmoe::CaseRun& result,
+                                  double* worst) {
+  EXPECT_TRUE(result.ranks_identical);
+  ASSERT_EQ(result.tier, TailTier::fused);
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+  const lmoe::Comparison cmp =
+      lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+  EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+  EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+  *worst = std::max(*worst, cmp.max_error_over_bound);
+}
+
+// Random inputs within the contract's bound and crafted inputs bit for bit, at one (dims, dtype,
+// tp, T).
+// A crafted case (lmoe::make_exact_case) through the fused tier: equal on every rank and bit for
+// bit the contract's result.
+inline void expect_crafted_inputs_match_bit_for_bit(const lmoe::TailCase& exact) {
+  const lmoe::CaseRun exact_run = run_fused(exact);
+  EXPECT_TRUE(exact_run.ranks_identical);
+  const lmoe::Comparison cmp = lmoe::compare(
+      exact_run.ranks[0].y.matrix(),
+      lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)), lmoe::exact_tail(exact));
+  EXPECT_EQ(cmp.bit_mismatches, 0);
+}
+
+inline void expect_random_and_crafted_inputs_pass(lmoe::TailDims dims, DType dtype, int tp,
+                                                  std::int64_t tokens, std::uint64_t seed,
+                                                  double* worst) {
+  const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, dtype, tp, tokens, seed);
+  expect_meets_contract(random, run_fused(random), worst);
+  expect_crafted_inputs_match_bit_for_bit(lmoe::make_exact_case(dims, dtype, tp, tokens, seed));
+}
+
+// Every rank's error (one per rank, by rank) names `what`.
+inline void expect_every_rank_error(const std::vector<std::string>& errors,
+                                    const std::string& what) {
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    EXPECT_NE(errors[r].find(what), std::string::npos) << "rank " << r << ": " << errors[r];
+}
+
+// One rank's device state for calling FusedTail directly (below LatentTail: no agreement exchange,
+// so a rank can be made to stall on purpose).
+struct FusedRank {
+  DeviceBuffer w, gamma, routed, shared, out;
+  std::unique_ptr<lmoe::cuda::FusedTail> fused;
+
+  FusedRank(lmoe::Communicator& comm, const lmoe::TailCase& c, std::int64_t max_tokens) {
+    const int rank = comm.rank();
+    // The rank's GPU first (the p2p thread group's placement, rank % GPUs, as run_on_p2p_threads
+    // sets it): buffers on another GPU would make this rank's stream-ordered copies cross GPUs.
+    int gpus = 0;
+    cuda_ok(cudaGetDeviceCount(&gpus));
+    cuda_ok(cudaSetDevice(rank % gpus));
+    const std::int64_t d = c.dims.d_model, l = c.dims.d_latent, s = d / comm.size(),
+                       t = c.num_tokens;
+    const std::size_t esize = lmoe::dtype_size(c.dtype);
+    w = DeviceBuffer(static_cast<std::size_t>(s * l) * esize);
+    cuda_ok(cudaMemcpy(w.data(),
+                       c.up_proj_weight.data() + static_cast<std::size_t>(rank * s * l) * esize,
+                       w.bytes(), cudaMemcpyHostToDevice));
+    std::vector<float> g(static_cast<std::size_t>(l));
+    for (std::int64_t j = 0; j < l; ++j) g[static_cast<std::size_t>(j)] = c.norm_weight.get(j);
+    gamma = DeviceBuffer(g.size() * sizeof(float));
+    cuda_ok(cudaMemcpy(gamma.data(), g.data(), gamma.bytes(), cudaMemcpyHostToDevice));
+    routed = DeviceBuffer(static_cast<std::size_t>(max_tokens * l) * esize);
+    shared = DeviceBuffer(static_cast<std::size_t>(max_tokens * d) * esize);
+    out = DeviceBuffer(static_cast<std::size_t>(max_tokens * d) * esize);
+    cuda_ok(cudaMemcpy(routed.data(), c.routed.slice_matrix(rank).data,
+                       static_cast<std::size_t>(t * l) * esize, cudaMemcpyHostToDevice));
+    cuda_ok(cudaMemcpy(shared.data(), c.shared.slice_matrix(rank).data,
+                       static_cast<std::size_t>(t * d) * esize, cudaMemcpyHostToDevice));
+    fused = std::make_unique<lmoe::cuda::FusedTail>(
+        comm, c.dims, c.dtype, c.latent_norm, c.eps, w.data(),
+        static_cast<const float*>(gamma.data()), max_tokens);
+  }
+};
+
+// One fused call of up to max_tokens rows with T read from tokens_device, captured on `stream` into
+// *graph and instantiated into *exec.
+inline void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const void* tokens_device,
+                               cudaStream_t stream, cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens, stream,
+                   static_cast<const std::int32_t*>(tokens_device));
+  cuda_ok(cudaStreamEndCapture(stream, graph));
+  cuda_ok(cudaGraphInstantiate(exec, *graph, 0));
+}
+
+// Graph replays with T and inputs changing between replays and no host work in the call: the
+// kernel reads T on the device. Each replay's output is compared on the device with the eager
+// result of the same inputs (itself checked against the contract), so a stale parity, a row left
+// over from a longer call or a race in the protocol shows up as a counted mismatch. `kernel`: the
+// fused kernel every call must take (the bound decides it: the eager calls pass the graph's bound
+// with T on the device too, so that they run the kernel the replays run).
+inline void soak_graph_replays(int tp, std::int64_t max_tokens,
+                               const std::vector<std::int64_t>& set_tokens,
+                               lmoe::cuda::FusedKernel kernel) {
+  const char* env = std::getenv("LMOE_FUSED_SOAK_REPLAYS");
+  const long replays = env ? std::atol(env) : 100000;
+  std::vector<lmoe::TailCase> cases;
+  for (std::size_t k = 0; k < set_tokens.size(); ++k) {
+    cases.push_back(
+        lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, set_tokens[k], 500u + k));
+  }
+  // Every case uses the weights of the first (the graph holds one FusedTail per rank).
+  for (std::size_t k = 1; k < cases.size(); ++k) {
+    cases[k].norm_weight = cases[0].norm_weight;
+    cases[k].up_proj_weight = cases[0].up_proj_weight;
+  }
+  std::vector<unsigned long long> mismatches(tp, ~0ull);
+  std::vector<long> replayed(tp, 0);
+  const auto comms = lmoe::make_p2p_thread_communicators(tp);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    const std::size_t esize = 2;
+    const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
+    FusedRank state(comm, cases[0], max_tokens);
+    EXPECT_EQ(state.fused->kernel_for(max_tokens), kernel)
+        << state.fused->decode_limit().value_or("");
+    // Per case, on the device: its inputs and the expected output (from an eager call below).
+    std::vector<DeviceBuffer> routed, shared, expected;
+    std::vector<std::int32_t> tokens_host;
+    DeviceBuffer tokens_sets(set_tokens.size() * sizeof(std::int32_t)),
+        tokens_now(sizeof(std::int32_t));
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const std::int64_t t = set_tokens[k];
+      routed.emplace_back(static_cast<std::size_t>(t * l) * esize);
+      shared.emplace_back(static_cast<std::size_t>(t * d) * esize);
+      expected.emplace_back(static_cast<std::size_t>(t * d) * esize);
+      cuda_ok(cudaMemcpy(routed[k].data(), cases[k].routed.slice_matrix(rank).data,
+                         routed[k].bytes(), cudaMemcpyHostToDevice));
+      cuda_ok(cudaMemcpy(shared[k].data(), cases[k].shared.slice_matrix(rank).data,
+                         shared[k].bytes(), cudaMemcpyHostToDevice));
+      tokens_host.push_back(static_cast<std::int32_t>(t));
+    }
+    cuda_ok(cudaMemcpy(tokens_sets.data(), tokens_host.data(), tokens_sets.bytes(),
+                       cudaMemcpyHostToDevice));
+    DeviceBuffer counter(sizeof(unsigned long long));
+    cuda_ok(cudaMemset(counter.data(), 0, counter.bytes()));
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto load_case = [&](std::size_t k) {
+      const std::int64_t t = set_tokens[k];
+      cuda_ok(cudaMemcpyAsync(state.routed.data(), routed[k].data(), routed[k].bytes(),
+                              cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(cudaMemcpyAsync(state.shared.data(), shared[k].data(), shared[k].bytes(),
+                              cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(cudaMemcpyAsync(tokens_now.data(), static_cast<std::int32_t*>(tokens_sets.data()) + k,
+                              sizeof(std::int32_t), cudaMemcpyDeviceToDevice, stream));
+      cuda_ok(
+          cudaMemsetAsync(state.out.data(), 0xff, static_cast<std::size_t>(t * d) * esize, stream));
+    };
+    // The graph: one fused call of up to max_tokens rows, T from tokens_now.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
+    cuda_ok(cudaGraphUpload(exec, stream));
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();
+    // Eager calls give the expected outputs (checked against the contract on rank 0's thread
+    // below).
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      load_case(k);
+      state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
+                       stream, static_cast<const std::int32_t*>(tokens_now.data()));
+      cuda_ok(cudaMemcpyAsync(expected[k].data(), state.out.data(), expected[k].bytes(),
+                              cudaMemcpyDeviceToDevice, stream));
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm.barrier();
+    std::mt19937 order(12345);  // the same sequence of cases on every rank
+    for (long i = 0; i < replays; ++i) {
+      const std::size_t k = order() % cases.size();
+      load_case(k);
+      cuda_ok(cudaGraphLaunch(exec, stream));
+      cuda_ok(lmoe::cuda::launch_count_differences(
+          state.out.data(), expected[k].data(), static_cast<std::int64_t>(expected[k].bytes()),
+          static_cast<unsigned long long*>(counter.data()), stream));
+      if (i % 4096 == 4095) cuda_ok(cudaStreamSynchronize(stream));  // bounded queue
+      replayed[static_cast<std::size_t>(rank)] = i + 1;
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm.barrier();
+    cuda_ok(cudaMemcpy(&mismatches[static_cast<std::size_t>(rank)], counter.data(),
+                       sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    // The expected outputs themselves against the contract.
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      lmoe::HostTensor y(DType::bf16, {set_tokens[k], d});
+      cuda_ok(
+          cudaMemcpy(y.data(), expected[k].data(), expected[k].bytes(), cudaMemcpyDeviceToHost));
+      const lmoe::Comparison cmp = lmoe::compare(
+          y.matrix(), lmoe::reference_tail(cases[k], lmoe::contract_of(TailTier::fused)),
+          lmoe::exact_tail(cases[k]));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "case " << k << " rank " << rank;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  });
+  unsigned long long total = 0;
+  for (int r = 0; r < tp; ++r) {
+    EXPECT_EQ(replayed[static_cast<std::size_t>(r)], replays);
+    EXPECT_EQ(mismatches[static_cast<std::size_t>(r)], 0ull) << "rank " << r;
+    total += mismatches[static_cast<std::size_t>(r)];
+  }
+  std::string tokens_list;
+  for (std::int64_t t : set_tokens)
+    tokens_list += (tokens_list.empty() ? "" : ", ") + std::to_string(t);
+  std::printf(
+      "[ fused  ] soak: %ld graph replays per rank, tp=%d (%s kernel), T in {%s}: %llu mismatched "
+      "bytes\n",
+      replays, tp,
+      kernel == lmoe::cuda::FusedKernel::decode    ? "decode"
+      : kernel == lmoe::cuda::FusedKernel::chained ? "chained"
+                                                   : "general",
+      tokens_list.c_str(), total);
+}
+
+}  // namespace lmoe_fused_test

@@ -1,0 +1,293 @@
+// The fused tier's decode kernel (cuda/fused_decode.cuh; T ≤ 16, any device) against the CPU
+// contract, ranks sharing one GPU: where it runs by default and how it is turned off, its bound and
+// the groups an SM takes, small odd shapes, K3 eager and in graphs with T on the device, several
+// ranks, and a soak of graph replays.
+
+#include "fused_test_support.hpp"
+
+namespace {
+
+using namespace lmoe_fused_test;
+
+// LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
+// off everywhere, and the limit says why.
+TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
+  SKIP_WITHOUT_GPU();
+  const auto decode_bound = [](int tp, std::string* why) {
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 42u);
+    std::vector<std::int64_t> bounds(static_cast<std::size_t>(tp));
+    const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 4);
+      bounds[static_cast<std::size_t>(rank)] = state.fused->decode_max_tokens();
+      if (rank == 0) *why = state.fused->decode_limit().value_or("");
+      // T = 1 runs it where it runs, unless the chained path takes T = 1 (one rank on compute 9.0).
+      const bool chained_takes_one = state.fused->chained_max_tokens() > 0 &&
+                                     lmoe::cuda::fused_decode_beside_chained_tokens(tp) < 1;
+      EXPECT_EQ(state.fused->kernel_for(1) == lmoe::cuda::FusedKernel::decode,
+                bounds[static_cast<std::size_t>(rank)] > 0 && !chained_takes_one);
+    });
+    for (std::int64_t b : bounds) EXPECT_EQ(b, bounds[0]);
+    return bounds[0];
+  };
+  std::string why;
+  for (const char* on : {static_cast<const char*>(nullptr), "1"}) {
+    const ScopedEnv set("LMOE_FUSED_DECODE", on);
+    for (int tp : {1, 2}) {
+      if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+      EXPECT_EQ(decode_bound(tp, &why), 4) << "tp=" << tp << ": " << why;
+    }
+  }
+  {
+    const ScopedEnv off("LMOE_FUSED_DECODE", "0");
+    for (int tp : {1, 2}) {
+      if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+      EXPECT_EQ(decode_bound(tp, &why), 0) << "tp=" << tp;
+      EXPECT_NE(why.find("LMOE_FUSED_DECODE=0"), std::string::npos) << why;
+    }
+  }
+  {
+    // Read as a flag: anything but 1/0, true/false, yes/no, on/off is an error naming it.
+    const ScopedEnv bad("LMOE_FUSED_DECODE", "maybe");
+    try {
+      decode_bound(1, &why);
+      ADD_FAILURE() << "LMOE_FUSED_DECODE=maybe was accepted";
+    } catch (const lmoe::Error& error) {
+      EXPECT_NE(error.message().find("LMOE_FUSED_DECODE='maybe'"), std::string::npos)
+          << error.message();
+    }
+  }
+}
+
+// A latent too long for 16 normalized rows next to the weight rings in a block's shared memory
+// (l = 4480: 246,272 bytes, more than any device's 227-228 KiB) but not for 8 (230,400 bytes, 225
+// KiB): the decode kernel
+// takes calls of up to 8 rows and says why not 16; 8 and 9 rows meet the contract (9 through the
+// general kernel).
+TEST_F(Fused, DecodeStopsAt8RowsWhere16NormalizedRowsDoNotFit) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  const lmoe::TailDims dims{64, 4480};
+  const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 9, 17u);
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, 64);
+    EXPECT_EQ(state.fused->decode_max_tokens(), 8);
+    ASSERT_TRUE(state.fused->decode_limit().has_value());
+    EXPECT_NE(state.fused->decode_limit()->find("do not fit in a block's shared memory"),
+              std::string::npos)
+        << *state.fused->decode_limit();
+    EXPECT_EQ(state.fused->kernel_for(8), lmoe::cuda::FusedKernel::decode);
+    EXPECT_EQ(state.fused->kernel_for(9), lmoe::cuda::FusedKernel::general);
+  });
+  double worst = 0;
+  for (std::int64_t tokens : {8, 9}) {
+    SCOPED_TRACE("T=" + std::to_string(tokens));
+    expect_random_and_crafted_inputs_pass(dims, DType::bf16, 1, tokens,
+                                          23u + static_cast<std::uint64_t>(tokens), &worst);
+  }
+  std::printf("[ fused  ] decode d=64 l=4480 T 8/9 max_err/bound=%.3f\n", worst);
+}
+
+// Around the bound (17 takes the general kernel), bf16 and f16, random inputs within the contract's
+// bound and crafted inputs bit for bit; with and without the latent norm.
+TEST_F(Fused, DecodeAroundItsBoundMeetsTheContractWithAndWithoutTheNorm) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  for (bool latent_norm : {true, false}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      double worst = 0;
+      for (std::int64_t tokens : {1, 2, 5, 8, 15, 16, 17}) {
+        SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens) +
+                     (latent_norm ? "" : " no norm"));
+        const auto seed = 13u * static_cast<std::uint64_t>(tokens) + (latent_norm ? 0u : 7u);
+        lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, dtype, 1, tokens, seed);
+        random.latent_norm = latent_norm;
+        expect_meets_contract(random, run_fused(random), &worst);
+        lmoe::TailCase exact = lmoe::make_exact_case(kSmall, dtype, 1, tokens, seed);
+        exact.latent_norm = latent_norm;
+        expect_crafted_inputs_match_bit_for_bit(exact);  // one rank: identical trivially
+      }
+      std::printf("[ fused  ] decode tp=1 %-4s T 1…17 norm=%d max_err/bound=%.3f\n",
+                  std::string(lmoe::dtype_name(dtype)).c_str(), latent_norm ? 1 : 0, worst);
+    }
+  }
+}
+
+// Odd shapes: d = 40, l = 48 (5 groups of 8 rows over 5 blocks; 2 steps of 32 of K, the second
+// half past l, so 14 of the 16 warps have no K, and in that half step lanes q = 2, 3 of every row
+// copy nothing),
+// and d = 3176, l = 560 (397 groups over up to one block per SM: 3 or 4 each on 132 SMs; 18 steps,
+// 1 or 2 per warp, the last half past l).
+TEST_F(Fused, DecodeSmallOddShapes) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  double worst = 0;
+  for (const lmoe::TailDims dims : {lmoe::TailDims{40, 48}, lmoe::TailDims{3176, 560}}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      for (std::int64_t tokens : {1, 3, 9, 16}) {
+        SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " l=" + std::to_string(dims.d_latent) +
+                     " " + std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens));
+        expect_random_and_crafted_inputs_pass(dims, dtype, 1, tokens,
+                                              3u * static_cast<std::uint64_t>(tokens), &worst);
+      }
+    }
+  }
+  std::printf("[ fused  ] decode d=40 l=48 and d=3176 l=560 max_err/bound=%.3f\n", worst);
+}
+
+// The most groups of 8 rows of w_up a block takes (kDecodeMaxGroups = 8; their accumulators are
+// registers): d = 64 · SMs puts exactly 8 on every block (K3 has 6 or 7 on 132 SMs) and meets the
+// contract; one group more, d = 8 · (8 · SMs + 1), is declined with the reason (the general kernel
+// runs it).
+TEST_F(Fused, DecodeTakesEightGroupsPerSmAndDeclinesNine) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  int device = 0, sms = 0;
+  cuda_ok(cudaGetDevice(&device));
+  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const lmoe::TailDims eight{64 * static_cast<std::int64_t>(sms), 64};
+  const lmoe::TailDims nine{8 * (8 * static_cast<std::int64_t>(sms) + 1), 64};
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank takes(comm, lmoe::make_random_case(eight, 1e-5f, DType::bf16, 1, 16, 5u), 16);
+    EXPECT_EQ(takes.fused->decode_max_tokens(), 16) << takes.fused->decode_limit().value_or("");
+    FusedRank declines(comm, lmoe::make_random_case(nine, 1e-5f, DType::bf16, 1, 16, 6u), 16);
+    EXPECT_EQ(declines.fused->decode_max_tokens(), 0);
+    ASSERT_TRUE(declines.fused->decode_limit().has_value());
+    EXPECT_NE(declines.fused->decode_limit()->find("at most 8 groups"), std::string::npos)
+        << *declines.fused->decode_limit();
+  });
+  // The policy asks the same question (fused_decode_limit): fused up to 6 tokens at tp 1 where the
+  // decode kernel runs, 0 with the reason where it does not.
+  EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16).has_value());
+  const std::optional<std::string> limit = lmoe::fused_decode_limit(nine, DType::bf16);
+  ASSERT_TRUE(limit.has_value());
+  EXPECT_NE(limit->find("at most 8 groups"), std::string::npos) << *limit;
+  const lmoe::PolicyConfig built_in = lmoe::load_policy_config(
+      [](const std::string&) -> std::optional<std::string> { return std::nullopt; });
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, eight, DType::bf16)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultTp1Tokens);
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 1, nine, DType::bf16)
+                .fused_max_tokens.value,
+            0);
+  // With several ranks it asks about one rank's stripe (d / tp rows) and 16 rows (the chained
+  // path, turned off in this test, would give its own range).
+  EXPECT_FALSE(lmoe::fused_decode_limit(eight, DType::bf16, 2).has_value());
+  EXPECT_EQ(lmoe::with_rank_defaults(built_in, lmoe::Backend::cuda, 2, kK3, DType::bf16)
+                .fused_max_tokens.value,
+            lmoe::kFusedDefaultDecodeTokens);
+  double worst = 0;
+  for (std::int64_t tokens : {1, 9, 16}) {
+    SCOPED_TRACE("d=" + std::to_string(eight.d_model) + " T=" + std::to_string(tokens));
+    expect_random_and_crafted_inputs_pass(eight, DType::bf16, 1, tokens,
+                                          71u + static_cast<std::uint64_t>(tokens), &worst);
+  }
+  std::printf("[ fused  ] decode d=%lld (8 groups per SM) max_err/bound=%.3f\n",
+              static_cast<long long>(eight.d_model), worst);
+}
+
+// K3 dims, for bounds of 16 and 8 rows (the kernel's two shapes): an eager call of that many rows
+// against the contract, then one graph captured for up to that many rows with T on the device,
+// replayed with T changing between replays. Rows are independent, so each
+// replay's first T rows must equal the eager call's bit for bit, and the rows after them must stay
+// as poisoned before the replay.
+TEST_F(Fused, DecodeK3EagerAndGraphReplaysWithTOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  const std::int64_t d = kK3.d_model;
+  // Both shapes of the kernel: a bound of 16 rows, and of 8 (the policy's tp-1 default).
+  for (const std::int64_t max_tokens : {std::int64_t{16}, std::int64_t{8}}) {
+    const std::vector<std::int32_t> replays =
+        max_tokens == 16 ? std::vector<std::int32_t>{16, 1, 7, 16, 3, 12, 2}
+                         : std::vector<std::int32_t>{8, 1, 7, 8, 3, 5, 2};
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " bound " + std::to_string(max_tokens));
+      const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, dtype, 1, max_tokens, 99u);
+      const std::size_t esize = lmoe::dtype_size(dtype),
+                        row_bytes = static_cast<std::size_t>(d) * esize;
+      const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+      lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+        FusedRank state(comm, c, max_tokens);
+        ASSERT_EQ(state.fused->kernel_for(max_tokens), lmoe::cuda::FusedKernel::decode)
+            << state.fused->decode_limit().value_or("");
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
+        state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), max_tokens,
+                         stream);
+        lmoe::HostTensor eager(dtype, {max_tokens, d});
+        cuda_ok(cudaMemcpyAsync(eager.data(), state.out.data(), max_tokens * row_bytes,
+                                cudaMemcpyDeviceToHost, stream));
+        cuda_ok(cudaStreamSynchronize(stream));
+        const lmoe::Comparison cmp = lmoe::compare(
+            eager.matrix(), lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused)),
+            lmoe::exact_tail(c));
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+        std::printf("[ fused  ] decode K3 %s T=%lld eager max_err/bound=%.3f\n",
+                    std::string(lmoe::dtype_name(dtype)).c_str(),
+                    static_cast<long long>(max_tokens), cmp.max_error_over_bound);
+
+        DeviceBuffer tokens_now(sizeof(std::int32_t));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        capture_fused_call(state, max_tokens, tokens_now.data(), stream, &graph, &exec);
+        std::vector<std::byte> got(max_tokens * row_bytes);
+        for (std::int32_t tokens : replays) {
+          SCOPED_TRACE("graph T=" + std::to_string(tokens));
+          cuda_ok(cudaMemcpyAsync(tokens_now.data(), &tokens, sizeof(tokens),
+                                  cudaMemcpyHostToDevice, stream));
+          cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, max_tokens * row_bytes, stream));
+          cuda_ok(cudaGraphLaunch(exec, stream));
+          cuda_ok(cudaMemcpyAsync(got.data(), state.out.data(), got.size(), cudaMemcpyDeviceToHost,
+                                  stream));
+          cuda_ok(cudaStreamSynchronize(stream));
+          const std::size_t used = static_cast<std::size_t>(tokens) * row_bytes;
+          EXPECT_EQ(std::memcmp(got.data(), eager.data(), used), 0);
+          std::size_t untouched = 0;
+          for (std::size_t i = used; i < got.size(); ++i) untouched += got[i] == std::byte{0xff};
+          EXPECT_EQ(untouched, got.size() - used);
+        }
+        EXPECT_EQ(state.fused->general_calls(), 0u);  // every call above ran the decode kernel
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      });
+    }
+  }
+}
+
+// K3 dims with several ranks through the decode kernel (tp 2: 448 groups of the stripe, tp 8: 112,
+// over the blocks the ranks sharing this GPU split; the chained path off, which would take T = 16
+// at tp 2), T = 1 and 16, random inputs within the contract's bound and crafted inputs bit for bit
+// (through LatentTail, as a model calls it).
+TEST_F(Fused, DecodeK3WithSeveralRanksMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");     // whatever the environment says
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // the decode kernel up to 16 rows
+  for (int tp : {2, 8}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    double worst = 0;
+    for (std::int64_t tokens : {1, 16}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(kK3, DType::bf16, tp, tokens,
+                                            61u + static_cast<std::uint64_t>(tokens), &worst);
+    }
+    std::printf("[ fused  ] decode K3 tp=%d T 1/16 max_err/bound=%.3f\n", tp, worst);
+  }
+}
+
+// The same for the decode kernel (a graph bounded by 16 rows): with one rank, whose blocks share
+// nothing, and with two, through the protocol.
+TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  soak_graph_replays(1, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
+  soak_graph_replays(2, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
+}
+
+}  // namespace
