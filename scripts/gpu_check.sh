@@ -98,7 +98,7 @@ if wants p2pshared; then
 fi
 
 if wants fused; then
-  # The fused decode tail with its ranks sharing this GPU (tests/cuda/test_fused_tail.cpp).
+  # The fused tier with its ranks sharing this GPU (tests/cuda/test_fused_{tail,decode,chained}.cpp).
   gtest fused_tests 400 build/cuda/tests/lmoe_cuda_tests 'Fused*:*FusedParity*:CudaTailTp1*'
   grep -E "^\[ fused" "$logs/fused_tests.log"
 fi
