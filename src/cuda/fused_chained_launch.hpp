@@ -39,10 +39,10 @@ constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
   return tp == 1 ? 0 : tp < 8 ? 4 : 16;
 }
 
-// A block: a producer warpgroup (one thread issues the copies) and two consumer warpgroups
-// multiplying a tile of 64 or 128 rows of w_up (wgmma's M: each consumer 64 rows of a tile of 128,
-// or all 64 rows over half of K; up to 32 tokens in a tile of 64 the first alone multiplies all of
-// it) by every token; 64 elements of K per stage. A tile is split over K
+// A block: a producer warpgroup (one thread issues the copies) and two more warpgroups, which
+// multiply a tile of 64 or 128 rows of w_up (wgmma's M) by every token — each 64 rows of a tile of
+// 128, or the first alone all of a tile of 64 while the second only helps finish; 64 elements of
+// K per stage. A tile is split over K
 // by the blocks of one cluster: a power of two, at most kChainedMaxSplits, the portable cluster
 // size (the plan asks the device whether the tiles' clusters fit at once, and takes fewer splits
 // where they do not). Clusters of 16 (non-portable) measured no faster on a stripe of 896 rows in
@@ -88,8 +88,8 @@ struct FusedChainedParams {
   // block then counts itself in up_passed, the last one takes the call's count back out of
   // norm_done, and only then does a block let the next kernels launch (so that the next call's
   // up-projection, which may be resident before this one ends, never sees this call's count).
-  // A wait that times out goes to `status` (the host turns it into an error). Null: griddepcontrol.
-  // (the report names peer kChainedNormWaitPeer)
+  // A wait that times out goes to `status`, naming peer kChainedNormWaitPeer (the host turns it
+  // into an error). Null: griddepcontrol.wait for the norm kernel's end.
   std::uint32_t* norm_done = nullptr;
   std::uint32_t* up_passed = nullptr;
   int norm_blocks = 0;

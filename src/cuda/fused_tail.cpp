@@ -396,17 +396,17 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   // 1) set it at any tp, for measurements.
   const double grid_box_bytes = static_cast<double>(p.tiles) * p.splits * chained_plan_.tile_rows *
                                 kChainedTileK * dtype_size(dtype_);
+  // Both read at every tp, so that a value they cannot take is an error wherever it is set.
   double pace_ns = tp == 1 ? grid_box_bytes / kChainedStreamBytesPerNs : 0.0;
   if (const auto ns = env_integer("LMOE_FUSED_CHAINED_PACE_NS", 0, 100000, "nanoseconds"))
     pace_ns = static_cast<double>(*ns);
+  const auto burst = env_integer("LMOE_FUSED_CHAINED_PACE_BURST", 1, 64, "a count of copies");
   if (pace_ns > 0) {
     int device = 0, khz = 0;
     LMOE_CUDA_CHECK(cudaGetDevice(&device));  // the rank's, made current at construction
     LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
     p.pace_cycles = std::max(1, static_cast<int>(pace_ns * khz / 1e6));  // the SM's peak clock
-    p.pace_burst = 1;
-    if (const auto burst = env_integer("LMOE_FUSED_CHAINED_PACE_BURST", 1, 64, "a count of copies"))
-      p.pace_burst = static_cast<int>(*burst);
+    p.pace_burst = static_cast<int>(burst.value_or(1));
   }
   // LMOE_FUSED_CHAINED_HANDOFF=1 (one rank; experimental, off by default until measured): the
   // up-projection waits for a count the norm kernel's blocks release, not for its end. Read at

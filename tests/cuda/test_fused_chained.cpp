@@ -131,10 +131,12 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
 }
 
 // The chained path's measurement settings with a bad value — LMOE_FUSED_EXCHANGE_GRID (the exchange
-// blocks with several ranks) outside [1, what the GPU allows] or not a number, and
-// LMOE_FUSED_CHAINED_TILE_ROWS (the up-projection's tile) anything but 64 or 128: every rank's
-// construction fails naming the variable, before any kernel of the call is launched (one rank and
-// two; the exchange grid is read with several ranks only).
+// blocks with several ranks) outside [1, what the GPU allows] or not a number,
+// LMOE_FUSED_CHAINED_TILE_ROWS (the up-projection's tile) anything but 64 or 128, the first copies'
+// pace and burst (LMOE_FUSED_CHAINED_PACE_NS, _BURST) out of range or not a number, and
+// LMOE_FUSED_CHAINED_HANDOFF anything but 0 or 1: every rank's construction fails naming the
+// variable, before any kernel of the call is launched (one rank and two; the exchange grid is read
+// with several ranks only, the others at every tp).
 TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
@@ -152,6 +154,18 @@ TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
       {"LMOE_FUSED_CHAINED_TILE_ROWS",
        {"96", "32", "256", "64x"},
        "LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128",
+       1},
+      {"LMOE_FUSED_CHAINED_PACE_NS",
+       {"-1", "100001", "250ns"},
+       "LMOE_FUSED_CHAINED_PACE_NS: expected nanoseconds in [0, 100000]",
+       1},
+      {"LMOE_FUSED_CHAINED_PACE_BURST",
+       {"0", "65", "2x"},
+       "LMOE_FUSED_CHAINED_PACE_BURST: expected a count of copies in [1, 64]",
+       1},
+      {"LMOE_FUSED_CHAINED_HANDOFF",
+       {"2", "yes"},
+       "LMOE_FUSED_CHAINED_HANDOFF: expected 0 or 1",
        1},
   };
   for (int tp : {1, 2}) {
@@ -175,6 +189,43 @@ TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
       }
     }
   }
+}
+
+// LMOE_FUSED_TRACE on the chained path: destroying the FusedTail prints the up-projection's points
+// for the last call (one of 33 rows, in the plan's tiles and splits) — entry, N ready, the last
+// wgmma, the partials, the parking stores issued, the parked slice and the end, in that order —
+// then the global timer line that scripts/tail_timeline.py reads.
+TEST_F(Fused, ChainedTraceListsItsPointsAndTheGlobalTimer) {
+  SKIP_WITHOUT_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 33, 61u);
+  const ScopedEnv env("LMOE_FUSED_TRACE", "1");
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  ::testing::internal::CaptureStderr();
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, 33);
+    state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), 33, nullptr);
+    cuda_ok(cudaStreamSynchronize(nullptr));
+  });
+  const std::string traced = ::testing::internal::GetCapturedStderr();
+  const std::size_t header = traced.find("[ fused trace ] rank 0, chained up-projection, grid ");
+  ASSERT_NE(header, std::string::npos) << traced;
+  std::size_t at = header;
+  for (const char* point :
+       {"entry", "N ready", "multiplied", "partials in", "stored", "parked", "end"}) {
+    const std::size_t next = traced.find(std::string("[ fused trace ] ") + point + " ", at);
+    ASSERT_NE(next, std::string::npos) << point << "\n" << traced;  // and in this order
+    at = next;
+  }
+  unsigned long long first = 0, last = 0;
+  const std::size_t timer = traced.find("[ fused trace ] global timer: first entry ", at);
+  ASSERT_NE(timer, std::string::npos) << traced;
+  EXPECT_EQ(std::sscanf(traced.c_str() + timer,
+                        "[ fused trace ] global timer: first entry %llu ns, last stamp %llu ns",
+                        &first, &last),
+            2);
+  EXPECT_GT(first, 0ull);
+  EXPECT_LE(first, last);
 }
 
 // The chained path splits K over the blocks of a cluster, a power of two up to 8 per tile of 64 or
