@@ -36,8 +36,8 @@
 //   rows at tp 8: 8), summed as a reduce-scatter through distributed shared memory: block q of the
 //   cluster finishes the tile's q-th slice of tile / S rows; every consumer stores its fp32
 //   accumulators of each slice into the slice owner's (idle) stages, and all of q's threads add
-//   the partials of its slice in a fixed order (splits in order, each split's consumers in order:
-//   the bits do not depend on timing; like the mma's K order, the partition of K is the plan's).
+//   the partials of its slice in a fixed order (splits in order: the bits do not depend on
+//   timing; like the mma's K order, the partition of K is the plan's).
 //   Up to 32 tokens the partials have shared memory of their own beside the ring, so the blocks
 //   store them as soon as they are done multiplying and one cluster barrier closes the exchange
 //   (the 896-row stripe at T = 1: 1.0 µs from the last wgmma to the partials in, against 1.25
@@ -83,11 +83,10 @@ struct ChainedShape {
   // keep ahead of the stream at every N, and no partial sums of the block's own are stored and
   // added), two in a tile of 128 (64 rows each).
   static constexpr int kConsumers = kTileRows == 64 ? 1 : 2;
-  // The consumer warpgroups' partial sums of a row: a tile of 128 rows gives each consumer 64 of
-  // them (one partial); in a tile of 64 two consumers both multiply all 64, each half of every
-  // chunk's K (two partials, added in consumer order with the splits'), one all of K (one).
-  static constexpr int kConsumerParts = kTileRows == 128 ? 1 : kConsumers;
-  static constexpr int kStepsPerConsumer = kChainedTileK / 16 / kConsumerParts;  // k16 wgmmas
+  // Every consumer multiplies its rows over all of the chunk's K (its own 64 rows of a tile of
+  // 128, or all of a tile of 64), so a block holds one partial sum of each row: with split K the
+  // cluster's blocks add theirs, in split order.
+  static constexpr int kStepsPerConsumer = kChainedTileK / 16;  // k16 wgmmas a chunk
   static constexpr int kRowBytes = kChainedTileK * 2;  // 64 elements of 16 bits
   static constexpr int kWeightBytes = kTileRows * kRowBytes;
   static constexpr int kStageBytes = kWeightBytes + kN * kRowBytes;
@@ -95,10 +94,9 @@ struct ChainedShape {
   // flight): room beside a norm block on the SM.
   static constexpr int kStages = std::min(kTileRows == 128 ? 8 : 16, 192 * 1024 / kStageBytes);
   static constexpr int kRingBytes = kStages * kStageBytes;
-  // The partials of a block's slice, [part][fragment][slot] float2 (part = split · kConsumerParts +
-  // consumer), slot = 4 · (row in the slice) + lane % 4: S · kConsumerParts parts × kN / 8
-  // fragments × 4 · kTileRows / S slots, whatever S.
-  static constexpr int kPartialBytes = kConsumerParts * kTileRows * kN * 4;
+  // The partials of a block's slice, [part][fragment][slot] float2 (part = split), slot = 4 · (row
+  // in the slice) + lane % 4: S parts × kN / 8 fragments × 4 · kTileRows / S slots, whatever S.
+  static constexpr int kPartialBytes = kTileRows * kN * 4;
   // Up to 32 tokens the partials have a region of their own past the ring (it fits beside it in
   // 220 KB): the cluster's blocks may then store into it while its owner still multiplies, and the
   // reduction takes one cluster barrier instead of two. Larger classes keep them in the stages.
@@ -320,14 +318,10 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     for (int i = 0; i < n; ++i) {
       const int s = i % Shape::kStages;
       mbarrier_wait(full_bar(s), static_cast<std::uint32_t>(i / Shape::kStages) & 1u);
-      // A tile of 128: the consumer's 64 rows, all of K; of 64: every row, the consumer's half of
-      // K (32 bytes of a swizzled row per k16 step).
-      const std::uint32_t first_step =
-          Shape::kConsumerParts == 2 ? consumer * Shape::kStepsPerConsumer * 32 : 0;
-      const std::uint32_t a_rows =
-          stage_at(s) + first_step +
-          (Shape::kConsumerParts == 1 ? consumer * 64 * Shape::kRowBytes : 0);
-      const std::uint32_t b_rows = stage_at(s) + Shape::kWeightBytes + first_step;
+      // The consumer's 64 rows (a tile of 128: its half; of 64: all), all of K (32 bytes of a
+      // swizzled row per k16 step).
+      const std::uint32_t a_rows = stage_at(s) + consumer * 64 * Shape::kRowBytes;
+      const std::uint32_t b_rows = stage_at(s) + Shape::kWeightBytes;
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < Shape::kStepsPerConsumer; ++ks) {
@@ -354,15 +348,14 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int fragments = (tokens + 7) / 8;
   const int lane = tid % 32;
   // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
-  const int fragment_row =
-      (Shape::kConsumerParts == 1 ? (warpgroup - 1) * 64 : 0) + (tid / 32 % 4) * 16 + lane / 4;
+  const int fragment_row = (warpgroup - 1) * 64 + (tid / 32 % 4) * 16 + lane / 4;
   unsigned char* const parked = park + Shape::kParkOffset;
   // round(U) of (token, tile row) into the parking: token · kParkPitch + 2 · (row in the slice).
   const auto park_u = [&](int token, int row, float u) {
     *reinterpret_cast<T*>(parked + token * Shape::kParkPitch + 2 * (row & (slice_rows - 1))) =
         Storage<T>::store(u);
   };
-  const int parts = p.splits * Shape::kConsumerParts;
+  const int parts = p.splits;
   if (parts == 1) {
     if (tid == 0) chained_trace(p, kChainedTracePartials);
     if (warpgroup > 0 && warpgroup <= Shape::kConsumers) {  // the multiplying warpgroups
@@ -381,9 +374,8 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   } else {
     // Every consumer stores each fragment pair into the memory of the slice's owner (its own
     // block's when it owns the slice, or when the tile is not split),
-    // [part][fragment][slot], slot = 4 · (row in the slice) + lane % 4; then all of the owner's
-    // threads sum the parts of its slice in part order (splits in order, each split's consumers in
-    // order) and park round(U).
+    // [part][fragment][slot] (part = split), slot = 4 · (row in the slice) + lane % 4; then all of
+    // the owner's threads sum the parts of its slice in split order and park round(U).
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     float2* const partials = reinterpret_cast<float2*>(park + Shape::kPartialOffset);
@@ -396,8 +388,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       cluster_wait();
     }
     if (warpgroup > 0 && warpgroup <= Shape::kConsumers) {  // the multiplying warpgroups
-      const int part =
-          split * Shape::kConsumerParts + (Shape::kConsumerParts == 2 ? warpgroup - 1 : 0);
+      const int part = split;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = fragment_row + 8 * h, owner = row >> slice_shift;
