@@ -8,9 +8,8 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 14> kNames = {
+constexpr std::array<const char*, 13> kNames = {
     "LMOE_FUSED_CHAINED",             // which fused kernel runs for T <= 128 (docs/fused.md)
-    "LMOE_FUSED_CHAINED_HANDOFF",     // one rank: the up-projection waits for the norm's count
     "LMOE_FUSED_CHAINED_PACE_BURST",  // the chained path's first copies issued at once, if paced
     "LMOE_FUSED_CHAINED_PACE_NS",     // the pace of the chained path's first copies (0: at once)
     "LMOE_FUSED_CHAINED_TILE_ROWS",   // the chained path's tile of w_up (64 or 128 rows)

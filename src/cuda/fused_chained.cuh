@@ -128,9 +128,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   // gather of the peers' stripes), which waits for this one before it closes the call; with one
   // rank the next call's norm kernel, launched programmatically (launch_fused_chained), so that
   // this kernel's successor streams its weights as soon as this one's blocks leave their SMs.
-  // With the handoff (p.norm_done) only once the call's count is back out (below).
-  const bool handoff = p.norm_done != nullptr;
-  if (!handoff) pdl_launch_dependents();
+  pdl_launch_dependents();
   const int tid = static_cast<int>(threadIdx.x);
   const auto full_bar = [&](int s) { return bars.full(s); };
   const auto empty_bar = [&](int s) { return bars.empty(s); };
@@ -248,23 +246,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       if (!paced) {
         for (int i = 0; i < first; ++i) copy_weights(i);
       }
-      if (handoff) {
-        // The norm kernel's blocks have stored N and counted themselves (release; a timeout is
-        // reported and the copies go on, so that every wait of this block still ends). The last
-        // block past the wait takes the call's count back out before any block lets the next
-        // kernels launch.
-        (void)p2p_wait_until({p.status, p.abort_flag, p.timeout_ns}, p.norm_done,
-                             static_cast<std::uint32_t>(p.norm_blocks), kChainedNormWaitPeer, 0);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        if (atomicAdd(p.up_passed, 1u) == gridDim.x - 1) {
-          atomicSub(p.norm_done, static_cast<std::uint32_t>(p.norm_blocks));
-          atomicExch(p.up_passed, 0u);
-        }
-        __threadfence();
-        pdl_launch_dependents();
-      } else {
-        pdl_wait();
-      }
+      pdl_wait();
       chained_trace(p, kChainedTraceNReady);
       if (p.tp > 1)
         call_epoch = *p.epoch + 1;  // the exchange kernel has ended: nothing advances it
@@ -276,7 +258,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         copy_weights(i);
         copy_rows(i);
       }
-      if (kLearnEarly) learn_tokens(/*waited=*/!handoff);
+      if (kLearnEarly) learn_tokens(/*waited=*/true);
     } else {
       if (tid == 32 && paced) {
         // The first round paced: pace_burst copies at once, then one every pace_cycles, so that

@@ -207,18 +207,14 @@ cudaError_t launch_fused_chained(const FusedChainedParams& p, const void* routed
   // it before reading anything) and lets the up-projection start at once, whose weights depend on
   // nothing. Behind a kernel that lets its dependents start early (e.g. the previous call's
   // up-projection) the weight stream then begins as soon as that kernel's blocks leave.
-  // With the handoff (p.norm_done) its blocks count themselves, and the up-projection waits for
-  // as many counts as it launched.
-  FusedChainedParams up = p;
-  const NormHandoff handoff{p.norm_done, &up.norm_blocks};
   if (const cudaError_t status =
           launch_rms_norm(routed, gamma, normed, p.tokens_device ? max_tokens : p.tokens, p.l, eps,
-                          dtype, stream, p.tokens_device, /*programmatic=*/true, handoff);
+                          dtype, stream, p.tokens_device, /*programmatic=*/true);
       status != cudaSuccess) {
     return status;
   }
   // 2. The up-projection.
-  return launch_up(up, max_tokens, dtype, plan, stream);
+  return launch_up(p, max_tokens, dtype, plan, stream);
 }
 
 cudaError_t launch_fused_chained_ranks(const FusedTailParams& x, int exchange_grid,

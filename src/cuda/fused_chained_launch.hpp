@@ -82,28 +82,11 @@ struct FusedChainedParams {
   // pace_burst copies at once, then one every pace_cycles SM clocks; 0: all at once by the
   // producer (FusedTail chooses: paced with one rank).
   int pace_cycles = 0, pace_burst = 0;
-  // One rank, LMOE_FUSED_CHAINED_HANDOFF=1 (experimental, off by default until measured): the
-  // producer waits for the norm kernel's blocks to count themselves in norm_done (norm_blocks of
-  // them, launch_fused_chained sets it per launch) instead of for the norm kernel's end; every
-  // block then counts itself in up_passed, the last one takes the call's count back out of
-  // norm_done, and only then does a block let the next kernels launch (so that the next call's
-  // up-projection, which may be resident before this one ends, never sees this call's count).
-  // A wait that times out goes to `status`, naming peer kChainedNormWaitPeer (the host turns it
-  // into an error). Null: griddepcontrol.wait for the norm kernel's end.
-  std::uint32_t* norm_done = nullptr;
-  std::uint32_t* up_passed = nullptr;
-  int norm_blocks = 0;
-  volatile P2pStatus* status = nullptr;
-  volatile std::int32_t* abort_flag = nullptr;
-  std::uint64_t timeout_ns = 0;
   int tiles = 0, splits = 1;  // the grid: tiles × splits blocks, clusters of `splits`
   // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
   // call (global timer, ns), [grid][kChainedTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
 };
-
-// The `peer` of a handoff wait's failure report (FusedChainedParams::norm_done): the norm kernel.
-inline constexpr int kChainedNormWaitPeer = -2;
 
 // The rate (bytes per ns) at which the chained path's grid streams w_up from its entry on an H200
 // (K3 at tp 1, 112 blocks: ~3.7 TB/s, the rate of a plain read of the same bytes; docs/fused.md,

@@ -408,18 +408,6 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     p.pace_cycles = std::max(1, static_cast<int>(pace_ns * khz / 1e6));  // the SM's peak clock
     p.pace_burst = static_cast<int>(burst.value_or(1));
   }
-  // LMOE_FUSED_CHAINED_HANDOFF=1 (one rank; experimental, off by default until measured): the
-  // up-projection waits for a count the norm kernel's blocks release, not for its end. Read at
-  // every tp, so that a value it cannot take is an error wherever it is set.
-  if (env_integer("LMOE_FUSED_CHAINED_HANDOFF", 0, 1, "0 or 1").value_or(0) == 1 && tp == 1) {
-    chained_handoff_ = DeviceBuffer(2 * sizeof(std::uint32_t));  // norm_done, up_passed
-    LMOE_CUDA_CHECK(cudaMemset(chained_handoff_.data(), 0, chained_handoff_.bytes()));
-    p.norm_done = static_cast<std::uint32_t*>(chained_handoff_.data());
-    p.up_passed = p.norm_done + 1;
-    p.status = params_.status;  // one rank: the FusedTail's own record
-    p.abort_flag = params_.abort_flag;
-    p.timeout_ns = params_.timeout_ns;
-  }
   if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
     chained_trace_ = DeviceBuffer(static_cast<std::size_t>(p.tiles) * p.splits *
                                   kChainedTracePoints * sizeof(std::uint64_t));
@@ -560,13 +548,6 @@ std::uint32_t FusedTail::general_calls() const {
 void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
   const volatile P2pStatus& s = *own_status_;
-  if (s.code != kP2pOk && s.peer == kChainedNormWaitPeer) {
-    throw Error(
-        "fused: the chained up-projection waited more than 10 s for the norm kernel's blocks "
-        "(block " +
-        std::to_string(s.block) +
-        "); LMOE_FUSED_CHAINED_HANDOFF=0 waits for the kernel's end instead");
-  }
   if (s.code != kP2pOk) {
     throw Error("fused: a block waited more than 10 s for the others of its own grid (block " + std::to_string(s.block) +
                 ", call " + std::to_string(s.round) + "); the GPU did not run all of the grid's blocks at once");

@@ -139,7 +139,6 @@ class FusedTail {
   FusedChainedPlan chained_plan_;
   FusedChainedParams chained_params_;
   DeviceBuffer chained_workspace_;
-  DeviceBuffer chained_handoff_;   // LMOE_FUSED_CHAINED_HANDOFF=1: the norm's count, the passes
   int chained_exchange_grid_ = 0;  // several ranks: blocks of the exchange and gather kernels
   // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
   P2pStatus* own_status_ = nullptr;

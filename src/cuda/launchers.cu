@@ -43,30 +43,26 @@ cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std:
 template <typename T, int kWarpsPerRow, int kChunksPerLane>
 cudaError_t launch_register_norm(const T* x, const float* gamma, T* out, std::int64_t rows,
                                  const std::int32_t* rows_device, int cols, float eps,
-                                 cudaStream_t stream, bool programmatic,
-                                 const NormHandoff& handoff) {
+                                 cudaStream_t stream, bool programmatic) {
   constexpr int kRowsPerBlock = 8 / kWarpsPerRow;
-  const auto blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  if (handoff.blocks_launched != nullptr) *handoff.blocks_launched = static_cast<int>(blocks);
-  LaunchConfig config(dim3(blocks), dim3(kNormThreads), 0, stream);
+  LaunchConfig config(dim3(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
+                      dim3(kNormThreads), 0, stream);
   return cudaLaunchKernelEx(config.programmatic(programmatic).get(),
                             rms_norm_register_kernel<T, kWarpsPerRow, kChunksPerLane>, x, gamma,
-                            out, rows, rows_device, cols, eps, handoff.blocks_done);
+                            out, rows, rows_device, cols, eps);
 }
 
 template <typename T>
 cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64_t rows,
                         std::int64_t cols, float eps, cudaStream_t stream,
-                        const std::int32_t* rows_device, bool programmatic,
-                        const NormHandoff& handoff) {
+                        const std::int32_t* rows_device, bool programmatic) {
   const auto* tx = static_cast<const T*>(x);
   auto* tout = static_cast<T*>(out);
   const int n = static_cast<int>(cols);
   // Rows start cols elements apart, so 16-byte aligned bases keep every chunk of every row aligned
   // when cols is a multiple of the chunk (8 elements: 16 or 32 bytes).
   if (cols % kNormChunk != 0 || !aligned16(x) || !aligned16(out) || !aligned16(gamma)) {
-    // The rereading kernel reads every row and counts nothing.
-    if (rows_device != nullptr || handoff.blocks_done != nullptr) return cudaErrorInvalidValue;
+    if (rows_device != nullptr) return cudaErrorInvalidValue;  // the rereading kernel reads rows
     rms_norm_rereading_kernel<T, false><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
         tx, gamma, tout, n, eps);
     return cudaGetLastError();
@@ -77,27 +73,27 @@ cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64
   const std::int64_t chunks = cols / kNormChunk;
   if (chunks <= 32)
     return launch_register_norm<T, 1, 1>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   if (chunks <= 64)
     return launch_register_norm<T, 2, 1>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   if (chunks <= 128)
     return launch_register_norm<T, 4, 1>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   const std::int64_t per_lane = (chunks + kNormLanes - 1) / kNormLanes;
   if (per_lane <= 1)
     return launch_register_norm<T, 8, 1>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   if (per_lane <= 2)
     return launch_register_norm<T, 8, 2>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   if (per_lane <= 4)
     return launch_register_norm<T, 8, 4>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
+                                         programmatic);
   if (per_lane <= 8)
     return launch_register_norm<T, 8, 8>(tx, gamma, tout, rows, rows_device, n, eps, stream,
-                                         programmatic, handoff);
-  if (rows_device != nullptr || handoff.blocks_done != nullptr) return cudaErrorInvalidValue;
+                                         programmatic);
+  if (rows_device != nullptr) return cudaErrorInvalidValue;
   rms_norm_rereading_kernel<T, true><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
       tx, gamma, tout, n, eps);
   return cudaGetLastError();
@@ -152,22 +148,18 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream,
-                            const std::int32_t* rows_device, bool programmatic,
-                            const NormHandoff& handoff) {
-  if (handoff.blocks_launched != nullptr) *handoff.blocks_launched = 0;
+                            const std::int32_t* rows_device, bool programmatic) {
   // One block per row at most (grid.x < 2^31), and int column indices.
   if (rows < 0 || cols < 1 || cols > 0x7fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   switch (dtype) {
     case DType::f32:
-      return rms_norm_as<float>(x, gamma, out, rows, cols, eps, stream, rows_device, programmatic,
-                                handoff);
+      return rms_norm_as<float>(x, gamma, out, rows, cols, eps, stream, rows_device, programmatic);
     case DType::f16:
-      return rms_norm_as<__half>(x, gamma, out, rows, cols, eps, stream, rows_device, programmatic,
-                                 handoff);
+      return rms_norm_as<__half>(x, gamma, out, rows, cols, eps, stream, rows_device, programmatic);
     case DType::bf16:
       return rms_norm_as<__nv_bfloat16>(x, gamma, out, rows, cols, eps, stream, rows_device,
-                                        programmatic, handoff);
+                                        programmatic);
   }
   return cudaErrorInvalidValue;
 }

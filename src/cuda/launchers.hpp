@@ -34,18 +34,10 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
 // is cudaErrorInvalidValue with nothing launched. The fast path lets a kernel launched after it
 // with programmatic dependent launch start at once (rms_norm.cuh); with `programmatic` it is itself
 // launched so (it may start before the stream's previous kernel ends, and waits for it before it
-// reads anything; the other paths launch as usual). `handoff` (the fast path only, else
-// cudaErrorInvalidValue): each block adds 1 to *blocks_done once its rows of `out` are stored and
-// made visible to the copy engine (release), so that a kernel after it may wait for the count
-// instead of for its end; *blocks_launched says how many blocks that is (0: nothing launched).
-struct NormHandoff {
-  std::uint32_t* blocks_done = nullptr;
-  int* blocks_launched = nullptr;
-};
+// reads anything; the other paths launch as usual).
 cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::int64_t rows,
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream,
-                            const std::int32_t* rows_device = nullptr, bool programmatic = false,
-                            const NormHandoff& handoff = {});
+                            const std::int32_t* rows_device = nullptr, bool programmatic = false);
 
 // *counter += the number of bytes where a and b differ (device-side checks of many results without a
 // host round trip per result, e.g. long graph-replay soaks).

@@ -141,8 +141,7 @@ template <typename T, int kWarpsPerRow, int kChunksPerLane>
 __global__ void __launch_bounds__(kNormThreads, norm_min_blocks<T>(kChunksPerLane))
     rms_norm_register_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
                              T* __restrict__ out, std::int64_t rows,
-                             const std::int32_t* __restrict__ rows_device, int cols, float eps,
-                             std::uint32_t* blocks_done) {
+                             const std::int32_t* __restrict__ rows_device, int cols, float eps) {
   pdl_launch_dependents();
   pdl_wait();  // launched programmatically: x, gamma and the row count may be the last kernel's
   constexpr int kRowLanes = 32 * kWarpsPerRow;
@@ -172,25 +171,15 @@ __global__ void __launch_bounds__(kNormThreads, norm_min_blocks<T>(kChunksPerLan
   }
   const float rstd =
       rms_norm_rstd(row_sum_of_squares<kWarpsPerRow>(lane_sum, lane_sums), cols, eps);
-  if (row_active) {
-    T* out_row = out + row * cols;
+  if (!row_active) return;
+
+  T* out_row = out + row * cols;
 #pragma unroll
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const int chunk = lane + k * kNormLanes;
-      if (chunk < num_chunks) {
-        normalize_chunk(chunks[k], gamma + chunk * kNormChunk, rstd);
-        chunks[k].store(out_row + chunk * kNormChunk);
-      }
-    }
-  }
-  if (blocks_done != nullptr) {
-    // The block's rows (none past the row count) are stored: visible to the copy engine (the
-    // reader copies them with TMA), then counted with a release (launch_rms_norm's handoff).
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(blocks_done) : "memory");
+  for (int k = 0; k < kChunksPerLane; ++k) {
+    const int chunk = lane + k * kNormLanes;
+    if (chunk < num_chunks) {
+      normalize_chunk(chunks[k], gamma + chunk * kNormChunk, rstd);
+      chunks[k].store(out_row + chunk * kNormChunk);
     }
   }
 }

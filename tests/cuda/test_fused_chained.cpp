@@ -21,21 +21,18 @@ using namespace lmoe_fused_test;
 // (eager, then captured into one graph), each step checked against the contract on the input it
 // had; with one rank the up-projection's first copies are paced (issued from a thread of their
 // own while the producer waits for the norm kernel), so also with them all at once
-// (LMOE_FUSED_CHAINED_PACE_NS=0); and with the up-projection waiting for the norm kernel's count
-// instead of its end (LMOE_FUSED_CHAINED_HANDOFF=1), whose count must belong to each call.
+// (LMOE_FUSED_CHAINED_PACE_NS=0).
 TEST_F(Fused, ACallReadsWhatTheCallBeforeItWrote) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailDims dims{384, 384};
   constexpr int kSteps = 4;
-  for (int variant = 0; variant < 8; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     const bool graph = (variant & 1) != 0;
     const bool at_once = (variant & 2) != 0;
-    const bool handoff = (variant & 4) != 0;
     const ScopedEnv pace("LMOE_FUSED_CHAINED_PACE_NS", at_once ? "0" : nullptr);
-    const ScopedEnv count("LMOE_FUSED_CHAINED_HANDOFF", handoff ? "1" : nullptr);
     for (const std::int64_t tokens : {1, 5, 17}) {  // the decode kernel, then the chained path
       SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens) +
-                   (at_once ? " first copies at once" : "") + (handoff ? " handoff" : ""));
+                   (at_once ? " first copies at once" : ""));
       const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, tokens,
                                                       90u + static_cast<std::uint64_t>(tokens));
       const std::size_t bytes = static_cast<std::size_t>(tokens * dims.d_model) * 2;
@@ -133,10 +130,9 @@ TEST_F(Fused, ChainedPathCanBeTurnedOffAndSaysWhyItDoesNotRun) {
 // The chained path's measurement settings with a bad value — LMOE_FUSED_EXCHANGE_GRID (the exchange
 // blocks with several ranks) outside [1, what the GPU allows] or not a number,
 // LMOE_FUSED_CHAINED_TILE_ROWS (the up-projection's tile) anything but 64 or 128, the first copies'
-// pace and burst (LMOE_FUSED_CHAINED_PACE_NS, _BURST) out of range or not a number, and
-// LMOE_FUSED_CHAINED_HANDOFF anything but 0 or 1: every rank's construction fails naming the
-// variable, before any kernel of the call is launched (one rank and two; the exchange grid is read
-// with several ranks only, the others at every tp).
+// pace and burst (LMOE_FUSED_CHAINED_PACE_NS, _BURST) out of range or not a number: every rank's
+// construction fails naming the variable, before any kernel of the call is launched (one rank and
+// two; the exchange grid is read with several ranks only, the others at every tp).
 TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
@@ -162,10 +158,6 @@ TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
       {"LMOE_FUSED_CHAINED_PACE_BURST",
        {"0", "65", "2x"},
        "LMOE_FUSED_CHAINED_PACE_BURST: expected a count of copies in [1, 64]",
-       1},
-      {"LMOE_FUSED_CHAINED_HANDOFF",
-       {"2", "yes"},
-       "LMOE_FUSED_CHAINED_HANDOFF: expected 0 or 1",
        1},
   };
   for (int tp : {1, 2}) {
@@ -352,28 +344,6 @@ TEST_F(Fused, ChainedPacedFirstCopiesGiveTheContractsResults) {
   expect_random_and_crafted_inputs_pass(kK3, DType::bf16, 1, 16, 432u, &worst);
   soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
   std::printf("[ fused  ] chained, first copies paced: max_err/bound=%.3f\n", worst);
-}
-
-// LMOE_FUSED_CHAINED_HANDOFF=1 (one rank; experimental): the norm kernel's blocks count themselves
-// once their rows are stored, the up-projection's producers wait for that count instead of for the
-// norm kernel's end, and the call's last block past the wait takes the count back out before any
-// block lets the next call's kernels launch. Crafted inputs bit for bit and random ones at every
-// token class, eager and in graphs; then graph replays with T changing on the device (each replay's
-// count must be its own: a stale count would copy the previous call's N, and the soak compares
-// every replay with its own reference).
-TEST_F(Fused, ChainedHandoffGivesTheContractsResults) {
-  SKIP_WITHOUT_GPU();
-  if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";
-  const ScopedEnv count("LMOE_FUSED_CHAINED_HANDOFF", "1");
-  double worst = 0;
-  for (const std::int64_t tokens : {1, 17, 33, 65, 128}) {
-    SCOPED_TRACE("T=" + std::to_string(tokens));
-    expect_random_and_crafted_inputs_pass(kSmall, DType::bf16, 1, tokens,
-                                          500u + static_cast<std::uint64_t>(tokens), &worst);
-  }
-  expect_random_and_crafted_inputs_pass(kK3, DType::bf16, 1, 16, 532u, &worst);
-  soak_graph_replays(1, 128, {17, 128, 1, 64, 33}, lmoe::cuda::FusedKernel::chained);
-  std::printf("[ fused  ] chained, the norm's count handed off: max_err/bound=%.3f\n", worst);
 }
 
 }  // namespace
