@@ -46,11 +46,10 @@
 //   at K3, T = 17 … 128 (the fence waits behind the weight stream); block 0 alone summing the whole
 //   tile (session 15) was ~1 µs slower at T = 128.
 // - The finish: each block parks round(U) of its slice in its stages as [token][row], and its
-//   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows (`shared`
-//   brought into L2 by the producer's idle threads during the stream; up to 32 tokens every
-//   thread's first vectors of it are already in its registers, loaded as soon as the thread
-//   passed griddepcontrol.wait). Tokens ≥ T are never stored (their columns of the product, from
-//   whatever N's unused rows hold, are dropped).
+//   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows, the block's
+//   slice of `shared` copied into shared memory during the stream (cp.async, by two producer
+//   warps once the kernels before have ended). Tokens ≥ T are never stored (their columns
+//   of the product, from whatever N's unused rows hold, are dropped).
 //
 // The mma's K order is free under the contract (it bounds the product, not its order). Device code
 // only.
@@ -66,6 +65,7 @@
 #include "cuda/fused_ll.cuh"
 #include "cuda/hopper_async.cuh"
 #include "cuda/p2p_protocol.cuh"
+#include "cuda/warp_mma.cuh"
 #include "cuda/warpgroup_mma.cuh"
 
 namespace lmoe::cuda {
@@ -90,9 +90,14 @@ struct ChainedShape {
   static constexpr int kRowBytes = kChainedTileK * 2;  // 64 elements of 16 bits
   static constexpr int kWeightBytes = kTileRows * kRowBytes;
   static constexpr int kStageBytes = kWeightBytes + kN * kRowBytes;
+  // The block's slice of `shared` (kN tokens × its rows, at most a whole tile's), copied into
+  // shared memory while the block streams (the finish adds it from there).
+  static constexpr int kSliceBytes = kN * kTileRows * 2;
   // As many stages as ~192 KB hold, at most 8 of 128 rows (16 of 64: the same weight bytes in
-  // flight): room beside a norm block on the SM.
-  static constexpr int kStages = std::min(kTileRows == 128 ? 8 : 16, 192 * 1024 / kStageBytes);
+  // flight), and fewer where the slice would not fit beside them in 220 KB (128 tokens in tiles of
+  // 128: 5 stages): room beside a norm block on the SM.
+  static constexpr int kStages = std::min({kTileRows == 128 ? 8 : 16, 192 * 1024 / kStageBytes,
+                                           (220 * 1024 - 1024 - kSliceBytes) / kStageBytes});
   static constexpr int kRingBytes = kStages * kStageBytes;
   // The partials of a block's slice, [part][fragment][slot] float2 (part = split), slot = 4 · (row
   // in the slice) + lane % 4: S parts × kN / 8 fragments × 4 · kTileRows / S slots, whatever S.
@@ -100,10 +105,11 @@ struct ChainedShape {
   // Up to 32 tokens the partials have a region of their own past the ring (it fits beside it in
   // 220 KB): the cluster's blocks may then store into it while its owner still multiplies, and the
   // reduction takes one cluster barrier instead of two. Larger classes keep them in the stages.
-  static constexpr bool kOwnPartials = kRingBytes + kPartialBytes + 1024 <= 220 * 1024;
+  static constexpr bool kOwnPartials =
+      kRingBytes + kPartialBytes + kSliceBytes + 1024 <= 220 * 1024;
   static constexpr int kPartialOffset = kOwnPartials ? kRingBytes : 0;
-  static constexpr int kSharedBytes =
-      kRingBytes + (kOwnPartials ? kPartialBytes : 0) + 1024;  // + alignment to 1024
+  static constexpr int kSliceOffset = kRingBytes + (kOwnPartials ? kPartialBytes : 0);
+  static constexpr int kSharedBytes = kSliceOffset + kSliceBytes + 1024;  // + alignment to 1024
   // The finish's parked round(U) of the block's slice: a token's rows, padded by 16 bytes so that
   // the fragment's stores of one warp spread over the banks; in the stages, past the partials
   // where they are there too.
@@ -124,13 +130,20 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   extern __shared__ __align__(1024) unsigned char chained_smem[];
   __shared__ StageBarriers<Shape::kStages> bars;
   __shared__ std::uint32_t call_epoch;  // tp > 1: the call's epoch, for the output's lines
+  __shared__ alignas(8) std::uint64_t slice_bar;  // the slice of `shared` has landed
+  __shared__ int call_tokens;                     // T, for the finish
   // The stream's next kernel may start at once: with several ranks the call's last kernel (the
   // gather of the peers' stripes), which waits for this one before it closes the call; with one
   // rank the next call's norm kernel, launched programmatically (launch_fused_chained), so that
   // this kernel's successor streams its weights as soon as this one's blocks leave their SMs.
   pdl_launch_dependents();
   const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  constexpr int kSliceCopiers = 64;  // threads 64 … 127 copy the slice of `shared`
   const auto full_bar = [&](int s) { return bars.full(s); };
+  const auto slice_addr = [&] {
+    return static_cast<std::uint32_t>(__cvta_generic_to_shared(&slice_bar));
+  };
   const auto empty_bar = [&](int s) { return bars.empty(s); };
   // The cluster's blocks are the tile's splits, in order (the launch's cluster size is p.splits).
   const int tile = static_cast<int>(blockIdx.x) / p.splits;
@@ -152,44 +165,11 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     return static_cast<int>(t < 0 ? 0 : t > kN ? kN : t);
   };
 
-  // The finish's vectors: a thread's i = tid + 384·k, kBatch at a time, their loads of `shared`
-  // issued before they are added — the first batch as soon as the thread has passed
-  // griddepcontrol.wait (learn_tokens below), so that their latency passes during the stream.
+  // The finish's vectors: a token's slice is `vectors` of 16 bytes.
   const int vectors_shift = slice_shift - 3,
             vectors = 1 << vectors_shift;  // a token's 16-byte vectors
   const std::int64_t slice_row0 = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows;
-  const T* shared = static_cast<const T*>(p.shared);
   T* out = static_cast<T*>(p.out);
-  constexpr int kBatch = 2;
-  int tokens = 0;
-  Vec16<T> added[kBatch];
-  const auto load_shared = [&](int first, Vec16<T>* into) {
-    const int units = tokens * vectors;
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
-      const std::int64_t row = slice_row0 + 8 * v;
-      // rows % 8 == 0: a vector is all inside or all past
-      if (i < units && row < p.rows)
-        into[k] = *reinterpret_cast<const Vec16<T>*>(shared + t * p.shared_pitch + row);
-    }
-  };
-  // Every thread learns T and loads its first vectors of `shared` once it is past
-  // griddepcontrol.wait (the kernels before this one, which may write T or `shared` or read Y, have
-  // ended: with several ranks `shared` is the exchange kernel's). Up to 32 tokens each does so
-  // where it has nothing else to do: the consumers before their first chunk (which needs N, copied
-  // only after the wait anyway), the idle threads at once, the producer after its last copy —
-  // done at the finish, after the stream, the wait and the loads took ~0.7 µs before the first
-  // store (K3 tp 1, T ≤ 32: 0.4–0.7 µs a tail faster). Larger classes learn at the finish (early,
-  // K3 at T = 64 was 0.5 µs a tail slower), except the threads that prefetch `shared`.
-  constexpr bool kLearnEarly = kN <= 32;
-  bool learned = false;
-  const auto learn_tokens = [&](bool waited) {
-    if (!waited) pdl_wait();
-    tokens = read_tokens();
-    load_shared(tid, added);
-    learned = true;
-  };
   // The ring's first round, asked for before N exists: `first` stages.
   const int first = n < Shape::kStages ? n : Shape::kStages;
   const bool paced = p.pace_cycles > 0;
@@ -199,6 +179,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
       mbarrier_init(full_bar(s), 1);       // the producer's arrive.expect_tx
       mbarrier_init(empty_bar(s), Shape::kConsumers * 4);  // lane 0 of each consumer warp
     }
+    mbarrier_init(slice_addr(), kSliceCopiers);  // each copier once its copies have landed
     mbarrier_init_fence();
     // Paced (below): the first round's bytes are expected before any thread issues its copies.
     if (paced) {
@@ -258,7 +239,6 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         copy_weights(i);
         copy_rows(i);
       }
-      if (kLearnEarly) learn_tokens(/*waited=*/true);
     } else {
       if (tid == 32 && paced) {
         // The first round paced: pace_burst copies at once, then one every pace_cycles, so that
@@ -273,26 +253,32 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
           issue_weights(i);
         }
       }
-      if (kLearnEarly || tid >= 32) learn_tokens(/*waited=*/false);
-    }
-    __syncwarp();
-    // The other producer threads bring the columns of `shared` that this block finishes into L2
-    // meanwhile, for the finish's loads (its slice of 128 / splits rows: 2 · 128 / splits bytes a
-    // token, in one or two 128-byte lines).
-    if (tid >= 32) {
-      const int lines_shift = slice_rows > 64 ? 1 : 0;  // two lines a token, or one
-      for (int i = tid - 32; i < tokens << lines_shift; i += 96) {
-        const std::int64_t row = static_cast<std::int64_t>(tile) * kTileRows + split * slice_rows +
-                                 (i & lines_shift) * 64;
-        if (row < p.rows) {
-          asm volatile(
-              "prefetch.global.L2 [%0];" ::"l"(shared + (i >> lines_shift) * p.shared_pitch + row));
+      if (tid >= 64) {
+        // The block's slice of `shared` [T, slice rows] into shared memory, once the kernels
+        // before this one have ended (with several ranks `shared` is the exchange kernel's; T may
+        // be the kernel's before the norm kernel), by the producer's last two warps: 16-byte
+        // cp.asyncs, each thread's landed copies one arrival on slice_bar. Loaded into registers
+        // instead, the finish waited for them (the compiler unpacks a loaded vector at once, so
+        // a load is waited for where it is issued): ~2 µs behind the next tail's stream at K3,
+        // T = 128. (Bulk copies of a token's rows each measured as fast at K3 and slower on a
+        // narrow stripe, whose split blocks copy 16 bytes a token.)
+        pdl_wait();
+        const int t_count = read_tokens();
+        if (tid == 64) call_tokens = t_count;
+        const T* shared = static_cast<const T*>(p.shared);
+        for (int i = tid - 64; i < t_count * vectors; i += kSliceCopiers) {
+          const int t = i >> vectors_shift, v = i & (vectors - 1);
+          const std::int64_t row = slice_row0 + 8 * v;  // rows % 8 == 0: whole vectors
+          if (row < p.rows) {
+            cp_async16(smem + Shape::kSliceOffset + static_cast<std::uint32_t>(16 * i),
+                       shared + t * p.shared_pitch + row, true);
+          }
         }
+        cp_async_mbarrier_arrive_noinc(slice_addr());
       }
     }
   } else if (warpgroup <= Shape::kConsumers) {
     const int consumer = warpgroup - 1;
-    if (kLearnEarly) learn_tokens(/*waited=*/false);
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
     wgmma_pin(acc);
@@ -318,17 +304,14 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
     wgmma_wait<0>();
     wgmma_pin(acc);
     if (tid == 128) chained_trace(p, kChainedTraceMultiplied);
-  } else if (kLearnEarly) {
-    learn_tokens(/*waited=*/false);  // a warpgroup that only helps finish
   }
   // Every wgmma of the block is done with its stages and every copy has landed (each was waited
   // for): the stages hold the partials and the parked outputs from here.
   __syncthreads();
-  if (!learned) learn_tokens(/*waited=*/false);
+  const int tokens = call_tokens;
   const int units = tokens * vectors;
 
   const int fragments = (tokens + 7) / 8;
-  const int lane = tid % 32;
   // acc[4j + 2h + e] (h, e ∈ {0, 1}): tile row `fragment_row` + 8h, token 8j + 2 · (lane % 4) + e.
   const int fragment_row = (warpgroup - 1) * 64 + (tid / 32 % 4) * 16 + lane / 4;
   unsigned char* const parked = park + Shape::kParkOffset;
@@ -341,14 +324,21 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   if (parts == 1) {
     if (tid == 0) chained_trace(p, kChainedTracePartials);
     if (warpgroup > 0 && warpgroup <= Shape::kConsumers) {  // the multiplying warpgroups
+      // The slice is the tile: the thread's first element's address once, the others at offsets
+      // known when compiling (with park_u's address computed for every element, parking 128
+      // tokens took ~700 instructions a thread).
+      unsigned char* const mine = parked + 2 * (lane % 4) * Shape::kParkPitch + 2 * fragment_row;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < kFragments; ++j) {
+        if (j < fragments) {
 #pragma unroll
-        for (int j = 0; j < kFragments; ++j) {
-          if (j >= fragments) continue;
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            park_u(8 * j + 2 * (lane % 4) + e, fragment_row + 8 * h, acc[4 * j + 2 * h + e]);
+            for (int e = 0; e < 2; ++e) {
+              *reinterpret_cast<T*>(mine + (8 * j + e) * Shape::kParkPitch + 16 * h) =
+                  Storage<T>::store(acc[4 * j + 2 * h + e]);
+            }
+          }
         }
       }
       if (tid == 128) chained_trace(p, kChainedTraceStored);
@@ -409,33 +399,29 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   }
   __syncthreads();
   if (tid == 0) chained_trace(p, kChainedTraceParked);
+  mbarrier_wait(slice_addr(), 0);  // the slice of `shared` has landed
+  const unsigned char* const slice = park + Shape::kSliceOffset;
 #pragma unroll 1
-  for (int first = tid; first < units; first += kBatch * kChainedThreads) {
-    if (first != tid) load_shared(first, added);
+  for (int i = tid; i < units; i += kChainedThreads) {
+    const int t = i >> vectors_shift, v = i & (vectors - 1);
+    const std::int64_t row = slice_row0 + 8 * v;
+    if (row >= p.rows) continue;
+    const Vec16<T> u = *reinterpret_cast<const Vec16<T>*>(parked + t * Shape::kParkPitch + 16 * v);
+    const Vec16<T> a = *reinterpret_cast<const Vec16<T>*>(slice + 16 * i);
+    Vec16<T> y;
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int i = first + k * kChainedThreads, t = i >> vectors_shift, v = i & (vectors - 1);
-      const std::int64_t row = slice_row0 + 8 * v;
-      if (i >= units || row >= p.rows) continue;
-      const Vec16<T> u =
-          *reinterpret_cast<const Vec16<T>*>(parked + t * Shape::kParkPitch + 16 * v);
-      Vec16<T> y;
-#pragma unroll
-      for (int e = 0; e < Vec16<T>::kSize; ++e) {
-        y.v[e] =
-            Storage<T>::store(__fadd_rn(Storage<T>::load(u.v[e]), Storage<T>::load(added[k].v[e])));
-      }
-      *reinterpret_cast<Vec16<T>*>(out + t * p.out_pitch + row) = y;
-      // tp > 1: and to every peer, two lines of 4 elements each (its gather copies them into its
-      // Y).
-      const uint4 bits = *reinterpret_cast<const uint4*>(&y);
-      for (int r = 0; r < p.tp; ++r) {
-        if (r == p.rank) continue;
-        std::byte* line = ll_line_in(p.workspace[r], p.lines_offset, p.lines_parity_bytes,
-                                     call_epoch & 1u, p.rank, p.lines_slot, t * p.rows + row);
-        ll_store(line, make_uint2(bits.x, bits.y), call_epoch);
-        ll_store(line + 16, make_uint2(bits.z, bits.w), call_epoch);
-      }
+    for (int e = 0; e < Vec16<T>::kSize; ++e)
+      y.v[e] = Storage<T>::store(__fadd_rn(Storage<T>::load(u.v[e]), Storage<T>::load(a.v[e])));
+    *reinterpret_cast<Vec16<T>*>(out + t * p.out_pitch + row) = y;
+    // tp > 1: and to every peer, two lines of 4 elements each (its gather copies them into its
+    // Y).
+    const uint4 bits = *reinterpret_cast<const uint4*>(&y);
+    for (int r = 0; r < p.tp; ++r) {
+      if (r == p.rank) continue;
+      std::byte* line = ll_line_in(p.workspace[r], p.lines_offset, p.lines_parity_bytes,
+                                   call_epoch & 1u, p.rank, p.lines_slot, t * p.rows + row);
+      ll_store(line, make_uint2(bits.x, bits.y), call_epoch);
+      ll_store(line + 16, make_uint2(bits.z, bits.w), call_epoch);
     }
   }
   if (tid == 0) chained_trace(p, kChainedTraceEnd);
