@@ -29,22 +29,22 @@ bool backend_available(Backend backend);
 // and 0 where they do not (`decode_limit` says why: the general kernel measured slower than
 // `overlap` there). One rank: kFusedDefaultTp1ChainedTokens where the chained path runs
 // (`chained_limit` empty: the chained path from 1 row, the decode kernel not at all; at K3 dims on
-// an H200 with cold weights, `lmoe bench --cold-l2`, as fast as `overlap` or faster up to 64 tokens
-// — graph replays T = 48 23.2 against 23.8 µs, T = 64 within ±0.3; per tail in graphs of 8 layers
-// 20.8 / 21.9 and 19.6 / 21.7 — and slower from 80: 25.5 / 23.9, per tail 23.5 / 22.0; session 19),
-// else kFusedDefaultTp1Tokens (the decode kernel alone: as fast as `overlap`
-// at 6 tokens, faster below and slower from 8). Two to seven ranks: kFusedDefaultChainedTokens
-// where the chained path runs (`chained_limit` empty; K3 tp 2, one rank per H200, cold weights:
-// the decode kernel up to 4 tokens and the chained path from 5, 22.1–38.1 µs at T = 1–64 against
-// overlap's 32.6–38.4 and column's 31.0–40.1, slower from 96), else kFusedDefaultDecodeTokens
-// (the decode kernel: 24.8–27.6 µs against overlap's 32.0–32.7 at T ≤ 16; the general kernel at 32
-// slower than overlap). From kFusedDefaultMinRanks the reference system's 128 stays until eight
-// GPUs measure it. Settings from a table, the environment or the
+// an H200 with cold weights, `lmoe bench --cold-l2`, faster than `overlap` at every T it takes,
+// 1 … 128 — per tail in graphs of 8 layers 18.4 / 21.7 µs at T = 64, 19.7 / 22.5 at 96,
+// 20.0 / 23.8 at 128; as graph replays 22.6 / 23.0, 23.0 / 23.9 and 23.5 / 25.0; session 23 —
+// 64 from session 19 to 22, when it was slower above), else kFusedDefaultTp1Tokens (the decode
+// kernel alone: as fast as `overlap` at 6 tokens, faster below and slower from 8). Two to seven
+// ranks: kFusedDefaultChainedTokens where the chained path runs (`chained_limit` empty; K3 tp 2,
+// one rank per H200, cold weights: the decode kernel up to 4 tokens and the chained path from
+// 5, 22.1–38.1 µs at T = 1–64 against overlap's 32.6–38.4 and column's 31.0–40.1, slower from 96),
+// else kFusedDefaultDecodeTokens (the decode kernel: 24.8–27.6 µs against overlap's 32.0–32.7 at T
+// ≤ 16; the general kernel at 32 slower than overlap). From kFusedDefaultMinRanks the reference
+// system's 128 stays until eight GPUs measure it. Settings from a table, the environment or the
 // caller are kept. LatentTail applies it at construction; explain() names it as the setting's
 // origin.
 inline constexpr int kFusedDefaultMinRanks = 8;
 inline constexpr int kFusedDefaultTp1Tokens = 6;
-inline constexpr int kFusedDefaultTp1ChainedTokens = 64;
+inline constexpr int kFusedDefaultTp1ChainedTokens = 128;
 inline constexpr int kFusedDefaultDecodeTokens = 16;
 inline constexpr int kFusedDefaultChainedTokens = 64;
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,

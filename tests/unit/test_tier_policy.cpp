@@ -510,8 +510,7 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
     expect_built_in_fused_bound(config, lmoe::kFusedDefaultTp1ChainedTokens);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                 HasSubstr("default for cuda at tp 1: the chained path (every call of up to 128 "
-                          "rows with one rank) measured at least as fast as overlap up to 64 "
-                          "tokens"));
+                          "rows with one rank) measured faster than overlap up to 128 tokens"));
   }
   EXPECT_THAT(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 3).value_or(""),
               HasSubstr("d_model=7168 is not split into 3 stripes"));
