@@ -39,14 +39,15 @@ constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
   return tp == 1 ? 0 : tp < 8 ? 4 : 16;
 }
 
-// A block: a producer warpgroup (one thread issues the copies) and two more warpgroups, which
-// multiply a tile of 64 or 128 rows of w_up (wgmma's M) by every token — each 64 rows of a tile of
-// 128, or the first alone all of a tile of 64 while the second only helps finish; 64 elements of
-// K per stage. A tile is split over K
-// by the blocks of one cluster: a power of two, at most kChainedMaxSplits, the portable cluster
-// size (the plan asks the device whether the tiles' clusters fit at once, and takes fewer splits
-// where they do not). Clusters of 16 (non-portable) measured no faster on a stripe of 896 rows in
-// tiles of 128: the stream shortens, the reduction lengthens (docs/fused.md).
+// A block: a producer warpgroup (one thread issues the copies of w_up and N, one paces the first
+// round's, two warps copy the block's slice of `shared` for the finish) and two more warpgroups,
+// which multiply a tile of 64 or 128 rows of w_up (wgmma's M) by every token — each 64 rows of a
+// tile of 128, or the first alone all of a tile of 64 while the second only helps finish; 64
+// elements of K per stage. A tile is split over K by the blocks of one cluster: a power of two, at
+// most kChainedMaxSplits, the portable cluster size (the plan asks the device whether the tiles'
+// clusters fit at once, and takes fewer splits where they do not). Clusters of 16 (non-portable)
+// measured no faster on a stripe of 896 rows in tiles of 128: the stream shortens, the reduction
+// lengthens (docs/fused.md).
 inline constexpr int kChainedThreads = 384;
 inline constexpr int kChainedTileK = 64;
 inline constexpr int kChainedMaxSplits = 8;
