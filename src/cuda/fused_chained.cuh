@@ -38,8 +38,9 @@
 //   accumulators of each slice into the slice owner's (idle) stages, and all of q's threads add
 //   the partials of its slice in a fixed order (splits in order: the bits do not depend on
 //   timing; like the mma's K order, the partition of K is the plan's).
-//   Up to 32 tokens the partials have shared memory of their own beside the ring, so the blocks
-//   store them as soon as they are done multiplying and one cluster barrier closes the exchange
+//   Where they fit (up to 64 tokens in tiles of 64, 32 in tiles of 128) the partials have shared
+//   memory of their own beside the ring, so the blocks store them as soon as they are done
+//   multiplying and one cluster barrier closes the exchange
 //   (the 896-row stripe at T = 1: 1.0 µs from the last wgmma to the partials in, against 1.25
 //   with the partials in the stages, which takes a barrier before the stores as well).
 //   Through global memory instead (partials, a fence and an arrival counter) the finish took 2–9 µs
@@ -102,9 +103,10 @@ struct ChainedShape {
   // The partials of a block's slice, [part][fragment][slot] float2 (part = split), slot = 4 · (row
   // in the slice) + lane % 4: S parts × kN / 8 fragments × 4 · kTileRows / S slots, whatever S.
   static constexpr int kPartialBytes = kTileRows * kN * 4;
-  // Up to 32 tokens the partials have a region of their own past the ring (it fits beside it in
-  // 220 KB): the cluster's blocks may then store into it while its owner still multiplies, and the
-  // reduction takes one cluster barrier instead of two. Larger classes keep them in the stages.
+  // Where ring, partials and slice fit in 220 KB (up to 64 tokens in tiles of 64, 32 in tiles of
+  // 128) the partials have a region of their own past the ring: the cluster's blocks may then store
+  // into it while its owner still multiplies, and the reduction takes one cluster barrier instead
+  // of two. Larger classes keep them in the stages.
   static constexpr bool kOwnPartials =
       kRingBytes + kPartialBytes + kSliceBytes + 1024 <= 220 * 1024;
   static constexpr int kPartialOffset = kOwnPartials ? kRingBytes : 0;

@@ -222,7 +222,7 @@ TEST_F(Fused, ChainedTraceListsItsPointsAndTheGlobalTimer) {
 
 // The chained path splits K over the blocks of a cluster, a power of two up to 8 per tile of 64 or
 // 128 rows, each block finishing tile / splits of the tile's rows (a reduce-scatter through
-// distributed shared memory; a tile of 64 also adds its two consumers' halves of K). Shapes whose
+// distributed shared memory; a tile of 128 stores both consumers' 64 rows). Shapes whose
 // tile counts give 1, 2, 4 and 8 splits with either tile on 132 SMs (the expectation is derived
 // from this device's SMs), each run with both tiles (LMOE_FUSED_CHAINED_TILE_ROWS), with K not a
 // multiple of 64 (l = 528, 1040), ranges of K of unequal length (17 chunks over 8 blocks), a tile
