@@ -155,6 +155,70 @@ struct FusedRank {
   }
 };
 
+// Calls issued back to back on one stream (eager, or captured into one graph), each call's routed
+// input the previous call's output (d == l), outputs poisoned with NaN; each step checked against
+// the contract on the input it had. Kernels that may start before the stream's previous kernel
+// ends (launched programmatically: the chained path's, the decode kernel's with one rank) must
+// still read what the call before them wrote. One rank; `kernel`: the fused kernel the calls must
+// take, where given.
+inline void expect_each_call_reads_the_last_output(
+    std::int64_t tokens, bool graph, std::uint64_t seed,
+    std::optional<lmoe::cuda::FusedKernel> kernel = std::nullopt) {
+  SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens));
+  const lmoe::TailDims dims{384, 384};
+  constexpr int kSteps = 4;
+  const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, tokens, seed);
+  const std::size_t bytes = static_cast<std::size_t>(tokens * dims.d_model) * 2;
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, tokens);
+    if (kernel) {
+      EXPECT_EQ(state.fused->kernel_for(tokens), *kernel);
+    }
+    std::vector<DeviceBuffer> outs;
+    for (int k = 0; k < kSteps; ++k) {
+      outs.emplace_back(bytes);
+      cuda_ok(cudaMemset(outs.back().data(), 0xff, bytes));  // NaN: a read too early shows
+    }
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const auto issue = [&] {
+      const void* input = state.routed.data();
+      for (int k = 0; k < kSteps; ++k) {
+        state.fused->run(input, state.shared.data(), outs[k].data(), tokens, stream);
+        input = outs[k].data();
+      }
+    };
+    if (graph) {
+      cudaGraph_t captured = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      issue();
+      cuda_ok(cudaStreamEndCapture(stream, &captured));
+      cuda_ok(cudaGraphInstantiate(&exec, captured, 0));
+      cuda_ok(cudaGraphLaunch(exec, stream));
+      cuda_ok(cudaStreamSynchronize(stream));
+      cuda_ok(cudaGraphExecDestroy(exec));
+      cuda_ok(cudaGraphDestroy(captured));
+    } else {
+      issue();
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    cudaStreamDestroy(stream);
+    lmoe::TailCase step = c;  // step k's inputs: routed = step k − 1's output
+    for (int k = 0; k < kSteps; ++k) {
+      SCOPED_TRACE("step " + std::to_string(k));
+      lmoe::HostTensor y(DType::bf16, {tokens, dims.d_model});
+      cuda_ok(cudaMemcpy(y.data(), outs[k].data(), bytes, cudaMemcpyDeviceToHost));
+      const lmoe::Comparison cmp =
+          lmoe::compare(y.matrix(), lmoe::reference_tail(step, lmoe::contract_of(TailTier::fused)),
+                        lmoe::exact_tail(step));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+      std::memcpy(step.routed.data(), y.data(), bytes);
+    }
+  });
+}
+
 // One fused call of up to max_tokens rows with T read from tokens_device, captured on `stream` into
 // *graph and instantiated into *exec.
 inline void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const void* tokens_device,

@@ -9,78 +9,24 @@ namespace {
 
 using namespace lmoe_fused_test;
 
-// Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
-// own, the decode kernel nowhere. Where the chained path runs (compute 9.0) the decode kernel takes
-// up to 2 rows with one rank and up to 4 with 2 … 7 ranks (the call's T, or the bound of a call
-// with T on the device), the chained path the rest up to 128; elsewhere the decode kernel up to 16
-// and the general kernel above; 129 takes the general kernel everywhere.
-// Each call's routed input is the previous call's output (d == l). The chained path's first kernel
-// may start before the stream's previous kernel ends (it is launched programmatically and waits for
-// it before reading anything), and the up-projection lets its successor start at once: every call
-// must still read what the call before it wrote. Outputs poisoned, calls issued back to back
-// (eager, then captured into one graph), each step checked against the contract on the input it
-// had; with one rank the up-projection's first copies are paced (issued from a thread of their
-// own while the producer waits for the norm kernel), so also with them all at once
-// (LMOE_FUSED_CHAINED_PACE_NS=0).
+// Each call's routed input is the previous call's output (expect_each_call_reads_the_last_output):
+// the chained path's first kernel may start before the stream's previous kernel ends (it is
+// launched programmatically and waits for it before reading anything), and the up-projection lets
+// its successor start at once, so every call must still read what the call before it wrote. With
+// one rank the up-projection's first copies are paced (issued from a thread of their own while the
+// producer waits for the norm kernel), so also with them all at once
+// (LMOE_FUSED_CHAINED_PACE_NS=0). T = 1, 5 and 17: the chained path on compute 9.0 (elsewhere the
+// decode kernel, then the general kernel).
 TEST_F(Fused, ACallReadsWhatTheCallBeforeItWrote) {
   SKIP_WITHOUT_GPU();
-  const lmoe::TailDims dims{384, 384};
-  constexpr int kSteps = 4;
   for (int variant = 0; variant < 4; ++variant) {
     const bool graph = (variant & 1) != 0;
     const bool at_once = (variant & 2) != 0;
     const ScopedEnv pace("LMOE_FUSED_CHAINED_PACE_NS", at_once ? "0" : nullptr);
-    for (const std::int64_t tokens : {1, 5, 17}) {  // the decode kernel, then the chained path
-      SCOPED_TRACE(std::string(graph ? "graph" : "eager") + " T=" + std::to_string(tokens) +
-                   (at_once ? " first copies at once" : ""));
-      const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, tokens,
-                                                      90u + static_cast<std::uint64_t>(tokens));
-      const std::size_t bytes = static_cast<std::size_t>(tokens * dims.d_model) * 2;
-      const auto comms = lmoe::make_p2p_thread_communicators(1, {});
-      lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-        FusedRank state(comm, c, tokens);
-        std::vector<DeviceBuffer> outs;
-        for (int k = 0; k < kSteps; ++k) {
-          outs.emplace_back(bytes);
-          cuda_ok(cudaMemset(outs.back().data(), 0xff, bytes));  // NaN: a read too early shows
-        }
-        cudaStream_t stream = nullptr;
-        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        const auto issue = [&] {
-          const void* input = state.routed.data();
-          for (int k = 0; k < kSteps; ++k) {
-            state.fused->run(input, state.shared.data(), outs[k].data(), tokens, stream);
-            input = outs[k].data();
-          }
-        };
-        if (graph) {
-          cudaGraph_t captured = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          issue();
-          cuda_ok(cudaStreamEndCapture(stream, &captured));
-          cuda_ok(cudaGraphInstantiate(&exec, captured, 0));
-          cuda_ok(cudaGraphLaunch(exec, stream));
-          cuda_ok(cudaStreamSynchronize(stream));
-          cuda_ok(cudaGraphExecDestroy(exec));
-          cuda_ok(cudaGraphDestroy(captured));
-        } else {
-          issue();
-        }
-        cuda_ok(cudaStreamSynchronize(stream));
-        cudaStreamDestroy(stream);
-        lmoe::TailCase step = c;  // step k's inputs: routed = step k − 1's output
-        for (int k = 0; k < kSteps; ++k) {
-          SCOPED_TRACE("step " + std::to_string(k));
-          lmoe::HostTensor y(DType::bf16, {tokens, dims.d_model});
-          cuda_ok(cudaMemcpy(y.data(), outs[k].data(), bytes, cudaMemcpyDeviceToHost));
-          const lmoe::Comparison cmp = lmoe::compare(
-              y.matrix(), lmoe::reference_tail(step, lmoe::contract_of(TailTier::fused)),
-              lmoe::exact_tail(step));
-          EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
-          std::memcpy(step.routed.data(), y.data(), bytes);
-        }
-      });
+    for (const std::int64_t tokens : {1, 5, 17}) {
+      SCOPED_TRACE(std::string(at_once ? "first copies at once" : "first copies paced"));
+      expect_each_call_reads_the_last_output(tokens, graph,
+                                             90u + static_cast<std::uint64_t>(tokens));
     }
   }
 }

@@ -351,9 +351,11 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
   }
 }
 
-// ---- The decode kernel (cuda/fused_decode.cuh): T ≤ 16
-// -----------------------------------
-
+// Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
+// own, the decode kernel nowhere. Where the chained path runs (compute 9.0) the decode kernel takes
+// no rows with one rank and up to 4 with 2 … 7 ranks (the call's T, or the bound of a call with T
+// on the device), the chained path the rest up to 128; elsewhere the decode kernel up to 16 and
+// the general kernel above; 129 takes the general kernel everywhere. Each bound ±1, tp 1, 2, 4.
 TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
