@@ -34,9 +34,12 @@
 // on scheduling).
 //
 // N: every block normalizes the T rows itself in shared memory in the canonical order of
-// cuda/rms_norm.cuh (bit-identical to the CPU). The rows and gamma are copied in (cp.async) before
-// any weight is requested, so the norm does not queue behind the weight stream; the first kDepth −
-// 1 items of every warp fly meanwhile.
+// cuda/rms_norm.cuh (bit-identical to the CPU). Gamma is copied in (cp.async) first, the rows once
+// the kernels before have ended, the first kDepth − 1 items of every warp flying meanwhile. With
+// one rank the kernel is launched programmatically (it may start while the previous call's kernel
+// finishes) and asks for p.early_items of those first items before its griddepcontrol.wait, so
+// that they stream during the previous call's end; the rest follow the rows, which then do not
+// queue behind them where nothing ran before.
 #pragma once
 
 #include <cstddef>
@@ -46,6 +49,7 @@
 #include "cuda/fused_decode_launch.hpp"
 #include "cuda/fused_ll.cuh"
 #include "cuda/fused_protocol.cuh"
+#include "cuda/hopper_async.cuh"
 #include "cuda/p2p_protocol.cuh"
 #include "cuda/rms_norm.cuh"
 #include "cuda/warp_mma.cuh"
@@ -295,26 +299,18 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
   decode_trace(p, kDecodeTraceEntry);
+  // The stream's next kernel may start as this one's blocks leave their SMs (where it is launched
+  // programmatically: with one rank, the next call's decode kernel), so that its weights stream
+  // while this call finishes.
+  pdl_launch_dependents();
 
-  // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
-  // keeps a wrong T inside this block's shared memory and the exchange's slots.
-  const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
-  const std::int64_t bound =
-      exchange && p.protocol.ll_rows < kMaxTokens ? p.protocol.ll_rows : kMaxTokens;
-  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > bound ? bound : t_read);
   // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
   // dealt evenly (at least one and at most kDecodeMaxGroups: the plan's grid ensures it).
   const std::int64_t all_groups = p.rows / 8;
   const std::int64_t group_first = blockIdx.x * all_groups / gridDim.x;
   const int groups = static_cast<int>((blockIdx.x + 1) * all_groups / gridDim.x - group_first);
-  if (groups == 0 || tokens == 0) return;  // the same for every thread of the block (and rank)
+  if (groups == 0) return;  // the same for every thread of the block
   const std::int64_t row_first = group_first * 8;
-  if (exchange) {
-    // Several ranks: the inputs pushed to the peers before any weight is requested (behind the
-    // weights' first items they left ~4 µs later: LMOE_FUSED_TRACE, session 12).
-    if (!fused_begin(p.protocol, &call)) return;
-    decode_push_inputs<T>(p, tokens, call);
-  }
 
   float* lane_sums = reinterpret_cast<float*>(decode_smem);
   float* gamma = reinterpret_cast<float*>(decode_smem + DecodeLayout::gamma_offset(kMaxTokens));
@@ -325,38 +321,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   const std::size_t pitch = DecodeLayout::normed_pitch(p.l);
   const std::uint32_t normed_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(normed));
 
-  // 1. One rank: the small inputs first, so that they do not wait behind the weights: the T latent
-  //    rows into N, gamma, and this block's columns of `shared` (16 bytes per token and group). One
-  //    commit group, the oldest. (Several: decode_exchange below, once the weights are in flight.)
-  if (!exchange) {
-    const int row_vectors = static_cast<int>(p.l / 8);
-    const char* routed = static_cast<const char*>(p.routed);
-    for (int i = tid; i < tokens * row_vectors; i += kDecodeThreads) {
-      const int t = i / row_vectors, v = i % row_vectors;
-      cp_async16(normed_s + static_cast<std::uint32_t>(t * pitch + v * 16),
-                 routed + (static_cast<std::int64_t>(t) * p.l + v * 8) * sizeof(T), true);
-    }
-    if (p.latent_norm) {
-      const std::uint32_t gamma_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(gamma));
-      for (int v = tid; v < p.l / 4; v += kDecodeThreads) {
-        cp_async16(gamma_s + static_cast<std::uint32_t>(v * 16), p.gamma + v * 4, true);
-      }
-    }
-    const std::uint32_t slice_s =
-        static_cast<std::uint32_t>(__cvta_generic_to_shared(shared_slice));
-    const T* shared_in = static_cast<const T*>(p.shared);
-    for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
-      const int t = i / groups, j = i % groups;
-      cp_async16(slice_s + static_cast<std::uint32_t>(i * 16),
-                 shared_in + t * p.d + p.col0 + row_first + j * 8, true);
-    }
-    cp_async_commit();
-  }
-
-  // 2. This warp's share of K: steps [step_first, step_first + steps) of 32, in every group. Item
-  //    i of the warp is (group i / steps, step i % steps), in slot i % kDepth of the warp's ring.
-  //    l % 16 == 0, so a thread's 8 elements are all inside K or all past it: of an l with
-  //    l % 32 == 16 the last step's lanes q = 2, 3 copy nothing (zeros) and multiply zeros.
+  // This warp's share of K: steps [step_first, step_first + steps) of 32, in every group. Item i
+  // of the warp is (group i / steps, step i % steps), in slot i % kDepth of the warp's ring.
+  // l % 16 == 0, so a thread's 8 elements are all inside K or all past it: of an l with
+  // l % 32 == 16 the last step's lanes q = 2, 3 copy nothing (zeros) and multiply zeros.
   const int all_steps = static_cast<int>((p.l + 31) / 32);
   const int step_first = warp * all_steps / kDecodeWarps;
   const int steps = (warp + 1) * all_steps / kDecodeWarps - step_first;
@@ -374,7 +342,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
                                  static_cast<std::uint32_t>((warp * kDepth * 32 + lane) * 16);
   int issued = 0, copy_step = 0;
   // One commit group per item, empty past the last, so that "item i has landed" is always
-  // cp.async.wait_group(kDepth - 1) after issuing item i + kDepth - 1.
+  // cp.async.wait_group(kDepth - 1) after issuing item i + kDepth - 1 (once the inputs' group,
+  // wherever it lies among them, has been waited for).
   const auto issue_next = [&] {
     if (issued < items) {
       cp_async16(
@@ -386,12 +355,64 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     ++issued;
     cp_async_commit();
   };
+  // 1. Gamma and the weights depend on nothing the kernels before write: one rank's gamma (fp32,
+  //    at K3 twice the bytes of a latent row) and `early` of each warp's first kDepth − 1 items
+  //    are asked for before waiting for those kernels (the rest of the items after the inputs, so
+  //    that those do not wait behind them where nothing ran before). One commit group each.
+  if (!exchange && p.latent_norm) {
+    const std::uint32_t gamma_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(gamma));
+    for (int v = tid; v < p.l / 4; v += kDecodeThreads) {
+      cp_async16(gamma_s + static_cast<std::uint32_t>(v * 16), p.gamma + v * 4, true);
+    }
+  }
+  cp_async_commit();
+  const int early = p.early_items < 0 ? 0 : p.early_items > kDepth - 1 ? kDepth - 1 : p.early_items;
 #pragma unroll 1
-  for (int k = 0; k < kDepth - 1; ++k) issue_next();
+  for (int k = 0; k < early; ++k) issue_next();
+  pdl_wait();  // the kernels before this one have ended (a no-op when launched without it)
 
-  // 3. N (the inputs' group is the oldest: it has landed once at most kDepth − 1 are pending).
+  // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
+  // keeps a wrong T inside this block's shared memory and the exchange's slots.
+  const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
+  const std::int64_t bound =
+      exchange && p.protocol.ll_rows < kMaxTokens ? p.protocol.ll_rows : kMaxTokens;
+  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > bound ? bound : t_read);
+  if (tokens == 0) return cp_async_wait<0>();  // the same for every block (and rank)
+  if (exchange) {
+    // Several ranks: the inputs pushed to the peers before any further weight is requested
+    // (behind the weights' first items they left ~4 µs later: LMOE_FUSED_TRACE, session 12).
+    if (!fused_begin(p.protocol, &call)) return cp_async_wait<0>();
+    decode_push_inputs<T>(p, tokens, call);
+  }
+
+  // 2. One rank: the inputs: the T latent rows into N and this block's columns of `shared` (16
+  //    bytes per token and group). One commit group. (Several: decode_exchange below, once the
+  //    weights are in flight.)
   if (!exchange) {
-    cp_async_wait<kDepth - 1>();
+    const int row_vectors = static_cast<int>(p.l / 8);
+    const char* routed = static_cast<const char*>(p.routed);
+    for (int i = tid; i < tokens * row_vectors; i += kDecodeThreads) {
+      const int t = i / row_vectors, v = i % row_vectors;
+      cp_async16(normed_s + static_cast<std::uint32_t>(t * pitch + v * 16),
+                 routed + (static_cast<std::int64_t>(t) * p.l + v * 8) * sizeof(T), true);
+    }
+    const std::uint32_t slice_s =
+        static_cast<std::uint32_t>(__cvta_generic_to_shared(shared_slice));
+    const T* shared_in = static_cast<const T*>(p.shared);
+    for (int i = tid; i < tokens * groups; i += kDecodeThreads) {
+      const int t = i / groups, j = i % groups;
+      cp_async16(slice_s + static_cast<std::uint32_t>(i * 16),
+                 shared_in + t * p.d + p.col0 + row_first + j * 8, true);
+    }
+    cp_async_commit();
+  }
+#pragma unroll 1
+  for (int k = early; k < kDepth - 1; ++k) issue_next();
+
+  // 3. N (the inputs' group, and gamma's before it, have landed once at most the kDepth − 1 −
+  //    early groups after it are pending).
+  if (!exchange) {
+    cp_async_wait_at_most<kDepth - 1>(kDepth - 1 - early);
     __syncthreads();
     decode_trace(p, kDecodeTraceInputsLanded);
     if (p.latent_norm) {

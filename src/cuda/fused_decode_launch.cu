@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda/fused_decode.cuh"
+#include "cuda/launch_config.hpp"
 
 namespace lmoe::cuda {
 
@@ -81,9 +82,10 @@ cudaError_t launch_fused_decode(const FusedDecodeParams& p, std::int64_t max_tok
   if (kernel == nullptr) return cudaErrorInvalidValue;
   FusedDecodeParams params = p;
   void* args[] = {&params};
-  const std::size_t bytes = DecodeLayout::bytes(p.l, shape);
-  return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(plan.grid)), dim3(kDecodeThreads),
-                          args, bytes, stream);
+  LaunchConfig config(dim3(static_cast<unsigned>(plan.grid)), dim3(kDecodeThreads),
+                      DecodeLayout::bytes(p.l, shape), stream);
+  config.programmatic(p.programmatic);
+  return cudaLaunchKernelExC(config.get(), kernel, args);
 }
 
 }  // namespace lmoe::cuda

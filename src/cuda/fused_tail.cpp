@@ -267,7 +267,26 @@ void FusedTail::choose_decode(int sms, int sharing) {
                         ", T ≤ " + std::to_string(tokens) + ")";
     }
   }
-  if (params_.tp == 1) return;
+  if (params_.tp == 1) {
+    // With one rank the decode kernel is launched programmatically: it may start as the stream's
+    // previous kernel's blocks leave (another call's decode kernel lets it), and gamma and 4 of
+    // each warp's first weight items stream before it waits for that kernel to end. Session 24,
+    // one H200, cold, T = 1 / 4 / 16, µs, against HEAD's launch built beside it (docs/fused.md):
+    // per tail in graphs of 8, K3 17.5 / 19.8 / 27.5 against 19.0 / 21.2 / 29.0, a 896-row stripe
+    // 5.7 / 6.9 / 13.0 against 6.3 / 7.6 / 14.1; as replays of one tail, where nothing ends before
+    // it, the early items delay the rows: K3 20.9 / 23.3 / 30.6 against 21.2 / 23.5 / 30.3, the
+    // stripe 9.2 / 10.5 / 16.8 against 8.6 / 10.1 / 16.5. All of a warp's first items (16 at
+    // T ≤ 8): per tail K3 16.8 / 18.9 / 27.0, replays 22.4 / 24.1 / 31.0; none: per tail K3
+    // 17.9 / 20.2 / 28.0 (the first machine's HEAD 18.5 / 20.8 / 28.6).
+    // With several ranks not yet: ranks sharing a GPU need every rank's kernel resident at once,
+    // and across GPUs it is not measured (issue 7). LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more
+    // than a warp's first ring is all of it) sets the count, for measurements.
+    decode_programmatic_ = true;
+    decode_early_items_ = static_cast<int>(
+        env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, 64, "a count of a warp's weight items")
+            .value_or(4));
+    return;
+  }
   // Every rank must run the same kernel with the same grid for a call (the protocol's targets).
   const std::int64_t mine[2] = {decode_max_tokens_, decode_plan_.grid};
   std::vector<std::int64_t> all(static_cast<std::size_t>(2 * params_.tp));
@@ -601,6 +620,8 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     p.eps = params_.eps;
     p.latent_norm = params_.latent_norm;
     p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
+    p.programmatic = decode_programmatic_;
+    p.early_items = decode_early_items_;
     if (params_.tp > 1) {
       p.protocol = call_params(routed, shared, out, tokens, tokens_device);
       p.protocol.trace = nullptr;

@@ -130,6 +130,10 @@ class FusedTail {
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
   int decode_local_norm_rows_ = 0;  // several ranks: calls every block normalizes itself
+  // One rank: the decode kernel launched programmatically, its first weight items asked for
+  // before it waits for the kernel before it (FusedDecodeParams).
+  bool decode_programmatic_ = false;
+  int decode_early_items_ = 0;
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;
   // The chained path: calls bounded by chained_max_tokens_ rows, its plan, its

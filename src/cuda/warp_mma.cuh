@@ -64,6 +64,18 @@ template <int kPending>
 __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
+// The same with a count known only at run time, 0 … kMost (more waits for kMost): the instruction
+// takes an immediate, so one of kMost + 1 is chosen.
+template <int kMost, int kPending = 0>
+__device__ inline void cp_async_wait_at_most(int pending) {
+  if constexpr (kPending == kMost) {
+    cp_async_wait<kMost>();
+  } else if (pending <= kPending) {
+    cp_async_wait<kPending>();
+  } else {
+    cp_async_wait_at_most<kMost, kPending + 1>(pending);
+  }
+}
 
 __device__ inline void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t shared) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"

@@ -9,6 +9,51 @@ namespace {
 
 using namespace lmoe_fused_test;
 
+// With one rank the decode kernel is launched programmatically: it may start before the stream's
+// previous kernel (the previous call's) ends, and asks for gamma and its first weight items before
+// waiting for it (LMOE_FUSED_DECODE_EARLY_ITEMS: 0, 5, and the default, 4). Each call's routed
+// input is the previous call's output, eager and in a graph: every call must still read what the
+// call before it wrote (expect_each_call_reads_the_last_output). T = 1, 5, 16 with the chained
+// path off (on compute 9.0 it takes these calls otherwise).
+TEST_F(Fused, DecodeCallsReadWhatTheCallBeforeThemWrote) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained("LMOE_FUSED_CHAINED", "0");
+  for (const char* early : {"0", "5", static_cast<const char*>(nullptr)}) {
+    const ScopedEnv items("LMOE_FUSED_DECODE_EARLY_ITEMS", early);
+    for (const bool graph : {false, true}) {
+      for (const std::int64_t tokens : {1, 5, 16}) {
+        SCOPED_TRACE(std::string("early items ") + (early ? early : "(default)"));
+        expect_each_call_reads_the_last_output(tokens, graph,
+                                               190u + static_cast<std::uint64_t>(tokens),
+                                               lmoe::cuda::FusedKernel::decode);
+      }
+    }
+  }
+}
+
+// LMOE_FUSED_DECODE_EARLY_ITEMS out of range or not a number: the construction fails naming it.
+TEST_F(Fused, BadDecodeEarlyItemsAreAnError) {
+  SKIP_WITHOUT_GPU();
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 45u);
+  for (const char* value : {"-1", "65", "3x"}) {
+    SCOPED_TRACE(value);
+    const ScopedEnv set("LMOE_FUSED_DECODE_EARLY_ITEMS", value);
+    std::string error;
+    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      try {
+        FusedRank state(comm, c, 4);
+      } catch (const lmoe::Error& e) {
+        error = e.what();
+      }
+    });
+    EXPECT_NE(error.find("LMOE_FUSED_DECODE_EARLY_ITEMS: expected a count of a warp's weight "
+                         "items in [0, 64]"),
+              std::string::npos)
+        << error;
+  }
+}
+
 // LMOE_FUSED_DECODE: unset or 1, the decode kernel runs with one rank and with several; 0 turns it
 // off everywhere, and the limit says why.
 TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
