@@ -410,6 +410,15 @@ if wants scaling; then
       >"$logs/scaling_layers8_tp$tp.log" 2>"$logs/scaling_layers8_tp$tp.err"
     rc[scaling_layers8_tp$tp]=$?
     cat "$logs/scaling_layers8_tp$tp.log"; tail -3 "$logs/scaling_layers8_tp$tp.err"
+    stage "scaling: fused per tail, the decode kernel launched programmatically, tp $tp"
+    # Against the fused rows of the run above (launched after the previous kernel's end, the default
+    # with several ranks; docs/fused.md, session 24).
+    CUDA_VISIBLE_DEVICES=$visible LMOE_FUSED_DECODE_PROGRAMMATIC=1 timeout 200 build/cuda/lmoe bench --backend cuda \
+      -n "$tp" --comm p2p --tiers fused -t 1,2,4,8,16 --check-max-tokens 16 --cold-l2 --layers 8 \
+      --json "$logs/scaling_decode_programmatic_tp$tp.json" \
+      >"$logs/scaling_decode_programmatic_tp$tp.log" 2>"$logs/scaling_decode_programmatic_tp$tp.err"
+    rc[scaling_decode_programmatic_tp$tp]=$?
+    cat "$logs/scaling_decode_programmatic_tp$tp.log"; tail -3 "$logs/scaling_decode_programmatic_tp$tp.err"
     if python3 -c "import torch, safetensors" 2>/dev/null; then
       stage "scaling: PyTorch baseline, tp $tp on GPUs $visible"
       CUDA_VISIBLE_DEVICES=$visible timeout 300 torchrun --standalone --nproc_per_node="$tp" scripts/torch_baseline.py --graph \

@@ -8,21 +8,22 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 14> kNames = {
-    "LMOE_FUSED_CHAINED",             // which fused kernel runs for T <= 128 (docs/fused.md)
-    "LMOE_FUSED_CHAINED_PACE_BURST",  // the chained path's first copies issued at once, if paced
-    "LMOE_FUSED_CHAINED_PACE_NS",     // the pace of the chained path's first copies (0: at once)
-    "LMOE_FUSED_CHAINED_TILE_ROWS",   // the chained path's tile of w_up (64 or 128 rows)
-    "LMOE_FUSED_DECODE",              // which fused kernel runs at T <= 16 (docs/fused.md)
-    "LMOE_FUSED_DECODE_EARLY_ITEMS",  // the decode kernel's weights asked for before its wait
-    "LMOE_FUSED_EXCHANGE_GRID",       // the chained path's exchange blocks with several ranks
-    "LMOE_FUSED_TRACE",               // the fused kernels store a timestamp per block and point
-    "LMOE_P2P_SHARED_GPU",            // p2p ranks may share a GPU (and its SMs, bandwidth and L2)
-    "LMOE_TOKEN_CHUNKS",              // how the token tier pipelines its collectives
-    "NCCL_ALGO",                      // NCCL's collective algorithm
-    "NCCL_GRAPH_MIXING_SUPPORT",      // whether NCCL graphs may mix with other work
-    "NCCL_NVLS_ENABLE",               // NVLink SHARP reductions
-    "NCCL_PROTO",                     // NCCL's protocol (LL, LL128, Simple)
+constexpr std::array<const char*, 15> kNames = {
+    "LMOE_FUSED_CHAINED",              // which fused kernel runs for T <= 128 (docs/fused.md)
+    "LMOE_FUSED_CHAINED_PACE_BURST",   // the chained path's first copies issued at once, if paced
+    "LMOE_FUSED_CHAINED_PACE_NS",      // the pace of the chained path's first copies (0: at once)
+    "LMOE_FUSED_CHAINED_TILE_ROWS",    // the chained path's tile of w_up (64 or 128 rows)
+    "LMOE_FUSED_DECODE",               // which fused kernel runs at T <= 16 (docs/fused.md)
+    "LMOE_FUSED_DECODE_EARLY_ITEMS",   // the decode kernel's weights asked for before its wait
+    "LMOE_FUSED_DECODE_PROGRAMMATIC",  // whether the decode kernel may start before the last ends
+    "LMOE_FUSED_EXCHANGE_GRID",        // the chained path's exchange blocks with several ranks
+    "LMOE_FUSED_TRACE",                // the fused kernels store a timestamp per block and point
+    "LMOE_P2P_SHARED_GPU",             // p2p ranks may share a GPU (and its SMs, bandwidth and L2)
+    "LMOE_TOKEN_CHUNKS",               // how the token tier pipelines its collectives
+    "NCCL_ALGO",                       // NCCL's collective algorithm
+    "NCCL_GRAPH_MIXING_SUPPORT",       // whether NCCL graphs may mix with other work
+    "NCCL_NVLS_ENABLE",                // NVLink SHARP reductions
+    "NCCL_PROTO",                      // NCCL's protocol (LL, LL128, Simple)
 };
 
 }  // namespace

@@ -267,24 +267,30 @@ void FusedTail::choose_decode(int sms, int sharing) {
                         ", T ≤ " + std::to_string(tokens) + ")";
     }
   }
+  // The decode kernel is launched programmatically with one rank: it may start as the stream's
+  // previous kernel's blocks leave (another call's decode kernel lets it), and gamma and 4 of each
+  // warp's first weight items stream before it waits for that kernel to end. Session 24, one H200,
+  // cold, T = 1 / 4 / 16, µs, against HEAD's launch built beside it (docs/fused.md): per tail in
+  // graphs of 8, K3 17.5 / 19.8 / 27.5 against 19.0 / 21.2 / 29.0, a 896-row stripe 5.7 / 6.9 /
+  // 13.0 against 6.3 / 7.6 / 14.1; as replays of one tail, where nothing ends before it, the early
+  // items delay the rows: K3 20.9 / 23.3 / 30.6 against 21.2 / 23.5 / 30.3, the stripe 9.2 / 10.5 /
+  // 16.8 against 8.6 / 10.1 / 16.5. All of a warp's first items (16 at T ≤ 8): per tail K3 16.8 /
+  // 18.9 / 27.0, replays 22.4 / 24.1 / 31.0; none: per tail K3 17.9 / 20.2 / 28.0 (the first
+  // machine's HEAD 18.5 / 20.8 / 28.6). With several ranks only where
+  // LMOE_FUSED_DECODE_PROGRAMMATIC=1 asks and each rank has a GPU of its own: across GPUs it is not
+  // measured yet (issue 7), and ranks sharing a GPU need every rank's kernel resident at once,
+  // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
+  // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
+  // sets the count, for measurements.
+  const char* programmatic = std::getenv("LMOE_FUSED_DECODE_PROGRAMMATIC");
+  const bool asked = programmatic != nullptr && *programmatic != '\0';
+  const bool wanted =
+      asked ? parse_flag("LMOE_FUSED_DECODE_PROGRAMMATIC", programmatic) : params_.tp == 1;
+  decode_early_items_ = static_cast<int>(
+      env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, 64, "a count of a warp's weight items")
+          .value_or(4));
   if (params_.tp == 1) {
-    // With one rank the decode kernel is launched programmatically: it may start as the stream's
-    // previous kernel's blocks leave (another call's decode kernel lets it), and gamma and 4 of
-    // each warp's first weight items stream before it waits for that kernel to end. Session 24,
-    // one H200, cold, T = 1 / 4 / 16, µs, against HEAD's launch built beside it (docs/fused.md):
-    // per tail in graphs of 8, K3 17.5 / 19.8 / 27.5 against 19.0 / 21.2 / 29.0, a 896-row stripe
-    // 5.7 / 6.9 / 13.0 against 6.3 / 7.6 / 14.1; as replays of one tail, where nothing ends before
-    // it, the early items delay the rows: K3 20.9 / 23.3 / 30.6 against 21.2 / 23.5 / 30.3, the
-    // stripe 9.2 / 10.5 / 16.8 against 8.6 / 10.1 / 16.5. All of a warp's first items (16 at
-    // T ≤ 8): per tail K3 16.8 / 18.9 / 27.0, replays 22.4 / 24.1 / 31.0; none: per tail K3
-    // 17.9 / 20.2 / 28.0 (the first machine's HEAD 18.5 / 20.8 / 28.6).
-    // With several ranks not yet: ranks sharing a GPU need every rank's kernel resident at once,
-    // and across GPUs it is not measured (issue 7). LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more
-    // than a warp's first ring is all of it) sets the count, for measurements.
-    decode_programmatic_ = true;
-    decode_early_items_ = static_cast<int>(
-        env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, 64, "a count of a warp's weight items")
-            .value_or(4));
+    decode_programmatic_ = wanted && decode_max_tokens_ > 0;
     return;
   }
   // Every rank must run the same kernel with the same grid for a call (the protocol's targets).
@@ -304,6 +310,7 @@ void FusedTail::choose_decode(int sms, int sharing) {
   }
   decode_max_tokens_ = bound;
   decode_plan_.grid = static_cast<int>(bound > 0 ? grid : 0);
+  decode_programmatic_ = wanted && sharing == 1 && bound > 0;
   // Calls every block normalizes itself (no grid barrier; each block then reads T rows of the
   // latent from every rank): at K3 tp 2 across two H200s up to 2 rows were faster that way (T = 1
   // 19.5 µs against 21.5 warm, 22.7 against 24.5 cold; T = 2 −0.5 / −0.8 µs) and from 4 slower

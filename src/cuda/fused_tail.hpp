@@ -81,6 +81,11 @@ class FusedTail {
   // Why the decode kernel does not run here, or stops short of 16 rows (and of the workspace's
   // rows); nullopt when it takes every call of up to min(16, capacity()) rows.
   const std::optional<std::string>& decode_limit() const { return decode_limit_; }
+  // Whether the decode kernel is launched programmatically here (it may start as the stream's
+  // previous kernel's blocks leave, its first weights streaming before it waits for that kernel):
+  // with one rank unless LMOE_FUSED_DECODE_PROGRAMMATIC=0; with several only where it is 1 and each
+  // rank has a GPU of its own.
+  bool decode_programmatic() const { return decode_programmatic_; }
   // The largest bound the chained path takes here (0: it does not run; see chained_limit()).
   std::int64_t chained_max_tokens() const { return chained_max_tokens_; }
   // Why the chained path does not run here (not compute 9.0, turned off, one rank without the
@@ -130,8 +135,8 @@ class FusedTail {
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.
   std::int64_t decode_max_tokens_ = 0;
   int decode_local_norm_rows_ = 0;  // several ranks: calls every block normalizes itself
-  // One rank: the decode kernel launched programmatically, its first weight items asked for
-  // before it waits for the kernel before it (FusedDecodeParams).
+  // The decode kernel launched programmatically, its gamma and first weight items asked for before
+  // it waits for the kernel before it (FusedDecodeParams).
   bool decode_programmatic_ = false;
   int decode_early_items_ = 0;
   std::optional<std::string> decode_limit_;

@@ -219,6 +219,22 @@ inline void expect_each_call_reads_the_last_output(
   });
 }
 
+// What constructing a FusedTail for `c` (bound max_tokens) on each of tp p2p ranks throws, by rank
+// (empty where it did not).
+inline std::vector<std::string> construction_errors(const lmoe::TailCase& c, int tp,
+                                                    std::int64_t max_tokens) {
+  std::vector<std::string> errors(static_cast<std::size_t>(tp));
+  const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    try {
+      FusedRank state(comm, c, max_tokens);
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.what();
+    }
+  });
+  return errors;
+}
+
 // One fused call of up to max_tokens rows with T read from tokens_device, captured on `stream` into
 // *graph and instantiated into *exec.
 inline void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const void* tokens_device,

@@ -114,16 +114,7 @@ TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
       for (const char* value : bad.values) {
         SCOPED_TRACE(std::string(bad.variable) + "=" + value + " tp=" + std::to_string(tp));
         const ScopedEnv set(bad.variable, value);
-        std::vector<std::string> errors(static_cast<std::size_t>(tp));
-        const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
-        lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
-          try {
-            FusedRank state(comm, c, 64);
-          } catch (const lmoe::Error& error) {
-            errors[static_cast<std::size_t>(rank)] = error.what();
-          }
-        });
-        expect_every_rank_error(errors, bad.error);
+        expect_every_rank_error(construction_errors(c, tp, 64), bad.error);
       }
     }
   }

@@ -31,26 +31,85 @@ TEST_F(Fused, DecodeCallsReadWhatTheCallBeforeThemWrote) {
   }
 }
 
-// LMOE_FUSED_DECODE_EARLY_ITEMS out of range or not a number: the construction fails naming it.
-TEST_F(Fused, BadDecodeEarlyItemsAreAnError) {
+// LMOE_FUSED_DECODE_EARLY_ITEMS out of range or not a number, LMOE_FUSED_DECODE_PROGRAMMATIC not
+// a flag: the construction fails naming the variable (one rank, and two where p2p runs them).
+TEST_F(Fused, BadDecodeLaunchSettingsAreAnError) {
   SKIP_WITHOUT_GPU();
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 45u);
-  for (const char* value : {"-1", "65", "3x"}) {
-    SCOPED_TRACE(value);
-    const ScopedEnv set("LMOE_FUSED_DECODE_EARLY_ITEMS", value);
-    std::string error;
-    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
-    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
-      try {
-        FusedRank state(comm, c, 4);
-      } catch (const lmoe::Error& e) {
-        error = e.what();
-      }
+  const std::pair<const char*, const char*> bads[] = {
+      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "-1"},
+      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "65"},
+      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "3x"},
+      {"LMOE_FUSED_DECODE_PROGRAMMATIC", "maybe"},
+  };
+  for (const int tp : {1, 2}) {
+    if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 45u);
+    for (const auto& [variable, value] : bads) {
+      SCOPED_TRACE(std::string(variable) + "=" + value + " tp=" + std::to_string(tp));
+      const ScopedEnv set(variable, value);
+      const std::string expected = std::string(variable) == "LMOE_FUSED_DECODE_PROGRAMMATIC"
+                                       ? "LMOE_FUSED_DECODE_PROGRAMMATIC='maybe': expected 1, 0"
+                                       : "LMOE_FUSED_DECODE_EARLY_ITEMS: expected a count of a "
+                                         "warp's weight items in [0, 64]";
+      expect_every_rank_error(construction_errors(c, tp, 4), expected);
+    }
+  }
+}
+
+// Where the decode kernel is launched programmatically (FusedTail::decode_programmatic): with one
+// rank by default and not with LMOE_FUSED_DECODE_PROGRAMMATIC=0; with two ranks not by default,
+// and with =1 only where each rank has a GPU of its own (two GPUs: ranks on GPUs 0 and 1), never
+// where they share one; nowhere the decode kernel does not run (LMOE_FUSED_DECODE=0).
+TEST_F(Fused, DecodeIsLaunchedProgrammaticallyWhereItMay) {
+  SKIP_WITHOUT_GPU();
+  int gpus = 0;
+  cuda_ok(cudaGetDeviceCount(&gpus));
+  const auto programmatic = [](int tp, const char* setting, const char* decode) {
+    const ScopedEnv set("LMOE_FUSED_DECODE_PROGRAMMATIC", setting);
+    const ScopedEnv on("LMOE_FUSED_DECODE", decode);
+    const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 46u);
+    std::vector<int> launched(static_cast<std::size_t>(tp), -1);
+    const auto comms = lmoe::make_p2p_thread_communicators(tp, {});
+    lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 4);
+      launched[static_cast<std::size_t>(rank)] = state.fused->decode_programmatic() ? 1 : 0;
     });
-    EXPECT_NE(error.find("LMOE_FUSED_DECODE_EARLY_ITEMS: expected a count of a warp's weight "
-                         "items in [0, 64]"),
-              std::string::npos)
-        << error;
+    for (const int l : launched) EXPECT_EQ(l, launched[0]);
+    return launched[0] == 1;
+  };
+  EXPECT_TRUE(programmatic(1, nullptr, nullptr));
+  EXPECT_TRUE(programmatic(1, "1", nullptr));
+  EXPECT_FALSE(programmatic(1, "0", nullptr));
+  EXPECT_FALSE(programmatic(1, nullptr, "0"));
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  EXPECT_FALSE(programmatic(2, nullptr, nullptr));
+  EXPECT_EQ(programmatic(2, "1", nullptr), gpus >= 2) << gpus << " GPU(s)";
+  EXPECT_FALSE(programmatic(2, "0", nullptr));
+}
+
+// The decode kernel launched programmatically with several ranks, one per GPU
+// (LMOE_FUSED_DECODE_PROGRAMMATIC=1, the chained path off so that it takes every T ≤ 16): K3's
+// stripes, random and crafted inputs at T = 1, 4, 16, then a soak of graph replays with T changing
+// on the device. tp 2, and 4 and 8 where there are as many GPUs (issue 7's machines).
+TEST_F(Fused, DecodeLaunchedProgrammaticallyAcrossGpusMeetsTheContract) {
+  SKIP_WITH_FEWER_GPUS_THAN(2, "needs a GPU per rank");
+  int gpus = 0;
+  cuda_ok(cudaGetDeviceCount(&gpus));
+  const ScopedEnv programmatic("LMOE_FUSED_DECODE_PROGRAMMATIC", "1");
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");
+  for (const int tp : {2, 4, 8}) {
+    if (tp > gpus || lmoe::comm_group_limit("p2p", tp)) continue;
+    double worst = 0;
+    for (const std::int64_t tokens : {1, 4, 16}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(kK3, DType::bf16, tp, tokens,
+                                            71u + static_cast<std::uint64_t>(tokens), &worst);
+    }
+    soak_graph_replays(tp, 16, {1, 16, 4, 9}, lmoe::cuda::FusedKernel::decode);
+    std::printf(
+        "[ fused  ] decode launched programmatically, K3 tp=%d T 1/4/16 max_err/bound=%.3f\n", tp,
+        worst);
   }
 }
 
