@@ -34,8 +34,11 @@ stage "machine: $gpus GPU(s)"
 if wants build; then
   stage "configure + build"
   # LMOE_CUDA_ARCHITECTURES=90a builds for the machine's Hopper only (about half the build time).
+  # The profile stages want source lines in Nsight Compute (-lineinfo; the machine code is the same).
+  lineinfo=OFF
+  { wants profile || wants decodeprofile || wants layerprofile; } && lineinfo=ON
   if ! cmake --preset cuda ${LMOE_CUDA_ARCHITECTURES:+-DCMAKE_CUDA_ARCHITECTURES=$LMOE_CUDA_ARCHITECTURES} \
-    >"$logs/configure.log" 2>&1; then
+    -DLMOE_CUDA_LINEINFO=$lineinfo >"$logs/configure.log" 2>&1; then
     tail -40 "$logs/configure.log"; echo "gpu_check: configure FAILED"; exit 1
   fi
   grep -E "lmoe:" "$logs/configure.log"
