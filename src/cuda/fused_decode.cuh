@@ -366,7 +366,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     }
   }
   cp_async_commit();
-  const int early = p.early_items < 0 ? 0 : p.early_items > kDepth - 1 ? kDepth - 1 : p.early_items;
+  // Launched without the attribute the kernel starts once the kernels before have ended, so
+  // nothing is gained by asking early and the inputs (with several ranks their push to the peers,
+  // ~4 µs later behind the weights' first items: session 12) would wait behind the weights.
+  const int asked = p.programmatic ? p.early_items : 0;
+  const int early = asked < 0 ? 0 : asked > kDepth - 1 ? kDepth - 1 : asked;
 #pragma unroll 1
   for (int k = 0; k < early; ++k) issue_next();
   pdl_wait();  // the kernels before this one have ended (a no-op when launched without it)

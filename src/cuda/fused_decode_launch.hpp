@@ -45,10 +45,10 @@ struct FusedDecodeParams {
   // Several ranks: calls of at most this many rows have every block sum and normalize all of N
   // itself (no grid barrier); larger calls share the rows out (decode_exchange).
   int local_norm_rows = 0;
-  // Launched programmatically (FusedTail: with one rank, where no peer's kernel must run beside
-  // it): the kernel may then start while the stream's previous kernel still runs, and asks for
-  // `early_items` of each warp's first weight items before it waits for that kernel to end (the
-  // rest after its inputs; 0: every weight after the inputs, the order without it).
+  // Launched programmatically (FusedTail::decode_programmatic): the kernel may then start while
+  // the stream's previous kernel still runs, and asks for `early_items` of each warp's first
+  // weight items before it waits for that kernel to end (the rest after its inputs). Without it
+  // early_items is not used: every weight follows the inputs.
   bool programmatic = false;
   int early_items = 0;
 };
