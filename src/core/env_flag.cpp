@@ -23,11 +23,13 @@ bool parse_flag(const std::string& variable, const std::string& text) {
   throw Error(variable + "='" + text + "': expected 1, 0, true, false, yes, no, on or off");
 }
 
-bool env_flag(const char* name) {
+std::optional<bool> env_flag_if_set(const char* name) {
   const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return false;
+  if (value == nullptr || *value == '\0') return std::nullopt;
   return parse_flag(name, value);
 }
+
+bool env_flag(const char* name) { return env_flag_if_set(name).value_or(false); }
 
 std::optional<long long> env_integer(const char* name, long long min, long long max,
                                      const std::string& what) {

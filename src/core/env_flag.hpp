@@ -12,7 +12,11 @@ std::string ascii_lowercase(std::string text);
 // `text` as a flag; throws lmoe::Error naming `variable` when it is none of the accepted words.
 bool parse_flag(const std::string& variable, const std::string& text);
 
-// The variable `name` of the process environment as a flag; unset or empty: false.
+// The variable `name` of the process environment as a flag; unset or empty: nullopt (so that a
+// setting whose default depends on other things can tell "not set" from "0").
+std::optional<bool> env_flag_if_set(const char* name);
+
+// The same with unset or empty read as false.
 bool env_flag(const char* name);
 
 // The variable `name` as a whole number in [min, max] (digits only: no sign, blank or suffix);

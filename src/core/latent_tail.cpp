@@ -92,9 +92,8 @@ namespace {
 
 // Why `what` is turned off by the flag `variable`; nullopt when it is unset or on.
 std::optional<std::string> turned_off(const char* variable, const char* what) {
-  const char* env = std::getenv(variable);
-  if (env == nullptr || *env == '\0' || parse_flag(variable, env)) return std::nullopt;
-  return std::string(what) + " is turned off (" + variable + "=" + env + ")";
+  if (env_flag_if_set(variable).value_or(true)) return std::nullopt;
+  return std::string(what) + " is turned off (" + variable + "=" + std::getenv(variable) + ")";
 }
 
 // Why d_model does not split into a stripe per rank (the fused kernels' rows of w_up per rank).

@@ -282,10 +282,7 @@ void FusedTail::choose_decode(int sms, int sharing) {
   // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
   // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
   // sets the count, for measurements.
-  const char* programmatic = std::getenv("LMOE_FUSED_DECODE_PROGRAMMATIC");
-  const bool asked = programmatic != nullptr && *programmatic != '\0';
-  const bool wanted =
-      asked ? parse_flag("LMOE_FUSED_DECODE_PROGRAMMATIC", programmatic) : params_.tp == 1;
+  const bool wanted = env_flag_if_set("LMOE_FUSED_DECODE_PROGRAMMATIC").value_or(params_.tp == 1);
   decode_early_items_ = static_cast<int>(
       env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, 64, "a count of a warp's weight items")
           .value_or(4));

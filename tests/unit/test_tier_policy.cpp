@@ -1014,15 +1014,19 @@ TEST(EnvFlag, AcceptsTheSameWordsEverywhereAndNamesTheVariableOtherwise) {
   constexpr const char* kName = "LMOE_TEST_ENV_FLAG";
   unsetenv(kName);
   EXPECT_FALSE(lmoe::env_flag(kName));
+  EXPECT_EQ(lmoe::env_flag_if_set(kName), std::nullopt);
   setenv(kName, "", 1);
   EXPECT_FALSE(lmoe::env_flag(kName));
+  EXPECT_EQ(lmoe::env_flag_if_set(kName), std::nullopt);
   for (const char* yes : {"1", "true", "YES", "On"}) {
     setenv(kName, yes, 1);
     EXPECT_TRUE(lmoe::env_flag(kName)) << yes;
+    EXPECT_EQ(lmoe::env_flag_if_set(kName), true) << yes;
   }
   for (const char* no : {"0", "false", "No", "OFF"}) {
     setenv(kName, no, 1);
     EXPECT_FALSE(lmoe::env_flag(kName)) << no;
+    EXPECT_EQ(lmoe::env_flag_if_set(kName), false) << no;
   }
   setenv(kName, "maybe", 1);
   try {
