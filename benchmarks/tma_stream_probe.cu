@@ -15,7 +15,9 @@
 //           chunks follow each other (not the layout wgmma reads for rows of A: the kernel would
 //           have to take a box's lines as (row, chunk) pairs);
 //   stack   3-D map (64, rows, chunks), box 64 × R rows × C chunks: C of the kernel's boxes in one
-//           copy, each chunk's R rows together (wgmma's layout), the rows walked per chunk.
+//           copy, each chunk's R rows together (wgmma's layout), the rows walked per chunk;
+//   bulk    no map: a box's bytes read as one contiguous run (cp.async.bulk), as they would be from
+//           a w_up stored pre-tiled, each box's image (the swizzled layout wgmma reads) in turn.
 //
 // One block per SM (or one per 64-row tile) with a ring of ~192 KB of stages: thread 0 issues the
 // boxes (each completes on its stage's full mbarrier), thread 32 waits for each, reads a word and
@@ -46,7 +48,7 @@
 
 namespace {
 
-enum class BoxShape { kRows, kRuns, kStack };
+enum class BoxShape { kRows, kRuns, kStack, kBulk };
 
 struct ProbeParams {
   BoxShape shape = BoxShape::kRows;
@@ -55,6 +57,7 @@ struct ProbeParams {
   int chunk_groups = 0;    // boxes along K per row group: l / 64 / C
   std::int64_t units = 0;  // row groups × chunk groups
   std::uint32_t box_bytes = 0;
+  const char* base = nullptr;  // bulk: the matrix, read as contiguous boxes
   unsigned* sink = nullptr;
 };
 
@@ -99,6 +102,9 @@ __global__ void __launch_bounds__(64, 1)
         case BoxShape::kStack:
           tma_load_3d(dst, &map, bars.full(s), 0, row, chunk);
           break;
+        case BoxShape::kBulk:
+          bulk_load(dst, p.base + unit * p.box_bytes, p.box_bytes, bars.full(s));
+          break;
       }
     }
   } else if (tid == 32) {
@@ -120,7 +126,10 @@ struct Config {
 };
 
 const char* shape_name(BoxShape s) {
-  return s == BoxShape::kRows ? "rows" : s == BoxShape::kRuns ? "runs" : "stack";
+  return s == BoxShape::kRows    ? "rows"
+         : s == BoxShape::kRuns  ? "runs"
+         : s == BoxShape::kStack ? "stack"
+                                 : "bulk";
 }
 
 template <int kStages>
@@ -216,6 +225,9 @@ int main(int argc, char** argv) {
         {BoxShape::kRuns, 8, 16, 0},      {BoxShape::kRuns, 4, 16, tiles},
         {BoxShape::kStack, 2, 64, 0},     {BoxShape::kStack, 4, 64, 0},
         {BoxShape::kStack, 4, 64, tiles}, {BoxShape::kStack, 8, 32, 0},
+        {BoxShape::kBulk, 1, 64, tiles},  {BoxShape::kBulk, 1, 64, 0},
+        {BoxShape::kBulk, 1, 32, 0},      {BoxShape::kBulk, 2, 64, 0},
+        {BoxShape::kBulk, 4, 64, 0},      {BoxShape::kBulk, 4, 64, tiles},
     };
     const std::int64_t chunks = k / 64;
     for (const Config& c : configs) {
@@ -232,7 +244,9 @@ int main(int argc, char** argv) {
       for (int i = 0; i < copies; ++i) {
         const void* w = weights[i]->data();
         cudaError_t status;
-        if (c.shape == BoxShape::kRows) {
+        if (c.shape == BoxShape::kBulk) {
+          status = cudaSuccess;  // no map: the box's bytes are one run (a pre-tiled w_up)
+        } else if (c.shape == BoxShape::kRows) {
           status = lmoe::cuda::encode_rows_map(maps[i], lmoe::DType::bf16, w, rows, k, k, 64,
                                                c.rows_per_box);
         } else {
@@ -257,7 +271,12 @@ int main(int argc, char** argv) {
       if (maps.empty()) continue;
       const int grid = c.grid > 0 ? c.grid : sms;
       const double us = lmoe::bench::back_to_back_us(
-          [&](int i) { launch_ring(maps[i % copies], p, grid, stream); }, stream, iters);
+          [&](int i) {
+            ProbeParams q = p;
+            q.base = static_cast<const char*>(weights[i % copies]->data());
+            launch_ring(maps[i % copies], q, grid, stream);
+          },
+          stream, iters);
       report(shape_name(c.shape), c.chunks_per_box, c.rows_per_box, static_cast<int>(p.box_bytes),
              kRingBytes / static_cast<int>(p.box_bytes), grid, us);
     }

@@ -173,6 +173,24 @@ __device__ inline void tma_load_2d([[maybe_unused]] std::uint32_t dst,
 #endif
 }
 
+// `bytes` contiguous bytes of global memory at `src` into shared memory at `dst` (both 16-byte
+// aligned, bytes a multiple of 16) by the copy engine without a tensor map, completing on `bar`:
+// one request for a whole run, where a box of a tensor map walks its rows.
+__device__ inline void bulk_load([[maybe_unused]] std::uint32_t dst,
+                                 [[maybe_unused]] const void* src,
+                                 [[maybe_unused]] std::uint32_t bytes,
+                                 [[maybe_unused]] std::uint32_t bar) {
+#if LMOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 // Register reallocation between the warpgroups of a block launched with a register cap
 // (__launch_bounds__(threads, 1)): the producer gives registers back (kIncrease false), the
 // consumers take them. Every thread of the warpgroup executes it; kRegs a multiple of 8 in
