@@ -306,11 +306,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
 
   // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
   // dealt evenly (at least one and at most kDecodeMaxGroups: the plan's grid ensures it).
-  const std::int64_t all_groups = p.rows / 8;
-  const std::int64_t group_first = blockIdx.x * all_groups / gridDim.x;
+  // In 32 bits: the plan keeps rows / 8 ≤ kDecodeMaxGroups · grid, and a 64-bit division by a
+  // value known only at run time costs ~100 instructions in every warp.
+  const unsigned all_groups = static_cast<unsigned>(p.rows / 8);
+  const unsigned group_first = blockIdx.x * all_groups / gridDim.x;
   const int groups = static_cast<int>((blockIdx.x + 1) * all_groups / gridDim.x - group_first);
   if (groups == 0) return;  // the same for every thread of the block
-  const std::int64_t row_first = group_first * 8;
+  const std::int64_t row_first = static_cast<std::int64_t>(group_first) * 8;
 
   float* lane_sums = reinterpret_cast<float*>(decode_smem);
   float* gamma = reinterpret_cast<float*>(decode_smem + DecodeLayout::gamma_offset(kMaxTokens));
@@ -341,10 +343,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   const std::uint32_t my_slots = static_cast<std::uint32_t>(__cvta_generic_to_shared(rings)) +
                                  static_cast<std::uint32_t>((warp * kDepth * 32 + lane) * 16);
   int issued = 0, copy_step = 0;
-  // One commit group per item, empty past the last, so that "item i has landed" is always
-  // cp.async.wait_group(kDepth - 1) after issuing item i + kDepth - 1 (once the inputs' group,
-  // wherever it lies among them, has been waited for).
-  const auto issue_next = [&] {
+  const auto issue_item = [&] {
     if (issued < items) {
       cp_async16(
           my_slots + static_cast<std::uint32_t>((issued % kDepth) * DecodeLayout::kSlotBytes),
@@ -353,8 +352,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       if (++copy_step == steps) copy_step = 0, copy_at += group_jump;
     }
     ++issued;
+  };
+  // One commit group per item, empty past the last, so that "item i has landed" is always
+  // cp.async.wait_group(kDepth - 1) after issuing item i + kDepth - 1 (once the inputs' group,
+  // wherever it lies among them, has been waited for).
+  const auto issue_next = [&] {
+    issue_item();
     cp_async_commit();
   };
+  // Whole: every warp of the grid has at most kDepth − 1 items (a narrow stripe: K3's 896 rows at
+  // tp 8 take one group of 7 steps a warp), so the first ring is all of them: they are asked for
+  // in two commit groups (the early ones, the rest after the inputs) and multiplied once all have
+  // landed, without the per-item commits, waits and refills of the stream, which cost ~45
+  // instructions an item in every warp (Nsight Compute's source counters, session 25) where the
+  // product itself is two mma.
+  const int most_items = static_cast<int>((all_groups + gridDim.x - 1) / gridDim.x) *
+                         ((all_steps + kDecodeWarps - 1) / kDecodeWarps);
+  const bool whole = most_items <= kDepth - 1;
   // 1. Gamma and the weights depend on nothing the kernels before write: one rank's gamma (fp32,
   //    at K3 twice the bytes of a latent row) and `early` of each warp's first kDepth − 1 items
   //    are asked for before waiting for those kernels (the rest of the items after the inputs, so
@@ -371,8 +385,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   // ~4 µs later behind the weights' first items: session 12) would wait behind the weights.
   const int asked = p.programmatic ? p.early_items : 0;
   const int early = asked < 0 ? 0 : asked > kDepth - 1 ? kDepth - 1 : asked;
+  if (whole) {
 #pragma unroll 1
-  for (int k = 0; k < early; ++k) issue_next();
+    for (int k = 0; k < early; ++k) issue_item();
+    cp_async_commit();
+  } else {
+#pragma unroll 1
+    for (int k = 0; k < early; ++k) issue_next();
+  }
   pdl_wait();  // the kernels before this one have ended (a no-op when launched without it)
 
   // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
@@ -410,13 +430,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     }
     cp_async_commit();
   }
+  if (whole) {
 #pragma unroll 1
-  for (int k = early; k < kDepth - 1; ++k) issue_next();
+    for (int k = early; k < items; ++k) issue_item();
+    cp_async_commit();
+  } else {
+#pragma unroll 1
+    for (int k = early; k < kDepth - 1; ++k) issue_next();
+  }
 
   // 3. N (the inputs' group, and gamma's before it, have landed once at most the kDepth − 1 −
-  //    early groups after it are pending).
+  //    early groups after it are pending; whole: the one group of the remaining items).
   if (!exchange) {
-    cp_async_wait_at_most<kDepth - 1>(kDepth - 1 - early);
+    if (whole) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait_at_most<kDepth - 1>(kDepth - 1 - early);
+    }
     __syncthreads();
     decode_trace(p, kDecodeTraceInputsLanded);
     if (p.latent_norm) {
@@ -439,9 +469,33 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       normed_s + static_cast<std::uint32_t>(token_hi * pitch + step_first * 64 + q * 16);
   float acc[kDecodeMaxGroups][4] = {};
   int item = 0;
+  // One item's product: its weights (slot item % kDepth) by the tokens' 8 elements of step s.
+  const auto multiply = [&](float(&c)[4], int s) {
+    const uint4 w = load_shared16(
+        my_slots + static_cast<std::uint32_t>((item % kDepth) * DecodeLayout::kSlotBytes));
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+    if (s < valid_steps) {
+      lo = load_shared16(n_lo + static_cast<std::uint32_t>(s * 64));
+      if constexpr (kMaxTokens == 16) hi = load_shared16(n_hi + static_cast<std::uint32_t>(s * 64));
+    }
+    const std::uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {w.x, w.y};
+    const std::uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w}, b1[2] = {w.z, w.w};
+    mma_m16n8k16<T>(c, a0, b0);
+    mma_m16n8k16<T>(c, a1, b1);
+  };
+  if (whole) {
+    cp_async_wait<0>();  // every item (and the block's inputs) landed
+#pragma unroll
+    for (int j = 0; j < kDecodeMaxGroups; ++j) {
+      if (j < groups) {
+#pragma unroll 1
+        for (int s = 0; s < steps; ++s, ++item) multiply(acc[j], s);
+      }
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kDecodeMaxGroups; ++j) {
-    if (j < groups) {
+    if (!whole && j < groups) {
       // Not unrolled: with the groups unrolled (their accumulators are registers) an unrolled step
       // loop made the kernel large enough for its 16 warps to wait on instruction fetches (Nsight
       // Compute: "no instruction" was the largest stall).
@@ -449,18 +503,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       for (int s = 0; s < steps; ++s, ++item) {
         issue_next();
         cp_async_wait<kDepth - 1>();
-        const uint4 w = load_shared16(
-            my_slots + static_cast<std::uint32_t>((item % kDepth) * DecodeLayout::kSlotBytes));
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
-        if (s < valid_steps) {
-          lo = load_shared16(n_lo + static_cast<std::uint32_t>(s * 64));
-          if constexpr (kMaxTokens == 16)
-            hi = load_shared16(n_hi + static_cast<std::uint32_t>(s * 64));
-        }
-        const std::uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {w.x, w.y};
-        const std::uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w}, b1[2] = {w.z, w.w};
-        mma_m16n8k16<T>(acc[j], a0, b0);
-        mma_m16n8k16<T>(acc[j], a1, b1);
+        multiply(acc[j], s);
       }
     }
   }

@@ -87,6 +87,29 @@ TEST_F(Fused, DecodeIsLaunchedProgrammaticallyWhereItMay) {
   EXPECT_FALSE(programmatic(2, "0", nullptr));
 }
 
+// A narrow stripe (K3's 896 rows at tp 8, as one rank's whole d): a block's share of w_up is one
+// group of 8 rows and every warp's 7 items fit in its first ring, so the kernel asks for them all
+// at once and multiplies them once landed (the "whole" path; K3's whole w_up, 6 or 7 groups a
+// block, streams them through the ring, DecodeK3EagerAndGraphReplaysWithTOnTheDevice). T = 1, 2, 5,
+// 8, 9 and 16 (both instances), random and crafted inputs, bf16 and f16, eager and as graph
+// replays.
+TEST_F(Fused, DecodeNarrowStripeMeetsTheContract) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  const lmoe::TailDims stripe{896, 3584};
+  double worst = 0;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (std::int64_t tokens : {1, 2, 5, 8, 9, 16}) {
+      SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens));
+      expect_random_and_crafted_inputs_pass(stripe, dtype, 1, tokens,
+                                            31u * static_cast<std::uint64_t>(tokens), &worst);
+      const lmoe::TailCase c = lmoe::make_random_case(stripe, 1e-5f, dtype, 1, tokens, 77u);
+      expect_meets_contract(c, run_fused(c, true), &worst);
+    }
+  }
+  std::printf("[ fused  ] decode d=896 l=3584 T 1…16 max_err/bound=%.3f\n", worst);
+}
+
 // The decode kernel launched programmatically with several ranks, one per GPU
 // (LMOE_FUSED_DECODE_PROGRAMMATIC=1, the chained path off so that it takes every T ≤ 16): K3's
 // stripes, random and crafted inputs at T = 1, 4, 16, then a soak of graph replays with T changing
