@@ -34,7 +34,10 @@ inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
 // T = 8 26.7 / 26.1, T = 16 28.1 / 27.1). From 8 ranks all 16 of the decode kernel until 8 GPUs
 // measure it (issue 7: its one-shot exchange against the chained path's two shots; on one rank's
 // stripe at K3 tp 8 without peers the decode kernel's per-block norm makes it the slower from
-// T = 4: 7.7 / 7.9, 9.7 / 8.0, 14.2 / 7.9 µs per tail at T = 4, 8, 16).
+// T = 4: 7.7 / 7.9, 9.7 / 8.0, 14.2 / 7.9 µs per tail at T = 4, 8, 16). With one rank the decode
+// kernel's pair instance takes up to 4 rows where it runs (FusedTail::decode_pair_tokens: a block's
+// share of w_up is one group of 8 rows; session 25, the 896-row stripe per tail 5.3 / 5.6 / 6.1 /
+// 6.3 against the chained path's 6.3–6.4 at T = 1 / 2 / 3 / 4).
 constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
   return tp == 1 ? 0 : tp < 8 ? 4 : 16;
 }

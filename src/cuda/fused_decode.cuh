@@ -40,6 +40,12 @@
 // finishes) and asks for p.early_items of those first items before its griddepcontrol.wait, so
 // that they stream during the previous call's end; the rest follow the rows, which then do not
 // queue behind them where nothing ran before.
+//
+// The pair instance (one rank, up to 4 rows, where a block's share of w_up is one group of 8 rows:
+// K3's 896-row stripe at tp 8 as one GPU's whole d): shared memory sized to the block's items, two
+// blocks an SM, all of a warp's items asked for before the wait, and the next call let in once this
+// one's inputs have landed, so that the next call's blocks enter beside this call's and their
+// weights land while it normalizes, multiplies and stores (FusedDecodePlan::pair_tokens).
 #pragma once
 
 #include <cstddef>
@@ -59,15 +65,17 @@ namespace lmoe::cuda {
 static_assert(kDecodeThreads == 2 * kNormLanes, "two rows of the norm at a time, one per half");
 
 // Items each lane keeps in flight: 16 warps × kDepth × 512 bytes per SM (128 KB for calls of up to
-// 8 rows, 64 KB for 16, whose normalized rows take twice the room).
+// 8 rows, 64 KB for 16, whose normalized rows take twice the room; less where a warp has fewer
+// items: DecodeLayout::ring_slots).
 template <int kMaxTokens>
-inline constexpr int kDecodeDepth = kMaxTokens == 8 ? 16 : 8;
+inline constexpr int kDecodeDepth = kMaxTokens <= 8 ? 16 : 8;
 
 // The block's dynamic shared memory, in this order: the norm's lane sums (256 per row), gamma
 // (fp32), the block's slice of `shared` (the T rows × its groups, 16 bytes per group), N's rows,
-// the warps' rings (warp w's kDepth slots of 512 bytes, lane l's 16 bytes at 16 l of a slot).
+// the warps' rings (warp w's `slots` slots of 512 bytes, lane l's 16 bytes at 16 l of a slot).
 // After the stream the rings hold the warps' fp32 partials ([group][token][slot][8], warp w in
-// slot w ^ (token % 4)). Every part a multiple of 16 bytes.
+// slot w ^ (token % 4)). Every part a multiple of 16 bytes. max_tokens and max_groups are the
+// kernel instance's (its rows of N and groups of 8 weight rows a block).
 struct DecodeLayout {
   static constexpr std::size_t kSlotBytes = 32 * 16;
 
@@ -82,28 +90,39 @@ struct DecodeLayout {
   __host__ __device__ static constexpr std::size_t shared_offset(std::int64_t l, int max_tokens) {
     return gamma_offset(max_tokens) + static_cast<std::size_t>(l) * sizeof(float);
   }
-  __host__ __device__ static constexpr std::size_t normed_offset(std::int64_t l, int max_tokens) {
-    return shared_offset(l, max_tokens) +
-           static_cast<std::size_t>(max_tokens) * kDecodeMaxGroups * 16;
+  __host__ __device__ static constexpr std::size_t normed_offset(std::int64_t l, int max_tokens,
+                                                                 int max_groups) {
+    return shared_offset(l, max_tokens) + static_cast<std::size_t>(max_tokens) * max_groups * 16;
   }
-  __host__ __device__ static constexpr std::size_t ring_offset(std::int64_t l, int max_tokens) {
-    return normed_offset(l, max_tokens) + static_cast<std::size_t>(max_tokens) * normed_pitch(l);
+  __host__ __device__ static constexpr std::size_t ring_offset(std::int64_t l, int max_tokens,
+                                                               int max_groups) {
+    return normed_offset(l, max_tokens, max_groups) +
+           static_cast<std::size_t>(max_tokens) * normed_pitch(l);
   }
-  __host__ __device__ static constexpr std::size_t ring_bytes(int max_tokens) {
-    return static_cast<std::size_t>(kDecodeWarps) *
-           (max_tokens == 8 ? kDecodeDepth<8> : kDecodeDepth<16>)*kSlotBytes;
+  // A warp's slots: kDepth, or fewer where no warp of the grid has that many items (a block's
+  // groups × a warp's steps of 32; a narrow stripe such as K3's 896 rows at tp 8: 1 × 7), so that
+  // a block takes only the shared memory it streams through. The same on the host and the device.
+  __host__ __device__ static constexpr int ring_slots(std::int64_t rows, std::int64_t l, int grid,
+                                                      int depth) {
+    const std::int64_t groups = (rows / 8 + grid - 1) / grid;
+    const std::int64_t steps = ((l + 31) / 32 + kDecodeWarps - 1) / kDecodeWarps;
+    return groups * steps < depth ? static_cast<int>(groups * steps) : depth;
   }
-  __host__ __device__ static constexpr std::size_t partial_bytes(int max_tokens) {
-    return static_cast<std::size_t>(kDecodeMaxGroups) * kDecodeWarps * max_tokens * 8 *
-           sizeof(float);
+  // At least the partials' bytes (which take the rings' place after the stream).
+  __host__ __device__ static constexpr std::size_t ring_bytes(int max_tokens, int max_groups,
+                                                              int slots) {
+    const std::size_t ring = static_cast<std::size_t>(kDecodeWarps) * slots * kSlotBytes;
+    const std::size_t partials = partial_bytes(max_tokens, max_groups);
+    return ring > partials ? ring : partials;
   }
-  __host__ __device__ static constexpr std::size_t bytes(std::int64_t l, int max_tokens) {
-    return ring_offset(l, max_tokens) + ring_bytes(max_tokens);
+  __host__ __device__ static constexpr std::size_t partial_bytes(int max_tokens, int max_groups) {
+    return static_cast<std::size_t>(max_groups) * kDecodeWarps * max_tokens * 8 * sizeof(float);
+  }
+  __host__ __device__ static constexpr std::size_t bytes(std::int64_t l, int max_tokens,
+                                                         int max_groups, int slots) {
+    return ring_offset(l, max_tokens, max_groups) + ring_bytes(max_tokens, max_groups, slots);
   }
 };
-static_assert(DecodeLayout::partial_bytes(8) <= DecodeLayout::ring_bytes(8) &&
-                  DecodeLayout::partial_bytes(16) <= DecodeLayout::ring_bytes(16),
-              "the partials reuse the rings");
 
 __device__ inline uint4 load_shared16(std::uint32_t address) {
   uint4 v;
@@ -289,9 +308,15 @@ __device__ bool decode_gather_stripes(const FusedDecodeParams& p, int tokens, Fu
   return !call->failed;
 }
 
-template <typename T, int kMaxTokens>
-__global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDecodeParams p) {
-  static_assert(kMaxTokens == 8 || kMaxTokens == 16);
+// kMaxTokens rows of N (4, 8 or 16), at most kMaxGroups groups of 8 weight rows a block, and
+// kMinBlocks blocks an SM asked of the compiler's registers: the pair instance (4 rows, one group,
+// two blocks an SM: FusedDecodePlan::pair_tokens) lets the next call's blocks in beside this one's,
+// so that their weights land while this call runs.
+template <typename T, int kMaxTokens, int kMaxGroups, int kMinBlocks>
+__global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
+    fused_decode_kernel(FusedDecodeParams p) {
+  static_assert(kMaxTokens == 4 || kMaxTokens == 8 || kMaxTokens == 16);
+  static_assert(kMaxGroups >= 1 && kMaxGroups <= kDecodeMaxGroups);
   constexpr int kDepth = kDecodeDepth<kMaxTokens>;
   extern __shared__ __align__(128) std::byte decode_smem[];
   __shared__ FusedCall call;  // several ranks only
@@ -301,8 +326,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   decode_trace(p, kDecodeTraceEntry);
   // The stream's next kernel may start as this one's blocks leave their SMs (where it is launched
   // programmatically: with one rank, the next call's decode kernel), so that its weights stream
-  // while this call finishes.
-  pdl_launch_dependents();
+  // while this call finishes. The pair instance lets it in only once its own inputs have landed
+  // (below): its blocks would enter beside these at once, and the call after it too, whose weights
+  // then stood ahead of the next call's inputs in the memory's queue (session 25).
+  if constexpr (kMinBlocks == 1) pdl_launch_dependents();
 
   // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
   // dealt evenly (at least one and at most kDecodeMaxGroups: the plan's grid ensures it).
@@ -317,14 +344,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   float* lane_sums = reinterpret_cast<float*>(decode_smem);
   float* gamma = reinterpret_cast<float*>(decode_smem + DecodeLayout::gamma_offset(kMaxTokens));
   std::byte* shared_slice = decode_smem + DecodeLayout::shared_offset(p.l, kMaxTokens);
-  std::byte* normed = decode_smem + DecodeLayout::normed_offset(p.l, kMaxTokens);
-  std::byte* rings = decode_smem + DecodeLayout::ring_offset(p.l, kMaxTokens);
+  std::byte* normed = decode_smem + DecodeLayout::normed_offset(p.l, kMaxTokens, kMaxGroups);
+  std::byte* rings = decode_smem + DecodeLayout::ring_offset(p.l, kMaxTokens, kMaxGroups);
+  const int slots = DecodeLayout::ring_slots(p.rows, p.l, static_cast<int>(gridDim.x), kDepth);
   float* partials = reinterpret_cast<float*>(rings);  // after the stream
   const std::size_t pitch = DecodeLayout::normed_pitch(p.l);
   const std::uint32_t normed_s = static_cast<std::uint32_t>(__cvta_generic_to_shared(normed));
 
   // This warp's share of K: steps [step_first, step_first + steps) of 32, in every group. Item i
-  // of the warp is (group i / steps, step i % steps), in slot i % kDepth of the warp's ring.
+  // of the warp is (group i / steps, step i % steps), in slot i % kDepth of the warp's ring (of
+  // `slots` ≤ kDepth: items ≥ slots exist only where slots = kDepth).
   // l % 16 == 0, so a thread's 8 elements are all inside K or all past it: of an l with
   // l % 32 == 16 the last step's lanes q = 2, 3 copy nothing (zeros) and multiply zeros.
   const int all_steps = static_cast<int>((p.l + 31) / 32);
@@ -341,7 +370,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       ((row_first + g) * p.l + static_cast<std::int64_t>(step_first) * 32 + 8 * q) *
           static_cast<std::int64_t>(sizeof(T));
   const std::uint32_t my_slots = static_cast<std::uint32_t>(__cvta_generic_to_shared(rings)) +
-                                 static_cast<std::uint32_t>((warp * kDepth * 32 + lane) * 16);
+                                 static_cast<std::uint32_t>((warp * slots * 32 + lane) * 16);
   int issued = 0, copy_step = 0;
   const auto issue_item = [&] {
     if (issued < items) {
@@ -449,6 +478,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     }
     __syncthreads();
     decode_trace(p, kDecodeTraceInputsLanded);
+    if constexpr (kMinBlocks > 1) pdl_launch_dependents();
     if (p.latent_norm) {
       decode_norm_rows<T>(p.l, p.eps, normed, pitch, gamma, tokens, lane_sums);
       __syncthreads();
@@ -456,6 +486,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   } else if (!decode_exchange<T>(p, tokens, row_first, groups, normed, pitch, lane_sums,
                                  shared_slice, &call)) {
     return cp_async_wait<0>();
+  }
+  if constexpr (kMinBlocks > 1) {
+    if (exchange) pdl_launch_dependents();
   }
   decode_trace(p, kDecodeTraceNormed);
 
@@ -467,7 +500,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
       normed_s + static_cast<std::uint32_t>(token_lo * pitch + step_first * 64 + q * 16);
   const std::uint32_t n_hi =
       normed_s + static_cast<std::uint32_t>(token_hi * pitch + step_first * 64 + q * 16);
-  float acc[kDecodeMaxGroups][4] = {};
+  float acc[kMaxGroups][4] = {};
   int item = 0;
   // One item's product: its weights (slot item % kDepth) by the tokens' 8 elements of step s.
   const auto multiply = [&](float(&c)[4], int s) {
@@ -486,7 +519,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   if (whole) {
     cp_async_wait<0>();  // every item (and the block's inputs) landed
 #pragma unroll
-    for (int j = 0; j < kDecodeMaxGroups; ++j) {
+    for (int j = 0; j < kMaxGroups; ++j) {
       if (j < groups) {
 #pragma unroll 1
         for (int s = 0; s < steps; ++s, ++item) multiply(acc[j], s);
@@ -494,7 +527,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
     }
   }
 #pragma unroll
-  for (int j = 0; j < kDecodeMaxGroups; ++j) {
+  for (int j = 0; j < kMaxGroups; ++j) {
     if (!whole && j < groups) {
       // Not unrolled: with the groups unrolled (their accumulators are registers) an unrolled step
       // loop made the kernel large enough for its 16 warps to wait on instruction fetches (Nsight
@@ -512,10 +545,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) fused_decode_kernel(FusedDe
   decode_trace(p, kDecodeTraceStreamed);
 
   // C's fragment: acc[j][0, 1] token g, rows 2q and 2q + 1 of group j; acc[j][2, 3] token g + 8.
-  // A warp with no K (l < 16 · 32) writes its zeros too.
+  // A warp with no K (l < 16 · 32) writes its zeros too. Tokens ≥ kMaxTokens have no unit.
 #pragma unroll
-  for (int j = 0; j < kDecodeMaxGroups; ++j) {
-    if (j < groups) {
+  for (int j = 0; j < kMaxGroups; ++j) {
+    if (j < groups && g < kMaxTokens) {
       // Unit (j, token) holds the 16 warps' 8 partials, warp w's in slot w ^ (token % 4): a warp's
       // stores then spread over four 32-byte bank windows instead of one (2 wavefronts a store,
       // not 8).

@@ -21,6 +21,11 @@ inline constexpr int kDecodeWarps = kDecodeThreads / 32;
 // A block's groups of 8 rows of w_up, at most (their accumulators stay in registers): K3's 896
 // groups need 7 per SM on 132 SMs.
 inline constexpr int kDecodeMaxGroups = 8;
+// The pair instance's bound: calls of up to 4 rows, where a block's share of w_up is one group of
+// 8 rows, run with two blocks an SM (FusedDecodePlan::pair_tokens).
+inline constexpr std::int64_t kFusedDecodePairTokens = 4;
+// More weight items than any warp asks for before its inputs: all of its first ring.
+inline constexpr int kFusedDecodeMaxEarlyItems = 64;
 
 struct FusedDecodeParams {
   std::int64_t tokens = 0;  // T, when tokens_device is null
@@ -47,10 +52,11 @@ struct FusedDecodeParams {
   int local_norm_rows = 0;
   // Launched programmatically (FusedTail::decode_programmatic): the kernel may then start while
   // the stream's previous kernel still runs, and asks for `early_items` of each warp's first
-  // weight items before it waits for that kernel to end (the rest after its inputs). Without it
-  // early_items is not used: every weight follows the inputs.
+  // weight items before it waits for that kernel to end (the rest after its inputs; < 0: the
+  // instance's default, 4 or, in the pair instance, all). Without it early_items is not used:
+  // every weight follows the inputs.
   bool programmatic = false;
-  int early_items = 0;
+  int early_items = -1;
 };
 
 // The decode kernel's trace points, in order.
@@ -70,6 +76,11 @@ enum DecodeTracePoint : int {
 // kDecodeMaxGroups per block).
 struct FusedDecodePlan {
   int grid = 0;
+  // Calls of up to this many rows (kFusedDecodePairTokens, or 0) launched programmatically run the
+  // pair instance: a block's share of w_up is one group of 8 rows and two blocks fit on an SM
+  // (shared memory, threads, registers), so the next call's blocks enter beside this one's and
+  // ask for their weights while it runs.
+  std::int64_t pair_tokens = 0;
 };
 
 // Why the decode kernel cannot run calls of up to `max_tokens` rows with `rows` rows of w_up (the
@@ -77,10 +88,17 @@ struct FusedDecodePlan {
 // bf16/f16 only, rows % 8 and l % 16, at most kDecodeMaxGroups groups of 8 rows per block, and the
 // norm's lane sums, gamma, the shared slice, the normalized rows and the weight rings must fit in a
 // block's shared memory;
-// nullptr when it can, after filling *plan and raising its kernels' shared-memory limit on this
-// device (required before launch_fused_decode). A static string.
+// nullptr when it can, after filling *plan (pair_tokens where two blocks fit on an SM) and raising
+// its kernels' shared-memory limit on this device (required before launch_fused_decode). A static
+// string.
 const char* fused_decode_plan(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
                               DType dtype, FusedDecodePlan* plan, int max_grid = 0);
+
+// How many blocks of the instance a call of up to `max_tokens` rows launches (the pair instance
+// where `programmatic` and the plan allows it) are resident on an SM at once with this plan, by the
+// occupancy calculator (after fused_decode_plan); 0 when it cannot tell.
+int fused_decode_resident_blocks(std::int64_t rows, std::int64_t l, std::int64_t max_tokens,
+                                 DType dtype, const FusedDecodePlan& plan, bool programmatic);
 
 // Launches the decode kernel for calls of up to `max_tokens` (≤ kFusedDecodeMaxTokens) rows with a
 // plan from fused_decode_plan() for that bound (or a larger one) on the current device; dtype bf16

@@ -281,15 +281,29 @@ void FusedTail::choose_decode(int sms, int sharing) {
   // measured yet (issue 7), and ranks sharing a GPU need every rank's kernel resident at once,
   // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
   // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
-  // sets the count, for measurements.
+  // sets the count, for measurements (unset: 4, and all in the pair instance).
   const bool wanted = env_flag_if_set("LMOE_FUSED_DECODE_PROGRAMMATIC").value_or(params_.tp == 1);
-  decode_early_items_ = static_cast<int>(
-      env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, 64, "a count of a warp's weight items")
-          .value_or(4));
+  const bool pair_wanted = env_flag_if_set("LMOE_FUSED_DECODE_PAIR").value_or(true);
+  decode_early_items_ =
+      static_cast<int>(env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, kFusedDecodeMaxEarlyItems,
+                                   "a count of a warp's weight items")
+                           .value_or(-1));
   if (params_.tp == 1) {
     decode_programmatic_ = wanted && decode_max_tokens_ > 0;
+    // The pair instance (two blocks an SM) only where it is launched programmatically: its point
+    // is that the next call's blocks enter while this one runs. One rank only: with several, every
+    // block of a call must be resident at once and the grid is agreed after the plan.
+    // LMOE_FUSED_DECODE_PAIR=0 turns it off. Session 25, one H200, the 896-row stripe (K3 tp 8's
+    // share) per tail in graphs of 8, cold: 5.3 / 5.6 / 6.1 / 6.3 µs at T = 1 / 2 / 3 / 4 against
+    // the chained path's 6.3–6.4, which it replaces there; as replays of one tail 9.4 / 10.6
+    // against 9.8 / 9.8 at T = 1 / 4. Letting the next call in at its entry instead was slower
+    // (6.0 / 7.9 at T = 1 / 4): the call after it entered too, and its weights queued ahead of the
+    // next call's inputs.
+    if (!decode_programmatic_ || !pair_wanted) decode_plan_.pair_tokens = 0;
+    decode_plan_.pair_tokens = std::min(decode_plan_.pair_tokens, decode_max_tokens_);
     return;
   }
+  decode_plan_.pair_tokens = 0;
   // Every rank must run the same kernel with the same grid for a call (the protocol's targets).
   const std::int64_t mine[2] = {decode_max_tokens_, decode_plan_.grid};
   std::vector<std::int64_t> all(static_cast<std::size_t>(2 * params_.tp));
@@ -314,6 +328,12 @@ void FusedTail::choose_decode(int sms, int sharing) {
   // (T = 4 +2.3, T = 16 +20: every block's norm of every row). With more peers a row's lines grow,
   // so one row there (block 0 reads as many bytes when it normalizes T = 1 for the grid).
   decode_local_norm_rows_ = params_.tp == 2 ? 2 : 1;
+}
+
+int FusedTail::decode_resident_blocks(std::int64_t tokens) const {
+  if (decode_max_tokens_ == 0 || tokens > decode_max_tokens_) return 0;
+  return fused_decode_resident_blocks(params_.stripe, params_.l, tokens, dtype_, decode_plan_,
+                                      decode_programmatic_);
 }
 
 // Calls the decode kernel does not take run the chained path up to 128 rows where its plan accepts

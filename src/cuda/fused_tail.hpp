@@ -65,13 +65,15 @@ class FusedTail {
 
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
   // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank;
-  // ≤ fused_decode_beside_chained_tokens(tp) where the chained path runs), else chained when
-  // tokens ≤ chained_max_tokens() (the same on every rank), else general.
+  // where the chained path runs only up to fused_decode_beside_chained_tokens(tp), or
+  // decode_pair_tokens() if more), else chained when tokens ≤ chained_max_tokens() (the same on
+  // every rank), else general.
   FusedKernel kernel_for(std::int64_t tokens) const {
     if (tokens < 1) return FusedKernel::general;
     const std::int64_t decode_bound =
         chained_max_tokens_ > 0
-            ? std::min(decode_max_tokens_, fused_decode_beside_chained_tokens(params_.tp))
+            ? std::min(decode_max_tokens_, std::max(fused_decode_beside_chained_tokens(params_.tp),
+                                                    decode_pair_tokens()))
             : decode_max_tokens_;
     if (tokens <= decode_bound) return FusedKernel::decode;
     return tokens <= chained_max_tokens_ ? FusedKernel::chained : FusedKernel::general;
@@ -86,6 +88,14 @@ class FusedTail {
   // with one rank unless LMOE_FUSED_DECODE_PROGRAMMATIC=0; with several only where it is 1 and each
   // rank has a GPU of its own.
   bool decode_programmatic() const { return decode_programmatic_; }
+  // Calls of up to this many rows run the decode kernel's pair instance (two blocks an SM, so that
+  // the next call's blocks enter beside this one's; FusedDecodePlan::pair_tokens): with one rank,
+  // launched programmatically, where a block's share of w_up is one group of 8 rows and two blocks
+  // fit on an SM, unless LMOE_FUSED_DECODE_PAIR=0. 0 where it does not run.
+  std::int64_t decode_pair_tokens() const { return decode_plan_.pair_tokens; }
+  // How many blocks of the decode kernel a call of up to `tokens` rows launches fit on an SM at
+  // once (the occupancy calculator; 2 for the pair instance); 0 where it does not run.
+  int decode_resident_blocks(std::int64_t tokens) const;
   // The largest bound the chained path takes here (0: it does not run; see chained_limit()).
   std::int64_t chained_max_tokens() const { return chained_max_tokens_; }
   // Why the chained path does not run here (not compute 9.0, turned off, one rank without the
@@ -138,7 +148,7 @@ class FusedTail {
   // The decode kernel launched programmatically, its gamma and first weight items asked for before
   // it waits for the kernel before it (FusedDecodeParams).
   bool decode_programmatic_ = false;
-  int decode_early_items_ = 0;
+  int decode_early_items_ = -1;  // < 0: the instance's default
   std::optional<std::string> decode_limit_;
   FusedDecodePlan decode_plan_;
   // The chained path: calls bounded by chained_max_tokens_ rows, its plan, its

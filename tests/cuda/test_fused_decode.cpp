@@ -3,6 +3,8 @@
 // the groups an SM takes, small odd shapes, K3 eager and in graphs with T on the device, several
 // ranks, and a soak of graph replays.
 
+#include <functional>
+
 #include "fused_test_support.hpp"
 
 namespace {
@@ -31,15 +33,15 @@ TEST_F(Fused, DecodeCallsReadWhatTheCallBeforeThemWrote) {
   }
 }
 
-// LMOE_FUSED_DECODE_EARLY_ITEMS out of range or not a number, LMOE_FUSED_DECODE_PROGRAMMATIC not
-// a flag: the construction fails naming the variable (one rank, and two where p2p runs them).
+// LMOE_FUSED_DECODE_EARLY_ITEMS out of range or not a number, LMOE_FUSED_DECODE_PROGRAMMATIC or
+// LMOE_FUSED_DECODE_PAIR not a flag: the construction fails naming the variable (one rank, and two
+// where p2p runs them).
 TEST_F(Fused, BadDecodeLaunchSettingsAreAnError) {
   SKIP_WITHOUT_GPU();
   const std::pair<const char*, const char*> bads[] = {
-      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "-1"},
-      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "65"},
-      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "3x"},
-      {"LMOE_FUSED_DECODE_PROGRAMMATIC", "maybe"},
+      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "-1"}, {"LMOE_FUSED_DECODE_EARLY_ITEMS", "65"},
+      {"LMOE_FUSED_DECODE_EARLY_ITEMS", "3x"}, {"LMOE_FUSED_DECODE_PROGRAMMATIC", "maybe"},
+      {"LMOE_FUSED_DECODE_PAIR", "2"},
   };
   for (const int tp : {1, 2}) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
@@ -47,8 +49,11 @@ TEST_F(Fused, BadDecodeLaunchSettingsAreAnError) {
     for (const auto& [variable, value] : bads) {
       SCOPED_TRACE(std::string(variable) + "=" + value + " tp=" + std::to_string(tp));
       const ScopedEnv set(variable, value);
-      const std::string expected = std::string(variable) == "LMOE_FUSED_DECODE_PROGRAMMATIC"
+      const std::string name = variable;
+      const std::string expected = name == "LMOE_FUSED_DECODE_PROGRAMMATIC"
                                        ? "LMOE_FUSED_DECODE_PROGRAMMATIC='maybe': expected 1, 0"
+                                   : name == "LMOE_FUSED_DECODE_PAIR"
+                                       ? "LMOE_FUSED_DECODE_PAIR='2': expected 1, 0"
                                        : "LMOE_FUSED_DECODE_EARLY_ITEMS: expected a count of a "
                                          "warp's weight items in [0, 64]";
       expect_every_rank_error(construction_errors(c, tp, 4), expected);
@@ -110,6 +115,49 @@ TEST_F(Fused, DecodeNarrowStripeMeetsTheContract) {
   std::printf("[ fused  ] decode d=896 l=3584 T 1…16 max_err/bound=%.3f\n", worst);
 }
 
+// The pair instance (FusedDecodePlan::pair_tokens): with one rank, launched programmatically,
+// where a block's share of w_up is one group of 8 rows (K3's 896-row stripe at tp 8 as one rank's
+// whole d), calls of up to 4 rows run with two blocks an SM by the occupancy calculator, calls of 5
+// with one; K3's whole w_up (7 groups a block) has no pair, nor does a stripe with
+// LMOE_FUSED_DECODE_PAIR=0 or LMOE_FUSED_DECODE_PROGRAMMATIC=0 (the stripe's calls against the
+// contract: DecodeNarrowStripeMeetsTheContract). Then a soak of graph replays with T changing on
+// the device inside the pair's bound.
+TEST_F(Fused, DecodePairInstanceRunsTwoBlocksAnSmWhereABlockTakesOneGroup) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // one rank: decode up to its bound
+  const lmoe::TailDims stripe{896, 3584};
+  const auto with = [](lmoe::TailDims dims, const char* pair, const char* programmatic,
+                       const std::function<void(const lmoe::cuda::FusedTail&)>& check) {
+    const ScopedEnv pair_setting("LMOE_FUSED_DECODE_PAIR", pair);
+    const ScopedEnv launch_setting("LMOE_FUSED_DECODE_PROGRAMMATIC", programmatic);
+    const lmoe::TailCase c = lmoe::make_random_case(dims, 1e-5f, DType::bf16, 1, 4, 47u);
+    const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+    lmoe::run_on_rank_threads(comms, [&](int, lmoe::Communicator& comm) {
+      FusedRank state(comm, c, 16);
+      check(*state.fused);
+    });
+  };
+  with(stripe, nullptr, nullptr, [](const lmoe::cuda::FusedTail& fused) {
+    EXPECT_EQ(fused.decode_pair_tokens(), 4) << fused.decode_limit().value_or("");
+    for (std::int64_t tokens : {1, 4}) EXPECT_EQ(fused.decode_resident_blocks(tokens), 2);
+    EXPECT_EQ(fused.decode_resident_blocks(5), 1);
+    EXPECT_EQ(fused.decode_resident_blocks(16), 1);
+    EXPECT_EQ(fused.kernel_for(4), lmoe::cuda::FusedKernel::decode);
+  });
+  with(kK3, nullptr, nullptr, [](const lmoe::cuda::FusedTail& fused) {
+    EXPECT_EQ(fused.decode_pair_tokens(), 0);
+    EXPECT_EQ(fused.decode_resident_blocks(1), 1);
+  });
+  for (const auto& [pair, programmatic] : {std::pair<const char*, const char*>{"0", nullptr},
+                                           std::pair<const char*, const char*>{nullptr, "0"}}) {
+    with(stripe, pair, programmatic, [](const lmoe::cuda::FusedTail& fused) {
+      EXPECT_EQ(fused.decode_pair_tokens(), 0);
+      EXPECT_EQ(fused.decode_resident_blocks(1), 1);
+    });
+  }
+  soak_graph_replays(1, 4, {1, 4, 3, 2}, lmoe::cuda::FusedKernel::decode);
+}
+
 // The decode kernel launched programmatically with several ranks, one per GPU
 // (LMOE_FUSED_DECODE_PROGRAMMATIC=1, the chained path off so that it takes every T ≤ 16): K3's
 // stripes, random and crafted inputs at T = 1, 4, 16, then a soak of graph replays with T changing
@@ -148,9 +196,11 @@ TEST_F(Fused, DecodeKernelRunsByDefaultAtEveryTpAndCanBeTurnedOff) {
       FusedRank state(comm, c, 4);
       bounds[static_cast<std::size_t>(rank)] = state.fused->decode_max_tokens();
       if (rank == 0) *why = state.fused->decode_limit().value_or("");
-      // T = 1 runs it where it runs, unless the chained path takes T = 1 (one rank on compute 9.0).
+      // T = 1 runs it where it runs, unless the chained path takes T = 1 (one rank on compute 9.0
+      // where the pair instance does not run).
       const bool chained_takes_one = state.fused->chained_max_tokens() > 0 &&
-                                     lmoe::cuda::fused_decode_beside_chained_tokens(tp) < 1;
+                                     std::max(lmoe::cuda::fused_decode_beside_chained_tokens(tp),
+                                              state.fused->decode_pair_tokens()) < 1;
       EXPECT_EQ(state.fused->kernel_for(1) == lmoe::cuda::FusedKernel::decode,
                 bounds[static_cast<std::size_t>(rank)] > 0 && !chained_takes_one);
     });

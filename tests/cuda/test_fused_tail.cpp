@@ -353,9 +353,10 @@ TEST_F(Fused, TwoCallsAtOnceOnOneWorkspaceAreAnError) {
 
 // Which kernel ran: the general kernel counts its calls in the workspace, the chained path in its
 // own, the decode kernel nowhere. Where the chained path runs (compute 9.0) the decode kernel takes
-// no rows with one rank and up to 4 with 2 … 7 ranks (the call's T, or the bound of a call with T
-// on the device), the chained path the rest up to 128; elsewhere the decode kernel up to 16 and
-// the general kernel above; 129 takes the general kernel everywhere. Each bound ±1, tp 1, 2, 4.
+// up to 4 rows (with one rank its pair instance, which these dims allow; 2 … 7 ranks; the call's
+// T, or the bound of a call with T on the device), the chained path the rest up to 128; elsewhere
+// the decode kernel up to 16 and the general kernel above; 129 takes the general kernel
+// everywhere. Each bound ±1, tp 1, 2, 4.
 TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
   SKIP_WITHOUT_GPU();
   for (int tp : {1, 2, 4}) {
@@ -375,10 +376,16 @@ TEST_F(Fused, EachCallRunsTheKernelItsRowsChoose) {
           << fused.chained_limit().value_or("");
       EXPECT_EQ(fused.chained_limit().has_value(), !chained);
       std::uint32_t general = fused.general_calls(), chained_calls = fused.chained_calls();
-      // Each bound ±1: no decode with one rank, ≤ 4 (2 … 7 ranks) beside the chained path, else 16.
+      // One rank: the decode kernel's pair instance (a block's share of w_up is one group of 8
+      // rows here: 48 groups) takes up to 4 rows beside the chained path.
+      if (tp == 1) {
+        EXPECT_EQ(fused.decode_pair_tokens(), 4);
+      }
+      // Each bound ±1: ≤ 4 beside the chained path (one rank: the pair instance; 2 … 7 ranks),
+      // else 16.
       for (std::int64_t tokens : {1, 2, 3, 4, 5, 16, 17, 128, 129}) {
         using lmoe::cuda::FusedKernel;
-        const std::int64_t decode_bound = chained ? (tp == 1 ? 0 : 4) : 16;
+        const std::int64_t decode_bound = chained ? 4 : 16;
         EXPECT_EQ(lmoe::cuda::fused_decode_beside_chained_tokens(tp), tp == 1 ? 0 : 4);
         const FusedKernel expected = tokens <= decode_bound     ? FusedKernel::decode
                                      : chained && tokens <= 128 ? FusedKernel::chained
