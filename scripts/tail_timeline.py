@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The timeline of consecutive chained up-projections from an LMOE_FUSED_TRACE run.
+"""The timeline of consecutive fused kernels from an LMOE_FUSED_TRACE run.
 
     LMOE_FUSED_TRACE=1 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --tiers fused -t 2 \
         --layers 8 --warmup 5 --iters 20 --no-check 2>&1 | python3 scripts/tail_timeline.py
@@ -10,25 +10,38 @@ print theirs, so their points land on one time axis: this prints, per tail, the 
 was ready, the last wgmma and the end (median and last block), all in µs after the first tail's
 first entry, and the two figures that say what passes between tails — from the previous tail's last
 block to this one's N ready, and the period (median end to median end). --json FILE writes the same
-rows. Only the chained up-projection's traces are read (one rank: rank 0's).
+rows. Only the chained up-projection's traces are read (one rank: rank 0's), or with --kernel decode
+the decode kernel's: per tail its entry, inputs landed, N (normed), the product's end (streamed) and
+the end, the inputs after the previous tail's last block, the phases between them (norm, product,
+finish: medians over blocks) and the period.
 """
 import argparse
 import json
 import re
 import sys
 
-HEADER = re.compile(r"\[ fused trace \] rank (\d+), chained up-projection")
+# Per kernel: the header of its trace, and its points as (row key, printed name).
+KERNELS = {
+    "chained": ("chained up-projection",
+                (("entry", "entry"), ("n_ready", "N ready"), ("multiplied", "multiplied"),
+                 ("end", "end"))),
+    "decode": ("decode kernel",
+               (("entry", "entry"), ("inputs", "inputs landed"), ("normed", "normed"),
+                ("streamed", "streamed"), ("end", "end"))),
+}
 POINT = re.compile(r"\[ fused trace \] (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+(-?[\d.]+)\s*$")
 TIMER = re.compile(r"\[ fused trace \] global timer: first entry (\d+) ns, last stamp (\d+) ns")
 
 
-def parse(lines):
-    """The chained up-projection traces of rank 0, in the order printed."""
+def parse(lines, kernel="chained"):
+    """The traces of `kernel` (a key of KERNELS) of rank 0, in the order printed."""
+    header_of = re.compile(r"\[ fused trace \] rank (\d+), " + re.escape(KERNELS[kernel][0]))
+    any_header = re.compile(r"\[ fused trace \] rank (\d+), ")
     traces, current = [], None
     for line in lines:
-        header = HEADER.search(line)
-        if header:
-            current = {"rank": int(header.group(1)), "points": {}} if header.group(1) == "0" else None
+        if any_header.search(line):
+            header = header_of.search(line)
+            current = ({"rank": 0, "points": {}} if header and header.group(1) == "0" else None)
             continue
         if current is None:
             continue
@@ -44,7 +57,7 @@ def parse(lines):
     return traces
 
 
-def timeline(traces):
+def timeline(traces, kernel="chained"):
     """Rows per tail, by first entry, times in µs after the first tail's first entry."""
     traces = sorted(traces, key=lambda t: t["first_entry_ns"])
     if not traces:
@@ -55,15 +68,22 @@ def timeline(traces):
         shift = (trace["first_entry_ns"] - origin) / 1e3  # integers: ns exceed a double's exact range
         at = {name: tuple(v + shift for v in values) for name, values in trace["points"].items()}
         row = {"tail": i + 1}
-        for key, name in (("entry", "entry"), ("n_ready", "N ready"), ("multiplied", "multiplied"),
-                          ("end", "end")):
+        for key, name in KERNELS[kernel][1]:
             if name in at:
                 row[key + "_median"] = round(at[name][1], 2)
                 row[key + "_max"] = round(at[name][2], 2)
-        if rows and "n_ready_median" in row and "end_max" in rows[-1]:
-            row["n_ready_after_previous_end"] = round(row["n_ready_median"] - rows[-1]["end_max"], 2)
+        # What passes between tails: from the previous tail's last block to this one's first
+        # dependent point (N for the chained path, the inputs for the decode kernel).
+        first = "n_ready" if kernel == "chained" else "inputs"
+        if rows and first + "_median" in row and "end_max" in rows[-1]:
+            row[first + "_after_previous_end"] = round(row[first + "_median"] - rows[-1]["end_max"], 2)
         if rows and "end_median" in row and "end_median" in rows[-1]:
             row["period"] = round(row["end_median"] - rows[-1]["end_median"], 2)
+        if kernel == "decode":
+            for phase, start, stop in (("norm", "inputs", "normed"), ("product", "normed", "streamed"),
+                                       ("finish", "streamed", "end")):
+                if start + "_median" in row and stop + "_median" in row:
+                    row[phase] = round(row[stop + "_median"] - row[start + "_median"], 2)
         rows.append(row)
     return rows
 
@@ -71,16 +91,24 @@ def timeline(traces):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("log", nargs="?", help="the run's output (standard input if omitted)")
+    parser.add_argument("--kernel", choices=sorted(KERNELS), default="chained",
+                        help="whose traces to read (default: the chained up-projection's)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     text = open(args.log).read() if args.log else sys.stdin.read()
-    rows = timeline(parse(text.splitlines()))
+    rows = timeline(parse(text.splitlines(), args.kernel), args.kernel)
     if not rows:
-        sys.exit("tail_timeline: no chained up-projection trace with a global timer line found")
-    columns = [("tail", "tail"), ("entry_median", "entry"), ("n_ready_median", "N ready"),
-               ("multiplied_median", "multiplied"), ("multiplied_max", "(last)"),
-               ("end_median", "end"), ("end_max", "(last)"),
-               ("n_ready_after_previous_end", "N after prev. last end"), ("period", "period")]
+        sys.exit(f"tail_timeline: no {KERNELS[args.kernel][0]} trace with a global timer line found")
+    if args.kernel == "chained":
+        columns = [("tail", "tail"), ("entry_median", "entry"), ("n_ready_median", "N ready"),
+                   ("multiplied_median", "multiplied"), ("multiplied_max", "(last)"),
+                   ("end_median", "end"), ("end_max", "(last)"),
+                   ("n_ready_after_previous_end", "N after prev. last end"), ("period", "period")]
+    else:
+        columns = [("tail", "tail"), ("entry_median", "entry"), ("inputs_median", "inputs"),
+                   ("normed_median", "N"), ("streamed_median", "product end"), ("end_median", "end"),
+                   ("end_max", "(last)"), ("inputs_after_previous_end", "inputs after prev. last end"),
+                   ("norm", "norm"), ("product", "product"), ("finish", "finish"), ("period", "period")]
     print("  ".join(f"{title:>10}" for _, title in columns) + "   (µs)")
     for row in rows:
         print("  ".join(f"{row[key]:>10}" if key in row else f"{'–':>10}" for key, _ in columns))

@@ -1355,8 +1355,9 @@ class PlotScript(unittest.TestCase):
 
 
 class TailTimelineScript(unittest.TestCase):
-    """scripts/tail_timeline.py on a recorded trace (tests/data/fused_trace_k3_t2_layers8.log: K3 tp 1,
-    T = 2, 8 tails in one graph, LMOE_FUSED_TRACE=1, an H200, 2026-12-01) and on crafted ones."""
+    """scripts/tail_timeline.py on recorded traces (tests/data/fused_trace_k3_t2_layers8.log: K3 tp 1,
+    T = 2, 8 tails in one graph, LMOE_FUSED_TRACE=1, an H200, 2026-12-01; and a decode kernel's,
+    --kernel decode) and on crafted ones."""
 
     @classmethod
     def setUpClass(cls):
@@ -1384,6 +1385,39 @@ class TailTimelineScript(unittest.TestCase):
             self.assertLess(r["entry_median"], r["n_ready_median"])
             self.assertLess(r["n_ready_median"], r["multiplied_median"])
             self.assertLessEqual(r["end_median"], r["end_max"])
+
+    def test_recorded_decode_trace(self):
+        # tests/data/fused_trace_decode_stripe_t1_layers8.log: the decode kernel's pair instance, the
+        # 896-row stripe at T = 1, 8 tails in one graph, an H200, 2026-12-04 (docs/fused.md, session
+        # 25). Tail 2 printed its points after a first entry 3296 ns after tail 1's: inputs landed
+        # 3.84, normed 4.67, end median 6.40 µs after its own first entry; tail 1's last block ended
+        # at 5.47 and its median end at 5.28.
+        path = os.path.join(os.path.dirname(self.recorded), "fused_trace_decode_stripe_t1_layers8.log")
+        with open(path) as f:
+            lines = f.read().splitlines()
+        rows = self.script.timeline(self.script.parse(lines, "decode"), "decode")
+        self.assertEqual([r["tail"] for r in rows], list(range(1, 9)))
+        self.assertAlmostEqual(rows[1]["inputs_median"], 3.296 + 3.84, places=2)
+        self.assertAlmostEqual(rows[1]["inputs_after_previous_end"], 3.296 + 3.84 - 5.47, places=2)
+        self.assertAlmostEqual(rows[1]["norm"], 4.67 - 3.84, places=2)
+        self.assertAlmostEqual(rows[1]["period"], 3.296 + 6.40 - 5.28, places=2)
+        self.assertNotIn("inputs_after_previous_end", rows[0])
+        for r in rows:  # on one axis, in order, the phases adding up
+            self.assertLess(r["entry_median"], r["inputs_median"])
+            self.assertLess(r["inputs_median"], r["normed_median"])
+            self.assertLess(r["normed_median"], r["streamed_median"])
+            self.assertAlmostEqual(r["norm"] + r["product"] + r["finish"],
+                                   r["end_median"] - r["inputs_median"], places=1)
+        # The chained reading of the same file finds nothing; the command line says so.
+        self.assertEqual(self.script.parse(lines), [])
+        result = subprocess.run([sys.executable, self.path, path], capture_output=True, text=True,
+                                timeout=60)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("no chained up-projection trace", result.stderr)
+        result = subprocess.run([sys.executable, self.path, path, "--kernel", "decode"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("inputs after prev. last end", result.stdout)
 
     def test_only_rank_0_and_the_chained_kernel_are_read_and_bad_input_is_refused(self):
         crafted = "\n".join([
