@@ -27,6 +27,7 @@ KERNELS = {
                  ("end", "end"))),
     "decode": ("decode kernel",
                (("entry", "entry"), ("inputs", "inputs landed"), ("normed", "normed"),
+                ("landed", "items landed"), ("multiplied", "warp 0 multiplied"),
                 ("streamed", "streamed"), ("end", "end"))),
 }
 POINT = re.compile(r"\[ fused trace \] (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+(-?[\d.]+)\s*$")
@@ -80,8 +81,12 @@ def timeline(traces, kernel="chained"):
         if rows and "end_median" in row and "end_median" in rows[-1]:
             row["period"] = round(row["end_median"] - rows[-1]["end_median"], 2)
         if kernel == "decode":
+            # Traces since session 25 also split the product: warp 0's wait for its items, its
+            # multiplies, and the rest of the block to the barrier after them.
             for phase, start, stop in (("norm", "inputs", "normed"), ("product", "normed", "streamed"),
-                                       ("finish", "streamed", "end")):
+                                       ("finish", "streamed", "end"), ("wait", "normed", "landed"),
+                                       ("mma", "landed", "multiplied"),
+                                       ("barrier", "multiplied", "streamed")):
                 if start + "_median" in row and stop + "_median" in row:
                     row[phase] = round(row[stop + "_median"] - row[start + "_median"], 2)
         rows.append(row)
@@ -108,7 +113,8 @@ def main():
         columns = [("tail", "tail"), ("entry_median", "entry"), ("inputs_median", "inputs"),
                    ("normed_median", "N"), ("streamed_median", "product end"), ("end_median", "end"),
                    ("end_max", "(last)"), ("inputs_after_previous_end", "inputs after prev. last end"),
-                   ("norm", "norm"), ("product", "product"), ("finish", "finish"), ("period", "period")]
+                   ("norm", "norm"), ("product", "product"), ("wait", "(wait"), ("mma", "mma"),
+                   ("barrier", "barrier)"), ("finish", "finish"), ("period", "period")]
     print("  ".join(f"{title:>10}" for _, title in columns) + "   (µs)")
     for row in rows:
         print("  ".join(f"{row[key]:>10}" if key in row else f"{'–':>10}" for key, _ in columns))

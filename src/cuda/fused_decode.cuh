@@ -518,6 +518,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   };
   if (whole) {
     cp_async_wait<0>();  // every item (and the block's inputs) landed
+    decode_trace(p, kDecodeTraceLanded);
 #pragma unroll
     for (int j = 0; j < kMaxGroups; ++j) {
       if (j < groups) {
@@ -526,6 +527,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
       }
     }
   }
+  if (!whole) decode_trace(p, kDecodeTraceLanded);  // the stream's start: its items land in turn
 #pragma unroll
   for (int j = 0; j < kMaxGroups; ++j) {
     if (!whole && j < groups) {
@@ -540,6 +542,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
       }
     }
   }
+  decode_trace(p, kDecodeTraceMultiplied);
   cp_async_wait<0>();  // only empty groups are left
   __syncthreads();     // every warp is done with its ring: the partials take their place
   decode_trace(p, kDecodeTraceStreamed);

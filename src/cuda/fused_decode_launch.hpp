@@ -65,7 +65,11 @@ enum DecodeTracePoint : int {
   // The latent rows, gamma and the shared slice in shared memory (several ranks: the block's sums
   // over the ranks of its rows of the latent and of its slice, from every peer's lines).
   kDecodeTraceInputsLanded,
-  kDecodeTraceNormed,    // N in shared memory, the first items of every warp in flight
+  kDecodeTraceNormed,  // N in shared memory, the first items of every warp in flight
+  // Warp 0 (thread 0's stamps): its items landed (where a warp's items all fit in its first ring,
+  // the "whole" path; else when its streaming loop starts), and all of them multiplied.
+  kDecodeTraceLanded,
+  kDecodeTraceMultiplied,
   kDecodeTraceStreamed,  // every warp's items multiplied
   kDecodeTraceEnd,       // thread 0's outputs stored
   kDecodeTracePoints

@@ -560,8 +560,8 @@ void FusedTail::print_trace() noexcept {
       print_points(title.c_str(), stamps, chained_exchange_grid_, kCxTracePoints, kNames);
   }
   if (decode_trace_.bytes()) {
-    static constexpr const char* kNames[kDecodeTracePoints] = {"entry", "inputs landed", "normed",
-                                                               "streamed", "end"};
+    static constexpr const char* kNames[kDecodeTracePoints] = {
+        "entry", "inputs landed", "normed", "items landed", "warp 0 multiplied", "streamed", "end"};
     const std::vector<std::uint64_t> stamps = read(decode_trace_);
     const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
                               ", decode kernel, grid " + std::to_string(decode_plan_.grid) +
