@@ -5,7 +5,7 @@
 # else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace tailgap profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace tailgap stripe profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 #   LMOE_CHECK_SETTINGS="- LMOE_FUSED_CHAINED_PACE_NS=200"        # tailgap: the settings to compare
 set -uo pipefail
@@ -243,6 +243,42 @@ if wants tailgap; then
           >"$logs/tailgap_${name}_${tag}_r$round.log" 2>&1
         rc[tailgap_${name}_${tag}_r$round]=$?
         grep -E "^ *[0-9]+ " "$logs/tailgap_${name}_${tag}_r$round.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
+        echo
+      done
+    done
+  done
+fi
+
+if wants stripe; then
+  # One rank's 896-row stripe at K3 tp 8 as one GPU's d (issue 4's "≤ 3 µs at T ≤ 16"; docs/fused.md,
+  # session 25): the decode kernel's timeline at T = 1 and 4 in a graph of 8 layers (the pair
+  # instance as routed, and the single instance with the chained path off and no pair), through
+  # scripts/tail_timeline.py --kernel decode; then per tail, cold, two rounds, and as replays, at
+  # T = 1 … 5 as routed against LMOE_FUSED_DECODE_PAIR=0 (the chained path takes those calls).
+  for spec in "pair:" "single:LMOE_FUSED_CHAINED=0,LMOE_FUSED_DECODE_PAIR=0"; do
+    name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
+    for tokens in 1 4; do
+      stage "stripe timeline: $name, T=$tokens, 8 layers, traced"
+      env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n 1 \
+        --comm p2p --tiers fused -t "$tokens" --d-model 896 --layers 8 --warmup 5 --iters 20 \
+        --no-check >"$logs/stripe_timeline_${name}_t$tokens.log" 2>&1
+      rc[stripe_timeline_${name}_t$tokens]=$?
+      python3 scripts/tail_timeline.py --kernel decode "$logs/stripe_timeline_${name}_t$tokens.log" \
+        --json "$logs/stripe_timeline_${name}_t$tokens.json"
+    done
+  done
+  for round in 1 2; do
+    for spec in "routed:" "nopair:LMOE_FUSED_DECODE_PAIR=0"; do
+      name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
+      for layers in 8 1; do
+        [ "$layers" = 1 ] && [ "$round" = 2 ] && continue
+        stage "stripe per tail: $name, $layers layer(s) (round $round)"
+        env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
+          --tiers fused -t 1,2,3,4,5 --d-model 896 --cold-l2 --iters 30 --layers "$layers" \
+          --check-max-tokens 128 --json "$logs/stripe_${name}_L${layers}_r$round.json" \
+          >"$logs/stripe_${name}_L${layers}_r$round.log" 2>&1
+        rc[stripe_${name}_L${layers}_r$round]=$?
+        grep -E "^ *[0-9]+ " "$logs/stripe_${name}_L${layers}_r$round.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
         echo
       done
     done
