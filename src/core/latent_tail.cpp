@@ -46,8 +46,8 @@ PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
     policy.fused_max_tokens = {
         kFusedDefaultTp1ChainedTokens, SettingSource::built_in,
         where +
-            ": the chained path (every call of up to 128 rows with one rank) measured faster "
-            "than overlap up to " +
+            ": the chained path (every call of up to 128 rows with one rank, but those of up to "
+            "4 where the decode kernel's pair instance runs) measured faster than overlap up to " +
             std::to_string(kFusedDefaultTp1ChainedTokens) + " tokens with cold weights"};
   } else if (ranks > 1 && !chained_limit) {
     policy.fused_max_tokens = {

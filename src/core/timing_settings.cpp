@@ -8,13 +8,14 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 15> kNames = {
+constexpr std::array<const char*, 16> kNames = {
     "LMOE_FUSED_CHAINED",              // which fused kernel runs for T <= 128 (docs/fused.md)
     "LMOE_FUSED_CHAINED_PACE_BURST",   // the chained path's first copies issued at once, if paced
     "LMOE_FUSED_CHAINED_PACE_NS",      // the pace of the chained path's first copies (0: at once)
     "LMOE_FUSED_CHAINED_TILE_ROWS",    // the chained path's tile of w_up (64 or 128 rows)
     "LMOE_FUSED_DECODE",               // which fused kernel runs at T <= 16 (docs/fused.md)
     "LMOE_FUSED_DECODE_EARLY_ITEMS",   // the decode kernel's weights asked for before its wait
+    "LMOE_FUSED_DECODE_PAIR",          // the decode kernel's two blocks an SM for a narrow stripe
     "LMOE_FUSED_DECODE_PROGRAMMATIC",  // whether the decode kernel may start before the last ends
     "LMOE_FUSED_EXCHANGE_GRID",        // the chained path's exchange blocks with several ranks
     "LMOE_FUSED_TRACE",                // the fused kernels store a timestamp per block and point

@@ -510,7 +510,8 @@ TEST(TierPolicyRankDefaults, CudaOneRankTakesTheChainedPathsRangeWhereItRuns) {
     expect_built_in_fused_bound(config, lmoe::kFusedDefaultTp1ChainedTokens);
     EXPECT_THAT(lmoe::explain(1, config, all_can_run()),
                 HasSubstr("default for cuda at tp 1: the chained path (every call of up to 128 "
-                          "rows with one rank) measured faster than overlap up to 128 tokens"));
+                          "rows with one rank, but those of up to 4 where the decode kernel's "
+                          "pair instance runs) measured faster than overlap up to 128 tokens"));
   }
   EXPECT_THAT(lmoe::fused_chained_limit({7168, 3584}, lmoe::DType::bf16, 3).value_or(""),
               HasSubstr("d_model=7168 is not split into 3 stripes"));
