@@ -389,15 +389,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
     issue_item();
     cp_async_commit();
   };
-  // Whole: every warp of the grid has at most kDepth − 1 items (a narrow stripe: K3's 896 rows at
-  // tp 8 take one group of 7 steps a warp), so the first ring is all of them: they are asked for
-  // in two commit groups (the early ones, the rest after the inputs) and multiplied once all have
-  // landed, without the per-item commits, waits and refills of the stream, which cost ~45
-  // instructions an item in every warp (Nsight Compute's source counters, session 25) where the
-  // product itself is two mma.
-  const int most_items = static_cast<int>((all_groups + gridDim.x - 1) / gridDim.x) *
-                         ((all_steps + kDecodeWarps - 1) / kDecodeWarps);
-  const bool whole = most_items <= kDepth - 1;
+  // Whole: every warp of the grid has at most kDepth − 1 items (the ring's slots are the most items
+  // of a warp where fewer than kDepth; a narrow stripe: K3's 896 rows at tp 8 take one group of 7
+  // steps a warp), so the first ring is all of them: they are asked for in two commit groups (the
+  // early ones, the rest after the inputs) and multiplied once all have landed, without the
+  // per-item commits, waits and refills of the stream, which cost ~45 instructions an item in
+  // every warp (Nsight Compute's source counters, session 25) where the product itself is two mma.
+  const bool whole = slots < kDepth;
   // 1. Gamma and the weights depend on nothing the kernels before write: one rank's gamma (fp32,
   //    at K3 twice the bytes of a latent row) and `early` of each warp's first kDepth − 1 items
   //    are asked for before waiting for those kernels (the rest of the items after the inputs, so
