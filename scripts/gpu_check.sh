@@ -216,6 +216,22 @@ if wants fusedtrace; then
   done
 fi
 
+# One cold `lmoe bench` of the fused tier with one rank, per tail in graphs of `layers` layers (1:
+# graph replays), the settings of the array env_args in its environment: log and JSON as
+# $logs/TAG.*, each row's T, median and #wrong printed on one line. Arguments: tag, stage title,
+# the T list, layers, then further bench arguments (e.g. --d-model 896).
+fused_per_tail() {
+  local tag=$1 title=$2 tokens=$3 layers=$4
+  shift 4
+  stage "$title"
+  env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
+    --tiers fused -t "$tokens" "$@" --cold-l2 --iters 30 --layers "$layers" \
+    --check-max-tokens 128 --json "$logs/$tag.json" >"$logs/$tag.log" 2>&1
+  rc[$tag]=$?
+  grep -E "^ *[0-9]+ " "$logs/$tag.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
+  echo
+}
+
 if wants tailgap; then
   # What passes between consecutive tp-1 tails in one graph (docs/fused.md, sessions 21–22): K3 T = 2
   # in a graph of 8 layers, traced, its timeline (scripts/tail_timeline.py: per tail the median
@@ -236,14 +252,9 @@ if wants tailgap; then
       fi
       for spec in "k3:" "stripe896:--d-model 896"; do
         name=${spec%%:*}; args=${spec#*:}
-        stage "per tail, 8 layers, $name, $setting (round $round)"
-        env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
-          --tiers fused -t 1,4,16,32,64,128 $args --cold-l2 --iters 30 --layers 8 \
-          --check-max-tokens 128 --json "$logs/tailgap_${name}_${tag}_r$round.json" \
-          >"$logs/tailgap_${name}_${tag}_r$round.log" 2>&1
-        rc[tailgap_${name}_${tag}_r$round]=$?
-        grep -E "^ *[0-9]+ " "$logs/tailgap_${name}_${tag}_r$round.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
-        echo
+        # shellcheck disable=SC2086  # $args: further bench arguments, split on purpose
+        fused_per_tail "tailgap_${name}_${tag}_r$round" \
+          "per tail, 8 layers, $name, $setting (round $round)" 1,4,16,32,64,128 8 $args
       done
     done
   done
@@ -272,14 +283,8 @@ if wants stripe; then
       name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
       for layers in 8 1; do
         [ "$layers" = 1 ] && [ "$round" = 2 ] && continue
-        stage "stripe per tail: $name, $layers layer(s) (round $round)"
-        env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
-          --tiers fused -t 1,2,3,4,5 --d-model 896 --cold-l2 --iters 30 --layers "$layers" \
-          --check-max-tokens 128 --json "$logs/stripe_${name}_L${layers}_r$round.json" \
-          >"$logs/stripe_${name}_L${layers}_r$round.log" 2>&1
-        rc[stripe_${name}_L${layers}_r$round]=$?
-        grep -E "^ *[0-9]+ " "$logs/stripe_${name}_L${layers}_r$round.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
-        echo
+        fused_per_tail "stripe_${name}_L${layers}_r$round" \
+          "stripe per tail: $name, $layers layer(s) (round $round)" 1,2,3,4,5 "$layers" --d-model 896
       done
     done
   done
