@@ -13,7 +13,8 @@ block to this one's N ready, and the period (median end to median end). --json F
 rows. Only the chained up-projection's traces are read (one rank: rank 0's), or with --kernel decode
 the decode kernel's: per tail its entry, inputs landed, N (normed), the product's end (streamed) and
 the end, the inputs after the previous tail's last block, the phases between them (norm, product,
-finish: medians over blocks) and the period.
+finish: medians over blocks; where the trace has the points, the product split into warp 0's wait,
+its mma and the barrier, and the finish into the partials' stores and the sums) and the period.
 """
 import argparse
 import json
@@ -28,7 +29,7 @@ KERNELS = {
     "decode": ("decode kernel",
                (("entry", "entry"), ("inputs", "inputs landed"), ("normed", "normed"),
                 ("landed", "items landed"), ("multiplied", "warp 0 multiplied"),
-                ("streamed", "streamed"), ("end", "end"))),
+                ("streamed", "streamed"), ("partials", "partials stored"), ("end", "end"))),
 }
 POINT = re.compile(r"\[ fused trace \] (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+(-?[\d.]+)\s*$")
 TIMER = re.compile(r"\[ fused trace \] global timer: first entry (\d+) ns, last stamp (\d+) ns")
@@ -82,11 +83,13 @@ def timeline(traces, kernel="chained"):
             row["period"] = round(row["end_median"] - rows[-1]["end_median"], 2)
         if kernel == "decode":
             # Traces since session 25 also split the product: warp 0's wait for its items, its
-            # multiplies, and the rest of the block to the barrier after them.
+            # multiplies, and the rest of the block to the barrier after them; since session 26 the
+            # finish: the partials' stores with the barrier after them, then the sums and outputs.
             for phase, start, stop in (("norm", "inputs", "normed"), ("product", "normed", "streamed"),
                                        ("finish", "streamed", "end"), ("wait", "normed", "landed"),
                                        ("mma", "landed", "multiplied"),
-                                       ("barrier", "multiplied", "streamed")):
+                                       ("barrier", "multiplied", "streamed"),
+                                       ("stores", "streamed", "partials"), ("sums", "partials", "end")):
                 if start + "_median" in row and stop + "_median" in row:
                     row[phase] = round(row[stop + "_median"] - row[start + "_median"], 2)
         rows.append(row)
@@ -114,7 +117,8 @@ def main():
                    ("normed_median", "N"), ("streamed_median", "product end"), ("end_median", "end"),
                    ("end_max", "(last)"), ("inputs_after_previous_end", "inputs after prev. last end"),
                    ("norm", "norm"), ("product", "product"), ("wait", "(wait"), ("mma", "mma"),
-                   ("barrier", "barrier)"), ("finish", "finish"), ("period", "period")]
+                   ("barrier", "barrier)"), ("finish", "finish"), ("stores", "(stores"),
+                   ("sums", "sums)"), ("period", "period")]
     print("  ".join(f"{title:>10}" for _, title in columns) + "   (µs)")
     for row in rows:
         print("  ".join(f"{row[key]:>10}" if key in row else f"{'–':>10}" for key, _ in columns))

@@ -571,6 +571,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
     }
   }
   __syncthreads();
+  decode_trace(p, kDecodeTracePartials);
 
   // 5. Each of the T × groups units (8 consecutive elements of one output row) is one warp's: lane
   //    i reads slot i / 2's half i % 2 (its 512 bytes in one pass, no bank conflict), the 16 slots

@@ -71,6 +71,7 @@ enum DecodeTracePoint : int {
   kDecodeTraceLanded,
   kDecodeTraceMultiplied,
   kDecodeTraceStreamed,  // every warp's items multiplied
+  kDecodeTracePartials,  // every warp's fp32 partials in shared memory (a block barrier after them)
   kDecodeTraceEnd,       // thread 0's outputs stored
   kDecodeTracePoints
 };

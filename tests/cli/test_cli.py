@@ -1419,6 +1419,36 @@ class TailTimelineScript(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("inputs after prev. last end", result.stdout)
 
+    def test_decode_trace_with_every_point_splits_the_product_and_the_finish(self):
+        # Two tails whose traces have every point of the decode kernel since session 26; medians
+        # (the middle column) give the phases, the second tail 10 µs after the first on one axis.
+        def tail(first_entry_ns, shift):
+            points = [("entry", 0.0), ("inputs landed", 2.0), ("normed", 3.0), ("items landed", 3.25),
+                      ("warp 0 multiplied", 3.5), ("streamed", 4.0), ("partials stored", 4.25),
+                      ("end", 5.0)]
+            return ["[ fused trace ] rank 0, decode kernel, grid 2, last call (us after the first entry)"] + \
+                [f"[ fused trace ] {name:<20} {v - 0.1 + shift:.2f} {v + shift:.2f} {v + 0.5 + shift:.2f}"
+                 for name, v in points] + \
+                [f"[ fused trace ] global timer: first entry {first_entry_ns} ns, last stamp {first_entry_ns + 9000} ns"]
+        lines = tail(1000, 0.0) + tail(11000, 0.0)
+        rows = self.script.timeline(self.script.parse(lines, "decode"), "decode")
+        self.assertEqual(len(rows), 2)
+        expected = {"norm": 1.0, "product": 1.0, "wait": 0.25, "mma": 0.25, "barrier": 0.5,
+                    "finish": 1.0, "stores": 0.25, "sums": 0.75}
+        for row in rows:
+            for phase, value in expected.items():
+                self.assertAlmostEqual(row[phase], value, places=2, msg=phase)
+            self.assertAlmostEqual(row["wait"] + row["mma"] + row["barrier"], row["product"], places=2)
+            self.assertAlmostEqual(row["stores"] + row["sums"], row["finish"], places=2)
+        self.assertAlmostEqual(rows[1]["period"], 10.0, places=2)
+        self.assertAlmostEqual(rows[1]["inputs_after_previous_end"], 10.0 + 2.0 - 5.5, places=2)
+        # A trace without the points of session 26 (the recorded one) has no such phases.
+        path = os.path.join(os.path.dirname(self.recorded), "fused_trace_decode_stripe_t1_layers8.log")
+        with open(path) as f:
+            recorded = self.script.timeline(self.script.parse(f.read().splitlines(), "decode"), "decode")
+        self.assertNotIn("stores", recorded[1])
+        self.assertNotIn("wait", recorded[1])
+
     def test_only_rank_0_and_the_chained_kernel_are_read_and_bad_input_is_refused(self):
         crafted = "\n".join([
             "[ fused trace ] rank 1, chained up-projection, grid 2 (tiles of 64 rows, splits 1), last call",
