@@ -108,7 +108,7 @@ fi
 
 if wants fusedturns; then
   # The decode and general kernels taking turns on one workspace with several ranks, no host
-  # synchronization between calls (docs/fused.md, sessions 12 and 13). Repeated: a queue-order
+  # synchronization between calls (docs/fused-sessions.md, sessions 12 and 13). Repeated: a queue-order
   # race shows up only sometimes. If it stops, once more with more hardware queues per GPU, which
   # tells a false dependency between ranks' streams from a protocol fault.
   gtest fused_turns 200 build/cuda/tests/lmoe_cuda_tests 'Fused.TheKernelsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
@@ -233,7 +233,7 @@ fused_per_tail() {
 }
 
 if wants tailgap; then
-  # What passes between consecutive tp-1 tails in one graph (docs/fused.md, sessions 21–22): K3 T = 2
+  # What passes between consecutive tp-1 tails in one graph (docs/fused-sessions.md, sessions 21–22): K3 T = 2
   # in a graph of 8 layers, traced, its timeline (scripts/tail_timeline.py: per tail the median
   # entry, N ready, the last wgmma and the end on one time axis), then per tail in 8 layers, cold,
   # two rounds (K3 and one rank's stripe at tp 8) — for each of LMOE_CHECK_SETTINGS, a list of
@@ -261,7 +261,7 @@ if wants tailgap; then
 fi
 
 if wants stripe; then
-  # One rank's 896-row stripe at K3 tp 8 as one GPU's d (issue 4's "≤ 3 µs at T ≤ 16"; docs/fused.md,
+  # One rank's 896-row stripe at K3 tp 8 as one GPU's d (issue 4's "≤ 3 µs at T ≤ 16"; docs/fused-sessions.md,
   # session 25): the decode kernel's timeline at T = 1 and 4 in a graph of 8 layers (the pair
   # instance as routed, and the single instance with the chained path off and no pair), through
   # scripts/tail_timeline.py --kernel decode; then per tail, cold, two rounds, and as replays, at
@@ -456,7 +456,7 @@ if wants scaling; then
     cat "$logs/scaling_layers8_tp$tp.log"; tail -3 "$logs/scaling_layers8_tp$tp.err"
     stage "scaling: fused per tail, the decode kernel launched programmatically, tp $tp"
     # Against the fused rows of the run above (launched after the previous kernel's end, the default
-    # with several ranks; docs/fused.md, session 24).
+    # with several ranks; docs/fused-sessions.md, session 24).
     CUDA_VISIBLE_DEVICES=$visible LMOE_FUSED_DECODE_PROGRAMMATIC=1 timeout 200 build/cuda/lmoe bench --backend cuda \
       -n "$tp" --comm p2p --tiers fused -t 1,2,4,8,16 --check-max-tokens 16 --cold-l2 --layers 8 \
       --json "$logs/scaling_decode_programmatic_tp$tp.json" \

@@ -27,7 +27,7 @@ namespace lmoe::cuda {
 // The most tokens a chained call carries: wgmma's N of 128.
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
 // Where the chained path runs, the decode kernel keeps only the calls of up to this many rows
-// (docs/fused.md, sessions 18–20; K3, H200s, cold L2, median µs, decode / chained). One rank: none
+// (docs/fused-sessions.md, sessions 18–20; K3, H200s, cold L2, median µs, decode / chained). One rank: none
 // (since the chained path's norm kernel is launched programmatically, session 20: T = 1 per tail
 // in a graph of 8 layers, `lmoe bench --layers 8`, 19.0 / 17.7, as graph replays 21.2 / 21.1).
 // 2 … 7 ranks: 4 (tp 2 across two GPUs, graph replays: T = 1 22.4 / 24.3, T = 4 25.5 / 25.4,
@@ -93,7 +93,7 @@ struct FusedChainedParams {
 };
 
 // The rate (bytes per ns) at which the chained path's grid streams w_up from its entry on an H200
-// (K3 at tp 1, 112 blocks: ~3.7 TB/s, the rate of a plain read of the same bytes; docs/fused.md,
+// (K3 at tp 1, 112 blocks: ~3.7 TB/s, the rate of a plain read of the same bytes; docs/fused-sessions.md,
 // session 20), from which its first round's pace follows: one box a block every grid · box / rate
 // ns (K3: 112 boxes of 8 KB every 250 ns, the best of 200 … 400 measured in session 22).
 inline constexpr double kChainedStreamBytesPerNs = 112.0 * 8192.0 / 250.0;

@@ -428,7 +428,7 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
-  // The ring's first round is paced with one rank (docs/fused.md, session 22): a copy of weights
+  // The ring's first round is paced with one rank (docs/fused-sessions.md, session 22): a copy of weights
   // per block every `pace` ns, so that the whole grid asks for them at about the rate the memory
   // serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of the
   // rows — issued only once the kernel before it has ended — wait behind them, and N with them:

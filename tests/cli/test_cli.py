@@ -1388,7 +1388,7 @@ class TailTimelineScript(unittest.TestCase):
 
     def test_recorded_decode_trace(self):
         # tests/data/fused_trace_decode_stripe_t1_layers8.log: the decode kernel's pair instance, the
-        # 896-row stripe at T = 1, 8 tails in one graph, an H200, 2026-12-04 (docs/fused.md, session
+        # 896-row stripe at T = 1, 8 tails in one graph, an H200, 2026-12-04 (docs/fused-sessions.md, session
         # 25). Tail 2 printed its points after a first entry 3296 ns after tail 1's: inputs landed
         # 3.84, normed 4.67, end median 6.40 µs after its own first entry; tail 1's last block ended
         # at 5.47 and its median end at 5.28.
