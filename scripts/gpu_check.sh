@@ -8,6 +8,9 @@
 #   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace tailgap stripe profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 #   LMOE_CHECK_SETTINGS="- LMOE_FUSED_CHAINED_PACE_NS=200"        # tailgap: the settings to compare
+#   LMOE_CHECK_BASE=base_src ...   # also build the source tree base_src (made where git is, e.g.
+#                                  # `mkdir base_src && git archive HEAD~1 | tar -x -C base_src`) and
+#                                  # run every per-tail bench of tailgap and stripe with its lmoe too
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,8 +46,22 @@ if wants build; then
   fi
   grep -E "lmoe:" "$logs/configure.log"
   # -k 0: a target that fails to build must not keep the others (and their tests) from running.
-  cmake --build --preset cuda -j16 -- -k 0 >"$logs/build.log" 2>&1
+  jobs=16
+  if [ -n "${LMOE_CHECK_BASE:-}" ]; then
+    # The base tree's lmoe, beside this tree's build (half the cores each).
+    jobs=8
+    ( cd "$LMOE_CHECK_BASE" && cmake --preset cuda \
+        ${LMOE_CUDA_ARCHITECTURES:+-DCMAKE_CUDA_ARCHITECTURES=$LMOE_CUDA_ARCHITECTURES} &&
+      cmake --build --preset cuda -j8 --target lmoe ) >"$logs/base_build.log" 2>&1 &
+    base_build=$!
+  fi
+  cmake --build --preset cuda -j$jobs -- -k 0 >"$logs/build.log" 2>&1
   rc[build]=$?
+  if [ -n "${LMOE_CHECK_BASE:-}" ]; then
+    wait "$base_build"
+    rc[base_build]=$?
+    [ "${rc[base_build]}" -ne 0 ] && { tail -30 "$logs/base_build.log"; echo "gpu_check: base build FAILED"; }
+  fi
   [ "${rc[build]}" -ne 0 ] && { grep -E "error|FAILED" -A5 "$logs/build.log" | head -60; echo "gpu_check: build FAILED"; }
   grep -E "warning" "$logs/build.log" | sort -u | head -20
 fi
@@ -219,17 +236,22 @@ fi
 # One cold `lmoe bench` of the fused tier with one rank, per tail in graphs of `layers` layers (1:
 # graph replays), the settings of the array env_args in its environment: log and JSON as
 # $logs/TAG.*, each row's T, median and #wrong printed on one line. Arguments: tag, stage title,
-# the T list, layers, then further bench arguments (e.g. --d-model 896).
+# the T list, layers, then further bench arguments (e.g. --d-model 896). With LMOE_CHECK_BASE the
+# same again right after with the base tree's lmoe, as $logs/TAG_base.*, its line marked "base:".
 fused_per_tail() {
   local tag=$1 title=$2 tokens=$3 layers=$4
   shift 4
   stage "$title"
-  env "${env_args[@]}" timeout 90 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p \
-    --tiers fused -t "$tokens" "$@" --cold-l2 --iters 30 --layers "$layers" \
-    --check-max-tokens 128 --json "$logs/$tag.json" >"$logs/$tag.log" 2>&1
-  rc[$tag]=$?
-  grep -E "^ *[0-9]+ " "$logs/$tag.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
-  echo
+  local binary=build/cuda/lmoe name=$tag
+  for binary in build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"}; do
+    name=$tag; [ "$binary" != build/cuda/lmoe ] && { name=${tag}_base; printf 'base: '; }
+    env "${env_args[@]}" timeout 90 "$binary" bench --backend cuda -n 1 --comm p2p \
+      --tiers fused -t "$tokens" "$@" --cold-l2 --iters 30 --layers "$layers" \
+      --check-max-tokens 128 --json "$logs/$name.json" >"$logs/$name.log" 2>&1
+    rc[$name]=$?
+    grep -E "^ *[0-9]+ " "$logs/$name.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
+    echo
+  done
 }
 
 if wants tailgap; then
