@@ -13,8 +13,10 @@ block to this one's N ready, and the period (median end to median end). --json F
 rows. Only the chained up-projection's traces are read (one rank: rank 0's), or with --kernel decode
 the decode kernel's: per tail its entry, inputs landed, N (normed), the product's end (streamed) and
 the end, the inputs after the previous tail's last block, the phases between them (norm, product,
-finish: medians over blocks; where the trace has the points, the product split into warp 0's wait,
-its mma and the barrier, and the finish into the partials' stores and the sums) and the period.
+finish: medians over blocks; where the trace has the points, the release of griddepcontrol.wait
+after the previous tail's last block and the read of the inputs after it, the product split into
+warp 0's wait, its mma and the barrier, and the finish into the partials' stores and the sums) and
+the period.
 """
 import argparse
 import json
@@ -27,7 +29,8 @@ KERNELS = {
                 (("entry", "entry"), ("n_ready", "N ready"), ("multiplied", "multiplied"),
                  ("end", "end"))),
     "decode": ("decode kernel",
-               (("entry", "entry"), ("inputs", "inputs landed"), ("normed", "normed"),
+               (("entry", "entry"), ("released", "released"), ("inputs", "inputs landed"),
+                ("normed", "normed"),
                 ("landed", "items landed"), ("multiplied", "warp 0 multiplied"),
                 ("streamed", "streamed"), ("partials", "partials stored"), ("end", "end"))),
 }
@@ -79,13 +82,17 @@ def timeline(traces, kernel="chained"):
         first = "n_ready" if kernel == "chained" else "inputs"
         if rows and first + "_median" in row and "end_max" in rows[-1]:
             row[first + "_after_previous_end"] = round(row[first + "_median"] - rows[-1]["end_max"], 2)
+            if kernel == "decode" and "released_median" in row:  # since session 26
+                row["released_after_previous_end"] = round(row["released_median"] - rows[-1]["end_max"], 2)
         if rows and "end_median" in row and "end_median" in rows[-1]:
             row["period"] = round(row["end_median"] - rows[-1]["end_median"], 2)
         if kernel == "decode":
             # Traces since session 25 also split the product: warp 0's wait for its items, its
             # multiplies, and the rest of the block to the barrier after them; since session 26 the
-            # finish: the partials' stores with the barrier after them, then the sums and outputs.
-            for phase, start, stop in (("norm", "inputs", "normed"), ("product", "normed", "streamed"),
+            # read of the inputs after griddepcontrol.wait's release, and the finish: the partials'
+            # stores with the barrier after them, then the sums and outputs.
+            for phase, start, stop in (("read", "released", "inputs"),
+                                       ("norm", "inputs", "normed"), ("product", "normed", "streamed"),
                                        ("finish", "streamed", "end"), ("wait", "normed", "landed"),
                                        ("mma", "landed", "multiplied"),
                                        ("barrier", "multiplied", "streamed"),
@@ -116,6 +123,7 @@ def main():
         columns = [("tail", "tail"), ("entry_median", "entry"), ("inputs_median", "inputs"),
                    ("normed_median", "N"), ("streamed_median", "product end"), ("end_median", "end"),
                    ("end_max", "(last)"), ("inputs_after_previous_end", "inputs after prev. last end"),
+                   ("released_after_previous_end", "(released"), ("read", "read)"),
                    ("norm", "norm"), ("product", "product"), ("wait", "(wait"), ("mma", "mma"),
                    ("barrier", "barrier)"), ("finish", "finish"), ("stores", "(stores"),
                    ("sums", "sums)"), ("period", "period")]

@@ -421,6 +421,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
     for (int k = 0; k < early; ++k) issue_next();
   }
   pdl_wait();  // the kernels before this one have ended (a no-op when launched without it)
+  decode_trace(p, kDecodeTraceReleased);
 
   // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
   // keeps a wrong T inside this block's shared memory and the exchange's slots.

@@ -62,6 +62,7 @@ struct FusedDecodeParams {
 // The decode kernel's trace points, in order.
 enum DecodeTracePoint : int {
   kDecodeTraceEntry,
+  kDecodeTraceReleased,  // past griddepcontrol.wait: the kernels before have ended
   // The latent rows, gamma and the shared slice in shared memory (several ranks: the block's sums
   // over the ranks of its rows of the latent and of its slice, from every peer's lines).
   kDecodeTraceInputsLanded,

@@ -561,7 +561,8 @@ void FusedTail::print_trace() noexcept {
   }
   if (decode_trace_.bytes()) {
     static constexpr const char* kNames[kDecodeTracePoints] = {
-        "entry",    "inputs landed",   "normed", "items landed", "warp 0 multiplied",
+        "entry",    "released",        "inputs landed",
+        "normed",   "items landed",    "warp 0 multiplied",
         "streamed", "partials stored", "end"};
     const std::vector<std::uint64_t> stamps = read(decode_trace_);
     const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +

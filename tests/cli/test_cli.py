@@ -1423,9 +1423,9 @@ class TailTimelineScript(unittest.TestCase):
         # Two tails whose traces have every point of the decode kernel since session 26; medians
         # (the middle column) give the phases, the second tail 10 µs after the first on one axis.
         def tail(first_entry_ns, shift):
-            points = [("entry", 0.0), ("inputs landed", 2.0), ("normed", 3.0), ("items landed", 3.25),
-                      ("warp 0 multiplied", 3.5), ("streamed", 4.0), ("partials stored", 4.25),
-                      ("end", 5.0)]
+            points = [("entry", 0.0), ("released", 1.5), ("inputs landed", 2.0), ("normed", 3.0),
+                      ("items landed", 3.25), ("warp 0 multiplied", 3.5), ("streamed", 4.0),
+                      ("partials stored", 4.25), ("end", 5.0)]
             return ["[ fused trace ] rank 0, decode kernel, grid 2, last call (us after the first entry)"] + \
                 [f"[ fused trace ] {name:<20} {v - 0.1 + shift:.2f} {v + shift:.2f} {v + 0.5 + shift:.2f}"
                  for name, v in points] + \
@@ -1433,7 +1433,7 @@ class TailTimelineScript(unittest.TestCase):
         lines = tail(1000, 0.0) + tail(11000, 0.0)
         rows = self.script.timeline(self.script.parse(lines, "decode"), "decode")
         self.assertEqual(len(rows), 2)
-        expected = {"norm": 1.0, "product": 1.0, "wait": 0.25, "mma": 0.25, "barrier": 0.5,
+        expected = {"read": 0.5, "norm": 1.0, "product": 1.0, "wait": 0.25, "mma": 0.25, "barrier": 0.5,
                     "finish": 1.0, "stores": 0.25, "sums": 0.75}
         for row in rows:
             for phase, value in expected.items():
@@ -1442,12 +1442,14 @@ class TailTimelineScript(unittest.TestCase):
             self.assertAlmostEqual(row["stores"] + row["sums"], row["finish"], places=2)
         self.assertAlmostEqual(rows[1]["period"], 10.0, places=2)
         self.assertAlmostEqual(rows[1]["inputs_after_previous_end"], 10.0 + 2.0 - 5.5, places=2)
+        self.assertAlmostEqual(rows[1]["released_after_previous_end"], 10.0 + 1.5 - 5.5, places=2)
+        self.assertNotIn("released_after_previous_end", rows[0])
         # A trace without the points of session 26 (the recorded one) has no such phases.
         path = os.path.join(os.path.dirname(self.recorded), "fused_trace_decode_stripe_t1_layers8.log")
         with open(path) as f:
             recorded = self.script.timeline(self.script.parse(f.read().splitlines(), "decode"), "decode")
-        self.assertNotIn("stores", recorded[1])
-        self.assertNotIn("wait", recorded[1])
+        for phase in ("read", "wait", "stores", "released_after_previous_end"):
+            self.assertNotIn(phase, recorded[1])
 
     def test_only_rank_0_and_the_chained_kernel_are_read_and_bad_input_is_refused(self):
         crafted = "\n".join([

@@ -203,8 +203,8 @@ TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
   EXPECT_EQ(traced.find("stripes arrived"), std::string::npos) << traced;
   EXPECT_NE(traced.find("[ fused trace ] rank 0, decode kernel, grid "), std::string::npos)
       << traced;
-  for (const char* point :
-       {"inputs landed", "items landed", "warp 0 multiplied", "streamed", "partials stored"}) {
+  for (const char* point : {"released", "inputs landed", "items landed", "warp 0 multiplied",
+                            "streamed", "partials stored"}) {
     EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos)
         << point << "\n"
         << traced;
