@@ -428,10 +428,10 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
-  // The ring's first round is paced with one rank (docs/fused-sessions.md, session 22): a copy of weights
-  // per block every `pace` ns, so that the whole grid asks for them at about the rate the memory
-  // serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of the
-  // rows — issued only once the kernel before it has ended — wait behind them, and N with them:
+  // The ring's first round is paced with one rank (docs/fused-sessions.md, session 22): a copy of
+  // weights per block every `pace` ns, so that the whole grid asks for them at about the rate the
+  // memory serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of
+  // the rows — issued only once the kernel before it has ended — wait behind them, and N with them:
   // K3 on an H200, per tail in a graph of 8, 17.3 / 17.0 / 17.7 µs at T = 1 / 16 / 32 all at once,
   // 16.4 / 16.1 / 16.9 paced. With several ranks the exchange kernel comes before the
   // up-projection; not measured across GPUs yet, so not paced by default there.
