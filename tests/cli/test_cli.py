@@ -1492,6 +1492,73 @@ class TailTimelineScript(unittest.TestCase):
                 self.assertEqual(len(json.load(f)), 8)
 
 
+class GpuCheckScript(unittest.TestCase):
+    """scripts/gpu_check.sh's stripe stage on a copy of the scripts with stub lmoe binaries (no GPU
+    needed): each per-tail bench runs once, and with LMOE_CHECK_BASE once more with the base tree's
+    lmoe right after it, its line marked "base:"."""
+
+    STUB = """#!/usr/bin/env bash
+echo "TREE pair=${LMOE_FUSED_DECODE_PAIR:-} $*" >>"$CALLS"
+echo "lmoe bench: a stub"
+echo "     1      1    fused   x x MEDIAN y ok 0"
+"""
+
+    def run_stage(self, root, base):
+        here = os.path.dirname(os.path.abspath(__file__))
+        scripts = os.path.join(root, "scripts")
+        os.makedirs(scripts)
+        for name in ("gpu_check.sh", "tail_timeline.py"):
+            with open(os.path.join(here, "..", "..", "scripts", name)) as src, \
+                    open(os.path.join(scripts, name), "w") as dst:
+                dst.write(src.read())
+        for tree, median in (("main", "5.30"), ("base", "5.50")):
+            folder = os.path.join(root, *(["base"] if tree == "base" else []), "build", "cuda")
+            os.makedirs(folder)
+            stub = os.path.join(folder, "lmoe")
+            with open(stub, "w") as f:
+                f.write(self.STUB.replace("MEDIAN", median).replace("TREE", tree))
+            os.chmod(stub, 0o755)
+        env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(root, "out"),
+                   CALLS=os.path.join(root, "calls.txt"))
+        env.pop("LMOE_CHECK_BASE", None)
+        if base:
+            env["LMOE_CHECK_BASE"] = "base"
+        result = subprocess.run(["bash", os.path.join(scripts, "gpu_check.sh")], cwd=root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        with open(env["CALLS"]) as f:
+            calls = f.read().splitlines()
+        return result, calls
+
+    def test_the_base_tree_runs_every_per_tail_bench_again(self):
+        with tempfile.TemporaryDirectory() as d:
+            result, calls = self.run_stage(d, base=True)
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            main_lines = [l for l in result.stdout.splitlines() if l == "1 5.30 0;"]
+            base_lines = [l for l in result.stdout.splitlines() if l == "base: 1 5.50 0;"]
+            # Per tail routed and with the pair off, 8 layers twice and 1 layer once each: 6 benches.
+            self.assertEqual(len(main_lines), 6, result.stdout)
+            self.assertEqual(len(base_lines), 6, result.stdout)
+            benches = [c for c in calls if "--cold-l2" in c]
+            self.assertEqual(len(benches), 12)
+            # Each base bench right after its own, with the same arguments and settings.
+            for mine, theirs in zip(benches[0::2], benches[1::2]):
+                self.assertTrue(mine.startswith("main ") and theirs.startswith("base "), (mine, theirs))
+                self.assertEqual(mine.split(" ", 1)[1], theirs.split(" ", 1)[1].replace("_base.json", ".json"))
+            self.assertEqual(sum("pair=0" in c for c in benches), 6)
+            self.assertTrue(all("--d-model 896" in c for c in benches))
+            out = os.listdir(os.path.join(d, "out"))
+            self.assertIn("stripe_routed_L8_r1_base.log", out)
+            self.assertIn("gpu_check: stripe_nopair_L1_r1_base exit code 0", result.stdout)
+
+    def test_without_a_base_tree_each_bench_runs_once(self):
+        with tempfile.TemporaryDirectory() as d:
+            result, calls = self.run_stage(d, base=False)
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            self.assertNotIn("base:", result.stdout)
+            self.assertEqual(len([c for c in calls if "--cold-l2" in c]), 6)
+            self.assertFalse(any(c.startswith("base ") for c in calls))
+
+
 if __name__ == "__main__":
     LMOE = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)
