@@ -28,6 +28,16 @@ stages="${LMOE_CHECK_STAGES:-$default_stages}"
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 wants() { [[ " $stages " == *" $1 "* ]]; }
+if [ -n "${LMOE_CHECK_BASE:-}" ]; then  # checked before anything is built or run
+  if [ ! -f "$LMOE_CHECK_BASE/CMakeLists.txt" ]; then
+    echo "gpu_check: LMOE_CHECK_BASE=$LMOE_CHECK_BASE is not a source tree (no CMakeLists.txt there)" >&2
+    exit 2
+  fi
+  if ! wants build && [ ! -x "$LMOE_CHECK_BASE/build/cuda/lmoe" ]; then
+    echo "gpu_check: LMOE_CHECK_BASE=$LMOE_CHECK_BASE has no build/cuda/lmoe and the build stage is not asked for" >&2
+    exit 2
+  fi
+fi
 declare -A rc
 
 stage "machine: $gpus GPU(s)"

@@ -1518,6 +1518,7 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             with open(stub, "w") as f:
                 f.write(self.STUB.replace("MEDIAN", median).replace("TREE", tree))
             os.chmod(stub, 0o755)
+        open(os.path.join(root, "base", "CMakeLists.txt"), "w").close()
         env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(root, "out"),
                    CALLS=os.path.join(root, "calls.txt"))
         env.pop("LMOE_CHECK_BASE", None)
@@ -1549,6 +1550,23 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             out = os.listdir(os.path.join(d, "out"))
             self.assertIn("stripe_routed_L8_r1_base.log", out)
             self.assertIn("gpu_check: stripe_nopair_L1_r1_base exit code 0", result.stdout)
+
+    def test_a_base_that_is_not_a_built_source_tree_is_refused_before_anything_runs(self):
+        with tempfile.TemporaryDirectory() as d:
+            for base, error in (("nowhere", "is not a source tree"),
+                                ("empty", "has no build/cuda/lmoe and the build stage is not asked for")):
+                os.makedirs(os.path.join(d, "empty"), exist_ok=True)
+                open(os.path.join(d, "empty", "CMakeLists.txt"), "w").close()
+                script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
+                                      "gpu_check.sh")
+                env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(d, "out"),
+                           LMOE_CHECK_BASE=os.path.join(d, base))
+                result = subprocess.run(["bash", script], env=env, capture_output=True, text=True,
+                                        timeout=60)
+                self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+                self.assertIn("LMOE_CHECK_BASE=" + os.path.join(d, base), result.stderr)
+                self.assertIn(error, result.stderr)
+                self.assertNotIn("== stripe", result.stdout)
 
     def test_without_a_base_tree_each_bench_runs_once(self):
         with tempfile.TemporaryDirectory() as d:
