@@ -301,13 +301,18 @@ if wants stripe; then
   for spec in "pair:" "single:LMOE_FUSED_CHAINED=0,LMOE_FUSED_DECODE_PAIR=0"; do
     name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
     for tokens in 1 4; do
-      stage "stripe timeline: $name, T=$tokens, 8 layers, traced"
-      env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n 1 \
-        --comm p2p --tiers fused -t "$tokens" --d-model 896 --layers 8 --warmup 5 --iters 20 \
-        --no-check >"$logs/stripe_timeline_${name}_t$tokens.log" 2>&1
-      rc[stripe_timeline_${name}_t$tokens]=$?
-      python3 scripts/tail_timeline.py --kernel decode "$logs/stripe_timeline_${name}_t$tokens.log" \
-        --json "$logs/stripe_timeline_${name}_t$tokens.json"
+      # With LMOE_CHECK_BASE, the base tree's kernel traced too (its timeline has the points its
+      # trace had then).
+      for binary in build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"}; do
+        tag=stripe_timeline_${name}_t$tokens; tree=""
+        [ "$binary" != build/cuda/lmoe ] && { tag=${tag}_base; tree=" (base)"; }
+        stage "stripe timeline: $name, T=$tokens, 8 layers, traced$tree"
+        env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 "$binary" bench --backend cuda -n 1 \
+          --comm p2p --tiers fused -t "$tokens" --d-model 896 --layers 8 --warmup 5 --iters 20 \
+          --no-check >"$logs/$tag.log" 2>&1
+        rc[$tag]=$?
+        python3 scripts/tail_timeline.py --kernel decode "$logs/$tag.log" --json "$logs/$tag.json"
+      done
     done
   done
   for round in 1 2; do

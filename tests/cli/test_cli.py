@@ -1546,6 +1546,10 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
                 self.assertTrue(mine.startswith("main ") and theirs.startswith("base "), (mine, theirs))
                 self.assertEqual(mine.split(" ", 1)[1], theirs.split(" ", 1)[1].replace("_base.json", ".json"))
             self.assertEqual(sum("pair=0" in c for c in benches), 6)
+            # The traced timelines (pair and single, T = 1 and 4), each with the base lmoe too.
+            traced = [c for c in calls if "--no-check" in c]
+            self.assertEqual([c.split(" ", 1)[0] for c in traced], ["main", "base"] * 4)
+            self.assertIn("stripe timeline: pair, T=1, 8 layers, traced (base)", result.stdout)
             self.assertTrue(all("--d-model 896" in c for c in benches))
             out = os.listdir(os.path.join(d, "out"))
             self.assertIn("stripe_routed_L8_r1_base.log", out)
@@ -1574,6 +1578,7 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
             self.assertNotIn("base:", result.stdout)
             self.assertEqual(len([c for c in calls if "--cold-l2" in c]), 6)
+            self.assertEqual(len([c for c in calls if "--no-check" in c]), 4)
             self.assertFalse(any(c.startswith("base ") for c in calls))
 
 
