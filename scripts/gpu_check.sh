@@ -28,6 +28,8 @@ stages="${LMOE_CHECK_STAGES:-$default_stages}"
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 wants() { [[ " $stages " == *" $1 "* ]]; }
+# The lmoe binaries the A/B stages run: this tree's, then the base tree's where there is one.
+binaries=(build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"})
 if [ -n "${LMOE_CHECK_BASE:-}" ]; then  # checked before anything is built or run
   if [ ! -f "$LMOE_CHECK_BASE/CMakeLists.txt" ]; then
     echo "gpu_check: LMOE_CHECK_BASE=$LMOE_CHECK_BASE is not a source tree (no CMakeLists.txt there)" >&2
@@ -253,7 +255,7 @@ fused_per_tail() {
   shift 4
   stage "$title"
   local binary=build/cuda/lmoe name=$tag
-  for binary in build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"}; do
+  for binary in "${binaries[@]}"; do
     name=$tag; [ "$binary" != build/cuda/lmoe ] && { name=${tag}_base; printf 'base: '; }
     env "${env_args[@]}" timeout 90 "$binary" bench --backend cuda -n 1 --comm p2p \
       --tiers fused -t "$tokens" "$@" --cold-l2 --iters 30 --layers "$layers" \
@@ -303,7 +305,7 @@ if wants stripe; then
     for tokens in 1 4; do
       # With LMOE_CHECK_BASE, the base tree's kernel traced too (its timeline has the points its
       # trace had then).
-      for binary in build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"}; do
+      for binary in "${binaries[@]}"; do
         tag=stripe_timeline_${name}_t$tokens; tree=""
         [ "$binary" != build/cuda/lmoe ] && { tag=${tag}_base; tree=" (base)"; }
         stage "stripe timeline: $name, T=$tokens, 8 layers, traced$tree"
