@@ -320,7 +320,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   constexpr int kDepth = kDecodeDepth<kMaxTokens>;
   extern __shared__ __align__(128) std::byte decode_smem[];
   __shared__ FusedCall call;  // several ranks only
-  const bool exchange = p.protocol.tp > 1;
+  // The pair instance runs with one rank only (launch_fused_decode refuses it with several), so
+  // its exchange is compiled out: a shorter kernel, the one-rank path laid out in one piece.
+  const bool exchange = kMinBlocks == 1 && p.protocol.tp > 1;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, q = lane % 4;  // groupID and thread-in-group of the mma fragments
   decode_trace(p, kDecodeTraceEntry);

@@ -152,6 +152,8 @@ cudaError_t launch_fused_decode(const FusedDecodeParams& p, std::int64_t max_tok
   if (max_tokens < 1 || max_tokens > kFusedDecodeMaxTokens || plan.grid < 1)
     return cudaErrorInvalidValue;
   const bool pair = p.programmatic && max_tokens <= plan.pair_tokens;
+  // The pair instance has no exchange (one rank only: FusedTail plans it at tp = 1 alone).
+  if (pair && p.protocol.tp > 1) return cudaErrorInvalidValue;
   const DecodeShape shape = shape_for(max_tokens, pair);
   const void* kernel = decode_kernel(shape, dtype);
   if (kernel == nullptr) return cudaErrorInvalidValue;

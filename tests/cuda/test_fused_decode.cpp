@@ -5,6 +5,7 @@
 
 #include <functional>
 
+#include "cuda/fused_decode_launch.hpp"
 #include "fused_test_support.hpp"
 
 namespace {
@@ -156,6 +157,22 @@ TEST_F(Fused, DecodePairInstanceRunsTwoBlocksAnSmWhereABlockTakesOneGroup) {
     });
   }
   soak_graph_replays(1, 4, {1, 4, 3, 2}, lmoe::cuda::FusedKernel::decode);
+}
+
+// The pair instance has no exchange (compiled out: FusedTail plans it at one rank only), so its
+// launcher refuses a call with several ranks that would take it, before anything reaches the
+// device (without the check this would launch it on null pointers). No GPU needed.
+TEST(FusedDecodeLaunch, ThePairInstanceIsRefusedWithSeveralRanks) {
+  lmoe::cuda::FusedDecodeParams p;
+  p.rows = 896;
+  p.l = 3584;
+  p.programmatic = true;
+  p.protocol.tp = 2;
+  lmoe::cuda::FusedDecodePlan plan;
+  plan.grid = 112;
+  plan.pair_tokens = lmoe::cuda::kFusedDecodePairTokens;
+  EXPECT_EQ(lmoe::cuda::launch_fused_decode(p, 4, DType::bf16, plan, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // The decode kernel launched programmatically with several ranks, one per GPU
