@@ -159,20 +159,30 @@ TEST_F(Fused, DecodePairInstanceRunsTwoBlocksAnSmWhereABlockTakesOneGroup) {
   soak_graph_replays(1, 4, {1, 4, 3, 2}, lmoe::cuda::FusedKernel::decode);
 }
 
-// The pair instance has no exchange (compiled out: FusedTail plans it at one rank only), so its
-// launcher refuses a call with several ranks that would take it, before anything reaches the
-// device (without the check this would launch it on null pointers). No GPU needed.
-TEST(FusedDecodeLaunch, ThePairInstanceIsRefusedWithSeveralRanks) {
+// The launcher refuses what no instance of the kernel can take, before anything reaches the device
+// (without its checks these calls would launch a kernel on null pointers): a bound of 0 or above
+// 16 rows, no grid, f32, and the pair instance with several ranks (its exchange is compiled out:
+// FusedTail plans it at one rank only). No GPU needed; CI runs it.
+TEST(FusedDecodeLaunch, CallsNoInstanceCanTakeAreRefusedBeforeTheDevice) {
   lmoe::cuda::FusedDecodeParams p;
   p.rows = 896;
   p.l = 3584;
-  p.programmatic = true;
-  p.protocol.tp = 2;
   lmoe::cuda::FusedDecodePlan plan;
   plan.grid = 112;
+  const auto launch = [&](std::int64_t max_tokens, DType dtype) {
+    return lmoe::cuda::launch_fused_decode(p, max_tokens, dtype, plan, nullptr);
+  };
+  EXPECT_EQ(launch(0, DType::bf16), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(lmoe::cuda::kFusedDecodeMaxTokens + 1, DType::bf16), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(4, DType::f32), cudaErrorInvalidValue);
+  plan.grid = 0;
+  EXPECT_EQ(launch(4, DType::bf16), cudaErrorInvalidValue);
+  plan.grid = 112;
   plan.pair_tokens = lmoe::cuda::kFusedDecodePairTokens;
-  EXPECT_EQ(lmoe::cuda::launch_fused_decode(p, 4, DType::bf16, plan, nullptr),
-            cudaErrorInvalidValue);
+  p.programmatic = true;
+  p.protocol.tp = 2;
+  EXPECT_EQ(launch(4, DType::bf16), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(1, DType::f16), cudaErrorInvalidValue);
 }
 
 // The decode kernel launched programmatically with several ranks, one per GPU
