@@ -254,7 +254,7 @@ fused_per_tail() {
   local tag=$1 title=$2 tokens=$3 layers=$4
   shift 4
   stage "$title"
-  local binary=build/cuda/lmoe name=$tag
+  local binary name
   for binary in "${binaries[@]}"; do
     name=$tag; [ "$binary" != build/cuda/lmoe ] && { name=${tag}_base; printf 'base: '; }
     env "${env_args[@]}" timeout 90 "$binary" bench --backend cuda -n 1 --comm p2p \
