@@ -3,7 +3,7 @@
 # GPU tests skip without a GPU. Usage: bash scripts/test.sh [extra ctest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
+bash scripts/install-deps.sh --tests
 cmake --preset cpu >/dev/null
 cmake --build --preset cpu
 ctest --preset cpu --timeout 900 "$@"

@@ -16,7 +16,10 @@ Per rank r (tp ranks, stripe s = d / tp):
 Times: CUDA events around each iteration on each rank, the slowest rank's time per iteration, then the
 median / p10 / p90 over iterations (as `lmoe bench` reports). --graph captures one forward per (T, tier) in
 a CUDA graph (NCCL collectives included) and replays it. --device cpu runs on the CPU with gloo (a
-self-test of the script, not a baseline).
+self-test of the script, not a baseline; tests/cli/test_torch_baseline.py runs it against `lmoe tail`):
+bf16 and f16 there need a torch whose gloo all-reduces them and whose CPU matmul takes them (Debian's
+torch 1.13 does neither: --dtype f32), which the script checks before any work. Without torchrun, start
+each rank with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set (the env:// rendezvous).
 """
 import argparse
 import json
@@ -127,6 +130,18 @@ class Rank:
         self.out.copy_(self.shared)
 
 
+def check_cpu_dtype(dtype):
+    """On the CPU, whether this torch's gloo all-reduces `dtype` and its matmul takes it: a clear
+    error on every rank before any work, where the first forward would fail with "Invalid scalar type"."""
+    probe = torch.ones(2, 2, dtype=dtype)
+    try:
+        dist.all_reduce(probe[0].clone())
+        torch.mm(probe, probe)
+    except RuntimeError as e:
+        raise SystemExit(f"--device cpu: torch {torch.__version__} cannot run {dtype} on the CPU with gloo ({e}); "
+                         "use --dtype f32")
+
+
 def timed(fn, args, device):
     """Seconds of each timed iteration on this rank."""
     for _ in range(args.warmup):
@@ -180,6 +195,8 @@ def main():
         device = torch.device("cuda", local)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
+    if device.type == "cpu":
+        check_cpu_dtype(DTYPES[args.dtype])
     records = []
     if rank == 0:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
