@@ -321,7 +321,7 @@ void add_layer_command(CLI::App& app) {
       "run the whole latent MoE layer (router, down-projection, experts, shared experts, tail) on "
       "random weights at a preset's dims (scaled down by --scale), time each stage per T and check "
       "y against fp64 math");
-  command->model.add_to(*sub);
+  command->model.add_to(*sub, /*layers_only=*/true);
   sub->add_option(
          "--scale", command->scale,
          "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")

@@ -26,7 +26,8 @@ struct ModelOptions {
   std::string dtype;          // empty: the preset's
   std::optional<float> eps;   // empty: the preset's
 
-  void add_to(CLI::App& app);
+  // layers_only: --preset lists only the presets with a layer description (`lmoe layer`).
+  void add_to(CLI::App& app, bool layers_only = false);
   struct Resolved {
     std::string name;
     TailDims dims;

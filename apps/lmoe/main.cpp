@@ -11,9 +11,12 @@
 
 namespace lmoe::cli {
 
-void ModelOptions::add_to(CLI::App& app) {
+void ModelOptions::add_to(CLI::App& app, bool layers_only) {
   std::string presets;
-  for (const ModelPreset& preset : model_presets()) presets += (presets.empty() ? "" : ", ") + preset.name;
+  for (const ModelPreset& preset : model_presets()) {
+    if (layers_only && !preset.layer) continue;
+    presets += (presets.empty() ? "" : ", ") + preset.name;
+  }
   app.add_option("--preset", preset, "model dims: " + presets)->capture_default_str();
   app.add_option("--d-model", d_model, "hidden size d (overrides the preset)")->check(CLI::PositiveNumber);
   app.add_option("--d-latent", d_latent, "latent size l (overrides the preset)")->check(CLI::PositiveNumber);

@@ -5,9 +5,9 @@
 // runs on an H200).
 //
 // These kernels never wait on another rank, so a full grid cannot keep a peer's spinning kernel
-// from running where ranks share a GPU: their blocks finish and free the SMs (DESIGN.md §4's small
-// grids are for the kernels that spin). A cap of 128 blocks, one per SM, held the layer's combine
-// to 0.4 TB/s: 4.5 ms at Kimi-K3's T = 8192 on one H200 (docs/perf.md, session 9).
+// from running where ranks share a GPU: their blocks finish and free the SMs (small grids per rank
+// are for the kernels that spin, docs/p2p.md). A cap of 128 blocks, one per SM, held the layer's
+// combine to 0.4 TB/s: 4.5 ms at Kimi-K3's T = 8192 on one H200 (docs/perf.md, session 9).
 #pragma once
 
 #include <algorithm>
