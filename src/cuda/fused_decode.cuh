@@ -488,9 +488,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
                                  shared_slice, &call)) {
     return cp_async_wait<0>();
   }
-  if constexpr (kMinBlocks > 1) {
-    if (exchange) pdl_launch_dependents();
-  }
   decode_trace(p, kDecodeTraceNormed);
 
   // 4. The stream. A fragment's token rows past T read row T - 1 (never stored). Slot i % kDepth
