@@ -504,11 +504,18 @@ if wants scaling; then
     cat "$logs/scaling_decode_programmatic_tp$tp.log"; tail -3 "$logs/scaling_decode_programmatic_tp$tp.err"
     if python3 -c "import torch, safetensors" 2>/dev/null; then
       stage "scaling: PyTorch baseline, tp $tp on GPUs $visible"
+      # L2 evicted before each timed iteration, as in the lmoe sweep above, then the two side by side
+      # (scripts/baseline_table.py: the T both measured, lmoe's fastest against the baseline's and
+      # against the floor the sweep recorded).
       CUDA_VISIBLE_DEVICES=$visible timeout 300 torchrun --standalone --nproc_per_node="$tp" scripts/torch_baseline.py --graph \
-        -t "${LMOE_BENCH_TOKENS:-1,16,128,256,1024,4096,8192}" --json "$logs/scaling_torch_tp$tp.json" \
+        --cold-l2 -t "${LMOE_BENCH_TOKENS:-1,16,128,256,1024,4096,8192}" --json "$logs/scaling_torch_tp$tp.json" \
         >"$logs/scaling_torch_tp$tp.log" 2>&1
       rc[scaling_torch_tp$tp]=$?
       grep -vE "^\[|Warning" "$logs/scaling_torch_tp$tp.log" | head -30
+      stage "scaling: lmoe against the PyTorch baseline, tp $tp"
+      python3 scripts/baseline_table.py "$logs/scaling_k3_tp$tp.json" "$logs/scaling_torch_tp$tp.json" \
+        --json "$logs/scaling_vs_torch_tp$tp.json" | tee "$logs/scaling_vs_torch_tp$tp.md"
+      rc[scaling_vs_torch_tp$tp]=${PIPESTATUS[0]}
     fi
   done
 fi

@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graph", action="store_true", help="capture each forward in a CUDA graph and replay it")
+    p.add_argument("--cold-l2", action="store_true",
+                   help="evict the GPU's L2 before each timed iteration (outside the timed span), as `lmoe bench --cold-l2`")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--json", help="write the results to this file (rank 0)")
@@ -67,6 +69,8 @@ def parse_args():
             p.error(f"--tiers: unknown tier '{tier}' (overlap, column)")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.cold_l2 and args.device != "cuda":
+        p.error("--cold-l2 needs --device cuda (it evicts a GPU's L2)")
     return args
 
 
@@ -142,8 +146,16 @@ def check_cpu_dtype(dtype):
                          "use --dtype f32")
 
 
+def l2_evictor(device):
+    """A write of max(2 × L2, 64 MiB) bytes that leaves none of the forward's data in L2 (lmoe bench's
+    --cold-l2 writes the same amount, docs/bench.md)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    buffer = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
+    return buffer.zero_
+
+
 def timed(fn, args, device):
-    """Seconds of each timed iteration on this rank."""
+    """Seconds of each timed iteration on this rank (with --cold-l2, L2 evicted before each, untimed)."""
     for _ in range(args.warmup):
         fn()
     if device.type != "cuda":
@@ -154,11 +166,14 @@ def timed(fn, args, device):
             fn()
             times.append(time.perf_counter() - start)
         return times
+    evict = l2_evictor(device) if args.cold_l2 else None
     torch.cuda.synchronize()
     dist.barrier()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
     stops = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
     for i in range(args.iters):
+        if evict is not None:
+            evict()
         starts[i].record()
         fn()
         stops[i].record()
@@ -201,7 +216,8 @@ def main():
     if rank == 0:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"# torch baseline: d {args.d}, l {args.l}, {args.dtype}, tp {tp}, {gpu}, torch {torch.__version__}, "
-              f"{'graph' if args.graph else 'eager'}, {args.warmup} warm-up + {args.iters} timed iterations")
+              f"{'graph' if args.graph else 'eager'}{', L2 evicted before each' if args.cold_l2 else ''}, "
+              f"{args.warmup} warm-up + {args.iters} timed iterations")
         print(f"{'T':>6} {'tier':>8} {'mode':>6} {'median_us':>10} {'p10_us':>9} {'p90_us':>9}")
     for tokens in args.token_list:
         state = Rank(args, tokens, rank, tp, device)
@@ -238,7 +254,8 @@ def main():
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "torch_baseline", "torch": torch.__version__, "tp": tp, "d_model": args.d,
-                       "d_latent": args.l, "dtype": args.dtype, "eps": args.eps, "warmup": args.warmup,
+                       "d_latent": args.l, "dtype": args.dtype, "eps": args.eps, "cold_l2": args.cold_l2,
+                       "warmup": args.warmup,
                        "iters": args.iters, "command": " ".join(sys.argv), "records": records}, f, indent=1)
     # Every result is written; leave without tearing NCCL down: destroy_process_group() with captured
     # graphs still holding its communicators hung past 300 s after a complete run on two H200s.

@@ -16,6 +16,7 @@ import unittest
 import numpy as np
 
 LMOE = None
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
 
 
 def to_bf16_bits(x):
@@ -304,6 +305,17 @@ class OtherCommands(unittest.TestCase):
 
 
 class LayerCommand(unittest.TestCase):
+    def test_help_offers_only_presets_with_a_layer(self):
+        # nemotron-3-ultra has tail dims but no layer description: `layer` refuses it, so its help
+        # leaves it out, while the tail commands offer it.
+        self.assertIn("nemotron-3-ultra", lmoe("run", "--help").stdout)
+        layer_help = lmoe("layer", "--help").stdout
+        self.assertIn("model dims: kimi-k3, nemotron-3-super, small", layer_help)
+        self.assertNotIn("nemotron-3-ultra", layer_help)
+        refused = lmoe("layer", "--preset", "nemotron-3-ultra", "-t", "1", check=False)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("--preset nemotron-3-ultra: no layer description", refused.stderr)
+
     def test_small_layer_writes_json_with_every_row_ok(self):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "layer.json")
@@ -886,7 +898,7 @@ class TuneCommand(unittest.TestCase):
 
 def load_plot_script():
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "plot_bench.py")
+    path = os.path.join(ROOT, "scripts", "plot_bench.py")
     spec = importlib.util.spec_from_file_location("plot_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -904,7 +916,7 @@ def range_boundary(a, b, times_a, times_b, lower, upper):
     return math.isqrt(a * b)
 
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+DATA_DIR = os.path.join(ROOT, "tests", "data")
 
 
 def fitted_ranges(grid_tokens, fastest, medians):
@@ -1362,12 +1374,11 @@ class TailTimelineScript(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         import importlib.util
-        here = os.path.dirname(os.path.abspath(__file__))
-        cls.path = os.path.join(here, "..", "..", "scripts", "tail_timeline.py")
+        cls.path = os.path.join(ROOT, "scripts", "tail_timeline.py")
         spec = importlib.util.spec_from_file_location("tail_timeline", cls.path)
         cls.script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cls.script)
-        cls.recorded = os.path.join(here, "..", "data", "fused_trace_k3_t2_layers8.log")
+        cls.recorded = os.path.join(DATA_DIR, "fused_trace_k3_t2_layers8.log")
 
     def test_recorded_trace(self):
         with open(self.recorded) as f:
@@ -1504,11 +1515,10 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
 """
 
     def run_stage(self, root, base):
-        here = os.path.dirname(os.path.abspath(__file__))
         scripts = os.path.join(root, "scripts")
         os.makedirs(scripts)
         for name in ("gpu_check.sh", "tail_timeline.py"):
-            with open(os.path.join(here, "..", "..", "scripts", name)) as src, \
+            with open(os.path.join(ROOT, "scripts", name)) as src, \
                     open(os.path.join(scripts, name), "w") as dst:
                 dst.write(src.read())
         for tree, median in (("main", "5.30"), ("base", "5.50")):
@@ -1555,14 +1565,64 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             self.assertIn("stripe_routed_L8_r1_base.log", out)
             self.assertIn("gpu_check: stripe_nopair_L1_r1_base exit code 0", result.stdout)
 
+    def test_the_scaling_stage_sets_lmoe_beside_the_baseline(self):
+        # Two fake GPUs; lmoe's sweep and the baseline's are recordings (tests/data, and medians set
+        # here) written where the stage asks; torch "present" for the stage's check only.
+        with tempfile.TemporaryDirectory() as d:
+            tools = os.path.join(d, "tools")
+            os.makedirs(tools)
+            os.makedirs(os.path.join(d, "scripts"))
+            for name in ("gpu_check.sh", "baseline_table.py"):
+                with open(os.path.join(ROOT, "scripts", name)) as src, \
+                        open(os.path.join(d, "scripts", name), "w") as dst:
+                    dst.write(src.read())
+            baseline = {"tool": "torch_baseline", "torch": "stub", "tp": 2, "d_model": 7168, "d_latent": 3584,
+                        "dtype": "bf16", "cold_l2": True,
+                        "records": [{"tokens": 1, "tier": "column", "mode": "graph", "median_us": 48.9,
+                                     "p10_us": 48.0, "p90_us": 49.0}]}
+            with open(os.path.join(d, "baseline.json"), "w") as f:
+                json.dump(baseline, f)
+            json_arg = 'for ((i = 1; i < $#; i++)); do [ "${!i}" = --json ] && j=$((i + 1)) && out="${!j}"; done'
+            stubs = {
+                "nvidia-smi": 'if [ "$1" = -L ]; then echo "GPU 0: stub"; echo "GPU 1: stub"; else echo 0; fi',
+                "torchrun": f'echo "torchrun $*" >>"$CALLS"; {json_arg}; cp "{d}/baseline.json" "$out"',
+                "python3": f'if [ "$1" = -c ]; then exit 0; fi; exec {sys.executable} "$@"',
+            }
+            for name, body in stubs.items():
+                with open(os.path.join(tools, name), "w") as f:
+                    f.write("#!/usr/bin/env bash\n" + body + "\n")
+                os.chmod(os.path.join(tools, name), 0o755)
+            os.makedirs(os.path.join(d, "build", "cuda"))
+            with open(os.path.join(d, "build", "cuda", "lmoe"), "w") as f:
+                f.write(f'#!/usr/bin/env bash\necho "lmoe $*" >>"$CALLS"\n{json_arg}\n'
+                        f'[ -n "$out" ] && cp "{os.path.join(DATA_DIR, "bench_k3_tp2.json")}" "$out"\nexit 0\n')
+            os.chmod(os.path.join(d, "build", "cuda", "lmoe"), 0o755)
+            env = dict(os.environ, LMOE_CHECK_STAGES="scaling", LMOE_SCALING_TPS="2", OUT=os.path.join(d, "out"),
+                       CALLS=os.path.join(d, "calls.txt"), PATH=tools + os.pathsep + os.environ["PATH"])
+            env.pop("LMOE_CHECK_BASE", None)
+            result = subprocess.run(["bash", os.path.join(d, "scripts", "gpu_check.sh")], cwd=d, env=env,
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            with open(env["CALLS"]) as f:
+                calls = f.read().splitlines()
+            torch_calls = [c for c in calls if c.startswith("torchrun")]
+            self.assertEqual(len(torch_calls), 1, calls)
+            self.assertIn("--cold-l2", torch_calls[0])
+            self.assertIn("== scaling: lmoe against the PyTorch baseline, tp 2", result.stdout)
+            self.assertIn("| 1 | – | 48.9 | 33.8 | 30.4 | 28.2 (column, p2p) | 1.73× | – |", result.stdout)
+            self.assertIn("only the baseline evicted L2", result.stdout)  # the recorded sweep predates it
+            self.assertIn("gpu_check: scaling_vs_torch_tp2 exit code 0", result.stdout)
+            with open(os.path.join(d, "out", "scaling_vs_torch_tp2.json")) as f:
+                self.assertEqual([r["tokens"] for r in json.load(f)["rows"]], [1])
+            self.assertTrue(os.path.exists(os.path.join(d, "out", "scaling_vs_torch_tp2.md")))
+
     def test_a_base_that_is_not_a_built_source_tree_is_refused_before_anything_runs(self):
         with tempfile.TemporaryDirectory() as d:
             for base, error in (("nowhere", "is not a source tree"),
                                 ("empty", "has no build/cuda/lmoe and the build stage is not asked for")):
                 os.makedirs(os.path.join(d, "empty"), exist_ok=True)
                 open(os.path.join(d, "empty", "CMakeLists.txt"), "w").close()
-                script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
-                                      "gpu_check.sh")
+                script = os.path.join(ROOT, "scripts", "gpu_check.sh")
                 env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(d, "out"),
                            LMOE_CHECK_BASE=os.path.join(d, base))
                 result = subprocess.run(["bash", script], env=env, capture_output=True, text=True,
@@ -1581,6 +1641,84 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             self.assertEqual(len([c for c in calls if "--no-check" in c]), 4)
             self.assertFalse(any(c.startswith("base ") for c in calls))
 
+
+class BaselineTableScript(unittest.TestCase):
+    """scripts/baseline_table.py: lmoe's recorded H200 sweep (tests/data) against a baseline file
+    whose medians are set here, every column computed again from the two files."""
+
+    SCRIPT = os.path.join(ROOT, "scripts", "baseline_table.py")
+    BENCH = os.path.join(DATA_DIR, "bench_k3_tp2.json")
+
+    def baseline(self, d, **changes):
+        doc = {"tool": "torch_baseline", "torch": "2.15", "tp": 2, "d_model": 7168, "d_latent": 3584, "dtype": "bf16",
+               "records": [{"tokens": t, "tier": tier, "mode": "graph", "median_us": us, "p10_us": us, "p90_us": us}
+                           for t, tier, us in [(1, "overlap", 55.8), (1, "column", 48.9), (128, "overlap", 82.2),
+                                               (128, "column", 99.1), (3, "overlap", 60.0)]]}
+        doc.update(changes)
+        path = os.path.join(d, "torch.json")
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+    def run_script(self, *args):
+        return subprocess.run([sys.executable, self.SCRIPT, *args], capture_output=True, text=True, timeout=60)
+
+    def test_rows_are_the_two_files_side_by_side(self):
+        with open(self.BENCH) as f:
+            bench = json.load(f)
+        # Floors on two records at T = 128 (the recording has none): the lower one is the row's floor.
+        for r in bench["records"]:
+            if r["tokens"] == 128 and r["status"] == "ran" and r["comm"] == "p2p":
+                r["floor"] = {"floor_us": 40.0 if r["tier"] == "column" else 25.0}
+        with tempfile.TemporaryDirectory() as d:
+            bench_path = os.path.join(d, "bench.json")
+            with open(bench_path, "w") as f:
+                json.dump(bench, f)
+            out = os.path.join(d, "rows.json")
+            result = self.run_script(bench_path, self.baseline(d), "--json", out)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            with open(out) as f:
+                rows = json.load(f)["rows"]
+        self.assertEqual([r["tokens"] for r in rows], [1, 128])
+        for row in rows:
+            t = row["tokens"]
+            ran = [r for r in bench["records"] if r["tokens"] == t and r["status"] == "ran"]
+            best = min(ran, key=lambda r: r["median_us"])
+            self.assertEqual((row["lmoe_best_tier"], row["lmoe_best_comm"]), (best["tier"], best["comm"]))
+            self.assertEqual(row["lmoe_best_us"], best["median_us"])
+            nccl = {r["tier"]: r["median_us"] for r in ran if r["comm"] == "nccl"}
+            self.assertEqual(row["lmoe_overlap_nccl_us"], nccl["overlap"])
+            self.assertEqual(row["lmoe_column_nccl_us"], nccl["column"])
+            torch_best = {1: 48.9, 128: 82.2}[t]
+            self.assertAlmostEqual(row["speedup"], torch_best / best["median_us"])
+        self.assertIsNone(rows[0]["floor_us"])
+        self.assertEqual(rows[1]["floor_us"], 25.0)
+        self.assertAlmostEqual(rows[1]["best_over_floor"], rows[1]["lmoe_best_us"] / 25.0)
+        self.assertIn("| 1 | 55.8 | 48.9 | 33.8 | 30.4 | 28.2 (column, p2p) | 1.73× | – |", result.stdout)
+        self.assertIn("baseline [3]", result.stdout)
+        self.assertNotIn("evicted L2", result.stdout)  # neither run did
+
+    def test_runs_that_treated_l2_differently_are_flagged(self):
+        with tempfile.TemporaryDirectory() as d:
+            result = self.run_script(self.BENCH, self.baseline(d, cold_l2=True))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("# note: only the baseline evicted L2 before each timed iteration", result.stdout)
+
+    def test_files_of_another_tail_or_kind_are_refused(self):
+        with tempfile.TemporaryDirectory() as d:
+            for changes, args, message in [
+                ({"tp": 4}, None, "tp differs: lmoe bench 2, baseline 4"),
+                ({"dtype": "f16"}, None, "dtype differs"),
+                ({"tool": "other"}, None, "not the JSON of scripts/torch_baseline.py"),
+                ({"records": []}, None, "no T in common"),
+                ({}, "swapped", "not the JSON of `lmoe bench --json`"),
+            ]:
+                with self.subTest(message=message):
+                    base = self.baseline(d, **changes)
+                    result = self.run_script(*((base, self.BENCH) if args else (self.BENCH, base)))
+                    self.assertNotEqual(result.returncode, 0)
+                    self.assertIn(message, result.stderr)
+                    self.assertNotIn("| T |", result.stdout)
 
 if __name__ == "__main__":
     LMOE = os.path.abspath(sys.argv.pop(1))

@@ -127,6 +127,30 @@ class BaselineAgainstLmoe(unittest.TestCase):
                         self.assertIsNotNone(relative, report)
                         self.assertLess(relative, 1e-5, report)
 
+    def test_the_side_by_side_table_reads_both_runs(self):
+        # scripts/baseline_table.py on a CPU sweep of lmoe and this baseline run (the same tail: tp 2,
+        # d 384, l 192, f32): a row per T, lmoe's fastest and the speed-up taken from the two files.
+        out = self.runs[2][0]
+        bench = os.path.join(out, "lmoe_bench.json")
+        result = subprocess.run([LMOE, "bench", "--backend", "cpu", "--preset", "small", "--dtype", "f32", "-n", "2",
+                                 "-t", "1,5", "--iters", "2", "--json", bench], capture_output=True, text=True,
+                                timeout=300)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        rows_path = os.path.join(out, "rows.json")
+        table = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "baseline_table.py"), bench,
+                                os.path.join(out, "baseline.json"), "--json", rows_path],
+                               capture_output=True, text=True, timeout=120)
+        self.assertEqual(table.returncode, 0, table.stdout + table.stderr)
+        with open(rows_path) as f:
+            rows = json.load(f)["rows"]
+        with open(os.path.join(out, "baseline.json")) as f:
+            torch_runs = json.load(f)["records"]
+        self.assertEqual([r["tokens"] for r in rows], list(self.TOKENS))
+        for row in rows:
+            torch_best = min(r["median_us"] for r in torch_runs if r["tokens"] == row["tokens"])
+            self.assertAlmostEqual(row["speedup"], torch_best / row["lmoe_best_us"])
+            self.assertIn(f"| {row['tokens']} | ", table.stdout)
+
     def test_a_different_eps_is_caught(self):
         # The comparison must see a real difference in the math: lmoe with eps 0.1 (the baseline's 1e-5)
         # moves the norm by ~2 % at these inputs' mean square (~2).
@@ -137,6 +161,12 @@ class BaselineAgainstLmoe(unittest.TestCase):
         code, relative, report = compare(os.path.join(out, "t5_overlap.safetensors"), mine)
         self.assertEqual(code, 1, report)
         self.assertGreater(relative, 1e-3, report)
+
+    def test_cold_l2_is_refused_on_the_cpu(self):
+        result = subprocess.run([PYTHON, BASELINE, "--device", "cpu", "--cold-l2"], capture_output=True, text=True,
+                                timeout=120)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("--cold-l2 needs --device cuda", result.stderr)
 
     def test_a_dtype_gloo_cannot_take_is_refused_on_every_rank(self):
         # Only where this torch cannot (Debian's 1.13): bf16 is refused before any work, on every rank.
