@@ -20,8 +20,9 @@ import sys
 import tempfile
 import unittest
 
+from cli_support import ROOT
+
 LMOE = None
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASELINE = os.path.join(ROOT, "scripts", "torch_baseline.py")
 COMPARE = os.path.join(ROOT, "scripts", "compare_safetensors.py")
 PROBE = "import torch, torch.distributed as d, safetensors.torch; assert d.is_available() and d.is_gloo_available()"
