@@ -34,6 +34,22 @@ namespace lmoe::cuda {
 // tiles). With several ranks every kernel follows the workspace protocol (cuda/fused_protocol.cuh).
 enum class FusedKernel { general, decode, chained };
 
+// The kernel a call whose rows are bounded by `tokens` runs, from the bounds each path takes here
+// (FusedTail's decode_max_tokens, decode_pair_tokens and chained_max_tokens; 0: it does not run):
+// decode up to its bound, where the chained path runs only up to fused_decode_beside_chained_tokens
+// or the pair instance's bound if more; chained up to its bound; general otherwise. The same on
+// every rank (the bounds are agreed at construction).
+constexpr FusedKernel fused_kernel_for(std::int64_t tokens, int tp, std::int64_t decode_max,
+                                       std::int64_t pair_tokens, std::int64_t chained_max) {
+  if (tokens < 1) return FusedKernel::general;
+  const std::int64_t decode_bound =
+      chained_max > 0
+          ? std::min(decode_max, std::max(fused_decode_beside_chained_tokens(tp), pair_tokens))
+          : decode_max;
+  if (tokens <= decode_bound) return FusedKernel::decode;
+  return tokens <= chained_max ? FusedKernel::chained : FusedKernel::general;
+}
+
 class FusedTail {
  public:
   // Why the fused kernel cannot run the tail for this communicator, dims and dtype; nullopt when it
@@ -64,19 +80,10 @@ class FusedTail {
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
   // The kernel a call whose rows are bounded by `tokens` runs (the call's T, or with tokens_device
-  // the bound passed to run()): decode when tokens ≤ decode_max_tokens() (the same on every rank;
-  // where the chained path runs only up to fused_decode_beside_chained_tokens(tp), or
-  // decode_pair_tokens() if more), else chained when tokens ≤ chained_max_tokens() (the same on
-  // every rank), else general.
+  // the bound passed to run()): fused_kernel_for with this tail's bounds.
   FusedKernel kernel_for(std::int64_t tokens) const {
-    if (tokens < 1) return FusedKernel::general;
-    const std::int64_t decode_bound =
-        chained_max_tokens_ > 0
-            ? std::min(decode_max_tokens_, std::max(fused_decode_beside_chained_tokens(params_.tp),
-                                                    decode_pair_tokens()))
-            : decode_max_tokens_;
-    if (tokens <= decode_bound) return FusedKernel::decode;
-    return tokens <= chained_max_tokens_ ? FusedKernel::chained : FusedKernel::general;
+    return fused_kernel_for(tokens, params_.tp, decode_max_tokens_, decode_pair_tokens(),
+                            chained_max_tokens_);
   }
   // The largest bound the decode kernel can take here (0: it does not run; see decode_limit()).
   std::int64_t decode_max_tokens() const { return decode_max_tokens_; }

@@ -4,6 +4,8 @@
 // ranks, and a soak of graph replays.
 
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "cuda/fused_decode_launch.hpp"
 #include "fused_test_support.hpp"
@@ -183,6 +185,50 @@ TEST(FusedDecodeLaunch, CallsNoInstanceCanTakeAreRefusedBeforeTheDevice) {
   p.protocol.tp = 2;
   EXPECT_EQ(launch(4, DType::bf16), cudaErrorInvalidValue);
   EXPECT_EQ(launch(1, DType::f16), cudaErrorInvalidValue);
+}
+
+// Which kernel a call runs, at every bound ±1 (fused_kernel_for: FusedTail::kernel_for with the
+// bounds its plans agreed on; docs/fused.md, "At a glance"). No GPU needed; CI runs it.
+TEST(FusedKernelFor, EachPathTakesTheCallsUpToItsBoundAndNoMore) {
+  using lmoe::cuda::fused_kernel_for;
+  using lmoe::cuda::FusedKernel;
+  struct Case {
+    const char* where;
+    int tp;
+    std::int64_t decode_max, pair_tokens, chained_max;
+    std::vector<std::pair<std::int64_t, FusedKernel>> calls;
+  };
+  const FusedKernel decode = FusedKernel::decode, chained = FusedKernel::chained,
+                    general = FusedKernel::general;
+  // clang-format off
+  const std::vector<Case> cases = {
+      {"compute 9.0, one rank, the pair instance (a narrow stripe)", 1, 16, 4, 128,
+       {{0, general}, {1, decode}, {4, decode}, {5, chained}, {128, chained}, {129, general}, {256, general}}},
+      {"compute 9.0, one rank, no pair instance (K3)", 1, 16, 0, 128,
+       {{1, chained}, {16, chained}, {128, chained}, {129, general}}},
+      {"compute 9.0, one rank, the pair's bound above the decode plan's", 1, 2, 4, 128,
+       {{2, decode}, {3, chained}}},
+      {"compute 9.0, 2 ranks", 2, 16, 0, 128,
+       {{1, decode}, {4, decode}, {5, chained}, {128, chained}, {129, general}}},
+      {"compute 9.0, 7 ranks", 7, 16, 0, 128, {{4, decode}, {5, chained}}},
+      {"compute 9.0, 8 ranks", 8, 16, 0, 128,
+       {{16, decode}, {17, chained}, {128, chained}, {129, general}}},
+      {"compute 9.0, 8 ranks, the decode plan stops at 8 rows", 8, 8, 0, 128,
+       {{8, decode}, {9, chained}}},
+      {"compute 9.0, 2 ranks, a workspace of 64 rows", 2, 16, 0, 64,
+       {{4, decode}, {64, chained}, {65, general}}},
+      {"no chained path (sm_100), one rank", 1, 16, 4, 0, {{16, decode}, {17, general}, {256, general}}},
+      {"no chained path (sm_100), 8 ranks", 8, 16, 0, 0, {{1, decode}, {16, decode}, {17, general}}},
+      {"the decode kernel off", 2, 0, 0, 128, {{1, chained}, {128, chained}, {129, general}}},
+      {"both off", 1, 0, 0, 0, {{1, general}, {16, general}, {256, general}}},
+  };
+  // clang-format on
+  for (const Case& c : cases) {
+    for (const auto& [tokens, kernel] : c.calls) {
+      EXPECT_EQ(fused_kernel_for(tokens, c.tp, c.decode_max, c.pair_tokens, c.chained_max), kernel)
+          << c.where << ", T = " << tokens;
+    }
+  }
 }
 
 // The decode kernel launched programmatically with several ranks, one per GPU
