@@ -9,8 +9,9 @@
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 #   LMOE_CHECK_SETTINGS="- LMOE_FUSED_CHAINED_PACE_NS=200"        # tailgap: the settings to compare
 #   LMOE_CHECK_BASE=base_src ...   # also build the source tree base_src (made where git is, e.g.
-#                                  # `mkdir base_src && git archive HEAD~1 | tar -x -C base_src`) and
-#                                  # run every per-tail bench of tailgap and stripe with its lmoe too
+#                                  # `mkdir base_src && git archive HEAD~1 | tar -x -C base_src`),
+#                                  # run every per-tail bench of tailgap and stripe with its lmoe too,
+#                                  # and print the two side by side (scripts/bench_ab.py, $OUT/ab.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -667,6 +668,13 @@ if wants run; then
     --json "$logs/run_cuda_k3_tp8.json" >"$logs/run_cuda.log" 2>"$logs/run_cuda.err"
   rc[run]=$?
   cat "$logs/run_cuda.log"
+fi
+
+if [ -n "${LMOE_CHECK_BASE:-}" ] && compgen -G "$logs/*_base.json" >/dev/null; then
+  # Every bench that ran with both trees, side by side (scripts/bench_ab.py: this − base per row).
+  stage "A/B: this tree against $LMOE_CHECK_BASE"
+  python3 scripts/bench_ab.py --dir "$logs" --json "$logs/ab.json" | tee "$logs/ab.md"
+  rc[ab]=${PIPESTATUS[0]}
 fi
 
 stage "summary"

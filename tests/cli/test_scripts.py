@@ -248,12 +248,16 @@ class GpuCheckScript(unittest.TestCase):
 echo "TREE pair=${LMOE_FUSED_DECODE_PAIR:-} $*" >>"$CALLS"
 echo "lmoe bench: a stub"
 echo "     1      1    fused   x x MEDIAN y ok 0"
+for ((i = 1; i < $#; i++)); do [ "${!i}" = --json ] && j=$((i + 1)) && out="${!j}"; done
+[ -n "${out:-}" ] && echo '{"command": "bench", "records": [{"comm": "p2p", "tier": "fused", "tokens": 1,
+  "status": "ran", "median_us": MEDIAN, "p10_us": MEDIAN, "p90_us": MEDIAN}]}' >"$out"
+exit 0
 """
 
     def run_stage(self, root, base):
         scripts = os.path.join(root, "scripts")
         os.makedirs(scripts)
-        for name in ("gpu_check.sh", "tail_timeline.py"):
+        for name in ("gpu_check.sh", "tail_timeline.py", "bench_ab.py"):
             with open(os.path.join(ROOT, "scripts", name)) as src, \
                     open(os.path.join(scripts, name), "w") as dst:
                 dst.write(src.read())
@@ -300,6 +304,12 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             out = os.listdir(os.path.join(d, "out"))
             self.assertIn("stripe_routed_L8_r1_base.log", out)
             self.assertIn("gpu_check: stripe_nopair_L1_r1_base exit code 0", result.stdout)
+            # Then every bench of both trees side by side (scripts/bench_ab.py).
+            self.assertIn("== A/B: this tree against base", result.stdout)
+            self.assertIn("| stripe_routed_L8_r1 | p2p | fused | 1 | 5.30 | 5.50 | -0.20 (-3.6%) |  |", result.stdout)
+            self.assertIn("# this tree faster in 6 of 6 rows; median difference -0.20 µs", result.stdout)
+            self.assertIn("gpu_check: ab exit code 0", result.stdout)
+            self.assertIn("ab.md", out)
 
     def test_the_scaling_stage_sets_lmoe_beside_the_baseline(self):
         # Two fake GPUs; lmoe's sweep and the baseline's are recordings (tests/data, and medians set
@@ -373,6 +383,7 @@ echo "     1      1    fused   x x MEDIAN y ok 0"
             result, calls = self.run_stage(d, base=False)
             self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
             self.assertNotIn("base:", result.stdout)
+            self.assertNotIn("A/B", result.stdout)
             self.assertEqual(len([c for c in calls if "--cold-l2" in c]), 6)
             self.assertEqual(len([c for c in calls if "--no-check" in c]), 4)
             self.assertFalse(any(c.startswith("base ") for c in calls))
@@ -456,6 +467,66 @@ class BaselineTableScript(unittest.TestCase):
                     self.assertIn(message, result.stderr)
                     self.assertNotIn("| T |", result.stdout)
 
+
+class BenchAbScript(unittest.TestCase):
+    """scripts/bench_ab.py on bench files written here: every row's difference, the spread marker,
+    pairing by folder (other JSON passed over), and what it refuses."""
+
+    SCRIPT = os.path.join(ROOT, "scripts", "bench_ab.py")
+
+    @staticmethod
+    def bench(path, runs):
+        """runs: [(tier, T, median, p10, p90)], plus one declined record that must not count."""
+        records = [{"comm": "p2p", "tier": tier, "tokens": t, "status": "ran", "median_us": m, "p10_us": lo,
+                    "p90_us": hi} for tier, t, m, lo, hi in runs]
+        records.append({"comm": "p2p", "tier": "token", "tokens": 1, "status": "declined", "median_us": None})
+        with open(path, "w") as f:
+            json.dump({"command": "bench", "records": records}, f)
+
+    def run_script(self, *args):
+        return subprocess.run([sys.executable, self.SCRIPT, *args], capture_output=True, text=True, timeout=60)
+
+    def test_rows_by_folder(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.bench(os.path.join(d, "a.json"), [("fused", 1, 5.0, 4.9, 5.1), ("fused", 4, 6.0, 5.5, 6.5)])
+            self.bench(os.path.join(d, "a_base.json"), [("fused", 1, 5.5, 5.4, 5.6), ("fused", 4, 6.2, 6.1, 6.3),
+                                                        ("fused", 16, 9.0, 9.0, 9.0)])
+            self.bench(os.path.join(d, "lonely_base.json"), [("fused", 1, 1.0, 1.0, 1.0)])
+            with open(os.path.join(d, "t_base.json"), "w") as f, open(os.path.join(d, "t.json"), "w") as g:
+                json.dump({"tails": []}, f)  # a timeline's JSON: passed over
+                json.dump({"tails": []}, g)
+            rows_path = os.path.join(d, "rows.json")
+            result = self.run_script("--dir", d, "--json", rows_path)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            with open(rows_path) as f:
+                doc = json.load(f)
+        self.assertEqual([p[0] for p in doc["pairs"]], ["a"])
+        self.assertEqual([(r["tokens"], round(r["delta_us"], 6), r["spreads_overlap"]) for r in doc["rows"]],
+                         [(1, -0.5, False), (4, -0.2, True)])
+        self.assertIn("| a | p2p | fused | 1 | 5.00 | 5.50 | -0.50 (-9.1%) |  |", result.stdout)
+        self.assertIn("| a | p2p | fused | 4 | 6.00 | 6.20 | -0.20 (-3.2%) | ~ |", result.stdout)
+        self.assertIn("# this tree faster in 2 of 2 rows; median difference -0.35 µs", result.stdout)
+
+    def test_what_it_refuses(self):
+        with tempfile.TemporaryDirectory() as d:
+            mine, other = os.path.join(d, "mine.json"), os.path.join(d, "other.json")
+            self.bench(mine, [("fused", 1, 5.0, 5.0, 5.0)])
+            self.bench(other, [("overlap", 1, 5.0, 5.0, 5.0)])
+            table = os.path.join(d, "table.json")
+            with open(table, "w") as f:
+                json.dump({"format": "lmoe-tier-table"}, f)
+            for args, message in [([], "give either --dir or pairs of files"),
+                                  (["--dir", d, mine, mine], "give either --dir or pairs of files"),
+                                  ([mine], "files come in pairs"),
+                                  ([mine, table], "table.json is not the JSON of `lmoe bench --json`"),
+                                  ([mine, os.path.join(d, "missing.json")], "missing.json"),
+                                  ([mine, other], "nothing to compare"),
+                                  (["--dir", os.path.join(d)], "no TAG.json beside a TAG_base.json")]:
+                with self.subTest(message=message):
+                    result = self.run_script(*args)
+                    self.assertNotEqual(result.returncode, 0)
+                    self.assertIn(message, result.stderr)
+                    self.assertNotIn("| bench |", result.stdout)
 
 if __name__ == "__main__":
     cli_support.main()
