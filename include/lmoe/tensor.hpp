@@ -105,4 +105,8 @@ class HostTensor {
 
 std::string shape_string(std::span<const std::int64_t> shape);
 
+// True when a and b have the same dtype, shape and bytes (what "ranks agree bit for bit" means;
+// empty tensors compare equal without touching their null data).
+bool same_bits(const HostTensor& a, const HostTensor& b);
+
 }  // namespace lmoe

@@ -19,10 +19,7 @@ void fill_bench_values(void* dst, std::size_t count, DType dtype, std::uint64_t 
 HostTensor first_differing_output(std::vector<HostTensor> outputs) {
   LMOE_CHECK(!outputs.empty(), "bench: expected at least one layer's output, got none");
   for (HostTensor& output : outputs) {
-    if (output.nbytes() != outputs[0].nbytes() ||
-        std::memcmp(output.data(), outputs[0].data(), output.nbytes()) != 0) {
-      return std::move(output);
-    }
+    if (!same_bits(output, outputs[0])) return std::move(output);
   }
   return std::move(outputs[0]);
 }

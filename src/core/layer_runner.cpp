@@ -54,10 +54,7 @@ std::vector<LayerInputRun> run_layer_on_threads(
   for (LayerInputRun& result : results) {
     const HostTensor& first = result.ranks.front().y;
     for (const LayerRankResult& rank : result.ranks) {
-      if (rank.y.nbytes() != first.nbytes() ||
-          std::memcmp(rank.y.data(), first.data(), first.nbytes()) != 0) {
-        result.ranks_identical = false;
-      }
+      if (!same_bits(rank.y, first)) result.ranks_identical = false;
     }
   }
   return results;

@@ -319,9 +319,7 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
           HostTensor y = bench_rank->checked_output();
           if (rank == 0) slot.output = std::move(y);
           comm.barrier();  // rank 0's output is in the slot
-          slot.matches_rank0[r] =
-              rank == 0 || (y.nbytes() == slot.output.nbytes() &&
-                            std::memcmp(y.data(), slot.output.data(), y.nbytes()) == 0);
+          slot.matches_rank0[r] = rank == 0 || same_bits(y, slot.output);
         }
       }
       slot.rank_done[r] = 1;

@@ -66,10 +66,7 @@ CaseRun run_case_on_threads(const TailCase& c, const RunOptions& options) {
   const RankRun& first = result.ranks.front();
   result.tier = first.tier;
   for (const RankRun& rank : result.ranks) {
-    if (rank.y.nbytes() != first.y.nbytes() ||
-        std::memcmp(rank.y.data(), first.y.data(), first.y.nbytes()) != 0) {
-      result.ranks_identical = false;
-    }
+    if (!same_bits(rank.y, first.y)) result.ranks_identical = false;
   }
   std::vector<double> seconds = first.seconds;
   std::sort(seconds.begin(), seconds.end());

@@ -35,6 +35,11 @@ std::int64_t HostTensor::numel() const {
 
 void HostTensor::fill_bytes(std::byte pattern) { std::fill(bytes_.begin(), bytes_.end(), pattern); }
 
+bool same_bits(const HostTensor& a, const HostTensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::ranges::equal(a.bytes(), b.bytes());
+}
+
 std::string HostTensor::shape_string() const { return lmoe::shape_string(shape_); }
 
 MatrixView HostTensor::matrix() {

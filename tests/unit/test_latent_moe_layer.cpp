@@ -45,10 +45,6 @@ lmoe::LayerOptions options_of(const LayerConfig& config, DType dtype) {
 
 using lmoe::testing::to_double;
 
-bool same_bits(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 std::vector<lmoe::LayerInputRun> run(const LayerConfig& config, DType dtype, int tp,
                                      const std::vector<HostTensor>& inputs,
                                      std::optional<lmoe::TailTier> tier = std::nullopt) {

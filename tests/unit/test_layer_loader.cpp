@@ -121,11 +121,6 @@ void write_checkpoint(const fs::path& dir, const RawFile& tensors) {
   std::ofstream(dir / "model.safetensors.index.json") << index.dump(1);
 }
 
-bool same_bits(const HostTensor& a, const HostTensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() && a.nbytes() == b.nbytes() &&
-         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 class LayerLoader : public ::testing::Test {
  protected:
   void SetUp() override {

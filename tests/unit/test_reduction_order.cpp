@@ -108,7 +108,7 @@ ReorderedRun run_reordered(const lmoe::TailCase& c, TailTier tier, bool drop_las
   });
   ReorderedRun run{outputs.front(), true};
   for (const auto& y : outputs) {
-    run.ranks_identical = run.ranks_identical && std::memcmp(y.data(), run.y.data(), y.nbytes()) == 0;
+    run.ranks_identical = run.ranks_identical && lmoe::same_bits(y, run.y);
   }
   return run;
 }
