@@ -23,7 +23,7 @@ class MpiSession {
   int size() const;
 
  private:
-  bool owns_ = false;
+  [[maybe_unused]] bool owns_ = false;  // read only where MPI is built (mpi_communicator.cpp)
 };
 
 // A communicator over MPI_COMM_WORLD (duplicated). Requires an initialized MPI.

@@ -1,0 +1,135 @@
+#include "parser_targets.hpp"
+
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "lmoe/error.hpp"
+#include "lmoe/safetensors.hpp"
+#include "lmoe/tail_bench.hpp"
+#include "lmoe/tail_floor.hpp"
+#include "lmoe/tier_policy.hpp"
+#include "lmoe/tier_tuning.hpp"
+
+namespace lmoe_fuzz {
+namespace {
+
+std::string as_text(std::span<const std::byte> input) {
+  return {reinterpret_cast<const char*>(input.data()), input.size()};
+}
+
+// Each runs one parser and swallows only lmoe::Error, the failure the contract allows.
+template <typename Parse>
+bool keeping_the_contract(Parse&& parse) {
+  try {
+    parse();
+    return true;
+  } catch (const lmoe::Error&) {
+    return false;
+  }
+}
+
+bool parse_safetensors_bytes(std::span<const std::byte> input) {
+  return keeping_the_contract([&] { (void)lmoe::parse_safetensors(input, "fuzz input"); });
+}
+bool parse_tier_table(std::span<const std::byte> input) {
+  return keeping_the_contract([&] { (void)lmoe::read_tier_table(as_text(input), "fuzz input"); });
+}
+bool parse_tier_policy(std::span<const std::byte> input) {
+  return keeping_the_contract([&] {
+    lmoe::PolicyConfig config;
+    lmoe::apply_tier_table(config, as_text(input), "fuzz input");
+  });
+}
+bool parse_bench_json(std::span<const std::byte> input) {
+  return keeping_the_contract([&] { (void)lmoe::read_bench_json(as_text(input), "fuzz input"); });
+}
+bool parse_machine_rates(std::span<const std::byte> input) {
+  return keeping_the_contract([&] { (void)lmoe::parse_machine_rates(as_text(input)); });
+}
+
+constexpr ParserTarget kTargets[] = {
+    {"safetensors", "parse_safetensors", parse_safetensors_bytes, false},
+    {"tier_table", "read_tier_table", parse_tier_table, true},
+    {"tier_policy", "apply_tier_table", parse_tier_policy, true},
+    {"bench_json", "read_bench_json", parse_bench_json, true},
+    {"machine_rates", "parse_machine_rates", parse_machine_rates, false},
+};
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw lmoe::Error("fuzz seeds: cannot read " + path.string());
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A recorded sweep cut to a few records of a few iterations: small enough to mutate quickly, and
+// every kind of field still present.
+std::string small_sweep(const std::filesystem::path& data_dir) {
+  nlohmann::json sweep = nlohmann::json::parse(read_file(data_dir / "bench_k3_tp2.json"));
+  nlohmann::json kept = nlohmann::json::array();
+  for (const nlohmann::json& record : sweep["records"]) {
+    if (kept.size() == 6) break;
+    nlohmann::json copy = record;
+    nlohmann::json& iterations = copy["iterations_us"];
+    if (iterations.size() > 3) iterations.erase(iterations.begin() + 3, iterations.end());
+    kept.push_back(std::move(copy));
+  }
+  sweep["records"] = std::move(kept);
+  return sweep.dump(1);
+}
+
+Bytes small_safetensors() {
+  lmoe::HostTensor weight(lmoe::DType::bf16, {4, 8});
+  lmoe::HostTensor bias(lmoe::DType::f32, {3});
+  lmoe::HostTensor empty(lmoe::DType::f16, {0, 5});
+  for (std::int64_t i = 0; i < weight.numel(); ++i)
+    weight.set(i, 0.25f * static_cast<float>(i) - 3.0f);
+  for (std::int64_t i = 0; i < bias.numel(); ++i) bias.set(i, static_cast<float>(i));
+  return to_bytes(
+      lmoe::serialize_safetensors({{"w", weight}, {"b", bias}, {"e", empty}}, {{"eps", "1e-6"}}));
+}
+
+}  // namespace
+
+Bytes to_bytes(std::string_view text) {
+  const auto* first = reinterpret_cast<const std::byte*>(text.data());
+  return {first, first + text.size()};
+}
+
+std::span<const ParserTarget> parser_targets() { return kTargets; }
+
+const ParserTarget& parser_target(std::string_view name) {
+  for (const ParserTarget& target : kTargets) {
+    if (target.name == name) return target;
+  }
+  std::string names;
+  for (const ParserTarget& target : kTargets)
+    names += (names.empty() ? "" : ", ") + std::string(target.name);
+  throw lmoe::Error("no fuzz target '" + std::string(name) + "' (have: " + names + ")");
+}
+
+std::vector<Bytes> parser_seeds(const ParserTarget& target, const std::filesystem::path& data_dir) {
+  std::vector<Bytes> seeds;
+  if (target.name == "safetensors") {
+    seeds.push_back(small_safetensors());
+  } else if (target.name == "tier_table" || target.name == "tier_policy") {
+    for (const lmoe::ShippedTierTable& shipped : lmoe::shipped_tier_tables())
+      seeds.push_back(to_bytes(shipped.json));
+    seeds.push_back(to_bytes(read_file(data_dir / "tiers_k3_tp2.json")));
+    // A hand-written table of version 1 (breakpoints only): the policy reads it, read_tier_table
+    // (measured tables, versions 2 and 3) refuses it.
+    if (target.name == "tier_policy")
+      seeds.push_back(to_bytes(
+          R"({"format": "lmoe-tier-table", "version": 1, "breakpoints": )"
+          R"({"fused_max_tokens": 16, "overlap_max_tokens": 200, "column_max_tokens": null}})"));
+  } else if (target.name == "bench_json") {
+    seeds.push_back(to_bytes(small_sweep(data_dir)));
+  } else if (target.name == "machine_rates") {
+    seeds.push_back(to_bytes("450,4270,790"));
+    seeds.push_back(to_bytes("0.5,1e3,12.25"));
+  }
+  return seeds;
+}
+
+}  // namespace lmoe_fuzz
