@@ -127,14 +127,20 @@ class Edits {
   lmoe::SplitMix64 random_;
 };
 
+// The input's first bytes, printable ones as they are and the others as \xHH.
 std::string shown(const Bytes& input) {
+  static constexpr char kHex[] = "0123456789abcdef";
   std::string text;
-  for (std::size_t i = 0; i < input.size() && text.size() < 400; ++i) {
+  std::size_t i = 0;
+  for (; i < input.size() && text.size() < 400; ++i) {
     const auto c = static_cast<unsigned char>(input[i]);
-    text +=
-        (c >= 0x20 && c < 0x7f) ? std::string(1, static_cast<char>(c)) : "\\x" + std::to_string(c);
+    if (c >= 0x20 && c < 0x7f) {
+      text += static_cast<char>(c);
+    } else {
+      text += {'\\', 'x', kHex[c >> 4], kHex[c & 15]};
+    }
   }
-  return input.size() > 400 ? text + "…" : text;
+  return i < input.size() ? text + "…" : text;
 }
 
 // Runs the target on one input; a failure names the edit that made the input.

@@ -133,6 +133,11 @@ class LayerLoader : public ::testing::Test {
 
   std::string load_error(const RawFile& tensors, int tp = 2) {
     write_checkpoint(dir_, tensors);
+    return load_error_as_written(tp);
+  }
+
+  // The error of loading dir_ as it is now.
+  std::string load_error_as_written(int tp = 2) {
     try {
       lmoe::load_layer_weights(dir_.string(), small_names(), kLayer, small_config(), DType::bf16,
                                tp, tp - 1);
@@ -289,6 +294,57 @@ TEST_F(LayerLoader, BadTensorsAreNamed) {
   } catch (const lmoe::Error& error) {
     EXPECT_THAT(error.message(), HasSubstr("nowhere: not a directory"));
   }
+}
+
+// A checkpoint whose index or directory is wrong is refused with the file named and what is wrong.
+TEST_F(LayerLoader, BadIndexesAndDirectoriesAreNamed) {
+  const LayerConfig config = small_config();
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  const fs::path index = dir_ / "model.safetensors.index.json";
+  const auto rewrite_index = [&](const std::string& text) {
+    write_checkpoint(dir_, good);
+    std::ofstream(index, std::ios::trunc) << text;
+  };
+
+  rewrite_index("{\"weight_map\": {");
+  EXPECT_THAT(load_error_as_written(), HasSubstr(index.string() + ": not valid JSON"));
+  rewrite_index("{\"metadata\": {}}");
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(index.string() + ": has no \"weight_map\" object"));
+  rewrite_index("{\"weight_map\": [\"model-00001-of-00002.safetensors\"]}");
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(index.string() + ": has no \"weight_map\" object"));
+  rewrite_index("{\"weight_map\": {\"layers.5.moe.router.weight\": 1}}");
+  EXPECT_THAT(
+      load_error_as_written(),
+      HasSubstr(index.string() +
+                ": weight_map entry for tensor 'layers.5.moe.router.weight' is not a file name"));
+
+  // Every tensor mapped to the first shard, which holds only half of them.
+  nlohmann::json wrong_shard = {{"weight_map", nlohmann::json::object()}};
+  for (const auto& entry : good)
+    wrong_shard["weight_map"][entry.first] = "model-00001-of-00002.safetensors";
+  rewrite_index(wrong_shard.dump());
+  EXPECT_THAT(
+      load_error_as_written(),
+      ::testing::MatchesRegex(
+          ".*tensor 'layers\\.5\\..*': the index names .*model-00001-of-00002\\.safetensors, "
+          "which does not hold it.*"));
+
+  // A shard the index names is not there.
+  write_checkpoint(dir_, good);
+  fs::remove(dir_ / "model-00002-of-00002.safetensors");
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr("model-00002-of-00002.safetensors: cannot read safetensors file"));
+
+  // No index and no shards.
+  fs::remove_all(dir_);
+  fs::create_directories(dir_);
+  std::ofstream(dir_ / "config.json") << "{}";
+  EXPECT_THAT(
+      load_error_as_written(),
+      HasSubstr(dir_.string() + ": no *.safetensors files and no model.safetensors.index.json"));
 }
 
 }  // namespace

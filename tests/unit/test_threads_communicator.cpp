@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "comm/rank_order_reduce.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 
 namespace {
@@ -812,3 +813,15 @@ TEST(ThreadsControlAllGather, GathersOddSizedRecordsInRankOrder) {
   }
 }
 
+// A comm name this build cannot run is refused before any rank starts, with the names it can.
+TEST(CommGroup, AnUnknownCommIsRefusedNamingThoseAvailable) {
+  std::atomic<int> ran{0};
+  try {
+    lmoe::run_comm_group("thread", 2, [&](int, Communicator&) { ++ran; });
+    ADD_FAILURE() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(),
+                HasSubstr("unknown or unavailable comm backend 'thread'; available here: threads"));
+  }
+  EXPECT_EQ(ran.load(), 0);
+}
