@@ -8,10 +8,21 @@
 #        bench_json machine_rates; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+all_targets=(safetensors tier_table tier_policy bench_json machine_rates)
 seconds="${1:-60}"
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors tier_table tier_policy bench_json machine_rates)
+((${#targets[@]})) || targets=("${all_targets[@]}")
+if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
+  echo "fuzz: SECONDS must be a whole number > 0, got '$seconds' (usage: bash scripts/fuzz.sh [SECONDS] [TARGET ...])" >&2
+  exit 2
+fi
+for target in "${targets[@]}"; do
+  if [[ " ${all_targets[*]} " != *" $target "* ]]; then
+    echo "fuzz: no target '$target' (targets: ${all_targets[*]})" >&2
+    exit 2
+  fi
+done
 bash scripts/install-deps.sh
 # clang 15 or newer: lmoe::Error takes a std::source_location, which libstdc++ builds on a builtin
 # that clang 14 lacks. Debian 12 and Ubuntu 24.04 both package clang-19 and its libFuzzer runtime.

@@ -235,17 +235,12 @@ ordered ranges_json(const std::vector<TierRange>& ranges) {
   return array;
 }
 
-// The string at `key`, or "" where the key is missing or holds another kind (json::value would
-// throw its own type_error there, a message that names neither the file nor the key).
-std::string text_or_empty(const json& object, const char* key) {
-  const auto found = object.find(key);
-  return found != object.end() && found->is_string() ? found->get<std::string>() : std::string();
-}
-
 json parse_json(const std::string& json_text, const std::string& origin) {
   json table = parse_object(json_text, origin);
-  if (text_or_empty(table, "format") != "lmoe-tier-table") {
-    if (text_or_empty(table, "command") == "bench") {
+  // Compared as JSON values, so a key holding a number or a boolean is just "not equal" (asking for
+  // a std::string default would throw nlohmann's type_error, naming neither the file nor the key).
+  if (table.value("format", json()) != "lmoe-tier-table") {
+    if (table.value("command", json()) == "bench") {
       throw Error(origin +
                   ": is a recorded sweep of `lmoe bench --json`, not a tier table (derive "
                   "one from it with `lmoe tune --from-sweep`)");

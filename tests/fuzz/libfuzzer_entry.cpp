@@ -1,6 +1,6 @@
-// The entry point of one libFuzzer binary (scripts/fuzz.sh builds one per target with clang):
-// LMOE_FUZZ_TARGET names the parser. Anything but lmoe::Error escaping, or a sanitizer report, is a
-// crash that libFuzzer saves as a reproducer.
+// The entry point of lmoe_fuzz_<target>, LMOE_FUZZ_TARGET naming the parser. With LMOE_FUZZ it is
+// libFuzzer's (scripts/fuzz.sh): anything but lmoe::Error escaping, or a sanitizer report, is a
+// crash it saves as a reproducer. Otherwise replay_main.cpp calls it on the files it is given.
 #include <cstddef>
 #include <cstdint>
 #include <span>

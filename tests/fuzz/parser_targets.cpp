@@ -1,10 +1,9 @@
 #include "parser_targets.hpp"
 
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/text_file.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/safetensors.hpp"
 #include "lmoe/tail_bench.hpp"
@@ -57,16 +56,11 @@ constexpr ParserTarget kTargets[] = {
     {"machine_rates", "parse_machine_rates", parse_machine_rates, false},
 };
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw lmoe::Error("fuzz seeds: cannot read " + path.string());
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
 // A recorded sweep cut to a few records of a few iterations: small enough to mutate quickly, and
 // every kind of field still present.
 std::string small_sweep(const std::filesystem::path& data_dir) {
-  nlohmann::json sweep = nlohmann::json::parse(read_file(data_dir / "bench_k3_tp2.json"));
+  nlohmann::json sweep =
+      nlohmann::json::parse(lmoe::read_text_file(data_dir / "bench_k3_tp2.json", "recorded sweep"));
   nlohmann::json kept = nlohmann::json::array();
   for (const nlohmann::json& record : sweep["records"]) {
     if (kept.size() == 6) break;
@@ -116,7 +110,7 @@ std::vector<Bytes> parser_seeds(const ParserTarget& target, const std::filesyste
   } else if (target.name == "tier_table" || target.name == "tier_policy") {
     for (const lmoe::ShippedTierTable& shipped : lmoe::shipped_tier_tables())
       seeds.push_back(to_bytes(shipped.json));
-    seeds.push_back(to_bytes(read_file(data_dir / "tiers_k3_tp2.json")));
+    seeds.push_back(to_bytes(lmoe::read_text_file(data_dir / "tiers_k3_tp2.json", "tier table")));
     // A hand-written table of version 1 (breakpoints only): the policy reads it, read_tier_table
     // (measured tables, versions 2 and 3) refuses it.
     if (target.name == "tier_policy")

@@ -304,6 +304,11 @@ TEST(TierTable, WrongOrMissingFormat) {
   EXPECT_EQ(table_error(R"({"format": "other", "version": 1})"),
             "t.json: \"format\" must be \"lmoe-tier-table\"");
   EXPECT_EQ(table_error(R"({"version": 1})"), "t.json: \"format\" must be \"lmoe-tier-table\"");
+  // Another kind of value is the same mistake, not a JSON library's type error.
+  EXPECT_EQ(table_error(R"({"format": 3, "command": true, "version": 1})"),
+            "t.json: \"format\" must be \"lmoe-tier-table\"");
+  EXPECT_EQ(table_error(R"({"format": null, "command": ["bench"]})"),
+            "t.json: \"format\" must be \"lmoe-tier-table\"");
 }
 
 TEST(TierTable, WrongOrMissingVersion) {
