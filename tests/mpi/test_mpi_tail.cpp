@@ -3,7 +3,10 @@
 // on one rank making every rank fail with the same error.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "comm/rank_order_reduce.hpp"
 #include "cpu/cpu_math.hpp"
@@ -97,6 +100,56 @@ TEST(MpiCollectives, ReductionsFollowRankOrderBitForBit) {
   std::vector<std::uint16_t> gathered(count);
   g_comm->all_gather(mine.data(), gathered.data(), counts, DType::bf16);
   EXPECT_EQ(gathered, expected);
+
+  // In place: this rank's block already sits at its offset of the output (MPI forbids overlapping
+  // buffers, so the communicator sends a copy of it).
+  std::vector<std::uint16_t> in_place(count, 0xffff);
+  std::copy(mine.begin(), mine.end(),
+            in_place.begin() + static_cast<std::ptrdiff_t>(offsets[rank]));
+  g_comm->all_gather(in_place.data() + offsets[rank], in_place.data(), counts, DType::bf16);
+  EXPECT_EQ(in_place, expected);
+}
+
+// Refused before any byte moves, alike on every rank (each passes the same wrong counts), so no
+// rank waits in MPI for a peer that threw.
+TEST(MpiCollectives, CountsOfTheWrongLengthOrOverMpisIntLimitAreRefused) {
+  const int tp = g_comm->size();
+  const std::string ranks = std::to_string(tp);
+  std::vector<std::uint16_t> buffer(16);
+  const std::vector<std::size_t> one_too_many(static_cast<std::size_t>(tp) + 1, 1);
+  const auto message_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const lmoe::Error& error) {
+      return error.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message_of([&] {
+              g_comm->reduce_scatter(buffer.data(), buffer.data(), one_too_many, DType::bf16);
+            }),
+            "reduce_scatter: counts has " + std::to_string(tp + 1) +
+                " entries, expected one per rank (" + ranks + ")");
+  EXPECT_EQ(message_of([&] {
+              g_comm->all_gather(buffer.data(), buffer.data(), one_too_many, DType::bf16);
+            }),
+            "all_gather: counts has " + std::to_string(tp + 1) +
+                " entries, expected one per rank (" + ranks + ")");
+  // 2^30 bf16 elements a rank: 2^31 bytes, one past MPI's int count (the buffers are never read).
+  const std::vector<std::size_t> huge(static_cast<std::size_t>(tp), std::size_t{1} << 30);
+  const std::string too_big = ": a block of 2147483648 bytes exceeds MPI's int count limit";
+  EXPECT_EQ(
+      message_of([&] { g_comm->reduce_scatter(buffer.data(), buffer.data(), huge, DType::bf16); }),
+      "reduce_scatter" + too_big);
+  EXPECT_EQ(
+      message_of([&] { g_comm->all_gather(buffer.data(), buffer.data(), huge, DType::bf16); }),
+      "all_gather" + too_big);
+  // The communicator still works after the refusals.
+  g_comm->barrier();
+  std::vector<std::uint16_t> ones(static_cast<std::size_t>(tp), 0x3f80), gathered(ones.size());
+  const std::vector<std::size_t> single(static_cast<std::size_t>(tp), 1);
+  g_comm->all_gather(ones.data() + g_comm->rank(), gathered.data(), single, DType::bf16);
+  EXPECT_EQ(gathered, ones);
 }
 
 TEST(MpiTail, BadInputOnOneRankFailsEveryRankAlike) {
