@@ -500,9 +500,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
       normed_s + static_cast<std::uint32_t>(token_hi * pitch + step_first * 64 + q * 16);
   float acc[kMaxGroups][4] = {};
   int item = 0;
-  // One item's product: its weights (slot item % kDepth) by the tokens' 8 elements of step s, its
-  // two mma accumulated into c0 and c1 (the same array in the stream; two in the whole path).
-  const auto multiply = [&](float(&c0)[4], float(&c1)[4], int s) {
+  // One item's product: its weights (slot item % kDepth) by the tokens' 8 elements of step s.
+  const auto multiply = [&](float(&c)[4], int s) {
     const uint4 w = load_shared16(
         my_slots + static_cast<std::uint32_t>((item % kDepth) * DecodeLayout::kSlotBytes));
     uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
@@ -512,25 +511,21 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
     }
     const std::uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {w.x, w.y};
     const std::uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w}, b1[2] = {w.z, w.w};
-    mma_m16n8k16<T>(c0, a0, b0);
-    mma_m16n8k16<T>(c1, a1, b1);
+    mma_m16n8k16<T>(c, a0, b0);
+    mma_m16n8k16<T>(c, a1, b1);
   };
   if (whole) {
     cp_async_wait<0>();  // every item (and the block's inputs) landed
     decode_trace(p, kDecodeTraceLanded);
-    // Every item is in shared memory, so only registers order the product: the steps unrolled by 4
-    // put four items' loads in flight before their mma, and an item's two mma go to two
-    // accumulators, summed at the end (the fused contract leaves the product's K order free).
-    // Rolled with one accumulator it was one chain of a load and two dependent mma an item, ~100
-    // cycles each (the stripe: 7 a warp).
-    float acc1[kMaxGroups][4] = {};
+    // Rolled, one accumulator: unrolled by 4 over two accumulators (c13a77b, undone) the phase from
+    // the items' landing to warp 0's last mma was no shorter in the pair instance (0.93–0.96 µs)
+    // and 0.2 µs longer in the 8-row one (session 29's timelines): the chain of dependent mma is
+    // not what this phase waits on.
 #pragma unroll
     for (int j = 0; j < kMaxGroups; ++j) {
       if (j < groups) {
-#pragma unroll 4
-        for (int s = 0; s < steps; ++s, ++item) multiply(acc[j], acc1[j], s);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(acc[j][e], acc1[j][e]);
+#pragma unroll 1
+        for (int s = 0; s < steps; ++s, ++item) multiply(acc[j], s);
       }
     }
   }
@@ -545,7 +540,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
       for (int s = 0; s < steps; ++s, ++item) {
         issue_next();
         cp_async_wait<kDepth - 1>();
-        multiply(acc[j], acc[j], s);
+        multiply(acc[j], s);
       }
     }
   }
