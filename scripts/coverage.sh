@@ -5,16 +5,12 @@
 # then the totals. CUDA code is not in this build. Usage: bash scripts/coverage.sh [extra ctest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh --tests
-if ! command -v gcovr >/dev/null; then
-  echo "coverage: installing gcovr (pip)" >&2
-  python3 -m pip install -q gcovr 2>/dev/null || python3 -m pip install -q --break-system-packages gcovr
-fi
+bash scripts/install-deps.sh --tests --coverage
 cmake --preset cpu-coverage >/dev/null
 cmake --build --preset cpu-coverage
 find build/cpu-coverage -name '*.gcda' -delete  # counts of this run only
 ctest --preset cpu-coverage --timeout 900 "$@"
-gcovr -r . build/cpu-coverage --filter 'src/' --filter 'apps/' --filter 'include/' \
+python3 -m gcovr -r . build/cpu-coverage --filter 'src/' --filter 'apps/' --filter 'include/' \
   --gcov-ignore-parse-errors=negative_hits.warn_once_per_file --print-summary \
   --txt build/cpu-coverage/coverage.txt --json-summary build/cpu-coverage/coverage.json
 cat build/cpu-coverage/coverage.txt

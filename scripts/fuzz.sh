@@ -8,7 +8,9 @@
 #        bench_json machine_rates; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-all_targets=(safetensors tier_table tier_policy bench_json machine_rates)
+# The targets as tests/CMakeLists.txt lists them (one list).
+read -ra all_targets <<<"$(sed -n 's/^set(LMOE_FUZZ_TARGETS \(.*\))$/\1/p' tests/CMakeLists.txt)"
+((${#all_targets[@]})) || { echo "fuzz: no set(LMOE_FUZZ_TARGETS ...) line in tests/CMakeLists.txt" >&2; exit 2; }
 seconds="${1:-60}"
 shift || true
 targets=("$@")
@@ -23,22 +25,8 @@ for target in "${targets[@]}"; do
     exit 2
   fi
 done
-bash scripts/install-deps.sh
-# clang 15 or newer: lmoe::Error takes a std::source_location, which libstdc++ builds on a builtin
-# that clang 14 lacks. Debian 12 and Ubuntu 24.04 both package clang-19 and its libFuzzer runtime.
-cxx=""
-for version in 20 19 18 17 16 15; do
-  if command -v "clang++-$version" >/dev/null; then cxx="clang++-$version"; break; fi
-done
-if [ -z "$cxx" ]; then
-  echo "fuzz: installing clang-19 and its libFuzzer runtime (Debian packages)" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang-19 libclang-rt-19-dev >/dev/null
-  cxx="clang++-19"
-fi
-CC="${cxx/clang++/clang}" CXX="$cxx" cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+bash scripts/install-deps.sh --fuzz  # clang 19 and libFuzzer (clang >= 15 needed: see there)
+CC=clang-19 CXX=clang++-19 cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DLMOE_WITH_CUDA=OFF -DLMOE_WITH_MPI=OFF -DLMOE_SANITIZE=address,undefined -DLMOE_FUZZ=ON >/dev/null
 cmake --build build/fuzz --target lmoe_fuzz_seeds "${targets[@]/#/lmoe_fuzz_}"
 ./build/fuzz/tests/lmoe_fuzz_seeds tests/data build/fuzz/seeds >/dev/null

@@ -1,47 +1,53 @@
 #!/usr/bin/env bash
-# Installs what lmoe needs to build and test (Debian/Ubuntu packages and numpy for the CLI tests);
-# with --tests also what only the test suite needs: a python3 with torch and safetensors for the
-# PyTorch baseline's test (tests/cli/test_torch_baseline.py; Debian's CPU build of torch).
+# Installs what lmoe needs to build and test (Debian/Ubuntu packages and numpy for the CLI tests).
+# Options add what only some scripts need:
+#   --tests     a python3 with torch and safetensors for the PyTorch baseline's test
+#               (tests/cli/test_torch_baseline.py; Debian's CPU build of torch)
+#   --fuzz      clang 19 and its libFuzzer runtime (scripts/fuzz.sh; clang 14 lacks the builtin that
+#               libstdc++'s std::source_location needs, and Debian 12 and Ubuntu 24.04 package 19)
+#   --coverage  gcovr (scripts/coverage.sh)
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libopenblas-dev libopenmpi-dev openmpi-bin libcli11-dev
-          nlohmann-json3-dev libgtest-dev libgmock-dev python3 python3-pip)
-missing=()
-for package in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
-done
-if ((${#missing[@]})); then
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+wants() { [[ " $options " == *" $1 "* ]]; }
+options="$*"
+
+# Debian packages not installed yet, in one apt-get run.
+apt_install() {
+  local missing=() package
+  for package in "$@"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+  done
+  ((${#missing[@]})) || return 0
   echo "install-deps: installing ${missing[*]}" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+}
 
-if ! python3 -c 'import numpy' 2>/dev/null; then
-  echo "install-deps: installing numpy (pip)" >&2
-  python3 -m pip install -q numpy 2>/dev/null || python3 -m pip install -q --break-system-packages numpy
-fi
+# A PyPI package for a python3, unless that python3 can import its module; where pip refuses to touch
+# a system python (PEP 668), installed beside the system's packages anyway.
+pip_install() {  # python, module, package
+  "$1" -c "import $2" 2>/dev/null && return 0
+  echo "install-deps: installing $3 for $1 (pip)" >&2
+  "$1" -m pip install -q "$3" 2>/dev/null || "$1" -m pip install -q --break-system-packages "$3"
+}
+
+apt_install cmake ninja-build g++ libopenblas-dev libopenmpi-dev openmpi-bin libcli11-dev \
+  nlohmann-json3-dev libgtest-dev libgmock-dev python3 python3-pip
+pip_install python3 numpy numpy
 
 # The PyTorch baseline's test runs with whichever python3 has torch (gloo) and safetensors; where none
 # has, Debian's CPU build of torch goes to the system python3 and safetensors from PyPI beside it.
-if [[ " $* " == *" --tests "* ]]; then
+if wants --tests; then
   has_torch() {
     "$1" -c 'import torch, torch.distributed as d, safetensors.torch; assert d.is_gloo_available()' 2>/dev/null
   }
   if ! has_torch python3 && ! has_torch /usr/bin/python3; then
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-      echo "install-deps: installing python3-torch (the PyTorch baseline's test)" >&2
-      $sudo apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
-    fi
-    if ! /usr/bin/python3 -c 'import safetensors' 2>/dev/null; then
-      echo "install-deps: installing safetensors for /usr/bin/python3 (pip)" >&2
-      $sudo /usr/bin/python3 -m pip install -q safetensors 2>/dev/null ||
-        $sudo /usr/bin/python3 -m pip install -q --break-system-packages safetensors
-    fi
+    /usr/bin/python3 -c 'import torch' 2>/dev/null || apt_install python3-torch
+    pip_install /usr/bin/python3 safetensors safetensors
   fi
 fi
+if wants --fuzz; then apt_install clang-19 libclang-rt-19-dev; fi
+if wants --coverage; then pip_install python3 gcovr gcovr; fi

@@ -1,5 +1,6 @@
 """The scripts around lmoe, run on lmoe's own output or on stubs (no GPU): plot_bench.py's data
-preparation, tail_timeline.py, gpu_check.sh's stripe and scaling stages, baseline_table.py.
+preparation, tail_timeline.py, gpu_check.sh's stripe and scaling stages, baseline_table.py, bench_ab.py,
+fuzz.sh's argument checks.
 Usage: test_scripts.py PATH_TO_LMOE"""
 
 import json
@@ -527,6 +528,30 @@ class BenchAbScript(unittest.TestCase):
                     self.assertNotEqual(result.returncode, 0)
                     self.assertIn(message, result.stderr)
                     self.assertNotIn("| bench |", result.stdout)
+
+
+class FuzzScript(unittest.TestCase):
+    """scripts/fuzz.sh refuses bad arguments before it installs or builds anything, and names the
+    targets tests/CMakeLists.txt lists."""
+
+    def run_script(self, *args):
+        return subprocess.run(["bash", os.path.join(ROOT, "scripts", "fuzz.sh"), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    def test_bad_arguments_are_refused_naming_what_is_allowed(self):
+        with open(os.path.join(ROOT, "tests", "CMakeLists.txt")) as f:
+            listed = next(line for line in f if line.startswith("set(LMOE_FUZZ_TARGETS "))
+        targets = listed[len("set(LMOE_FUZZ_TARGETS "):].strip().rstrip(")")
+        for args, message in [(["0"], "SECONDS must be a whole number > 0, got '0'"),
+                              (["ten"], "SECONDS must be a whole number > 0, got 'ten'"),
+                              (["5", "tier_table", "nosuch"], f"no target 'nosuch' (targets: {targets})")]:
+            with self.subTest(args=args):
+                result = self.run_script(*args)
+                self.assertEqual(result.returncode, 2, result.stderr)
+                self.assertIn(message, result.stderr)
+                self.assertNotIn("install-deps", result.stderr)
+                self.assertNotIn("fuzz: ", result.stdout)
+
 
 if __name__ == "__main__":
     cli_support.main()
