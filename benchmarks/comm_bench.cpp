@@ -26,9 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/bench_fill.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/device_buffer.hpp"
+#include "tools/cuda/bench_fill.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 

@@ -12,7 +12,7 @@
 #include <functional>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 
 namespace lmoe::bench {
 

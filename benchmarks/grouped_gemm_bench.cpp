@@ -31,11 +31,11 @@
 #include <vector>
 
 #include "core/fast_random.hpp"
-#include "cuda/cublaslt_gemm.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_device_info.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/grouped_gemm.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/cuda_device_info.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 #include "graph_timer.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/error.hpp"

@@ -32,11 +32,11 @@
 
 #include "core/fast_random.hpp"
 #include "graph_timer.hpp"
-#include "cpu/cpu_math.hpp"
-#include "cuda/cublaslt_gemm.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/launchers.hpp"
+#include "core/host_math.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/launchers.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tensor.hpp"
 

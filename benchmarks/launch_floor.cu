@@ -30,9 +30,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/hopper_async.cuh"
-#include "cuda/launch_config.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/hopper_async.cuh"
+#include "cuda/runtime/launch_config.hpp"
 #include "graph_timer.hpp"
 #include "lmoe/error.hpp"
 

@@ -26,9 +26,9 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/cublaslt_gemm.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/device_buffer.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 
 namespace {
 

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/device_buffer.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "graph_timer.hpp"
 #include "plain_read.cuh"
 

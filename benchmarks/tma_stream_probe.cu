@@ -39,10 +39,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/hopper_async.cuh"
-#include "cuda/tensor_map.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/runtime/hopper_async.cuh"
+#include "cuda/runtime/tensor_map.hpp"
 #include "graph_timer.hpp"
 #include "plain_read.cuh"
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/layer_runner.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
 
 namespace lmoe::testing {

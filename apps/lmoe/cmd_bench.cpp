@@ -12,11 +12,11 @@
 #include <memory>
 
 #include "common.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
-#include "lmoe/tail_bench.hpp"
-#include "lmoe/tail_floor.hpp"
+#include "lmoe/tools/tail_bench.hpp"
+#include "lmoe/tools/tail_floor.hpp"
 #include "progress.hpp"
 #include "sweep_options.hpp"
 #include "table.hpp"

@@ -5,7 +5,7 @@
 #include "common.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
-#include "lmoe/tail_floor.hpp"
+#include "lmoe/tools/tail_floor.hpp"
 #include "progress.hpp"
 #include "table.hpp"
 

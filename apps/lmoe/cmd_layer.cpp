@@ -11,11 +11,11 @@
 
 #include "core/env_flag.hpp"
 #include "common.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/layer_runner.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 #include "table.hpp"
 
 namespace lmoe::cli {

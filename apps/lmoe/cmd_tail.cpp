@@ -4,12 +4,12 @@
 #include <memory>
 
 #include "common.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/safetensors.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace lmoe::cli {
 

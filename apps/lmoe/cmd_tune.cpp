@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "common.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "progress.hpp"

@@ -10,7 +10,7 @@
 #include "lmoe/dims.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/tier_policy.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 #include "lmoe/version.hpp"
 
 namespace lmoe::cli {

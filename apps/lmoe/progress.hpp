@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "lmoe/tail_bench.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 
 namespace lmoe::cli {
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
-#include "lmoe/tail_bench.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 
 namespace lmoe::cli {
 

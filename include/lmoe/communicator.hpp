@@ -18,9 +18,6 @@
 
 namespace lmoe {
 
-// An opaque stream handle (cudaStream_t on CUDA backends); host communicators ignore it.
-using StreamHandle = void*;
-
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -3,10 +3,8 @@
 // directly (same device, plain pointers); every reduction is the contract's rank-order sum, so
 // results are bit-identical on every rank and equal to the host communicators'.
 //
-// Exists only in builds with the CUDA backend (LMOE_HAS_CUDA).
+// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every build.
 #pragma once
-
-#ifdef LMOE_HAS_CUDA
 
 #include <chrono>
 #include <functional>
@@ -30,5 +28,3 @@ void run_on_cuda_threads(int num_ranks, int device,
                          std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
 }  // namespace lmoe
-
-#endif  // LMOE_HAS_CUDA

@@ -10,57 +10,23 @@
 #include <string>
 #include <vector>
 
+#include "lmoe/backend.hpp"
+#include "lmoe/backend_registry.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
+#include "lmoe/fused_defaults.hpp"
+#include "lmoe/tail_options.hpp"
 #include "lmoe/tensor.hpp"
 #include "lmoe/tier.hpp"
 #include "lmoe/tier_policy.hpp"
 
 namespace lmoe {
 
-enum class Backend : std::uint8_t { cpu, cuda };
-std::string_view backend_name(Backend backend);
-Backend parse_backend(std::string_view name);
-// Whether this build and machine can run the backend (cuda: compiled in and a GPU present).
-bool backend_available(Backend backend);
-
-// The built-in breakpoints for `backend` on `ranks` ranks, on cuda, below kFusedDefaultMinRanks
-// ranks: fused_max_tokens becomes the fused kernels' measured range where they run (docs/fused.md)
-// and 0 where they do not (`decode_limit` says why: the general kernel measured slower than
-// `overlap` there). One rank: kFusedDefaultTp1ChainedTokens where the chained path runs
-// (`chained_limit` empty: the chained path from 1 row, the decode kernel not at all; at K3 dims on
-// an H200 with cold weights, `lmoe bench --cold-l2`, faster than `overlap` at every T it takes,
-// 1 … 128 — per tail in graphs of 8 layers 18.4 / 21.7 µs at T = 64, 19.7 / 22.5 at 96,
-// 20.0 / 23.8 at 128; as graph replays 22.6 / 23.0, 23.0 / 23.9 and 23.5 / 25.0; session 23 —
-// 64 from session 19 to 22, when it was slower above), else kFusedDefaultTp1Tokens (the decode
-// kernel alone: as fast as `overlap` at 6 tokens, faster below and slower from 8). Two to seven
-// ranks: kFusedDefaultChainedTokens where the chained path runs (`chained_limit` empty; K3 tp 2,
-// one rank per H200, cold weights: the decode kernel up to 4 tokens and the chained path from
-// 5, 22.1–38.1 µs at T = 1–64 against overlap's 32.6–38.4 and column's 31.0–40.1, slower from 96),
-// else kFusedDefaultDecodeTokens (the decode kernel: 24.8–27.6 µs against overlap's 32.0–32.7 at T
-// ≤ 16; the general kernel at 32 slower than overlap). From kFusedDefaultMinRanks the reference
-// system's 128 stays until eight GPUs measure it. Settings from a table, the environment or the
-// caller are kept. LatentTail applies it at construction; explain() names it as the setting's
-// origin.
-inline constexpr int kFusedDefaultMinRanks = 8;
-inline constexpr int kFusedDefaultTp1Tokens = 6;
-inline constexpr int kFusedDefaultTp1ChainedTokens = 128;
-inline constexpr int kFusedDefaultDecodeTokens = 16;
-inline constexpr int kFusedDefaultChainedTokens = 64;
-PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks,
-                                const std::optional<std::string>& decode_limit,
-                                const std::optional<std::string>& chained_limit);
-// The same, asking fused_decode_limit() and fused_chained_limit() for these dims, dtype and ranks
+// The built-in breakpoints (with_rank_defaults, fused_defaults.hpp), asking fused_decode_limit() and fused_chained_limit() for these dims, dtype and ranks
 // when it matters (cuda, fewer than kFusedDefaultMinRanks ranks, the built-in breakpoint); with
 // one rank and without the latent norm the chained path does not run.
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
                                 DType dtype, bool latent_norm = true);
-// Why the fused tier's decode kernel is turned off in this process (LMOE_FUSED_DECODE=0; read as a
-// flag, anything but 1/0, true/false, yes/no, on/off is an error naming it); nullopt when it is on.
-std::optional<std::string> fused_decode_turned_off();
-// The same for the chained path (LMOE_FUSED_CHAINED=0: the decode and general kernels take its
-// calls).
-std::optional<std::string> fused_chained_turned_off();
 // Why the fused tier's decode kernel cannot take the default calls (kFusedDefaultTp1Tokens rows at
 // one rank, kFusedDefaultDecodeTokens at several) over one rank's stripe of w_up (d / ranks rows)
 // at these dims and dtype on the current CUDA device with a block per SM (e.g. more than 8 groups
@@ -87,39 +53,9 @@ bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).
 TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);
 
-struct TailOptions {
-  TailDims dims;
-  float rms_norm_eps = 1e-5f;
-  // false: N = round(Σ_r routed_r), no RMSNorm (Nemotron 3 feeds the routed sum straight to its
-  // latent up-projection); norm_weight is then ignored. Both backends, every tier.
-  bool latent_norm = true;
-  DType dtype = DType::bf16;
-  Backend backend = Backend::cpu;
-  // Built-in defaults; load_policy_config(process_environment()) adds a table and the environment.
-  // A measured table (policy.table) must fit this tail: construction throws lmoe::Error when it was
-  // measured on another GPU or for other dims, dtype, tp, backend or comm (match_tier_table), and
-  // records a warning when only software versions differ (table_warnings()).
-  PolicyConfig policy;
-  // Before each forward, ranks exchange a fingerprint of the call (T, tier, configuration, local
-  // validation result) so that a rank with bad input or a different configuration makes every
-  // rank fail with the same error instead of leaving its peers waiting in a collective.
-  // Must be the same on every rank (it decides whether the exchange happens at all).
-  bool check_ranks_agree = true;
-  // The most tokens a forward may carry. > 0: workspaces are allocated once, at construction, and
-  // never move, which CUDA-graph capture requires (a larger T is an error). 0: they grow on demand
-  // (a grow waits for the stream), and forwards cannot be captured.
-  std::int64_t max_tokens = 0;
-};
 
 class TailExecutor;
 
-// A range of T that LatentTail::forward_device_tokens runs alike: every T in [min_tokens,
-// max_tokens] runs `tier` on max_tokens rows (the fused tier reads T itself and runs T rows).
-struct DeviceTokenBucket {
-  std::int64_t min_tokens = 0, max_tokens = 0;
-  std::optional<TailTier> tier;  // nullopt: no tier runs these T (a replay with one runs nothing and records an error)
-  std::string reason;            // why no tier (empty when one runs)
-};
 
 class LatentTail {
  public:

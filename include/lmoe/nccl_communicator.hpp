@@ -7,10 +7,8 @@
 // caller's stream and can be captured in a CUDA graph. No host wait is unbounded: NCCL runs
 // nonblocking, and every wait polls its state against a deadline, then aborts the group and throws.
 //
-// Exists only in builds with CUDA and NCCL (LMOE_HAS_NCCL).
+// Defined by builds with CUDA and NCCL; the declarations are the same in every build.
 #pragma once
-
-#ifdef LMOE_HAS_NCCL
 
 #include <chrono>
 #include <functional>
@@ -61,5 +59,3 @@ std::shared_ptr<Communicator> make_nccl_mpi_communicator(const NcclProcessOption
 std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOptions& options = {});
 
 }  // namespace lmoe
-
-#endif  // LMOE_HAS_NCCL

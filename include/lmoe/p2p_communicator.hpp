@@ -15,10 +15,8 @@
 // streams alive in the process fewer than CUDA_DEVICE_MAX_CONNECTIONS, and capture a forward only
 // after an eager call of the same T (docs/p2p.md). With one GPU per rank these hazards do not arise.
 //
-// Exists only in builds with the CUDA backend (LMOE_HAS_CUDA).
+// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every build.
 #pragma once
-
-#ifdef LMOE_HAS_CUDA
 
 #include <chrono>
 #include <cstddef>
@@ -79,5 +77,3 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
 std::shared_ptr<Communicator> make_p2p_mpi_communicator(const P2pOptions& options = {});
 
 }  // namespace lmoe
-
-#endif  // LMOE_HAS_CUDA

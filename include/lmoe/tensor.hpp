@@ -14,6 +14,9 @@ namespace lmoe {
 
 enum class MemorySpace : std::uint8_t { host, device };
 
+// An opaque stream handle (cudaStream_t on CUDA backends); host code ignores it.
+using StreamHandle = void*;
+
 // A row-major matrix [rows, cols] whose rows start `ld` elements apart (ld >= cols).
 // Strided views let a rank address its column stripe of a [T, d] tensor without a copy.
 template <typename Pointer>

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "comm/mpi_check.hpp"
-#include "comm/rank_order_reduce.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {

@@ -11,7 +11,7 @@
 
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
-#include "comm/rank_order_reduce.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "lmoe/latent_tail.hpp"
+#include "lmoe/tail_options.hpp"
 
 namespace lmoe {
 

@@ -7,8 +7,7 @@
 #include <string_view>
 #include <utility>
 
-#include "lmoe/communicator.hpp"
-#include "lmoe/latent_moe_layer.hpp"
+#include "lmoe/layer_options.hpp"
 #include "lmoe/router.hpp"
 #include "lmoe/tensor.hpp"
 

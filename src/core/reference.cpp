@@ -7,8 +7,8 @@
 #include <limits>
 #include <random>
 
-#include "comm/rank_order_reduce.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/rank_order_reduce.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {

@@ -1,12 +1,12 @@
 // Tier tables built into lmoe: which one holds for a running configuration. The tables themselves
 // are the files src/models/<model>/tier_tables/*.json, compiled in as text by src/CMakeLists.txt
 // (shipped_tier_tables() is generated there).
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tier_table.hpp"
 
 #include <vector>
 
 #include "lmoe/error.hpp"
-#include "lmoe/latent_tail.hpp"
+#include "lmoe/fused_defaults.hpp"
 
 namespace lmoe {
 

@@ -1,6 +1,6 @@
 #include "core/tail_executor.hpp"
 
-#include "comm/rank_order_reduce.hpp"
+#include "core/rank_order_reduce.hpp"
 
 namespace lmoe {
 

@@ -9,7 +9,7 @@
 
 #include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tier_table.hpp"
 
 namespace lmoe {
 

@@ -27,7 +27,7 @@
 #include "core/text_file.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tier_policy.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tier_table.hpp"
 
 namespace lmoe {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/tail_executor.hpp"
-#include "lmoe/latent_tail.hpp"
+#include "lmoe/tail_options.hpp"
 
 namespace lmoe {
 

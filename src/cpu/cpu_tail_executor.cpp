@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {

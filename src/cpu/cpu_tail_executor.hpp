@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "core/tail_executor.hpp"
+#include "lmoe/communicator.hpp"
 
 namespace lmoe {
 

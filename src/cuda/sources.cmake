@@ -1,39 +1,38 @@
-# The CUDA backend's sources, added to lmoe_core (included from src/CMakeLists.txt).
-target_sources(lmoe_core PRIVATE
-  ${CMAKE_CURRENT_LIST_DIR}/launchers.cu
-  ${CMAKE_CURRENT_LIST_DIR}/cublaslt_gemm.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_communicator.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/p2p_launch.cu
-  ${CMAKE_CURRENT_LIST_DIR}/fused_tail.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/fused_tail_launch.cu
-  ${CMAKE_CURRENT_LIST_DIR}/fused_decode_launch.cu
-  ${CMAKE_CURRENT_LIST_DIR}/fused_chained_launch.cu
-  ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_group.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_communicator.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/../comm/p2p_process.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_executor.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/token_switch.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/token_switch_select.cu
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_runner.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_tail_bench.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_device_info.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/bench_fill.cu
-  ${CMAKE_CURRENT_LIST_DIR}/l2_evict.cu
-  ${CMAKE_CURRENT_LIST_DIR}/layer_kernels.cu
-  ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm.cu
-  ${CMAKE_CURRENT_LIST_DIR}/tensor_map.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_executor.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/cuda_layer_runner.cpp
+# lmoe_cuda: the CUDA backend (included from src/CMakeLists.txt with LMOE_WITH_CUDA), one folder per
+# concern: runtime/ (checks, buffers, device info), comm/ (cuda-threads, NCCL, P2P), tail/ (the
+# executor and its elementwise and norm kernels), fused/ (the fused tier), gemm/, layer/.
+set(lmoe_cuda_dir ${CMAKE_CURRENT_LIST_DIR})
+add_library(lmoe_cuda STATIC
+  ${lmoe_cuda_dir}/cuda_backend.cpp
+  ${lmoe_cuda_dir}/runtime/cuda_device_info.cpp
+  ${lmoe_cuda_dir}/runtime/tensor_map.cpp
+  ${lmoe_cuda_dir}/comm/cuda_communicator.cpp
+  ${lmoe_cuda_dir}/comm/p2p_launch.cu
+  ${lmoe_cuda_dir}/comm/p2p_group.cpp
+  ${lmoe_cuda_dir}/comm/p2p_communicator.cpp
+  ${lmoe_cuda_dir}/comm/p2p_process.cpp
+  ${lmoe_cuda_dir}/tail/launchers.cu
+  ${lmoe_cuda_dir}/tail/cuda_tail_executor.cpp
+  ${lmoe_cuda_dir}/tail/token_switch.cpp
+  ${lmoe_cuda_dir}/tail/token_switch_select.cu
+  ${lmoe_cuda_dir}/fused/fused_tail.cpp
+  ${lmoe_cuda_dir}/fused/fused_tail_launch.cu
+  ${lmoe_cuda_dir}/fused/fused_decode_launch.cu
+  ${lmoe_cuda_dir}/fused/fused_chained_launch.cu
+  ${lmoe_cuda_dir}/gemm/cublaslt_gemm.cpp
+  ${lmoe_cuda_dir}/gemm/grouped_gemm.cu
+  ${lmoe_cuda_dir}/layer/layer_kernels.cu
+  ${lmoe_cuda_dir}/layer/cuda_layer_executor.cpp
 )
-target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_CUDA=1)
-target_link_libraries(lmoe_core PUBLIC CUDA::cudart PRIVATE CUDA::cublasLt)
+target_compile_definitions(lmoe_cuda PUBLIC LMOE_HAS_CUDA=1)
+target_link_libraries(lmoe_cuda PUBLIC lmoe_comm CUDA::cudart PRIVATE CUDA::cublasLt)
 
 # The nccl communicator (cmake/nccl.cmake found NCCL).
 if(LMOE_HAS_NCCL)
-  target_sources(lmoe_core PRIVATE
-    ${PROJECT_SOURCE_DIR}/src/comm/nccl_group.cpp
-    ${PROJECT_SOURCE_DIR}/src/comm/nccl_communicator.cpp
+  target_sources(lmoe_cuda PRIVATE
+    ${lmoe_cuda_dir}/comm/nccl_group.cpp
+    ${lmoe_cuda_dir}/comm/nccl_communicator.cpp
   )
-  target_compile_definitions(lmoe_core PUBLIC LMOE_HAS_NCCL=1)
-  target_link_libraries(lmoe_core PRIVATE lmoe::nccl)
+  target_compile_definitions(lmoe_cuda PUBLIC LMOE_HAS_NCCL=1)
+  target_link_libraries(lmoe_cuda PRIVATE lmoe::nccl)
 endif()

@@ -20,17 +20,17 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/fused_tail.hpp"
-#include "cuda/launchers.hpp"
+#include "core/host_math.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/fused/fused_tail.hpp"
+#include "cuda/tail/launchers.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/threads_communicator.hpp"
 
 namespace lmoe_fused_test {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_tail_executor.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/dtype.hpp"
 
 // Skips the test (with the reason) where no CUDA GPU is visible, as on the CI machine.

@@ -11,11 +11,11 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
-#include "cuda/cublaslt_gemm.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_tail_executor.hpp"
-#include "cuda/device_buffer.hpp"
+#include "core/host_math.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {

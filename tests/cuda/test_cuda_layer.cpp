@@ -23,17 +23,17 @@
 #include <random>
 
 #include "core/router_weight_split.hpp"
-#include "cpu/cpu_math.hpp"
-#include "cuda/cuda_layer_executor.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/layer_kernels.hpp"
+#include "core/host_math.hpp"
+#include "cuda/layer/cuda_layer_executor.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/layer/layer_kernels.hpp"
 #include "gpu_test_support.hpp"
 #include "layer_checks.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_moe_layer.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/layer_runner.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/router.hpp"
 

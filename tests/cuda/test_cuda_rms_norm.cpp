@@ -15,11 +15,11 @@
 
 #include "gpu_test_support.hpp"
 #include "core/fast_random.hpp"
-#include "cpu/cpu_math.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/cuda_tail_executor.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/launchers.hpp"
+#include "core/host_math.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/launchers.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {

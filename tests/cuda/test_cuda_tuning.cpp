@@ -8,11 +8,11 @@
 #include <regex>
 
 #include "gpu_test_support.hpp"
-#include "cuda/cuda_tail_executor.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 
 namespace {
 

@@ -18,18 +18,18 @@
 #include <string>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
-#include "cuda/device_buffer.hpp"
-#include "cuda/launchers.hpp"
-#include "cuda/owned_stream.hpp"
+#include "core/host_math.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/launchers.hpp"
+#include "cuda/runtime/owned_stream.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_bench.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 #ifdef LMOE_HAS_NCCL
-#include "comm/nccl_settings.hpp"
+#include "cuda/comm/nccl_settings.hpp"
 #endif
 
 namespace {

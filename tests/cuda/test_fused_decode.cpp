@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/fused_decode_launch.hpp"
+#include "cuda/fused/fused_decode_launch.hpp"
 #include "fused_test_support.hpp"
 
 namespace {

@@ -13,15 +13,15 @@
 #include <vector>
 
 #include "gpu_test_support.hpp"
-#include "comm/rank_order_reduce.hpp"
-#include "cuda/cuda_tail_executor.hpp"
-#include "cuda/device_buffer.hpp"
+#include "core/rank_order_reduce.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace {
 

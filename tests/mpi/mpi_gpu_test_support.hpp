@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "cuda/device_buffer.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace mpi_test {
 

@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "comm/rank_order_reduce.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/rank_order_reduce.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace {
 

@@ -21,17 +21,17 @@
 #include <string>
 #include <thread>
 
-#include "comm/rank_order_reduce.hpp"
-#include "cpu/cpu_math.hpp"
-#include "cuda/cuda_tail_executor.hpp"
-#include "cuda/device_buffer.hpp"
+#include "core/rank_order_reduce.hpp"
+#include "core/host_math.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/gpu_test_support.hpp"
 #include "mpi/mpi_gpu_test_support.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace {
 

@@ -8,10 +8,10 @@
 #include <cstring>
 #include <set>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/threads_communicator.hpp"
 
 namespace {

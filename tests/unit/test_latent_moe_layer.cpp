@@ -15,11 +15,11 @@
 #include <iostream>
 #include <map>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "layer_checks.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/layer_runner.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/threads_communicator.hpp"
 

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "comm/nccl_settings.hpp"
+#include "cuda/comm/nccl_settings.hpp"
 
 TEST(NcclSettings, DeviceTokensRunOnlyWhenNcclReadGraphMixingZero) {
   EXPECT_FALSE(lmoe::nccl_device_tokens_refusal(std::string("0")).has_value());

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "lmoe/error.hpp"
-#include "lmoe/tail_bench.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tail_bench.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 #include "lmoe/version.hpp"
 #include "tier_table_files.hpp"
 

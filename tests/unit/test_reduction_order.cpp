@@ -12,10 +12,10 @@
 #include <memory>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tail_runner.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/threads_communicator.hpp"
 
 namespace {

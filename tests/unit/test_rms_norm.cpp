@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tensor.hpp"
 

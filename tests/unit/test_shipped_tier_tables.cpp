@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "lmoe/tier_policy.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 #include "tier_table_files.hpp"
 
 namespace {

@@ -8,10 +8,10 @@
 #include <set>
 #include <vector>
 
-#include "core/bench_rank.hpp"
-#include "core/bench_values.hpp"
+#include "tools/bench_rank.hpp"
+#include "tools/bench_values.hpp"
 #include "lmoe/error.hpp"
-#include "lmoe/tail_bench.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 
 namespace {
 

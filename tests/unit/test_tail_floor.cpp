@@ -1,6 +1,6 @@
 // Floors of the tail's tiers (lmoe/tail_floor.hpp): the bytes and FLOPs of DESIGN.md §2 over a
 // machine's rates, the rates lmoe knows and parses, and where a record's floor means nothing.
-#include "lmoe/tail_floor.hpp"
+#include "lmoe/tools/tail_floor.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "lmoe/error.hpp"
-#include "lmoe/tail_bench.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm/rank_order_reduce.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 

@@ -5,7 +5,7 @@
 // read and matched against a configuration, their precedence against the environment (breakpoint
 // variables set the ranges aside), explain() citing them, the check of a policy against a sweep,
 // and `tune` on the CPU backend at small dims.
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/validation.hpp"
-#include "cpu/cpu_math.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"

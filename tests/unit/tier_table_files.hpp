@@ -13,7 +13,7 @@
 #include <string>
 
 #include "lmoe/tier_policy.hpp"
-#include "lmoe/tier_tuning.hpp"
+#include "lmoe/tools/tier_tuning.hpp"
 
 namespace lmoe_test {
 

@@ -1,0 +1,120 @@
+# The dependency rule between lmoe's layers (docs/architecture.md), checked on every configure:
+# each `#include "..."` of a project header must name a header of the file's own layer or of a
+# layer below it. A violation stops the configure, naming the file, the line and the rule.
+#
+# Included from the top-level CMakeLists.txt, or run alone on any tree:
+#   cmake -DLMOE_SOURCE_DIR=/path/to/tree -P cmake/check_layers.cmake
+
+cmake_policy(VERSION 3.25)
+if(NOT LMOE_SOURCE_DIR)
+  set(LMOE_SOURCE_DIR ${PROJECT_SOURCE_DIR})
+endif()
+
+# Layers, lowest first. A layer may include its own headers and those of the layers it lists.
+set(lmoe_layers core comm cpu cuda runtime tools)
+set(lmoe_layer_core_uses core)
+set(lmoe_layer_comm_uses core comm)
+set(lmoe_layer_cpu_uses core comm cpu)
+set(lmoe_layer_cuda_uses core comm cuda)
+set(lmoe_layer_runtime_uses core comm cpu cuda runtime)
+set(lmoe_layer_tools_uses core comm cpu cuda runtime tools)
+
+# Where each layer's sources live, and the internal include prefixes (relative to src/) they own.
+set(lmoe_layer_core_dirs src/core src/models)
+set(lmoe_layer_core_prefixes core/ models/)
+set(lmoe_layer_comm_dirs src/comm)
+set(lmoe_layer_comm_prefixes comm/)
+set(lmoe_layer_cpu_dirs src/cpu)
+set(lmoe_layer_cpu_prefixes cpu/)
+set(lmoe_layer_cuda_dirs src/cuda)
+set(lmoe_layer_cuda_prefixes cuda/)
+set(lmoe_layer_runtime_dirs src/runtime)
+set(lmoe_layer_runtime_prefixes runtime/)
+set(lmoe_layer_tools_dirs src/tools)
+set(lmoe_layer_tools_prefixes tools/ lmoe/tools/)
+
+# Public headers (include/lmoe/) of the layers above core; every other public header is core's.
+set(lmoe_layer_comm_public communicator.hpp threads_communicator.hpp mpi_communicator.hpp)
+set(lmoe_layer_cuda_public cuda_communicator.hpp nccl_communicator.hpp p2p_communicator.hpp)
+set(lmoe_layer_runtime_public latent_tail.hpp latent_moe_layer.hpp comm_group.hpp backend_registry.hpp)
+
+# The layer that owns an included path, in `out` (empty: not a project header, e.g. <cuda.h>).
+function(lmoe_owner_of path out)
+  set(owner "")
+  if(path MATCHES "^lmoe/tools/")
+    set(owner tools)
+  elseif(path MATCHES "^lmoe/([^/]+)$")
+    set(name ${CMAKE_MATCH_1})
+    set(owner core)
+    foreach(layer IN ITEMS comm cuda runtime)
+      if(name IN_LIST lmoe_layer_${layer}_public)
+        set(owner ${layer})
+      endif()
+    endforeach()
+  else()
+    foreach(layer IN LISTS lmoe_layers)
+      foreach(prefix IN LISTS lmoe_layer_${layer}_prefixes)
+        string(FIND "${path}" "${prefix}" at)
+        if(at EQUAL 0)
+          set(owner ${layer})
+        endif()
+      endforeach()
+    endforeach()
+  endif()
+  set(${out} "${owner}" PARENT_SCOPE)
+endfunction()
+
+# Checks the files `files` of `layer`; appends "file:line: message" entries to `violations`.
+function(lmoe_check_files layer files violations)
+  set(found ${${violations}})
+  foreach(file IN LISTS files)
+    file(STRINGS ${file} lines REGEX "^[ \t]*#[ \t]*include[ \t]+\"")
+    foreach(line IN LISTS lines)
+      string(REGEX MATCH "\"([^\"]+)\"" quoted "${line}")
+      set(path ${CMAKE_MATCH_1})
+      lmoe_owner_of("${path}" owner)
+      if(owner AND NOT owner IN_LIST lmoe_layer_${layer}_uses)
+        file(RELATIVE_PATH shown ${LMOE_SOURCE_DIR} ${file})
+        list(JOIN lmoe_layer_${layer}_uses ", " uses)
+        list(APPEND found "${shown} (layer ${layer}) includes \"${path}\" of layer ${owner}; ${layer} may use ${uses}")
+      endif()
+    endforeach()
+  endforeach()
+  set(${violations} ${found} PARENT_SCOPE)
+endfunction()
+
+set(lmoe_layer_violations "")
+foreach(layer IN LISTS lmoe_layers)
+  set(files "")
+  foreach(dir IN LISTS lmoe_layer_${layer}_dirs)
+    file(GLOB_RECURSE found ${LMOE_SOURCE_DIR}/${dir}/*.cpp ${LMOE_SOURCE_DIR}/${dir}/*.hpp
+         ${LMOE_SOURCE_DIR}/${dir}/*.cu ${LMOE_SOURCE_DIR}/${dir}/*.cuh)
+    list(APPEND files ${found})
+  endforeach()
+  # Public headers count as their owner's files.
+  file(GLOB public RELATIVE ${LMOE_SOURCE_DIR}/include/lmoe ${LMOE_SOURCE_DIR}/include/lmoe/*.hpp)
+  foreach(name IN LISTS public)
+    lmoe_owner_of("lmoe/${name}" owner)
+    if(owner STREQUAL layer)
+      list(APPEND files ${LMOE_SOURCE_DIR}/include/lmoe/${name})
+    endif()
+  endforeach()
+  lmoe_check_files(${layer} "${files}" lmoe_layer_violations)
+endforeach()
+
+# No backend switch where the rule says every build sees the same code.
+foreach(dir IN ITEMS src/core src/models src/runtime include/lmoe)
+  file(GLOB_RECURSE found ${LMOE_SOURCE_DIR}/${dir}/*.cpp ${LMOE_SOURCE_DIR}/${dir}/*.hpp)
+  foreach(file IN LISTS found)
+    file(STRINGS ${file} lines REGEX "LMOE_HAS_CUDA|LMOE_HAS_NCCL")
+    if(lines)
+      file(RELATIVE_PATH shown ${LMOE_SOURCE_DIR} ${file})
+      list(APPEND lmoe_layer_violations "${shown} switches on the backend (LMOE_HAS_CUDA or LMOE_HAS_NCCL), but core, runtime and public headers are the same in every build")
+    endif()
+  endforeach()
+endforeach()
+
+if(lmoe_layer_violations)
+  list(JOIN lmoe_layer_violations "\n  " text)
+  message(FATAL_ERROR "lmoe: includes against the layer rule (docs/architecture.md):\n  ${text}")
+endif()

@@ -1,0 +1,140 @@
+#include "cuda/comm/p2p_group.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "cuda/runtime/cuda_check.hpp"
+#include "lmoe/error.hpp"
+
+namespace lmoe {
+
+namespace {
+
+constexpr std::size_t kDefaultRoundBytes = std::size_t{32} << 20;
+
+std::chrono::milliseconds default_timeout() {
+  if (const char* value = std::getenv("LMOE_P2P_TIMEOUT_MS")) {
+    char* end = nullptr;
+    const long long ms = std::strtoll(value, &end, 10);
+    LMOE_CHECK(end != value && *end == '\0' && ms > 0,
+               std::string("LMOE_P2P_TIMEOUT_MS: expected a positive number of milliseconds, got '") + value + "'");
+    return std::chrono::milliseconds(ms);
+  }
+  return std::chrono::seconds(10);
+}
+
+std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
+
+P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu) {
+  P2pLayout layout;
+  layout.blocks = options.blocks ? options.blocks : (shared_gpu ? 16 : cuda::kP2pMaxBlocks);
+  LMOE_CHECK(layout.blocks >= 1 && layout.blocks <= cuda::kP2pMaxBlocks,
+             "p2p: blocks must be in [1, " + std::to_string(cuda::kP2pMaxBlocks) + "], got " +
+                 std::to_string(layout.blocks));
+  // Each block stages into its own region of block_bytes (a multiple of 256, so every region is
+  // aligned for vectors and holds a whole number of 8-element slices in every dtype).
+  const std::size_t round_bytes = options.round_bytes ? options.round_bytes : kDefaultRoundBytes;
+  layout.block_bytes =
+      std::max<std::size_t>(256, round_bytes / static_cast<std::size_t>(layout.blocks) / 256 * 256);
+  layout.timeout = options.timeout.count() > 0 ? options.timeout : default_timeout();
+  return layout;
+}
+
+std::size_t p2p_flags_bytes() { return round_up_256(sizeof(cuda::P2pFlags)); }
+
+std::size_t p2p_workspace_bytes(const P2pLayout& layout) {
+  return p2p_flags_bytes() + 2 * static_cast<std::size_t>(layout.blocks) * layout.block_bytes;
+}
+
+int P2pGroup::ranks_on_gpu_of(int rank) const {
+  return static_cast<int>(std::count(gpu_ids_.begin(), gpu_ids_.end(), gpu_ids_[static_cast<std::size_t>(rank)]));
+}
+
+cuda::P2pDeviceHandle P2pGroup::handle(int rank) const {
+  cuda::P2pDeviceHandle h{};
+  h.rank = rank;
+  h.size = size_;
+  h.block_bytes = static_cast<std::int64_t>(layout_.block_bytes);
+  h.max_blocks = layout_.blocks;
+  for (int r = 0; r < size_; ++r) {
+    h.data[r] = data_[static_cast<std::size_t>(r)];
+    h.flags[r] = flags_[static_cast<std::size_t>(r)];
+  }
+  h.status = &mapped_device_->status[rank];
+  h.abort_flag = &mapped_device_->abort_flag;
+  h.timeout_ns = static_cast<std::uint64_t>(layout_.timeout.count()) * 1000000ull;
+  return h;
+}
+
+// "rank r: entered/completed" per block, from the flags in device memory (read once the rounds have
+// stopped, which a raised abort flag ensures). A stalled rank whose blocks never entered the round
+// was not running at all (queued behind other work, or not resident); one that entered but did not
+// complete was waiting. Then, for the block of the first timeout, the arrival each rank holds from
+// every peer: a peer that completed the round while a rank still holds an older arrival from it
+// points at the flags' visibility, not at scheduling. Ranks of other processes are read through
+// their IPC mappings from this process's device.
+std::string P2pGroup::block_progress() {
+  std::string text;
+  int timed_out_block = -1;
+  for (int r = 0; r < size_ && timed_out_block < 0; ++r) {
+    if (mapped_->status[r].code == cuda::kP2pTimeout) timed_out_block = mapped_->status[r].block;
+  }
+  const auto local = std::find_if(devices_.begin(), devices_.end(), [](int device) { return device >= 0; });
+  if (local == devices_.end()) return "";
+  std::vector<cuda::P2pFlags> flags(static_cast<std::size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    const int device = devices_[static_cast<std::size_t>(r)] >= 0 ? devices_[static_cast<std::size_t>(r)] : *local;
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaMemcpy(&flags[r], flags_[static_cast<std::size_t>(r)], sizeof(cuda::P2pFlags), cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return "";
+    }
+    text += "; rank " + std::to_string(r) + " blocks entered/completed:";
+    for (int b = 0; b < layout_.blocks; ++b) {
+      text += " " + std::to_string(flags[r].entered[b]) + "/" + std::to_string(flags[r].epoch[b]);
+    }
+  }
+  if (timed_out_block >= 0 && timed_out_block < layout_.blocks) {
+    text += "; arrivals held for block " + std::to_string(timed_out_block) + " (from rank 0 … " +
+            std::to_string(size_ - 1) + "):";
+    for (int r = 0; r < size_; ++r) {
+      text += " rank " + std::to_string(r) + " [";
+      for (int peer = 0; peer < size_; ++peer) {
+        text += (peer ? " " : "") + std::to_string(flags[r].arrive[timed_out_block][peer]);
+      }
+      text += "]";
+    }
+  }
+  return text;
+}
+
+void P2pGroup::raise_abort() { reinterpret_cast<volatile std::int32_t&>(mapped_->abort_flag) = 1; }
+
+std::string P2pGroup::device_failure() const {
+  std::string aborted;
+  for (int r = 0; r < size_; ++r) {
+    const volatile cuda::P2pStatus& s = mapped_->status[r];
+    switch (s.code) {
+      case cuda::kP2pTimeout:
+        return "p2p: rank " + std::to_string(r) + " waited more than " + std::to_string(layout_.timeout.count()) +
+               " ms for rank " + std::to_string(s.peer) + " (round " + std::to_string(s.round) + ", block " +
+               std::to_string(s.block) + "); the peer is stalled or never issued the same collective";
+      case cuda::kP2pConcurrentUse:
+        return "p2p: rank " + std::to_string(r) +
+               " ran two collectives at the same time on one workspace (issue them in one order, or "
+               "order the streams with events)";
+      case cuda::kP2pAborted:
+        if (aborted.empty()) aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
+        break;
+      default: break;
+    }
+  }
+  return aborted;
+}
+
+}  // namespace lmoe

@@ -1,0 +1,675 @@
+#include "cuda/fused/fused_tail.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "cuda/comm/p2p_peer_access.hpp"
+#include "core/env_flag.hpp"
+#include "cuda/runtime/alignment.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/fused/fused_decode_launch.hpp"
+#include "cuda/fused/fused_tail_launch.hpp"
+#include "cuda/runtime/rank_device.hpp"
+#include "lmoe/error.hpp"
+#include "lmoe/fused_defaults.hpp"
+
+namespace lmoe::cuda {
+
+namespace {
+
+std::int64_t align256(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Work items of the stripe product: tiles of kFusedTileCols columns, each split over at most
+// this many ranges of K (at least 4 chunks of kFusedTileK per split keep the cp.async pipeline full).
+std::int64_t max_splits(std::int64_t l) {
+  const std::int64_t chunks = (l + kFusedTileK - 1) / kFusedTileK;
+  return std::max<std::int64_t>(1, chunks / 4);
+}
+
+// Compute 9.0, where the chained path's wgmma runs.
+bool device_is_compute_90(int device) {
+  int major = 0, minor = 0;
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+}  // namespace
+
+std::optional<std::string> FusedTail::problem_limit(TailDims dims, DType dtype, int tp) {
+  if (dtype != DType::bf16 && dtype != DType::f16) {
+    return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(dtype));
+  }
+  if (tp > kP2pMaxRanks) {
+    return "tp=" + std::to_string(tp) + " > " + std::to_string(kP2pMaxRanks) + " (fused's workspace)";
+  }
+  if (dims.d_model % (8 * tp) != 0) {
+    return "d_model % (8·tp) != 0 (fused needs whole 8-column tiles per rank's stripe): d_model=" +
+           std::to_string(dims.d_model) + ", tp=" + std::to_string(tp);
+  }
+  if (dims.d_latent % 16 != 0) {
+    return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" + std::to_string(dims.d_latent);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims dims, DType dtype) {
+  const int tp = comm.size();
+  if (auto limit = problem_limit(dims, dtype, tp)) return limit;
+  if (comm.memory_space() != MemorySpace::device) return "fused needs a device communicator";
+  if (tp > 1 && dynamic_cast<P2pPeerAccess*>(&comm) == nullptr) {
+    return "fused with tp > 1 reads the peers' workspaces directly, which needs the p2p communicator (this one is '" +
+           std::string(comm.backend_name()) + "')";
+  }
+  return std::nullopt;
+}
+
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
+                     const float* gamma, std::int64_t max_tokens)
+    : comm_(comm), dtype_(dtype) {
+  if (auto reason = unavailable(comm, dims, dtype)) throw Error(*reason);
+  const int tp = comm.size();
+  peers_ = tp > 1 ? dynamic_cast<P2pPeerAccess*>(&comm) : nullptr;
+  capacity_ = max_tokens > 0 ? std::min(max_tokens, kFusedMaxTokens) : kFusedMaxTokens;
+  const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype));
+
+  // Everything below is per device (kernel attributes, occupancy, the workspace): the rank's own
+  // GPU, whatever the calling thread had current.
+  const int device = make_rank_device_current(comm);
+  int sms = 0;
+  for (const auto& [name, pointer] : {std::pair{"w_up's stripe", w_stripe},
+                                      std::pair{"gamma", static_cast<const void*>(gamma)}}) {
+    cudaPointerAttributes attributes{};
+    if (pointer != nullptr && cudaPointerGetAttributes(&attributes, pointer) == cudaSuccess &&
+        attributes.type == cudaMemoryTypeDevice && attributes.device != device) {
+      throw Error(std::string("fused: ") + name + " is on GPU " +
+                  std::to_string(attributes.device) + ", this rank runs on GPU " +
+                  std::to_string(device));
+    }
+    (void)cudaGetLastError();  // a pointer the runtime does not know is the caller's business
+  }
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
+  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(capacity_, dtype, &per_sm));
+  LMOE_CHECK(per_sm >= 1, "fused: the kernel does not fit on an SM");
+  // Every block of every rank on this GPU must be resident at once: blocks wait for each other.
+  // Ranks sharing a GPU leave one block slot per SM free (when there are several), so that a
+  // peer's other work on the GPU (a copy, a memset) cannot keep a rank's last blocks out.
+  const int sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
+  const int slots = sharing > 1 ? std::max(1, per_sm - 1) : per_sm;
+  // As many blocks as fit, up to one per work item when every tile takes the most splits; the
+  // splits then fill the grid (a narrow stripe spreads over every SM by splitting K).
+  const std::int64_t col_tiles = (stripe + kFusedTileCols - 1) / kFusedTileCols;
+  const std::int64_t most_splits = max_splits(l);
+  int grid = static_cast<int>(std::clamp<std::int64_t>(
+      std::min<std::int64_t>(col_tiles * most_splits, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
+  const auto splits_for = [&](int blocks) { return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits); };
+
+  // Workspace: flags; the regions the peers read or write, laid out alike on every rank (from
+  // capacity, d, l, tp and the dtype only: a peer addresses them with this rank's offsets): per
+  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity the decode kernel's
+  // exchange, a slot per sending rank of its latent rows, its columns of this rank's stripe of
+  // `shared` and its output stripe as LL lines (4 bytes per element, cuda/fused_ll.cuh; K3 at tp 2:
+  // 2.8 MB, at tp 16: 9.2 MB); then this rank's own: N, its stripe of the shared sum (tp > 1), the
+  // tiles' split counters and fp32 partials (sized by this rank's grid, so they come last).
+  params_.routed_offset = align256(sizeof(FusedFlags));
+  params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
+  params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
+  params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
+  params_.ll_latent_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  if (tp > 1) {
+    const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
+    params_.ll_rows = rows;
+    params_.ll_shared_offset = params_.ll_latent_offset + align256(tp * rows * l * line_bytes);
+    params_.ll_stripe_offset = params_.ll_shared_offset + align256(tp * rows * stripe * line_bytes);
+    params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
+                              params_.ll_latent_offset;
+  }
+  // Then (tp > 1, where the chained path may run: compute 9.0, not turned off) per parity the
+  // chained path's exchange as LL lines (cuda/fused_chained_exchange.cuh; K3 at 128 rows: ~11 MB).
+  params_.cx_latent_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  if (tp > 1 && !fused_chained_turned_off() && device_is_compute_90(device)) {
+    const std::int64_t rows = std::min(kFusedChainedMaxTokens, capacity_), line_bytes = 4;
+    params_.cx_rows = rows;
+    params_.cx_owner_rows = (rows + tp - 1) / tp;
+    params_.cx_normed_offset =
+        params_.cx_latent_offset + align256(tp * params_.cx_owner_rows * l * line_bytes);
+    params_.cx_shared_offset = params_.cx_normed_offset + align256(rows * l * line_bytes);
+    params_.cx_out_offset = params_.cx_shared_offset + align256(tp * rows * stripe * line_bytes);
+    params_.cx_parity_bytes = params_.cx_out_offset + align256(tp * rows * stripe * line_bytes) -
+                              params_.cx_latent_offset;
+  }
+  params_.normed_offset = params_.cx_latent_offset + 2 * params_.cx_parity_bytes;
+  // The partials are sized for this rank's grid: the agreed grid is no larger, so its splits are
+  // no more. With one rank the epilogue reads `shared` itself: no shared-sum stripe.
+  params_.shared_sum_offset = params_.normed_offset + align256(capacity_ * l * esize);
+  params_.tile_arrived_offset =
+      params_.shared_sum_offset + (tp > 1 ? align256(capacity_ * stripe * esize) : 0);
+  params_.partials_offset = params_.tile_arrived_offset +
+                            align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
+  const std::int64_t local_splits = splits_for(grid);
+  const std::int64_t partial_bytes = local_splits > 1
+                                         ? col_tiles * local_splits * capacity_ * kFusedTileCols *
+                                               static_cast<std::int64_t>(sizeof(float))
+                                         : 0;
+  const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
+  if (peers_) {
+    // Every rank's workspace as this rank's kernel addresses it (a peer's pointer between threads,
+    // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
+    shared_workspace_ = peers_->share_buffer(static_cast<std::size_t>(bytes));
+    for (int r = 0; r < tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
+    // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
+    // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
+    // which its odd epochs never are). Before the collective below, so before any peer's call.
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.ll_latent_offset, 0x01,
+                               static_cast<std::size_t>(params_.ll_parity_bytes)));
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.cx_latent_offset, 0x01,
+                               static_cast<std::size_t>(params_.cx_parity_bytes)));
+    LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  } else {
+    workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
+    LMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, workspace_.bytes()));
+    LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before the first call
+    params_.workspace[0] = static_cast<std::byte*>(workspace_.data());
+  }
+
+  params_.rank = comm.rank();
+  params_.tp = tp;
+  params_.d = d;
+  params_.l = l;
+  params_.stripe = stripe;
+  params_.w_stripe = w_stripe;
+  params_.gamma = gamma;
+  params_.eps = eps;
+  params_.latent_norm = latent_norm;
+  params_.capacity = capacity_;
+  // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
+  // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
+  params_.prefetch_weights = stripe * l * esize <= (std::int64_t{32} << 20);
+  if (peers_) {
+    // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
+    // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
+    const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
+    comm.control_all_gather(mine, all.data(), sizeof(mine));
+    for (int r = 0; r < tp; ++r) {
+      const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
+      if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
+        throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
+                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm.rank()) +
+                    "'s " + std::to_string(capacity_) +
+                    " (max_tokens must be the same on every rank)");
+      }
+      grid = std::min(grid, static_cast<int>(theirs[0]));
+    }
+    const P2pDeviceHandle h = peers_->device_handle();
+    params_.status = h.status;
+    params_.abort_flag = h.abort_flag;
+    params_.timeout_ns = h.timeout_ns;
+  } else {
+    void* mapped = nullptr;
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
+    std::memset(mapped, 0, sizeof(P2pStatus) + sizeof(std::int32_t));
+    own_status_ = static_cast<P2pStatus*>(mapped);
+    own_abort_ = reinterpret_cast<std::int32_t*>(own_status_ + 1);
+    params_.status = own_status_;
+    params_.abort_flag = own_abort_;
+    params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+  }
+  params_.grid = grid;
+  params_.col_tiles = col_tiles;
+  params_.splits = splits_for(grid);
+  const bool tracing = std::getenv("LMOE_FUSED_TRACE") != nullptr;
+  if (tracing) {
+    trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
+    params_.trace = static_cast<std::uint64_t*>(trace_.data());
+  }
+  choose_decode(sms, sharing);
+  choose_chained(sms, sharing);
+  if (tracing && decode_max_tokens_ > 0) {
+    decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
+                                 sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(decode_trace_.data(), 0, decode_trace_.bytes()));
+  }
+}
+
+// Calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the decode kernel, where
+// its plan accepts the stripe on this device (fused_decode_plan's conditions). With several ranks
+// its blocks wait for each other and for the peers', so every block of every rank on a GPU must be
+// resident at once: one block per SM, and ranks sharing a GPU split its SMs (leaving one free for
+// a peer's other work); the ranks then agree on the smallest bound and grid (collective).
+void FusedTail::choose_decode(int sms, int sharing) {
+  // LMOE_FUSED_DECODE=0 turns the decode kernel off (every call runs the general kernel).
+  if (auto off = fused_decode_turned_off()) {
+    decode_limit_ = std::move(off);
+  } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
+    decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
+  } else {
+    const int max_grid = sharing > 1 ? std::max(1, (sms - 1) / sharing) : sms;
+    for (std::int64_t bound : {kFusedDecodeMaxTokens, std::int64_t{8}}) {
+      const std::int64_t tokens = std::min(bound, capacity_);
+      const char* reason =
+          fused_decode_plan(params_.stripe, params_.l, tokens, dtype_, &decode_plan_, max_grid);
+      if (reason == nullptr) {
+        decode_max_tokens_ = tokens;
+        break;
+      }
+      if (!decode_limit_)
+        decode_limit_ = std::string(reason) + " (d_model=" + std::to_string(params_.d) +
+                        ", d_latent=" + std::to_string(params_.l) +
+                        (params_.tp > 1 ? ", tp=" + std::to_string(params_.tp) : std::string()) +
+                        ", T ≤ " + std::to_string(tokens) + ")";
+    }
+  }
+  // The decode kernel is launched programmatically with one rank: it may start as the stream's
+  // previous kernel's blocks leave (another call's decode kernel lets it), and gamma and 4 of each
+  // warp's first weight items stream before it waits for that kernel to end. Session 24, one H200,
+  // cold, T = 1 / 4 / 16, µs, against HEAD's launch built beside it (docs/fused.md): per tail in
+  // graphs of 8, K3 17.5 / 19.8 / 27.5 against 19.0 / 21.2 / 29.0, a 896-row stripe 5.7 / 6.9 /
+  // 13.0 against 6.3 / 7.6 / 14.1; as replays of one tail, where nothing ends before it, the early
+  // items delay the rows: K3 20.9 / 23.3 / 30.6 against 21.2 / 23.5 / 30.3, the stripe 9.2 / 10.5 /
+  // 16.8 against 8.6 / 10.1 / 16.5. All of a warp's first items (16 at T ≤ 8): per tail K3 16.8 /
+  // 18.9 / 27.0, replays 22.4 / 24.1 / 31.0; none: per tail K3 17.9 / 20.2 / 28.0 (the first
+  // machine's HEAD 18.5 / 20.8 / 28.6). With several ranks only where
+  // LMOE_FUSED_DECODE_PROGRAMMATIC=1 asks and each rank has a GPU of its own: across GPUs it is not
+  // measured yet (issue 7), and ranks sharing a GPU need every rank's kernel resident at once,
+  // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
+  // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
+  // sets the count, for measurements (unset: 4, and all in the pair instance).
+  const bool wanted = env_flag_if_set("LMOE_FUSED_DECODE_PROGRAMMATIC").value_or(params_.tp == 1);
+  const bool pair_wanted = env_flag_if_set("LMOE_FUSED_DECODE_PAIR").value_or(true);
+  decode_early_items_ =
+      static_cast<int>(env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, kFusedDecodeMaxEarlyItems,
+                                   "a count of a warp's weight items")
+                           .value_or(-1));
+  if (params_.tp == 1) {
+    decode_programmatic_ = wanted && decode_max_tokens_ > 0;
+    // The pair instance (two blocks an SM) only where it is launched programmatically: its point
+    // is that the next call's blocks enter while this one runs. One rank only: with several, every
+    // block of a call must be resident at once and the grid is agreed after the plan.
+    // LMOE_FUSED_DECODE_PAIR=0 turns it off. Session 25, one H200, the 896-row stripe (K3 tp 8's
+    // share) per tail in graphs of 8, cold: 5.3 / 5.6 / 6.1 / 6.3 µs at T = 1 / 2 / 3 / 4 against
+    // the chained path's 6.3–6.4, which it replaces there; as replays of one tail 9.4 / 10.6
+    // against 9.8 / 9.8 at T = 1 / 4. Letting the next call in at its entry instead was slower
+    // (6.0 / 7.9 at T = 1 / 4): the call after it entered too, and its weights queued ahead of the
+    // next call's inputs.
+    if (!decode_programmatic_ || !pair_wanted) decode_plan_.pair_tokens = 0;
+    decode_plan_.pair_tokens = std::min(decode_plan_.pair_tokens, decode_max_tokens_);
+    return;
+  }
+  decode_plan_.pair_tokens = 0;
+  // Every rank must run the same kernel with the same grid for a call (the protocol's targets).
+  const std::int64_t mine[2] = {decode_max_tokens_, decode_plan_.grid};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(2 * params_.tp));
+  comm_.control_all_gather(mine, all.data(), sizeof(mine));
+  std::int64_t bound = mine[0], grid = decode_max_tokens_ > 0 ? mine[1] : 0;
+  for (int r = 0; r < params_.tp; ++r) {
+    bound = std::min(bound, all[static_cast<std::size_t>(2 * r)]);
+    if (all[static_cast<std::size_t>(2 * r)] > 0)
+      grid = std::min(grid, all[static_cast<std::size_t>(2 * r + 1)]);
+  }
+  if (bound < decode_max_tokens_) {
+    decode_limit_ = bound == 0 ? std::string("the decode kernel does not run on another rank")
+                               : "another rank's decode kernel takes at most " +
+                                     std::to_string(bound) + " rows";
+  }
+  decode_max_tokens_ = bound;
+  decode_plan_.grid = static_cast<int>(bound > 0 ? grid : 0);
+  decode_programmatic_ = wanted && sharing == 1 && bound > 0;
+  // Calls every block normalizes itself (no grid barrier; each block then reads T rows of the
+  // latent from every rank): at K3 tp 2 across two H200s up to 2 rows were faster that way (T = 1
+  // 19.5 µs against 21.5 warm, 22.7 against 24.5 cold; T = 2 −0.5 / −0.8 µs) and from 4 slower
+  // (T = 4 +2.3, T = 16 +20: every block's norm of every row). With more peers a row's lines grow,
+  // so one row there (block 0 reads as many bytes when it normalizes T = 1 for the grid).
+  decode_local_norm_rows_ = params_.tp == 2 ? 2 : 1;
+}
+
+int FusedTail::decode_resident_blocks(std::int64_t tokens) const {
+  if (decode_max_tokens_ == 0 || tokens > decode_max_tokens_) return 0;
+  return fused_decode_resident_blocks(params_.stripe, params_.l, tokens, dtype_, decode_plan_,
+                                      decode_programmatic_);
+}
+
+// Calls the decode kernel does not take run the chained path up to 128 rows where its plan accepts
+// the problem on this device (compute 9.0, a tensor-map encoder, …): with one rank a norm kernel
+// and the up-projection, where N is normalized (without the norm N would be the caller's routed
+// rows, which the copy engine's map cannot follow from call to call); with several, the exchange
+// kernel, the up-projection of the rank's stripe and the gather (cuda/fused_chained_exchange.cuh),
+// where every rank runs it (collective then).
+void FusedTail::choose_chained(int sms, int sharing) {
+  const int tp = params_.tp;
+  chained_limit_ = chained_reason(sms, sharing);
+  std::int64_t bound = chained_limit_ ? 0 : std::min(kFusedChainedMaxTokens, capacity_);
+  if (tp > 1) {
+    // Every rank must run the same kernels for a call (the lines' epochs and the gather).
+    std::vector<std::int64_t> all(static_cast<std::size_t>(tp));
+    comm_.control_all_gather(&bound, all.data(), sizeof(bound));
+    const std::int64_t agreed = *std::min_element(all.begin(), all.end());
+    if (agreed < bound) chained_limit_ = "the chained path does not run on another rank";
+    bound = agreed;
+  }
+  chained_max_tokens_ = bound;
+}
+
+std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
+  const int tp = params_.tp;
+  if (auto off = fused_chained_turned_off()) return off;
+  if (tp == 1 && !params_.latent_norm)
+    return "the chained path needs the latent norm (its first kernel)";
+  if (tp > 1 && params_.cx_rows == 0) return "the chained path runs on compute 9.0 only (wgmma)";
+  if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma))
+    return "the chained path's copies need w_up and gamma 16-byte aligned";
+  const std::int64_t bound = std::min(kFusedChainedMaxTokens, capacity_);
+  // LMOE_FUSED_CHAINED_TILE_ROWS: 64 or 128 asks for that tile (measurements); else the plan's.
+  int tile_rows = 0;
+  if (const auto asked = env_integer("LMOE_FUSED_CHAINED_TILE_ROWS", 64, 128, "64 or 128")) {
+    if (*asked != 64 && *asked != 128) {
+      throw Error("LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128, got \"" +
+                  std::to_string(*asked) + "\"");
+    }
+    tile_rows = static_cast<int>(*asked);
+  }
+  if (const char* reason =
+          fused_chained_plan(params_.stripe, params_.l, bound, dtype_, tile_rows, &chained_plan_)) {
+    return std::string(reason) + " (d_model=" + std::to_string(params_.d) +
+           ", d_latent=" + std::to_string(params_.l) +
+           (tp > 1 ? ", tp=" + std::to_string(tp) : std::string()) + ")";
+  }
+  FusedChainedParams& p = chained_params_;
+  p.l = params_.l;
+  p.rows = params_.stripe;
+  p.tiles = chained_plan_.tiles;
+  p.splits = chained_plan_.splits;
+  p.rank = params_.rank;
+  p.tp = tp;
+  p.out_pitch = params_.d;
+  if (tp == 1) {
+    p.shared_pitch = params_.d;  // the caller's `shared`, set per call
+  } else {
+    // The stripe's shared sum in this rank's workspace, and the output's lines to every peer.
+    p.shared = params_.workspace[params_.rank] + params_.shared_sum_offset;
+    p.shared_pitch = params_.stripe;
+    for (int r = 0; r < tp; ++r) p.workspace[r] = params_.workspace[r];
+    p.lines_offset = params_.cx_out_offset;
+    p.lines_parity_bytes = params_.cx_parity_bytes;
+    p.lines_slot = params_.cx_rows * params_.stripe;
+    p.epoch = &reinterpret_cast<const FusedFlags*>(params_.workspace[params_.rank])->epoch;
+    // The exchange and gather kernels' grid. Lines move fast only from many SMs at once (at K3
+    // tp 2, T = 32, 20 blocks pushed ~0.7 MB of lines in ~3.7 µs and the whole exchange took ~14).
+    // One rank per GPU: a block per SM, and the up-projection is launched while the exchange runs
+    // (programmatic dependent launch), though most of its blocks enter only as the exchange's
+    // leave their SMs (an SM keeps the small shared-memory configuration of the exchange kernel).
+    // Letting them in earlier (the largest carveout for the exchange and gather kernels) measured
+    // slower: the weight stream then delays the exchange's loads (K3 tp 2, T = 32: N ready at
+    // 13.1 µs instead of 8.6). Ranks sharing a GPU: the up-projection starts after the exchange,
+    // and every rank's exchange blocks must be resident at once beside the gathers that wait
+    // (LMOE_FUSED_EXCHANGE_GRID sets it, for measurements).
+    const int most = sharing == 1 ? sms : std::max(1, (sms - 1) / (2 * sharing));
+    chained_exchange_grid_ = sharing == 1 ? sms : std::min(32, most);
+    params_.cx_early_up = sharing == 1;
+    if (const auto asked =
+            env_integer("LMOE_FUSED_EXCHANGE_GRID", 1, most, "a count of blocks on this GPU")) {
+      chained_exchange_grid_ = static_cast<int>(*asked);
+    }
+  }
+  std::byte* normed = params_.workspace[params_.rank] + params_.normed_offset;
+  if (fused_chained_maps(&p, dtype_, params_.w_stripe, normed, capacity_,
+                         chained_plan_.tile_rows) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "the chained path's tensor maps could not be encoded";
+  }
+  chained_workspace_ = DeviceBuffer(sizeof(std::uint32_t));  // the calls counted
+  LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
+  // The ring's first round is paced with one rank (docs/fused-sessions.md, session 22): a copy of
+  // weights per block every `pace` ns, so that the whole grid asks for them at about the rate the
+  // memory serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of
+  // the rows — issued only once the kernel before it has ended — wait behind them, and N with them:
+  // K3 on an H200, per tail in a graph of 8, 17.3 / 17.0 / 17.7 µs at T = 1 / 16 / 32 all at once,
+  // 16.4 / 16.1 / 16.9 paced. With several ranks the exchange kernel comes before the
+  // up-projection; not measured across GPUs yet, so not paced by default there.
+  // LMOE_FUSED_CHAINED_PACE_NS (0: all at once) and _BURST (copies issued before the pace starts;
+  // 1) set it at any tp, for measurements.
+  const double grid_box_bytes = static_cast<double>(p.tiles) * p.splits * chained_plan_.tile_rows *
+                                kChainedTileK * dtype_size(dtype_);
+  // Both read at every tp, so that a value they cannot take is an error wherever it is set.
+  double pace_ns = tp == 1 ? grid_box_bytes / kChainedStreamBytesPerNs : 0.0;
+  if (const auto ns = env_integer("LMOE_FUSED_CHAINED_PACE_NS", 0, 100000, "nanoseconds"))
+    pace_ns = static_cast<double>(*ns);
+  const auto burst = env_integer("LMOE_FUSED_CHAINED_PACE_BURST", 1, 64, "a count of copies");
+  if (pace_ns > 0) {
+    int device = 0, khz = 0;
+    LMOE_CUDA_CHECK(cudaGetDevice(&device));  // the rank's, made current at construction
+    LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
+    p.pace_cycles = std::max(1, static_cast<int>(pace_ns * khz / 1e6));  // the SM's peak clock
+    p.pace_burst = static_cast<int>(burst.value_or(1));
+  }
+  if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
+    chained_trace_ = DeviceBuffer(static_cast<std::size_t>(p.tiles) * p.splits *
+                                  kChainedTracePoints * sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(chained_trace_.data(), 0, chained_trace_.bytes()));
+    p.trace = static_cast<std::uint64_t*>(chained_trace_.data());
+    if (tp > 1) {
+      exchange_trace_ = DeviceBuffer(static_cast<std::size_t>(chained_exchange_grid_) *
+                                     kCxTracePoints * sizeof(std::uint64_t));
+      LMOE_CUDA_CHECK(cudaMemset(exchange_trace_.data(), 0, exchange_trace_.bytes()));
+    }
+  }
+  return std::nullopt;
+}
+
+std::uint32_t FusedTail::chained_calls() const {
+  if (chained_max_tokens_ == 0) return 0;
+  std::uint32_t calls = 0;
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  LMOE_CUDA_CHECK(cudaMemcpy(&calls, chained_params_.calls, sizeof(calls), cudaMemcpyDeviceToHost));
+  return calls;
+}
+
+FusedTail::~FusedTail() {
+  if (trace_.bytes() || decode_trace_.bytes() || chained_trace_.bytes()) print_trace();
+  if (own_status_) cudaFreeHost(own_status_);
+}
+
+namespace {
+
+// One kernel's points over its blocks: min / median / max µs after the earliest entry (point 0),
+// on stderr; points no block reached (0) are left out. Then the global timer's value (ns) at the
+// first entry and at the last stamp of any block, so that the traces of the tails of one graph
+// (`lmoe bench --layers N`: each tail prints its own) line up: the gap between one tail's last
+// stamp and the next tail's first entry is what passes between them.
+void print_points(const char* title, const std::vector<std::uint64_t>& stamps, int grid, int points,
+                  const char* const* names) {
+  std::uint64_t origin = ~std::uint64_t{0}, last = 0;
+  for (int b = 0; b < grid; ++b) {
+    const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * points];
+    if (entry) origin = std::min(origin, entry);
+    for (int point = 0; point < points; ++point)
+      last = std::max(last, stamps[static_cast<std::size_t>(b) * points + point]);
+  }
+  if (origin == ~std::uint64_t{0}) return;  // the kernel did not run
+  std::fprintf(stderr, "%s (us after the first entry: min / median / max over blocks)\n", title);
+  for (int point = 0; point < points; ++point) {
+    std::vector<double> at;
+    for (int b = 0; b < grid; ++b) {
+      const std::uint64_t stamp = stamps[static_cast<std::size_t>(b) * points + point];
+      if (stamp >= origin && stamp != 0) at.push_back(static_cast<double>(stamp - origin) * 1e-3);
+    }
+    if (at.empty()) continue;
+    std::sort(at.begin(), at.end());
+    std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", names[point], at.front(),
+                 at[at.size() / 2], at.back());
+  }
+  std::fprintf(stderr, "[ fused trace ] global timer: first entry %llu ns, last stamp %llu ns\n",
+               static_cast<unsigned long long>(origin), static_cast<unsigned long long>(last));
+}
+
+}  // namespace
+
+// LMOE_FUSED_TRACE: when the blocks of the last call of each kernel reached each point, on stderr.
+// Diagnostics only.
+void FusedTail::print_trace() noexcept {
+  if (cudaDeviceSynchronize() != cudaSuccess) return;
+  const auto read = [](const DeviceBuffer& buffer) {
+    std::vector<std::uint64_t> stamps(buffer.bytes() / sizeof(std::uint64_t));
+    if (cudaMemcpy(stamps.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost) !=
+        cudaSuccess)
+      stamps.clear();
+    return stamps;
+  };
+  if (trace_.bytes()) {
+    static constexpr const char* kNames[kFusedTracePoints] = {
+        "entry",      "epoch",           "staged", "inputs arrived", "normed", "rows done",
+        "items done", "stripes arrived", "end"};
+    const std::vector<std::uint64_t> stamps = read(trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) + ", grid " +
+                              std::to_string(params_.grid) + ", splits " +
+                              std::to_string(params_.splits) + ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, params_.grid, kFusedTracePoints, kNames);
+  }
+  if (chained_trace_.bytes()) {
+    static constexpr const char* kNames[kChainedTracePoints] = {
+        "entry", "N ready", "multiplied", "partials in", "stored", "parked", "end"};
+    const std::vector<std::uint64_t> stamps = read(chained_trace_);
+    const int grid = chained_plan_.tiles * chained_plan_.splits;
+    const std::string title =
+        "[ fused trace ] rank " + std::to_string(params_.rank) + ", chained up-projection, grid " +
+        std::to_string(grid) + " (tiles of " + std::to_string(chained_plan_.tile_rows) +
+        " rows, splits " + std::to_string(chained_plan_.splits) + "), last call";
+    if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
+  }
+  if (exchange_trace_.bytes()) {
+    // Both kernels' points from the exchange's first entry (the up-projection's trace above has
+    // its own origin).
+    static constexpr const char* kNames[kCxTracePoints] = {
+        "entry",      "pushed",       "own rows", "shared sums",
+        "other rows", "gather entry", "gathered", "closed"};
+    const std::vector<std::uint64_t> stamps = read(exchange_trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
+                              ", chained exchange and gather, grid " +
+                              std::to_string(chained_exchange_grid_) + ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, chained_exchange_grid_, kCxTracePoints, kNames);
+  }
+  if (decode_trace_.bytes()) {
+    static constexpr const char* kNames[kDecodeTracePoints] = {
+        "entry",    "released",        "inputs landed",
+        "normed",   "items landed",    "warp 0 multiplied",
+        "streamed", "partials stored", "end"};
+    const std::vector<std::uint64_t> stamps = read(decode_trace_);
+    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
+                              ", decode kernel, grid " + std::to_string(decode_plan_.grid) +
+                              ", last call";
+    if (!stamps.empty())
+      print_points(title.c_str(), stamps, decode_plan_.grid, kDecodeTracePoints, kNames);
+  }
+}
+
+std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {
+  for (const auto& [name, pointer] : {std::pair{"routed", routed}, std::pair{"shared", shared}, std::pair{"out", out}}) {
+    if (!aligned16(pointer)) {
+      return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
+    }
+  }
+  return std::nullopt;
+}
+
+std::uint32_t FusedTail::general_calls() const {
+  FusedFlags flags{};
+  LMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  LMOE_CUDA_CHECK(
+      cudaMemcpy(&flags, params_.workspace[params_.rank], sizeof(flags), cudaMemcpyDeviceToHost));
+  return flags.general_calls;
+}
+
+void FusedTail::throw_if_failed() {
+  if (peers_) return peers_->throw_if_device_failed("fused");
+  const volatile P2pStatus& s = *own_status_;
+  if (s.code != kP2pOk) {
+    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " + std::to_string(s.block) +
+                ", call " + std::to_string(s.round) + "); the GPU did not run all of the grid's blocks at once");
+  }
+}
+
+void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
+                    const std::int32_t* tokens_device) {
+  throw_if_failed();
+  if (peers_)
+    LMOE_CUDA_CHECK(cudaSetDevice(peers_->device()));  // the launch goes to the rank's GPU
+  LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
+             "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
+  if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
+  const FusedKernel kernel = kernel_for(tokens);
+  if (kernel == FusedKernel::chained) {
+    FusedChainedParams p = chained_params_;
+    p.tokens = tokens;
+    p.tokens_device = tokens_device;
+    if (params_.tp == 1) {
+      p.shared = shared;
+      p.out = out;
+      check(launch_fused_chained(p, routed, params_.gamma, params_.eps,
+                                 params_.workspace[0] + params_.normed_offset, tokens, dtype_,
+                                 chained_plan_, stream),
+            "launch_fused_chained");
+      return;
+    }
+    p.out = static_cast<std::byte*>(out) +
+            params_.rank * params_.stripe * static_cast<std::int64_t>(dtype_size(dtype_));
+    FusedTailParams x = call_params(routed, shared, out, tokens, tokens_device);
+    x.trace = static_cast<std::uint64_t*>(exchange_trace_.data());
+    check(launch_fused_chained_ranks(x, chained_exchange_grid_, p, tokens, dtype_, chained_plan_,
+                                     stream),
+          "launch_fused_chained_ranks");
+    return;
+  }
+  if (kernel == FusedKernel::decode) {
+    FusedDecodeParams p;
+    p.tokens = tokens;
+    p.tokens_device = tokens_device;
+    p.d = params_.d;
+    p.l = params_.l;
+    p.rows = params_.stripe;
+    p.col0 = params_.rank * params_.stripe;
+    p.routed = routed;
+    p.shared = shared;
+    p.out = out;
+    p.w_up = params_.w_stripe;
+    p.gamma = params_.gamma;
+    p.eps = params_.eps;
+    p.latent_norm = params_.latent_norm;
+    p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
+    p.programmatic = decode_programmatic_;
+    p.early_items = decode_early_items_;
+    if (params_.tp > 1) {
+      p.protocol = call_params(routed, shared, out, tokens, tokens_device);
+      p.protocol.trace = nullptr;
+      p.local_norm_rows = decode_local_norm_rows_;
+    }
+    check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
+    return;
+  }
+  check(launch_fused_tail(call_params(routed, shared, out, tokens, tokens_device), dtype_, stream),
+        "launch_fused_tail");
+}
+
+FusedTailParams FusedTail::call_params(const void* routed, const void* shared, void* out,
+                                       std::int64_t tokens,
+                                       const std::int32_t* tokens_device) const {
+  FusedTailParams p = params_;
+  p.tokens = tokens;
+  p.tokens_device = tokens_device;
+  p.routed = routed;
+  p.shared = shared;
+  p.out = out;
+  return p;
+}
+
+}  // namespace lmoe::cuda
