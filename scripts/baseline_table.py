@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """lmoe against the PyTorch baseline, side by side: one row per T that both runs measured, from the
-JSON of `lmoe bench --json` and of scripts/torch_baseline.py --json on the same GPUs (issue 7; stage
+JSON of `lmoe bench --json` and of scripts/torch_baseline.py --json on the same GPUs (the stage
 `scaling` of scripts/gpu_check.sh writes both at each tp).
 
     python3 scripts/baseline_table.py LMOE_BENCH.json TORCH_BASELINE.json [--json OUT.json]

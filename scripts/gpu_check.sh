@@ -1,82 +1,28 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one call: configure the `cuda` preset, build, run the GPU test binaries
+# On a GPU machine, in one run: configure the `cuda` preset, build, run the GPU test binaries
 # (CUDA kernels and tiers over every communicator, NCCL, MPI), the kernel benchmark and `lmoe bench`,
-# and print a summary. Logs and JSON go to $OUT when it is set (the device tool's output folder),
-# else to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
+# and print a summary. Logs and JSON go to $OUT when it is set (a folder the caller collects), else
+# to build/cuda/gpu_check/. Every stage has its own time limit, so a hang costs one stage.
+# Probes, Nsight profiles and the fused tier's traces and A/B runs are benchmarks/probes.sh,
+# benchmarks/profile.sh and benchmarks/fused_timeline.sh, on the same frame (scripts/gpu_check_lib.sh).
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench fusedtrace tailgap stripe profile decodeprofile layer grouped layerprofile baseline scaling probe nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
-#   LMOE_CHECK_SETTINGS="- LMOE_FUSED_CHAINED_PACE_NS=200"        # tailgap: the settings to compare
-#   LMOE_CHECK_BASE=base_src ...   # also build the source tree base_src (made where git is, e.g.
-#                                  # `mkdir base_src && git archive HEAD~1 | tar -x -C base_src`),
-#                                  # run every per-tail bench of tailgap and stripe with its lmoe too,
-#                                  # and print the two side by side (scripts/bench_ab.py, $OUT/ab.md)
-set -uo pipefail
 cd "$(dirname "$0")/.."
-
-# NVLink multicast stays off on shared machines (it can take a host's GPUs out of service).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-
-logs="${OUT:-build/cuda/gpu_check}"
-mkdir -p "$logs"
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-# The default: everything that fits a call's time; with several GPUs also the PyTorch baseline.
+check_name=gpu_check
+# shellcheck source=scripts/gpu_check_lib.sh
+source scripts/gpu_check_lib.sh
+# The default: the build, the main test suites and benchmarks; with several GPUs also the PyTorch baseline.
 default_stages="build tests p2p graphs nccl kernels bench bench1"
 [ "$gpus" -ge 2 ] && default_stages="$default_stages baseline"
 stages="${LMOE_CHECK_STAGES:-$default_stages}"
-started=$(date +%s)
-stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
-wants() { [[ " $stages " == *" $1 "* ]]; }
-# The lmoe binaries the A/B stages run: this tree's, then the base tree's where there is one.
-binaries=(build/cuda/lmoe ${LMOE_CHECK_BASE:+"$LMOE_CHECK_BASE/build/cuda/lmoe"})
-if [ -n "${LMOE_CHECK_BASE:-}" ]; then  # checked before anything is built or run
-  if [ ! -f "$LMOE_CHECK_BASE/CMakeLists.txt" ]; then
-    echo "gpu_check: LMOE_CHECK_BASE=$LMOE_CHECK_BASE is not a source tree (no CMakeLists.txt there)" >&2
-    exit 2
-  fi
-  if ! wants build && [ ! -x "$LMOE_CHECK_BASE/build/cuda/lmoe" ]; then
-    echo "gpu_check: LMOE_CHECK_BASE=$LMOE_CHECK_BASE has no build/cuda/lmoe and the build stage is not asked for" >&2
-    exit 2
-  fi
-fi
-declare -A rc
 
-stage "machine: $gpus GPU(s)"
-{ nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1; nvcc --version | tail -1
-  cmake --version | head -1; g++ --version | head -1; } 2>&1 | tee "$logs/machine.log"
+machine_info
 
 if wants build; then
-  stage "configure + build"
-  # LMOE_CUDA_ARCHITECTURES=90a builds for the machine's Hopper only (about half the build time).
-  # The profile stages want source lines in Nsight Compute (-lineinfo; the machine code is the same).
-  lineinfo=OFF
-  { wants profile || wants decodeprofile || wants layerprofile; } && lineinfo=ON
-  if ! cmake --preset cuda ${LMOE_CUDA_ARCHITECTURES:+-DCMAKE_CUDA_ARCHITECTURES=$LMOE_CUDA_ARCHITECTURES} \
-    -DLMOE_CUDA_LINEINFO=$lineinfo >"$logs/configure.log" 2>&1; then
-    tail -40 "$logs/configure.log"; echo "gpu_check: configure FAILED"; exit 1
-  fi
-  grep -E "lmoe:" "$logs/configure.log"
-  # -k 0: a target that fails to build must not keep the others (and their tests) from running.
-  jobs=16
-  if [ -n "${LMOE_CHECK_BASE:-}" ]; then
-    # The base tree's lmoe, beside this tree's build (half the cores each).
-    jobs=8
-    ( cd "$LMOE_CHECK_BASE" && cmake --preset cuda \
-        ${LMOE_CUDA_ARCHITECTURES:+-DCMAKE_CUDA_ARCHITECTURES=$LMOE_CUDA_ARCHITECTURES} &&
-      cmake --build --preset cuda -j8 --target lmoe ) >"$logs/base_build.log" 2>&1 &
-    base_build=$!
-  fi
-  cmake --build --preset cuda -j$jobs -- -k 0 >"$logs/build.log" 2>&1
-  rc[build]=$?
-  if [ -n "${LMOE_CHECK_BASE:-}" ]; then
-    wait "$base_build"
-    rc[base_build]=$?
-    [ "${rc[base_build]}" -ne 0 ] && { tail -30 "$logs/base_build.log"; echo "gpu_check: base build FAILED"; }
-  fi
-  [ "${rc[build]}" -ne 0 ] && { grep -E "error|FAILED" -A5 "$logs/build.log" | head -60; echo "gpu_check: build FAILED"; }
-  grep -E "warning" "$logs/build.log" | sort -u | head -20
+  configure_cuda OFF
+  build_cuda 16
 fi
 
 gtest() {  # name, limit in seconds, binary, gtest filter, then any further gtest arguments
@@ -138,8 +84,8 @@ fi
 
 if wants fusedturns; then
   # The decode and general kernels taking turns on one workspace with several ranks, no host
-  # synchronization between calls (docs/fused-sessions.md, sessions 12 and 13). Repeated: a queue-order
-  # race shows up only sometimes. If it stops, once more with more hardware queues per GPU, which
+  # synchronization between calls (docs/fused.md). Repeated: a queue-order race shows up only
+  # sometimes. If it stops, once more with more hardware queues per GPU, which
   # tells a false dependency between ranks' streams from a protocol fault.
   gtest fused_turns 200 build/cuda/tests/lmoe_cuda_tests 'Fused.TheKernelsTakeTurns*:*DecodeKernelWithSeveralRanks*' \
     --gtest_repeat=3
@@ -230,143 +176,6 @@ if wants fusedbench; then
   done
 fi
 
-if wants fusedtrace; then
-  # Where a fused call's time goes (LMOE_FUSED_TRACE: per block, when each phase ended; µs after the
-  # rank's first block entered), K3 at T = 1 and 16: one rank per GPU where there are several (the
-  # several-rank exchange), and one rank.
-  trace_ranks=1; [ "$gpus" -ge 2 ] && trace_ranks="1 $gpus"
-  for ranks in $trace_ranks; do
-    for tokens in 1 16; do
-      stage "fused trace: K3 tp $ranks T=$tokens"
-      LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n "$ranks" --comm p2p --tiers fused \
-        -t "$tokens" --warmup 5 --iters 20 --no-check >"$logs/trace_tp${ranks}_t$tokens.log" 2>&1
-      rc[trace_tp${ranks}_t$tokens]=$?
-      grep -E "fused trace" "$logs/trace_tp${ranks}_t$tokens.log" | head -24
-    done
-  done
-fi
-
-# One cold `lmoe bench` of the fused tier with one rank, per tail in graphs of `layers` layers (1:
-# graph replays), the settings of the array env_args in its environment: log and JSON as
-# $logs/TAG.*, each row's T, median and #wrong printed on one line. Arguments: tag, stage title,
-# the T list, layers, then further bench arguments (e.g. --d-model 896). With LMOE_CHECK_BASE the
-# same again right after with the base tree's lmoe, as $logs/TAG_base.*, its line marked "base:".
-fused_per_tail() {
-  local tag=$1 title=$2 tokens=$3 layers=$4
-  shift 4
-  stage "$title"
-  local binary name
-  for binary in "${binaries[@]}"; do
-    name=$tag; [ "$binary" != build/cuda/lmoe ] && { name=${tag}_base; printf 'base: '; }
-    env "${env_args[@]}" timeout 90 "$binary" bench --backend cuda -n 1 --comm p2p \
-      --tiers fused -t "$tokens" "$@" --cold-l2 --iters 30 --layers "$layers" \
-      --check-max-tokens 128 --json "$logs/$name.json" >"$logs/$name.log" 2>&1
-    rc[$name]=$?
-    grep -E "^ *[0-9]+ " "$logs/$name.log" | awk '{print $1, $6, $NF}' | tr '\n' ';'
-    echo
-  done
-}
-
-if wants tailgap; then
-  # What passes between consecutive tp-1 tails in one graph (docs/fused-sessions.md, sessions 21–22): K3 T = 2
-  # in a graph of 8 layers, traced, its timeline (scripts/tail_timeline.py: per tail the median
-  # entry, N ready, the last wgmma and the end on one time axis), then per tail in 8 layers, cold,
-  # two rounds (K3 and one rank's stripe at tp 8) — for each of LMOE_CHECK_SETTINGS, a list of
-  # settings separated by spaces, each "VAR=value[,VAR=value…]" or "-" for none (the default).
-  for round in 1 2; do
-    for setting in ${LMOE_CHECK_SETTINGS:--}; do
-      env_args=(); [ "$setting" != "-" ] && IFS=, read -ra env_args <<<"$setting"
-      tag=${setting//[^A-Za-z0-9]/_}
-      if [ "$round" = 1 ]; then
-        stage "tail timeline: K3 T=2, 8 layers, traced, $setting"
-        env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 build/cuda/lmoe bench --backend cuda -n 1 \
-          --comm p2p --tiers fused -t 2 --layers 8 --warmup 5 --iters 20 --no-check \
-          >"$logs/timeline_$tag.log" 2>&1
-        rc[timeline_$tag]=$?
-        python3 scripts/tail_timeline.py "$logs/timeline_$tag.log" --json "$logs/timeline_$tag.json"
-      fi
-      for spec in "k3:" "stripe896:--d-model 896"; do
-        name=${spec%%:*}; args=${spec#*:}
-        # shellcheck disable=SC2086  # $args: further bench arguments, split on purpose
-        fused_per_tail "tailgap_${name}_${tag}_r$round" \
-          "per tail, 8 layers, $name, $setting (round $round)" 1,4,16,32,64,128 8 $args
-      done
-    done
-  done
-fi
-
-if wants stripe; then
-  # One rank's 896-row stripe at K3 tp 8 as one GPU's d (issue 4's "≤ 3 µs at T ≤ 16"; docs/fused-sessions.md,
-  # session 25): the decode kernel's timeline at T = 1 and 4 in a graph of 8 layers (the pair
-  # instance as routed, and the single instance with the chained path off and no pair), through
-  # scripts/tail_timeline.py --kernel decode; then per tail, cold, two rounds, and as replays, at
-  # T = 1 … 5 as routed against LMOE_FUSED_DECODE_PAIR=0 (the chained path takes those calls).
-  for spec in "pair:" "single:LMOE_FUSED_CHAINED=0,LMOE_FUSED_DECODE_PAIR=0"; do
-    name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
-    for tokens in 1 4; do
-      # With LMOE_CHECK_BASE, the base tree's kernel traced too (its timeline has the points its
-      # trace had then).
-      for binary in "${binaries[@]}"; do
-        tag=stripe_timeline_${name}_t$tokens; tree=""
-        [ "$binary" != build/cuda/lmoe ] && { tag=${tag}_base; tree=" (base)"; }
-        stage "stripe timeline: $name, T=$tokens, 8 layers, traced$tree"
-        env "${env_args[@]}" LMOE_FUSED_TRACE=1 timeout 60 "$binary" bench --backend cuda -n 1 \
-          --comm p2p --tiers fused -t "$tokens" --d-model 896 --layers 8 --warmup 5 --iters 20 \
-          --no-check >"$logs/$tag.log" 2>&1
-        rc[$tag]=$?
-        python3 scripts/tail_timeline.py --kernel decode "$logs/$tag.log" --json "$logs/$tag.json"
-      done
-    done
-  done
-  for round in 1 2; do
-    for spec in "routed:" "nopair:LMOE_FUSED_DECODE_PAIR=0"; do
-      name=${spec%%:*}; env_args=(); [ -n "${spec#*:}" ] && IFS=, read -ra env_args <<<"${spec#*:}"
-      for layers in 8 1; do
-        [ "$layers" = 1 ] && [ "$round" = 2 ] && continue
-        fused_per_tail "stripe_${name}_L${layers}_r$round" \
-          "stripe per tail: $name, $layers layer(s) (round $round)" 1,2,3,4,5 "$layers" --d-model 896
-      done
-    done
-  done
-fi
-
-if wants profile && command -v ncu >/dev/null; then
-  # Nsight Compute on one fused kernel per shape (tp 1, graph replays): where its time goes
-  # (throughput against the peaks, warp stalls, the hottest source lines). Clocks left alone.
-  for spec in "stripe896_t1:--d-model 896 --d-latent 3584 -t 1" "k3_t1:-t 1" "k3_t128:-t 128"; do
-    name=${spec%%:*}; args=${spec#*:}
-    stage "ncu: fused $name"
-    timeout 150 ncu --clock-control none --kernel-name regex:fused_ --launch-skip 6 --launch-count 1 \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section Occupancy --section LaunchStats --section SourceCounters --import-source yes \
-      build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --tiers fused $args --warmup 2 --iters 5 --no-check \
-      >"$logs/ncu_$name.log" 2>&1
-    rc[ncu_$name]=$?
-    grep -vE "^==PROF==|^#|^ +[0-9]+ +[0-9]+ +fused" "$logs/ncu_$name.log" | grep -E "Duration|Throughput|Warp Cycles|Stall|Eligible|Issued|Registers|Achieved|Theoretical Occ|Block Limit|Dynamic Shared|L2 Hit|Mem Busy|Max Bandwidth|Executed Ipc|No Eligible|Uncoalesced|Excessive|smsp__pcsamp|Waves|est\. speedup|OPT|WRN" | cut -c1-220 | head -60
-  done
-fi
-
-if wants decodeprofile && command -v ncu >/dev/null; then
-  # Nsight Compute on the routed experts' decode tile (m16: the layer's experts at T <= 16 stream
-  # their weights at ~3.0-3.3 TB/s): up+gate and down at K3 dims, 112 experts, T = 1 and 16. ncu
-  # prints template arguments as "GroupedShape<(int)16, ..., (bool)1>" (then ", (int)R>" where a
-  # shape has runs), hence the escaped regex.
-  for spec in 'up:GroupedShape<\(int\)16,.*\(bool\)1[,>]' 'down:GroupedShape<\(int\)16,.*\(bool\)0[,>]'; do
-    for tokens in 1 16; do
-      name=m16_${spec%%:*}_t$tokens; kernel=${spec#*:}
-      stage "ncu: $name"
-      timeout 120 ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:$kernel" \
-        --launch-skip 5 --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-        --section Occupancy --section LaunchStats \
-        build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 1 --experts 112 -t "$tokens" \
-        --tiles m16 --no-loop >"$logs/ncu_$name.log" 2>&1
-      rc[ncu_$name]=$?
-      grep -E "Duration|Throughput|Warp Cycles|Stall|Eligible|Registers|Achieved|Theoretical Occ|Block Limit|Dynamic Shared|L2 Hit|Mem Busy|Max Bandwidth|No Eligible|Waves|Grid Size|est\. speedup|No kernels" "$logs/ncu_$name.log" | cut -c1-200 | head -40
-    done
-  done
-fi
-
 if wants layer; then
   # The whole layer on the GPU (docs/layer.md): K3 dims with the experts scaled down (lmoe layer's
   # default), 4 ranks sharing the GPU, checked against fp64 and the CPU backend, stage times per T.
@@ -388,8 +197,8 @@ if wants layer; then
       --tiles automatic,m16,m64,m128,m128_wide,wgmma,wgmma_m256 --json "$logs/grouped_gemm.json" >"$logs/grouped_gemm.log" 2>&1
     rc[grouped_gemm]=$?
     cat "$logs/grouped_gemm.log"
-    # The same at the layer's shape on one GPU (112 experts, the whole intermediate): issue 6's
-    # GEMM-rate measure at T = 8192.
+    # The same at the layer's shape on one GPU (112 experts, the whole intermediate): the experts'
+    # GEMM rate at T = 8192 against the GPU's.
     stage "grouped GEMM benchmark (K3 experts, tp 1, 112 experts)"
     timeout 120 build/cuda/benchmarks/lmoe_grouped_gemm_bench --preset kimi-k3 --tp 1 --experts 112 -t 1024,8192 \
       --tiles automatic,wgmma_m256 --json "$logs/grouped_gemm_e112.json" >"$logs/grouped_gemm_e112.log" 2>&1
@@ -416,37 +225,8 @@ if wants grouped; then
   done
 fi
 
-if wants layerprofile && command -v ncu >/dev/null; then
-  # Every kernel of the K3 layer's forward at T = 8192 (112 experts, one GPU, device path, stages
-  # one after another), timed by Nsight Compute: where the experts stage's time goes beyond its
-  # GEMMs. Sums per kernel name over the run's forwards (one warm-up and three timed), divided by 4.
-  stage "ncu: every kernel of a K3 layer forward (T = 8192, 112 experts)"
-  LMOE_LAYER_SERIAL_STAGES=1 LMOE_LAYER_DEVICE_EXPERTS=1 timeout 400 ncu --clock-control none \
-    --metrics gpu__time_duration.sum --csv --print-units base \
-    build/cuda/lmoe layer --backend cuda -n 1 --scale 1 --experts 112 -t 8192 --no-check \
-    >"$logs/ncu_layer.csv" 2>"$logs/ncu_layer.err"
-  rc[layerprofile]=$?
-  python3 - "$logs/ncu_layer.csv" <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-head, body = rows[0], rows[1:]
-name = head.index("Kernel Name") if "Kernel Name" in head else head.index("Function Name")
-metric, value = head.index("Metric Name"), head.index("Metric Value")
-total, count = collections.defaultdict(float), collections.Counter()
-for r in body:
-    if r[metric] == "gpu__time_duration.sum":
-        key = r[name].split("(")[0][:90]
-        total[key] += float(r[value].replace(",", "")) / 1e3
-        count[key] += 1
-print(f"{'kernel':92} {'launches':>8} {'us per forward':>15}")
-for key, us in sorted(total.items(), key=lambda kv: -kv[1]):
-    print(f"{key:92} {count[key]:8d} {us / 4:15.1f}")
-print(f"{'all':92} {sum(count.values()):8d} {sum(total.values()) / 4:15.1f}")
-PY
-fi
-
 if wants baseline; then
-  # Issue 7's side-by-side: the reference system's overlap and column tails in plain PyTorch
+  # lmoe beside the reference system: its overlap and column tails in plain PyTorch
   # (torch.distributed + torch.mm) on every GPU of this machine, then lmoe's tail on the very input
   # the baseline dumped (T = 128), compared element by element. Needs ≥ 2 GPUs and torch.
   if [ "$gpus" -ge 2 ] && python3 -c "import torch, safetensors" 2>/dev/null; then
@@ -472,11 +252,11 @@ if wants baseline; then
 fi
 
 if wants scaling; then
-  # Issue 7's sweep: every tier at K3 dims over nccl and p2p at each tp of LMOE_SCALING_TPS (default
+  # lmoe's scaling with tp: every tier at K3 dims over nccl and p2p at each tp of LMOE_SCALING_TPS (default
   # 2 4 8; those above this machine's GPU count are skipped), one rank per GPU on the first tp GPUs,
   # weights evicted from L2 before each timed iteration, with the floors (docs/bench.md), then the
   # decode sizes per tail in graphs of 8 layers (what a model's graph pays), and the PyTorch baseline
-  # on the same GPUs. A tp's sweep can take minutes: one tp per call (LMOE_SCALING_TPS=8) on a large
+  # on the same GPUs. A tp's sweep can take minutes: one tp per run (LMOE_SCALING_TPS=8) on a large
   # machine; LMOE_BENCH_TOKENS shortens it.
   for tp in ${LMOE_SCALING_TPS:-2 4 8}; do
     if [ "$tp" -gt "$gpus" ]; then echo "gpu_check: scaling tp $tp skipped ($gpus GPUs)"; continue; fi
@@ -496,7 +276,7 @@ if wants scaling; then
     cat "$logs/scaling_layers8_tp$tp.log"; tail -3 "$logs/scaling_layers8_tp$tp.err"
     stage "scaling: fused per tail, the decode kernel launched programmatically, tp $tp"
     # Against the fused rows of the run above (launched after the previous kernel's end, the default
-    # with several ranks; docs/fused-sessions.md, session 24).
+    # with several ranks; LMOE_FUSED_DECODE_PROGRAMMATIC=1 lets it start before that end).
     CUDA_VISIBLE_DEVICES=$visible LMOE_FUSED_DECODE_PROGRAMMATIC=1 timeout 200 build/cuda/lmoe bench --backend cuda \
       -n "$tp" --comm p2p --tiers fused -t 1,2,4,8,16 --check-max-tokens 16 --cold-l2 --layers 8 \
       --json "$logs/scaling_decode_programmatic_tp$tp.json" \
@@ -519,23 +299,6 @@ if wants scaling; then
       rc[scaling_vs_torch_tp$tp]=${PIPESTATUS[0]}
     fi
   done
-fi
-
-if wants probe && [ -x build/cuda/benchmarks/lmoe_spin_probe ]; then
-  # Whether spinning kernels of several streams run together on this GPU, under the queue counts
-  # and module loading modes that matter for ranks sharing a GPU (docs/p2p.md).
-  for env in "CUDA_DEVICE_MAX_CONNECTIONS=8" "CUDA_DEVICE_MAX_CONNECTIONS=32" \
-             "CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=LAZY"; do
-    stage "spin probe: $env"
-    name="probe_$(echo "$env" | tr ' =' '__')"
-    env $env timeout 120 build/cuda/benchmarks/lmoe_spin_probe --json "$logs/$name.json" 2>&1 | tee "$logs/$name.log"
-  done
-fi
-
-if wants probe && [ -x build/cuda/benchmarks/lmoe_launch_floor ]; then
-  # What a graph replay costs in lmoe bench with no work in it (docs/fused.md, the replay's floor).
-  stage "launch floor"
-  timeout 60 build/cuda/benchmarks/lmoe_launch_floor --json "$logs/launch_floor.json" 2>&1 | tee "$logs/launch_floor.log"
 fi
 
 mpi_tests() {  # name, limit in seconds, processes, binary, environment (VAR=value ...)
@@ -575,18 +338,6 @@ if wants kernels && [ -x build/cuda/benchmarks/lmoe_kernel_bench ]; then
   timeout 180 build/cuda/benchmarks/lmoe_kernel_bench --json "$logs/kernels.json" >"$logs/kernels.log" 2>&1
   rc[kernels]=$?
   cat "$logs/kernels.log"
-  if [ -x build/cuda/benchmarks/lmoe_stream_probe ]; then
-    # The fused product's weight stream alone, by tile geometry and work split (docs/fused.md).
-    stage "weight stream probe (K3 w_up, and one tp-8 stripe)"
-    timeout 60 build/cuda/benchmarks/lmoe_stream_probe --json "$logs/stream_probe.json" 2>&1 | tee "$logs/stream_probe.log"
-    timeout 60 build/cuda/benchmarks/lmoe_stream_probe --rows 896 --json "$logs/stream_probe_896.json" 2>&1 | tee -a "$logs/stream_probe.log"
-  fi
-  if [ -x build/cuda/benchmarks/lmoe_tma_stream_probe ]; then
-    # The copy engine's stream of the same weights by box shape (the chained path's copies).
-    stage "TMA stream probe (K3 w_up, and one tp-8 stripe)"
-    timeout 60 build/cuda/benchmarks/lmoe_tma_stream_probe --json "$logs/tma_stream_probe.json" 2>&1 | tee "$logs/tma_stream_probe.log"
-    timeout 60 build/cuda/benchmarks/lmoe_tma_stream_probe --rows 896 --json "$logs/tma_stream_probe_896.json" 2>&1 | tee -a "$logs/tma_stream_probe.log"
-  fi
 fi
 
 if wants kernels && [ "$gpus" -ge 2 ] && [ -x build/cuda/benchmarks/lmoe_comm_bench ]; then
@@ -670,18 +421,4 @@ if wants run; then
   cat "$logs/run_cuda.log"
 fi
 
-if [ -n "${LMOE_CHECK_BASE:-}" ] && compgen -G "$logs/*_base.json" >/dev/null; then
-  # Every bench that ran with both trees, side by side (scripts/bench_ab.py: this − base per row).
-  stage "A/B: this tree against $LMOE_CHECK_BASE"
-  python3 scripts/bench_ab.py --dir "$logs" --json "$logs/ab.json" | tee "$logs/ab.md"
-  rc[ab]=${PIPESTATUS[0]}
-fi
-
-stage "summary"
-failed=0
-for name in "${!rc[@]}"; do
-  echo "gpu_check: $name exit code ${rc[$name]}"
-  [ "${rc[$name]}" -ne 0 ] && failed=1
-done
-echo "gpu_check: logs in $logs"
-exit $failed
+summary

@@ -768,7 +768,7 @@ class RecordedSweeps(unittest.TestCase):
         self.assertEqual(result.returncode, 2)
         self.assertIn(f"{path}: no records of comm 'threads' (the sweep has p2p)", result.stderr)
 
-    def test_the_h200_recordings(self):
+    def test_a_table_tuned_from_the_h200_sweep_passes_the_recorded_check_and_the_old_table_fails_it(self):
         bench, check = os.path.join(DATA_DIR, "bench_k3_tp2.json"), os.path.join(DATA_DIR, "check_k3_tp2.json")
         table = self.path("tiers_k3_tp2_v3.json")
         result = lmoe("tune", "--from-sweep", bench, "--comm", "nccl", "-o", table)
@@ -778,12 +778,12 @@ class RecordedSweeps(unittest.TestCase):
             p = json.load(f)["provenance"]
         self.assertEqual((p["gpu"]["name"], p["nccl_version"], p["tp"], p["comm"], p["iters"]),
                          ("NVIDIA H200", "2.28.3", 2, "nccl", 50))
-        # Checked against the second sweep of that session: every choice is the fastest.
+        # Checked against the second sweep recorded on that machine: every choice is the fastest.
         result = lmoe("bench", "--check-table", table, "--from-sweep", check)
         self.assertIn("policy check ok (7 choice(s) judged)", result.stdout)
         self.assertEqual(result.stdout.count(" fastest\n"), 7)
-        # The table `lmoe tune` wrote in that session (version 2, breakpoints) fails the same check,
-        # with the verdicts the GPU machine recorded.
+        # The table `lmoe tune` wrote on that machine (version 2, breakpoints) fails the same check,
+        # with the verdicts recorded there.
         old = os.path.join(DATA_DIR, "tiers_k3_tp2.json")
         out = self.path("old_check.json")
         result = lmoe("bench", "--check-table", old, "--from-sweep", check, "--json", out, check=False)
@@ -797,7 +797,7 @@ class RecordedSweeps(unittest.TestCase):
         self.assertEqual([(c["tokens"], c["chosen"], c["verdict"]) for c in judged],
                          [(c["tokens"], c["chosen"], c["verdict"]) for c in recorded])
 
-    def test_floors_of_the_h200_recordings(self):
+    def test_floors_of_the_h200_sweep_come_from_its_known_rates_for_one_rank_per_gpu(self):
         # Floors from the rates lmoe knows for the recorded GPU: one rank per GPU (nccl, p2p) gets
         # them, ranks sharing one GPU (cuda-threads) and declined rows do not.
         out = self.path("floors.json")

@@ -1,6 +1,7 @@
 """The scripts around lmoe, run on lmoe's own output or on stubs (no GPU): plot_bench.py's data
-preparation, tail_timeline.py, gpu_check.sh's stripe and scaling stages, baseline_table.py, bench_ab.py,
-fuzz.sh's argument checks.
+preparation, benchmarks/tail_timeline.py, the GPU scripts' usage comments, gpu_check.sh's scaling
+stage, benchmarks/fused_timeline.sh's stripe stage and its A/B of two builds, benchmarks/probes.sh,
+baseline_table.py, benchmarks/bench_ab.py, fuzz.sh's argument checks.
 Usage: test_scripts.py PATH_TO_LMOE"""
 
 import json
@@ -104,20 +105,20 @@ class PlotScript(unittest.TestCase):
 
 
 class TailTimelineScript(unittest.TestCase):
-    """scripts/tail_timeline.py on recorded traces (tests/data/fused_trace_k3_t2_layers8.log: K3 tp 1,
+    """benchmarks/tail_timeline.py on recorded traces (tests/data/fused_trace_k3_t2_layers8.log: K3 tp 1,
     T = 2, 8 tails in one graph, LMOE_FUSED_TRACE=1, an H200, 2026-12-01; and a decode kernel's,
     --kernel decode) and on crafted ones."""
 
     @classmethod
     def setUpClass(cls):
         import importlib.util
-        cls.path = os.path.join(ROOT, "scripts", "tail_timeline.py")
+        cls.path = os.path.join(ROOT, "benchmarks", "tail_timeline.py")
         spec = importlib.util.spec_from_file_location("tail_timeline", cls.path)
         cls.script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cls.script)
         cls.recorded = os.path.join(DATA_DIR, "fused_trace_k3_t2_layers8.log")
 
-    def test_recorded_trace(self):
+    def test_recorded_chained_trace_puts_every_tail_on_one_axis(self):
         with open(self.recorded) as f:
             rows = self.script.timeline(self.script.parse(f.read().splitlines()))
         self.assertEqual([r["tail"] for r in rows], list(range(1, 9)))
@@ -134,12 +135,12 @@ class TailTimelineScript(unittest.TestCase):
             self.assertLess(r["n_ready_median"], r["multiplied_median"])
             self.assertLessEqual(r["end_median"], r["end_max"])
 
-    def test_recorded_decode_trace(self):
+    def test_recorded_decode_trace_gives_the_phases_and_only_the_decode_reading_takes_it(self):
         # tests/data/fused_trace_decode_stripe_t1_layers8.log: the decode kernel's pair instance, the
-        # 896-row stripe at T = 1, 8 tails in one graph, an H200, 2026-12-04 (docs/fused-sessions.md, session
-        # 25). Tail 2 printed its points after a first entry 3296 ns after tail 1's: inputs landed
-        # 3.84, normed 4.67, end median 6.40 µs after its own first entry; tail 1's last block ended
-        # at 5.47 and its median end at 5.28.
+        # 896-row stripe at T = 1, 8 tails in one graph, an H200, 2026-12-04. Tail 2 printed its
+        # points after a first entry 3296 ns after tail 1's: inputs landed 3.84, normed 4.67, end
+        # median 6.40 µs after its own first entry; tail 1's last block ended at 5.47 and its median
+        # end at 5.28.
         path = os.path.join(os.path.dirname(self.recorded), "fused_trace_decode_stripe_t1_layers8.log")
         with open(path) as f:
             lines = f.read().splitlines()
@@ -168,7 +169,7 @@ class TailTimelineScript(unittest.TestCase):
         self.assertIn("inputs after prev. last end", result.stdout)
 
     def test_decode_trace_with_every_point_splits_the_product_and_the_finish(self):
-        # Two tails whose traces have every point of the decode kernel since session 26; medians
+        # Two tails whose traces have every point the decode kernel can print; medians
         # (the middle column) give the phases, the second tail 10 µs after the first on one axis.
         def tail(first_entry_ns, shift):
             points = [("entry", 0.0), ("released", 1.5), ("inputs landed", 2.0), ("normed", 3.0),
@@ -192,7 +193,7 @@ class TailTimelineScript(unittest.TestCase):
         self.assertAlmostEqual(rows[1]["inputs_after_previous_end"], 10.0 + 2.0 - 5.5, places=2)
         self.assertAlmostEqual(rows[1]["released_after_previous_end"], 10.0 + 1.5 - 5.5, places=2)
         self.assertNotIn("released_after_previous_end", rows[0])
-        # A trace without the points of session 26 (the recorded one) has no such phases.
+        # A trace without the release, items and partials points (the recorded one) has no such phases.
         path = os.path.join(os.path.dirname(self.recorded), "fused_trace_decode_stripe_t1_layers8.log")
         with open(path) as f:
             recorded = self.script.timeline(self.script.parse(f.read().splitlines(), "decode"), "decode")
@@ -240,77 +241,54 @@ class TailTimelineScript(unittest.TestCase):
                 self.assertEqual(len(json.load(f)), 8)
 
 
+def copy_tree_files(root, *paths):
+    """Copies the source tree's files at paths (relative to it) to the same paths under root."""
+    for path in paths:
+        os.makedirs(os.path.join(root, os.path.dirname(path)), exist_ok=True)
+        with open(os.path.join(ROOT, path)) as src, open(os.path.join(root, path), "w") as dst:
+            dst.write(src.read())
+
+
+class GpuScriptUsage(unittest.TestCase):
+    """The usage comment of each GPU script (scripts/gpu_check.sh and those of benchmarks/ on its
+    frame) names exactly the stages the script runs, and its default runs only stages it has."""
+
+    SCRIPTS = ("scripts/gpu_check.sh", "benchmarks/probes.sh", "benchmarks/profile.sh",
+               "benchmarks/fused_timeline.sh")
+
+    def test_the_usage_lists_every_stage_and_no_other(self):
+        import re
+        for path in self.SCRIPTS:
+            with self.subTest(script=path):
+                with open(os.path.join(ROOT, path)) as f:
+                    text = f.read()
+                listed = re.search(r"^#.*a subset of: (.*)$", text, re.M)
+                self.assertIsNotNone(listed, "no 'a subset of:' line in the usage comment")
+                listed = listed.group(1).split()
+                self.assertEqual(len(listed), len(set(listed)))
+                self.assertEqual(set(listed), set(re.findall(r"\bwants (\w+)", text)))
+                defaults = set()
+                for value in (re.findall(r'default_stages="([^"]*)"', text)
+                              + re.findall(r"\$\{LMOE_CHECK_STAGES:-([^}]*)\}", text)):
+                    defaults.update(word for word in value.split() if not word.startswith("$"))
+                self.assertTrue(defaults, "no default stages found")
+                self.assertLessEqual(defaults, set(listed))
+
+    def test_nvlink_multicast_stays_off_in_every_gpu_script(self):
+        with open(os.path.join(ROOT, "scripts", "gpu_check_lib.sh")) as f:
+            frame = f.read()
+        self.assertIn("export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1", frame)
+        for path in self.SCRIPTS:
+            with self.subTest(script=path), open(os.path.join(ROOT, path)) as f:
+                text = f.read()
+                # The frame is sourced before any stage runs.
+                self.assertIn("\nsource scripts/gpu_check_lib.sh\n", text)
+                self.assertLess(text.index("source scripts/gpu_check_lib.sh"), text.index("\nif wants "))
+
+
 class GpuCheckScript(unittest.TestCase):
-    """scripts/gpu_check.sh's stripe stage on a copy of the scripts with stub lmoe binaries (no GPU
-    needed): each per-tail bench runs once, and with LMOE_CHECK_BASE once more with the base tree's
-    lmoe right after it, its line marked "base:"."""
-
-    STUB = """#!/usr/bin/env bash
-echo "TREE pair=${LMOE_FUSED_DECODE_PAIR:-} $*" >>"$CALLS"
-echo "lmoe bench: a stub"
-echo "     1      1    fused   x x MEDIAN y ok 0"
-for ((i = 1; i < $#; i++)); do [ "${!i}" = --json ] && j=$((i + 1)) && out="${!j}"; done
-[ -n "${out:-}" ] && echo '{"command": "bench", "records": [{"comm": "p2p", "tier": "fused", "tokens": 1,
-  "status": "ran", "median_us": MEDIAN, "p10_us": MEDIAN, "p90_us": MEDIAN}]}' >"$out"
-exit 0
-"""
-
-    def run_stage(self, root, base):
-        scripts = os.path.join(root, "scripts")
-        os.makedirs(scripts)
-        for name in ("gpu_check.sh", "tail_timeline.py", "bench_ab.py"):
-            with open(os.path.join(ROOT, "scripts", name)) as src, \
-                    open(os.path.join(scripts, name), "w") as dst:
-                dst.write(src.read())
-        for tree, median in (("main", "5.30"), ("base", "5.50")):
-            folder = os.path.join(root, *(["base"] if tree == "base" else []), "build", "cuda")
-            os.makedirs(folder)
-            stub = os.path.join(folder, "lmoe")
-            with open(stub, "w") as f:
-                f.write(self.STUB.replace("MEDIAN", median).replace("TREE", tree))
-            os.chmod(stub, 0o755)
-        open(os.path.join(root, "base", "CMakeLists.txt"), "w").close()
-        env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(root, "out"),
-                   CALLS=os.path.join(root, "calls.txt"))
-        env.pop("LMOE_CHECK_BASE", None)
-        if base:
-            env["LMOE_CHECK_BASE"] = "base"
-        result = subprocess.run(["bash", os.path.join(scripts, "gpu_check.sh")], cwd=root, env=env,
-                                capture_output=True, text=True, timeout=120)
-        with open(env["CALLS"]) as f:
-            calls = f.read().splitlines()
-        return result, calls
-
-    def test_the_base_tree_runs_every_per_tail_bench_again(self):
-        with tempfile.TemporaryDirectory() as d:
-            result, calls = self.run_stage(d, base=True)
-            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-            main_lines = [l for l in result.stdout.splitlines() if l == "1 5.30 0;"]
-            base_lines = [l for l in result.stdout.splitlines() if l == "base: 1 5.50 0;"]
-            # Per tail routed and with the pair off, 8 layers twice and 1 layer once each: 6 benches.
-            self.assertEqual(len(main_lines), 6, result.stdout)
-            self.assertEqual(len(base_lines), 6, result.stdout)
-            benches = [c for c in calls if "--cold-l2" in c]
-            self.assertEqual(len(benches), 12)
-            # Each base bench right after its own, with the same arguments and settings.
-            for mine, theirs in zip(benches[0::2], benches[1::2]):
-                self.assertTrue(mine.startswith("main ") and theirs.startswith("base "), (mine, theirs))
-                self.assertEqual(mine.split(" ", 1)[1], theirs.split(" ", 1)[1].replace("_base.json", ".json"))
-            self.assertEqual(sum("pair=0" in c for c in benches), 6)
-            # The traced timelines (pair and single, T = 1 and 4), each with the base lmoe too.
-            traced = [c for c in calls if "--no-check" in c]
-            self.assertEqual([c.split(" ", 1)[0] for c in traced], ["main", "base"] * 4)
-            self.assertIn("stripe timeline: pair, T=1, 8 layers, traced (base)", result.stdout)
-            self.assertTrue(all("--d-model 896" in c for c in benches))
-            out = os.listdir(os.path.join(d, "out"))
-            self.assertIn("stripe_routed_L8_r1_base.log", out)
-            self.assertIn("gpu_check: stripe_nopair_L1_r1_base exit code 0", result.stdout)
-            # Then every bench of both trees side by side (scripts/bench_ab.py).
-            self.assertIn("== A/B: this tree against base", result.stdout)
-            self.assertIn("| stripe_routed_L8_r1 | p2p | fused | 1 | 5.30 | 5.50 | -0.20 (-3.6%) |  |", result.stdout)
-            self.assertIn("# this tree faster in 6 of 6 rows; median difference -0.20 µs", result.stdout)
-            self.assertIn("gpu_check: ab exit code 0", result.stdout)
-            self.assertIn("ab.md", out)
+    """scripts/gpu_check.sh's scaling stage on a copy of the scripts with stub binaries and two fake
+    GPUs (no GPU needed)."""
 
     def test_the_scaling_stage_sets_lmoe_beside_the_baseline(self):
         # Two fake GPUs; lmoe's sweep and the baseline's are recordings (tests/data, and medians set
@@ -318,11 +296,7 @@ exit 0
         with tempfile.TemporaryDirectory() as d:
             tools = os.path.join(d, "tools")
             os.makedirs(tools)
-            os.makedirs(os.path.join(d, "scripts"))
-            for name in ("gpu_check.sh", "baseline_table.py"):
-                with open(os.path.join(ROOT, "scripts", name)) as src, \
-                        open(os.path.join(d, "scripts", name), "w") as dst:
-                    dst.write(src.read())
+            copy_tree_files(d, "scripts/gpu_check.sh", "scripts/gpu_check_lib.sh", "scripts/baseline_table.py")
             baseline = {"tool": "torch_baseline", "torch": "stub", "tp": 2, "d_model": 7168, "d_latent": 3584,
                         "dtype": "bf16", "cold_l2": True,
                         "records": [{"tokens": 1, "tier": "column", "mode": "graph", "median_us": 48.9,
@@ -363,13 +337,82 @@ exit 0
                 self.assertEqual([r["tokens"] for r in json.load(f)["rows"]], [1])
             self.assertTrue(os.path.exists(os.path.join(d, "out", "scaling_vs_torch_tp2.md")))
 
+
+class FusedTimelineScript(unittest.TestCase):
+    """benchmarks/fused_timeline.sh's stripe stage on a copy of the scripts with stub lmoe binaries (no
+    GPU needed): each per-tail bench runs once, and with LMOE_CHECK_BASE once more with the base
+    tree's lmoe right after it, its line marked "base:"."""
+
+    STUB = """#!/usr/bin/env bash
+echo "TREE pair=${LMOE_FUSED_DECODE_PAIR:-} $*" >>"$CALLS"
+echo "lmoe bench: a stub"
+echo "     1      1    fused   x x MEDIAN y ok 0"
+for ((i = 1; i < $#; i++)); do [ "${!i}" = --json ] && j=$((i + 1)) && out="${!j}"; done
+[ -n "${out:-}" ] && echo '{"command": "bench", "records": [{"comm": "p2p", "tier": "fused", "tokens": 1,
+  "status": "ran", "median_us": MEDIAN, "p10_us": MEDIAN, "p90_us": MEDIAN}]}' >"$out"
+exit 0
+"""
+
+    def run_stage(self, root, base):
+        copy_tree_files(root, "scripts/gpu_check_lib.sh", "benchmarks/fused_timeline.sh",
+                        "benchmarks/tail_timeline.py", "benchmarks/bench_ab.py")
+        for tree, median in (("main", "5.30"), ("base", "5.50")):
+            folder = os.path.join(root, *(["base"] if tree == "base" else []), "build", "cuda")
+            os.makedirs(folder)
+            stub = os.path.join(folder, "lmoe")
+            with open(stub, "w") as f:
+                f.write(self.STUB.replace("MEDIAN", median).replace("TREE", tree))
+            os.chmod(stub, 0o755)
+        open(os.path.join(root, "base", "CMakeLists.txt"), "w").close()
+        env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(root, "out"),
+                   CALLS=os.path.join(root, "calls.txt"))
+        env.pop("LMOE_CHECK_BASE", None)
+        if base:
+            env["LMOE_CHECK_BASE"] = "base"
+        result = subprocess.run(["bash", os.path.join(root, "benchmarks", "fused_timeline.sh")], cwd=root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        with open(env["CALLS"]) as f:
+            calls = f.read().splitlines()
+        return result, calls
+
+    def test_the_base_tree_runs_every_per_tail_bench_again(self):
+        with tempfile.TemporaryDirectory() as d:
+            result, calls = self.run_stage(d, base=True)
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            main_lines = [l for l in result.stdout.splitlines() if l == "1 5.30 0;"]
+            base_lines = [l for l in result.stdout.splitlines() if l == "base: 1 5.50 0;"]
+            # Per tail routed and with the pair off, 8 layers twice and 1 layer once each: 6 benches.
+            self.assertEqual(len(main_lines), 6, result.stdout)
+            self.assertEqual(len(base_lines), 6, result.stdout)
+            benches = [c for c in calls if "--cold-l2" in c]
+            self.assertEqual(len(benches), 12)
+            # Each base bench right after its own, with the same arguments and settings.
+            for mine, theirs in zip(benches[0::2], benches[1::2]):
+                self.assertTrue(mine.startswith("main ") and theirs.startswith("base "), (mine, theirs))
+                self.assertEqual(mine.split(" ", 1)[1], theirs.split(" ", 1)[1].replace("_base.json", ".json"))
+            self.assertEqual(sum("pair=0" in c for c in benches), 6)
+            # The traced timelines (pair and single, T = 1 and 4), each with the base lmoe too.
+            traced = [c for c in calls if "--no-check" in c]
+            self.assertEqual([c.split(" ", 1)[0] for c in traced], ["main", "base"] * 4)
+            self.assertIn("stripe timeline: pair, T=1, 8 layers, traced (base)", result.stdout)
+            self.assertTrue(all("--d-model 896" in c for c in benches))
+            out = os.listdir(os.path.join(d, "out"))
+            self.assertIn("stripe_routed_L8_r1_base.log", out)
+            self.assertIn("fused_timeline: stripe_nopair_L1_r1_base exit code 0", result.stdout)
+            # Then every bench of both trees side by side (benchmarks/bench_ab.py).
+            self.assertIn("== A/B: this tree against base", result.stdout)
+            self.assertIn("| stripe_routed_L8_r1 | p2p | fused | 1 | 5.30 | 5.50 | -0.20 (-3.6%) |  |", result.stdout)
+            self.assertIn("# this tree faster in 6 of 6 rows; median difference -0.20 µs", result.stdout)
+            self.assertIn("fused_timeline: ab exit code 0", result.stdout)
+            self.assertIn("ab.md", out)
+
     def test_a_base_that_is_not_a_built_source_tree_is_refused_before_anything_runs(self):
         with tempfile.TemporaryDirectory() as d:
             for base, error in (("nowhere", "is not a source tree"),
                                 ("empty", "has no build/cuda/lmoe and the build stage is not asked for")):
                 os.makedirs(os.path.join(d, "empty"), exist_ok=True)
                 open(os.path.join(d, "empty", "CMakeLists.txt"), "w").close()
-                script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+                script = os.path.join(ROOT, "benchmarks", "fused_timeline.sh")
                 env = dict(os.environ, LMOE_CHECK_STAGES="stripe", OUT=os.path.join(d, "out"),
                            LMOE_CHECK_BASE=os.path.join(d, base))
                 result = subprocess.run(["bash", script], env=env, capture_output=True, text=True,
@@ -388,6 +431,47 @@ exit 0
             self.assertEqual(len([c for c in calls if "--cold-l2" in c]), 6)
             self.assertEqual(len([c for c in calls if "--no-check" in c]), 4)
             self.assertFalse(any(c.startswith("base ") for c in calls))
+
+
+class ProbesScript(unittest.TestCase):
+    """benchmarks/probes.sh with stub probe binaries (no GPU needed): each probe runs with its JSON in
+    $OUT, the spin probe once per setting, and a stage not asked for runs nothing."""
+
+    def run_probes(self, root, stages):
+        copy_tree_files(root, "scripts/gpu_check_lib.sh", "benchmarks/probes.sh")
+        folder = os.path.join(root, "build", "cuda", "benchmarks")
+        os.makedirs(folder, exist_ok=True)
+        for name in ("lmoe_spin_probe", "lmoe_launch_floor", "lmoe_stream_probe", "lmoe_tma_stream_probe"):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(f'#!/usr/bin/env bash\necho "{name} ${{CUDA_DEVICE_MAX_CONNECTIONS:-}} $*" >>"$CALLS"\n')
+            os.chmod(os.path.join(folder, name), 0o755)
+        env = dict(os.environ, LMOE_CHECK_STAGES=stages, OUT=os.path.join(root, "out"),
+                   CALLS=os.path.join(root, "calls.txt"))
+        open(env["CALLS"], "w").close()
+        result = subprocess.run(["bash", os.path.join(root, "benchmarks", "probes.sh")], cwd=root, env=env,
+                                capture_output=True, text=True, timeout=120)
+        with open(env["CALLS"]) as f:
+            return result, f.read().splitlines()
+
+    def test_each_probe_runs_with_its_json_in_out(self):
+        with tempfile.TemporaryDirectory() as d:
+            result, calls = self.run_probes(d, "probe stream")
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            out = os.path.join(d, "out")
+            self.assertEqual([c.split(" --json")[0] for c in calls], [
+                "lmoe_spin_probe 8", "lmoe_spin_probe 32", "lmoe_spin_probe 32", "lmoe_launch_floor ",
+                "lmoe_stream_probe ", "lmoe_stream_probe  --rows 896",
+                "lmoe_tma_stream_probe ", "lmoe_tma_stream_probe  --rows 896"])
+            self.assertIn(f"--json {out}/probe_CUDA_DEVICE_MAX_CONNECTIONS_32_CUDA_MODULE_LOADING_LAZY.json", calls[2])
+            self.assertIn(f"--json {out}/tma_stream_probe_896.json", calls[-1])
+            self.assertIn("probes: logs in " + out, result.stdout)
+
+    def test_a_stage_not_asked_for_runs_nothing(self):
+        with tempfile.TemporaryDirectory() as d:
+            result, calls = self.run_probes(d, "stream")
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            self.assertEqual([c.split()[0] for c in calls], ["lmoe_stream_probe"] * 2 + ["lmoe_tma_stream_probe"] * 2)
+            self.assertNotIn("spin probe", result.stdout)
 
 
 class BaselineTableScript(unittest.TestCase):
@@ -470,10 +554,10 @@ class BaselineTableScript(unittest.TestCase):
 
 
 class BenchAbScript(unittest.TestCase):
-    """scripts/bench_ab.py on bench files written here: every row's difference, the spread marker,
+    """benchmarks/bench_ab.py on bench files written here: every row's difference, the spread marker,
     pairing by folder (other JSON passed over), and what it refuses."""
 
-    SCRIPT = os.path.join(ROOT, "scripts", "bench_ab.py")
+    SCRIPT = os.path.join(ROOT, "benchmarks", "bench_ab.py")
 
     @staticmethod
     def bench(path, runs):
@@ -487,7 +571,7 @@ class BenchAbScript(unittest.TestCase):
     def run_script(self, *args):
         return subprocess.run([sys.executable, self.SCRIPT, *args], capture_output=True, text=True, timeout=60)
 
-    def test_rows_by_folder(self):
+    def test_a_folders_pairs_give_each_rows_difference_and_spread(self):
         with tempfile.TemporaryDirectory() as d:
             self.bench(os.path.join(d, "a.json"), [("fused", 1, 5.0, 4.9, 5.1), ("fused", 4, 6.0, 5.5, 6.5)])
             self.bench(os.path.join(d, "a_base.json"), [("fused", 1, 5.5, 5.4, 5.6), ("fused", 4, 6.2, 6.1, 6.3),
@@ -508,7 +592,7 @@ class BenchAbScript(unittest.TestCase):
         self.assertIn("| a | p2p | fused | 4 | 6.00 | 6.20 | -0.20 (-3.2%) | ~ |", result.stdout)
         self.assertIn("# this tree faster in 2 of 2 rows; median difference -0.35 µs", result.stdout)
 
-    def test_what_it_refuses(self):
+    def test_unpaired_foreign_or_disjoint_files_are_refused_with_the_cause(self):
         with tempfile.TemporaryDirectory() as d:
             mine, other = os.path.join(d, "mine.json"), os.path.join(d, "other.json")
             self.bench(mine, [("fused", 1, 5.0, 5.0, 5.0)])

@@ -1,10 +1,10 @@
-"""scripts/torch_baseline.py, the PyTorch baseline of issue 7 (the reference system's `overlap` and
-`column` tails in plain torch.distributed + torch.mm), against lmoe on the CPU: the baseline runs as
-gloo ranks, dumps its input and each tier's output as safetensors, `lmoe tail --backend cpu` runs
-the same tier on that input, and scripts/compare_safetensors.py compares the two outputs. This is
-the chain scripts/gpu_check.sh runs on every GPU of a machine (its `baseline` stage), checked here
-before GPUs are lent for it, in f32: the torch Debian ships (1.13, CPU only) has no bf16 all-reduce
-in gloo and no f16 matmul on the CPU.
+"""scripts/torch_baseline.py, the PyTorch baseline (the reference system's `overlap` and `column`
+tails in plain torch.distributed + torch.mm), against lmoe on the CPU: the baseline runs as gloo
+ranks, dumps its input and each tier's output as safetensors, `lmoe tail --backend cpu` runs the
+same tier on that input, and scripts/compare_safetensors.py compares the two outputs. This is the
+chain scripts/gpu_check.sh runs on every GPU of a machine (its `baseline` stage), checked here
+without a GPU, in f32: the torch Debian ships (1.13, CPU only) has no bf16 all-reduce in gloo and
+no f16 matmul on the CPU.
 
 Needs a python3 with torch (gloo) and safetensors: LMOE_TORCH_PYTHON, else python3 or
 /usr/bin/python3 (scripts/install-deps.sh --tests installs Debian's torch); without one every test

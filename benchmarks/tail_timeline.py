@@ -2,7 +2,7 @@
 """The timeline of consecutive fused kernels from an LMOE_FUSED_TRACE run.
 
     LMOE_FUSED_TRACE=1 build/cuda/lmoe bench --backend cuda -n 1 --comm p2p --tiers fused -t 2 \
-        --layers 8 --warmup 5 --iters 20 --no-check 2>&1 | python3 scripts/tail_timeline.py
+        --layers 8 --warmup 5 --iters 20 --no-check 2>&1 | python3 benchmarks/tail_timeline.py
 
 Each traced kernel prints its points (µs after its first block's entry: min / median / max over
 blocks) and the global timer (ns) at that first entry. With `--layers N` the tails of one graph each
@@ -82,15 +82,15 @@ def timeline(traces, kernel="chained"):
         first = "n_ready" if kernel == "chained" else "inputs"
         if rows and first + "_median" in row and "end_max" in rows[-1]:
             row[first + "_after_previous_end"] = round(row[first + "_median"] - rows[-1]["end_max"], 2)
-            if kernel == "decode" and "released_median" in row:  # since session 26
+            if kernel == "decode" and "released_median" in row:  # where the trace has the release
                 row["released_after_previous_end"] = round(row["released_median"] - rows[-1]["end_max"], 2)
         if rows and "end_median" in row and "end_median" in rows[-1]:
             row["period"] = round(row["end_median"] - rows[-1]["end_median"], 2)
         if kernel == "decode":
-            # Traces since session 25 also split the product: warp 0's wait for its items, its
-            # multiplies, and the rest of the block to the barrier after them; since session 26 the
-            # read of the inputs after griddepcontrol.wait's release, and the finish: the partials'
-            # stores with the barrier after them, then the sums and outputs.
+            # Where the trace has the points, the product splits into warp 0's wait for its items,
+            # its multiplies, and the rest of the block to the barrier after them; the read of the
+            # inputs after griddepcontrol.wait's release shows; and the finish splits into the
+            # partials' stores with the barrier after them, then the sums and outputs.
             for phase, start, stop in (("read", "released", "inputs"),
                                        ("norm", "inputs", "normed"), ("product", "normed", "streamed"),
                                        ("finish", "streamed", "end"), ("wait", "normed", "landed"),

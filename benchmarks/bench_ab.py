@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Two builds of lmoe side by side: per (comm, tier, T), this tree's median against a base tree's
-from the JSON of `lmoe bench --json` run with each (scripts/gpu_check.sh with LMOE_CHECK_BASE writes
-$OUT/TAG.json and $OUT/TAG_base.json for every per-tail bench).
+from the JSON of `lmoe bench --json` run with each (benchmarks/fused_timeline.sh with LMOE_CHECK_BASE
+writes $OUT/TAG.json and $OUT/TAG_base.json for every per-tail bench).
 
-    python3 scripts/bench_ab.py --dir OUT          # every TAG.json that has a TAG_base.json
-    python3 scripts/bench_ab.py THIS.json BASE.json [THIS2.json BASE2.json ...] [--json ROWS.json]
+    python3 benchmarks/bench_ab.py --dir OUT          # every TAG.json that has a TAG_base.json
+    python3 benchmarks/bench_ab.py THIS.json BASE.json [THIS2.json BASE2.json ...] [--json ROWS.json]
 
 A row: the two medians (µs), this − base and its share of base, and `~` where the two runs' p10–p90
 ranges overlap (a difference inside the iterations' own spread). The last line counts the rows where
@@ -70,7 +70,7 @@ def rows(tag, this_doc, base_doc):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="pairs: THIS.json BASE.json ...")
-    parser.add_argument("--dir", help="a folder of TAG.json and TAG_base.json files (gpu_check's $OUT)")
+    parser.add_argument("--dir", help="a folder of TAG.json and TAG_base.json files (fused_timeline.sh's $OUT)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if bool(args.dir) == bool(args.files):
