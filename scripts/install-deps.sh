@@ -6,6 +6,8 @@
 #   --fuzz      clang 19 and its libFuzzer runtime (scripts/fuzz.sh; clang 14 lacks the builtin that
 #               libstdc++'s std::source_location needs, and Debian 12 and Ubuntu 24.04 package 19)
 #   --coverage  gcovr (scripts/coverage.sh)
+#   --format    clang-format 14, the version whose output the tree is checked against
+#               (scripts/check-format.sh)
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
 
@@ -51,3 +53,4 @@ if wants --tests; then
 fi
 if wants --fuzz; then apt_install clang-19 libclang-rt-19-dev; fi
 if wants --coverage; then pip_install python3 gcovr gcovr; fi
+if wants --format; then apt_install clang-format-14; fi
