@@ -162,9 +162,14 @@ void LayerCommand::execute() const {
   // Rank `rank` of tp's weights: loaded from the checkpoint, or random (the same values for any
   // tp).
   const auto weights_of = [&](int tp, int rank) {
-    return load ? load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config,
-                                     resolved.dtype, tp, rank)
-                : make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
+    if (!load) return make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
+    try {
+      return load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config,
+                                resolved.dtype, tp, rank);
+    } catch (const Error& error) {  // the library names its arguments; here they are flags
+      throw Error("--weights " + weights_dir + " --layer " + std::to_string(layer_index) + ": " +
+                  error.message());
+    }
   };
   const std::vector<LayerInputRun> results = run_layer_on_threads(
       options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);

@@ -41,7 +41,7 @@ class Checkpoint {
   explicit Checkpoint(std::string dir) : dir_(std::move(dir)) {
     namespace fs = std::filesystem;
     std::error_code error;
-    if (!fs::is_directory(dir_, error)) throw Error("--weights " + dir_ + ": not a directory");
+    if (!fs::is_directory(dir_, error)) throw Error("checkpoint directory " + dir_ + ": not a directory");
     const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
     if (fs::exists(index, error)) {
       std::ifstream in(index);
@@ -68,7 +68,7 @@ class Checkpoint {
       for (const auto& tensor : header.tensors) file_of_[tensor.first] = header.path;
     }
     if (file_of_.empty())
-      throw Error("--weights " + dir_ +
+      throw Error("checkpoint directory " + dir_ +
                   ": no *.safetensors files and no model.safetensors.index.json");
   }
 
@@ -192,7 +192,7 @@ LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& 
   if (auto error = validate_layer_config(config, tp)) throw Error("layer config: " + *error);
   LMOE_CHECK(rank >= 0 && rank < tp,
              "rank: expected 0 … " + std::to_string(tp - 1) + ", got " + std::to_string(rank));
-  LMOE_CHECK(layer >= 0, "--layer: expected a layer index ≥ 0, got " + std::to_string(layer));
+  LMOE_CHECK(layer >= 0, "layer index: expected ≥ 0, got " + std::to_string(layer));
   Checkpoint checkpoint(dir);
   Reader reader(checkpoint);
   LayerWeights weights;

@@ -205,7 +205,7 @@ std::vector<std::string> match_tier_table(const TableProvenance& table,
     for (std::size_t i = 0; i < differences.size(); ++i) {
       message += (i == 0 ? "" : "; ") + differences[i];
     }
-    throw Error(message + " (measure this one with `lmoe tune`, or leave the table out)");
+    throw Error(message + " (measure this configuration, or leave the table out)");
   }
 
   std::vector<std::string> warnings;

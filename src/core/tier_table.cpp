@@ -242,8 +242,8 @@ json parse_json(const std::string& json_text, const std::string& origin) {
   if (table.value("format", json()) != "lmoe-tier-table") {
     if (table.value("command", json()) == "bench") {
       throw Error(origin +
-                  ": is a recorded sweep of `lmoe bench --json`, not a tier table (derive "
-                  "one from it with `lmoe tune --from-sweep`)");
+                  ": is a recorded sweep of tier times, not a tier table (a table is derived "
+                  "from a sweep by tuning it)");
     }
     throw Error(origin + ": \"format\" must be \"lmoe-tier-table\"");
   }

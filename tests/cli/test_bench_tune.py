@@ -631,7 +631,7 @@ class RecordedSweeps(unittest.TestCase):
              "are the table's"),
             (["tune", "--refit", self.table, "--from-sweep", self.sweep, "-o", out], "--refit and --from-sweep: give one"),
             (["tune", "--refit", self.sweep, "-o", out],
-             f"{self.sweep}: is a recorded sweep of `lmoe bench --json`, not a tier table"),
+             f"{self.sweep}: is a recorded sweep of tier times, not a tier table"),
             (["tune", "--refit", self.path("missing.json"), "-o", out], "cannot read the tier table file"),
         ]
         for args, needle in cases:

@@ -990,7 +990,7 @@ TEST(MatchTierTable, TheSameConfigurationMatchesWithoutWarnings) {
 TEST(MatchTierTable, EachHardwareOrShapeFieldIsRefusedWithBothValues) {
   const lmoe::TableProvenance p = sample_table().provenance;
   const std::string head = "tier table t.json was measured for another configuration: ";
-  const std::string tail = " (measure this one with `lmoe tune`, or leave the table out)";
+  const std::string tail = " (measure this configuration, or leave the table out)";
   struct Case {
     std::function<void(lmoe::RunningConfig&)> change;
     std::string difference;
