@@ -107,7 +107,7 @@ void validate_bench_options(const BenchOptions& options) {
   LMOE_CHECK(options.iters >= 1,
              "bench: iters: expected >= 1 timed iterations, got " + std::to_string(options.iters));
   LMOE_CHECK(options.layers >= 1 && options.layers <= kMaxBenchLayers,
-             "bench: layers (--layers): expected 1 to " + std::to_string(kMaxBenchLayers) +
+             "bench: layers: expected 1 to " + std::to_string(kMaxBenchLayers) +
                  " tails a timed iteration, got " + std::to_string(options.layers));
   LMOE_CHECK(options.check_max_tokens >= 0, "bench: check_max_tokens: expected >= 0, got " +
                                                 std::to_string(options.check_max_tokens));

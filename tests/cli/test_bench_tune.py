@@ -137,7 +137,7 @@ class BenchCommand(unittest.TestCase):
             (["--mode", "lazy"], "--mode: unknown bench mode 'lazy'"),
             (["--mode", "device-tokens"], "mode device-tokens needs the cuda backend"),
             (["--cold-l2"], "cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has no device L2 to evict"),
-            (["--layers", "0"], "bench: layers (--layers): expected 1 to 64 tails a timed iteration, got 0"),
+            (["--layers", "0"], "bench: layers: expected 1 to 64 tails a timed iteration, got 0"),
         ]
         for args, needle in cases:
             with self.subTest(args=args):

@@ -297,7 +297,7 @@ TEST(TailBench, BadOptionsNameTheOption) {
     options = small_options(2, {1});
     options.layers = layers;
     EXPECT_EQ(message_of(options),
-              "bench: layers (--layers): expected 1 to 64 tails a timed "
+              "bench: layers: expected 1 to 64 tails a timed "
               "iteration, got " +
                   std::to_string(layers));
   }
