@@ -181,7 +181,8 @@ std::string setting_range_text(const SettingSpec& spec) {
     case T::milliseconds:
     case T::nanoseconds:
     case T::tokens: {
-      const std::string range = "[" + std::to_string(spec.min) + ", " + std::to_string(spec.max) + "]";
+      const std::string range =
+          "[" + std::to_string(spec.min) + ", " + std::to_string(spec.max) + "]";
       return spec.name == std::string_view("LMOE_COLUMN_MAX_TOKENS") ? range + " or none"
              : spec.name == std::string_view("LMOE_FUSED_CHAINED_TILE_ROWS") ? "64 or 128"
                                                                               : range;
@@ -279,7 +280,9 @@ std::vector<std::string> unknown_setting_warnings(const std::vector<std::string>
   for (const std::string& name : names) {
     if (name.rfind("LMOE_", 0) != 0 || find_setting(name)) continue;
     std::string warning = name + " is not a setting lmoe reads";
-    if (const auto closest = closest_setting_name(name)) warning += " (did you mean " + *closest + "?)";
+    if (const auto closest = closest_setting_name(name)) {
+      warning += " (did you mean " + *closest + "?)";
+    }
     warnings.push_back(warning);
   }
   return warnings;

@@ -28,13 +28,16 @@ class EnvCommand(unittest.TestCase):
         self.assertEqual(len(settings), 25)
         self.assertEqual(list(settings), sorted(settings))
         tier = settings["LMOE_TIER"]
-        self.assertEqual((tier["value"], tier["source"], tier["type"]), ("column", "environment", "tier"))
+        self.assertEqual((tier["value"], tier["source"], tier["type"]),
+                         ("column", "environment", "tier"))
         self.assertEqual(tier["default"], "auto")
         timeout = settings["LMOE_P2P_TIMEOUT_MS"]
         self.assertEqual((timeout["value"], timeout["source"]), ("10000", "default"))
-        self.assertEqual((timeout["min"], timeout["max"], timeout["type"]), (1, 86400000, "milliseconds"))
+        self.assertEqual((timeout["min"], timeout["max"], timeout["type"]),
+                         (1, 86400000, "milliseconds"))
         for row in doc["settings"]:
-            for key in ["name", "value", "source", "type", "range", "default", "meaning", "applies"]:
+            for key in ["name", "value", "source", "type", "range", "default", "meaning",
+                        "applies"]:
                 self.assertTrue(row[key] != "" or key == "value", (row["name"], key))
             if "max" in row:
                 self.assertLessEqual(row["min"], row["max"], row["name"])
@@ -47,7 +50,8 @@ class EnvCommand(unittest.TestCase):
             "(did you mean LMOE_P2P_TIMEOUT_MS?)\n",
             result.stderr,
         )
-        self.assertIn("lmoe: warning: LMOE_QQQQQQQQQQQQQQQQ is not a setting lmoe reads\n", result.stderr)
+        self.assertIn("lmoe: warning: LMOE_QQQQQQQQQQQQQQQQ is not a setting lmoe reads\n",
+                      result.stderr)
         self.assertEqual(result.stderr.count("warning"), 2)
         # The JSON on stdout stays clean; the warning goes to stderr there too.
         result = lmoe("env", "--json", env={"LMOE_FUSED_DECOD": "0"})

@@ -98,7 +98,9 @@ TEST(SettingsTable, IsSortedWithEveryFieldAndEveryNumberBounded) {
   for (std::size_t i = 0; i < table.size(); ++i) {
     const lmoe::SettingSpec& spec = table[i];
     SCOPED_TRACE(spec.name);
-    if (i > 0) EXPECT_LT(std::string(table[i - 1].name), std::string(spec.name));
+    if (i > 0) {
+      EXPECT_LT(std::string(table[i - 1].name), std::string(spec.name));
+    }
     EXPECT_TRUE(std::string(spec.name).starts_with("LMOE_"));
     EXPECT_FALSE(std::string(spec.fallback).empty());
     EXPECT_FALSE(std::string(spec.meaning).empty());

@@ -281,7 +281,7 @@ TEST(TierPolicyConfig, ErrorWhatCarriesThePlaceAndMessageDoesNot) {
     load({{"LMOE_FUSED_MAX_TOKENS", "x"}});
     FAIL() << "no throw";
   } catch (const lmoe::Error& error) {
-    EXPECT_THAT(std::string(error.what()), HasSubstr("core/tier_policy.cpp:"));
+    EXPECT_THAT(std::string(error.what()), HasSubstr("core/settings.cpp:"));
     EXPECT_THAT(error.message(), StartsWith("LMOE_FUSED_MAX_TOKENS='x'"));
   }
 }
