@@ -15,6 +15,7 @@
 #include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/tools/tail_bench.hpp"
 #include "lmoe/tools/tail_floor.hpp"
 #include "progress.hpp"
@@ -80,10 +81,7 @@ std::string joined(const std::vector<std::string>& names) {
 
 // LMOE_BENCH_INJECT_FAULT=1 (testing only): one element of every checked output is made wrong.
 bool inject_fault_from_environment() {
-  const char* value = std::getenv("LMOE_BENCH_INJECT_FAULT");
-  if (value == nullptr || std::string(value).empty() || std::string(value) == "0") return false;
-  if (std::string(value) == "1") return true;
-  throw Error("LMOE_BENCH_INJECT_FAULT='" + std::string(value) + "': expected 0 or 1");
+  return setting_choice("LMOE_BENCH_INJECT_FAULT").value_or("0") == "1";
 }
 
 // Why a ran record failed, for its table row; empty when it passed or was not checked.

@@ -9,7 +9,7 @@
 #include <iostream>
 #include <memory>
 
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 #include "common.hpp"
 #include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
@@ -263,7 +263,7 @@ void LayerCommand::execute() const {
             << "microseconds (total_us: median of the per-forward sums; forward_us: median wall time of a "
                "forward, which is less than the sum where stages overlap"
             << (chosen_backend == Backend::cuda
-                    ? (env_flag("LMOE_LAYER_SERIAL_STAGES")
+                    ? (setting_flag("LMOE_LAYER_SERIAL_STAGES")
                            ? "; cuda: CUDA events per stage, shared runs after the experts "
                              "(LMOE_LAYER_SERIAL_STAGES=1), see docs/layer.md"
                            : "; cuda: CUDA events per stage, shared runs on a second stream "

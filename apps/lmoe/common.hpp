@@ -68,5 +68,6 @@ void add_explain_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_tune_command(CLI::App& app);
 void add_layer_command(CLI::App& app);
+void add_env_command(CLI::App& app);
 
 }  // namespace lmoe::cli

@@ -101,6 +101,7 @@ int main(int argc, char** argv) {
   lmoe::cli::add_bench_command(app);
   lmoe::cli::add_tune_command(app);
   lmoe::cli::add_layer_command(app);
+  lmoe::cli::add_env_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "lmoe/settings.hpp"  // EnvLookup
 #include "lmoe/tier.hpp"
 
 namespace lmoe {
@@ -78,10 +79,6 @@ struct PolicyConfig {
   // for version 1, which holds breakpoints only.
   std::shared_ptr<const TierTable> table;
 };
-
-// Reads a variable of the environment; nullopt when unset. Tests pass their own.
-using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
-EnvLookup process_environment();
 
 // Builds the policy from defaults, then `table_path` (or LMOE_TIER_TABLE when table_path is empty),
 // then the environment: LMOE_FUSED_MAX_TOKENS, LMOE_OVERLAP_MAX_TOKENS, LMOE_COLUMN_MAX_TOKENS,

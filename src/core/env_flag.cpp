@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
-#include <cstdlib>
-#include <cstring>
 
 #include "lmoe/error.hpp"
 
@@ -23,24 +21,17 @@ bool parse_flag(const std::string& variable, const std::string& text) {
   throw Error(variable + "='" + text + "': expected 1, 0, true, false, yes, no, on or off");
 }
 
-std::optional<bool> env_flag_if_set(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  return parse_flag(name, value);
-}
-
-bool env_flag(const char* name) { return env_flag_if_set(name).value_or(false); }
-
-std::optional<long long> env_integer(const char* name, long long min, long long max,
-                                     const std::string& what) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return std::nullopt;
-  const char* end = text + std::strlen(text);
-  long long value = 0;
-  const auto [stop, error] = std::from_chars(text, end, value);
-  // from_chars takes a leading '-', which no setting here means.
-  if (error != std::errc() || stop != end || *text == '-' || value < min || value > max) {
-    throw Error(std::string(name) + ": expected " + what + " in [" + std::to_string(min) + ", " +
+std::int64_t parse_integer(const std::string& variable, const std::string& text, std::int64_t min,
+                           std::int64_t max, const std::string& what) {
+  const char* begin = text.data();
+  const char* end = begin + text.size();
+  std::int64_t value = 0;
+  const auto [stop, error] = std::from_chars(begin, end, value);
+  // from_chars takes a leading '-', which no setting here means; out of range is an error too,
+  // never a wrapped value.
+  if (text.empty() || error != std::errc() || stop != end || text[0] == '-' || value < min ||
+      value > max) {
+    throw Error(variable + ": expected " + what + " in [" + std::to_string(min) + ", " +
                 std::to_string(max) + "], got \"" + text + "\"");
   }
   return value;

@@ -1,9 +1,8 @@
 #include "lmoe/fused_defaults.hpp"
 
-#include <cstdlib>
 #include <string>
 
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 
 namespace lmoe {
 
@@ -11,8 +10,8 @@ namespace {
 
 // Why `what` is turned off by the flag `variable`; nullopt when it is unset or on.
 std::optional<std::string> turned_off(const char* variable, const char* what) {
-  if (env_flag_if_set(variable).value_or(true)) return std::nullopt;
-  return std::string(what) + " is turned off (" + variable + "=" + std::getenv(variable) + ")";
+  if (setting_flag_if_set(variable).value_or(true)) return std::nullopt;
+  return std::string(what) + " is turned off (" + variable + "=" + *setting_text(variable) + ")";
 }
 
 }  // namespace

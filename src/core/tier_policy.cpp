@@ -9,6 +9,7 @@
 
 #include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/tier_table.hpp"
 
 namespace lmoe {
@@ -23,40 +24,12 @@ std::string_view setting_source_name(SettingSource source) {
   return "?";
 }
 
-EnvLookup process_environment() {
-  return [](const std::string& name) -> std::optional<std::string> {
-    const char* value = std::getenv(name.c_str());
-    if (value == nullptr) return std::nullopt;
-    return std::string(value);
-  };
-}
-
 namespace {
-
-
-std::int64_t parse_token_count(const std::string& variable, const std::string& text) {
-  const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
-    return c >= '0' && c <= '9';
-  });
-  if (!digits_only) {
-    throw Error(variable + "='" + text + "': expected a non-negative integer number of tokens");
-  }
-  std::int64_t value = 0;
-  for (char c : text) {
-    if (value > (std::numeric_limits<std::int64_t>::max() - (c - '0')) / 10) {
-      throw Error(variable + "='" + text + "': the number is too large");
-    }
-    value = value * 10 + (c - '0');
-  }
-  return value;
-}
 
 
 // An unset or empty variable leaves the setting as it was.
 std::optional<std::string> read_variable(const EnvLookup& env, const std::string& name) {
-  auto value = env(name);
-  if (!value || value->empty()) return std::nullopt;
-  return value;
+  return setting_text(name, env);
 }
 
 std::string describe_limit(const Setting<std::optional<std::int64_t>>& setting) {
@@ -214,12 +187,12 @@ PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::s
           (breakpoint_variables.empty() ? "" : ", ") + std::string(name) + "=" + *text;
     }
   }
-  from_env(config.fused_max_tokens, "LMOE_FUSED_MAX_TOKENS", parse_token_count);
-  from_env(config.overlap_max_tokens, "LMOE_OVERLAP_MAX_TOKENS", parse_token_count);
+  from_env(config.fused_max_tokens, "LMOE_FUSED_MAX_TOKENS", parse_setting_tokens);
+  from_env(config.overlap_max_tokens, "LMOE_OVERLAP_MAX_TOKENS", parse_setting_tokens);
   from_env(config.column_max_tokens, "LMOE_COLUMN_MAX_TOKENS",
            [](const std::string& name, const std::string& text) -> std::optional<std::int64_t> {
              if (ascii_lowercase(text) == "none") return std::nullopt;
-             return parse_token_count(name, text);
+             return parse_setting_tokens(name, text);
            });
   from_env(config.overlap_disabled, "LMOE_DISABLE_OVERLAP", parse_flag);
   from_env(config.forced_tier, "LMOE_TIER",

@@ -2,6 +2,9 @@
 
 #include <array>
 #include <cstdlib>
+#include <string_view>
+
+#include "lmoe/settings.hpp"
 
 namespace lmoe {
 
@@ -34,8 +37,12 @@ std::span<const char* const> timing_setting_names() { return kNames; }
 TimingSettings timing_settings_from_environment() {
   TimingSettings settings;
   for (const char* name : kNames) {
-    const char* value = std::getenv(name);
-    if (value != nullptr && *value != '\0') settings[name] = value;
+    // lmoe's own through the settings table; NCCL's are NCCL's.
+    if (std::string_view(name).starts_with("LMOE_")) {
+      if (auto value = setting_text(name)) settings[name] = *value;
+    } else if (const char* value = std::getenv(name); value != nullptr && *value != '\0') {
+      settings[name] = value;
+    }
   }
   return settings;
 }

@@ -2,12 +2,12 @@
 
 #include <algorithm>
 
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 
 namespace lmoe {
 
 int token_chunks_setting_from_environment() {
-  const auto chunks = env_integer("LMOE_TOKEN_CHUNKS", 1, kMaxTokenChunks, "a count of chunks");
+  const auto chunks = setting_int("LMOE_TOKEN_CHUNKS");
   return chunks ? static_cast<int>(*chunks) : 0;
 }
 

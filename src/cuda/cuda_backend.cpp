@@ -7,7 +7,7 @@
 #include "cuda/layer/cuda_layer_executor.hpp"
 #include "cuda/runtime/cuda_device_info.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/cuda_communicator.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/fused_defaults.hpp"
@@ -78,7 +78,7 @@ class CudaBackendOps final : public BackendOps {
       return "nccl needs one GPU per rank (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
              " GPU(s) visible)";
     }
-    if (name == "p2p" && num_ranks > gpus && !env_flag("LMOE_P2P_SHARED_GPU")) {
+    if (name == "p2p" && num_ranks > gpus && !setting_flag("LMOE_P2P_SHARED_GPU")) {
       return "p2p ranks would share a GPU (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
              " GPU(s)), where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 to run it anyway";
     }

@@ -16,6 +16,8 @@ add_library(lmoe_cuda STATIC
   ${lmoe_cuda_dir}/tail/token_switch.cpp
   ${lmoe_cuda_dir}/tail/token_switch_select.cu
   ${lmoe_cuda_dir}/fused/fused_tail.cpp
+  ${lmoe_cuda_dir}/fused/fused_settings.cpp
+  ${lmoe_cuda_dir}/fused/fused_trace.cpp
   ${lmoe_cuda_dir}/fused/fused_tail_launch.cu
   ${lmoe_cuda_dir}/fused/fused_decode_launch.cu
   ${lmoe_cuda_dir}/fused/fused_chained_launch.cu

@@ -16,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "core/env_flag.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "tier_table_files.hpp"
@@ -282,7 +281,7 @@ TEST(TierPolicyConfig, ErrorWhatCarriesThePlaceAndMessageDoesNot) {
     load({{"LMOE_FUSED_MAX_TOKENS", "x"}});
     FAIL() << "no throw";
   } catch (const lmoe::Error& error) {
-    EXPECT_THAT(std::string(error.what()), HasSubstr("core/tier_policy.cpp:"));
+    EXPECT_THAT(std::string(error.what()), HasSubstr("core/settings.cpp:"));
     EXPECT_THAT(error.message(), StartsWith("LMOE_FUSED_MAX_TOKENS='x'"));
   }
 }
@@ -1013,60 +1012,3 @@ TEST(TierPolicyNames, SourcesAndTiers) {
 }
 
 }  // namespace
-
-// Every yes/no variable (LMOE_DISABLE_OVERLAP, LMOE_P2P_SHARED_GPU, LMOE_LAYER_DEVICE_EXPERTS) reads
-// the same words, and a word that is none of them is an error naming the variable, not a quiet "no".
-TEST(EnvFlag, AcceptsTheSameWordsEverywhereAndNamesTheVariableOtherwise) {
-  constexpr const char* kName = "LMOE_TEST_ENV_FLAG";
-  unsetenv(kName);
-  EXPECT_FALSE(lmoe::env_flag(kName));
-  EXPECT_EQ(lmoe::env_flag_if_set(kName), std::nullopt);
-  setenv(kName, "", 1);
-  EXPECT_FALSE(lmoe::env_flag(kName));
-  EXPECT_EQ(lmoe::env_flag_if_set(kName), std::nullopt);
-  for (const char* yes : {"1", "true", "YES", "On"}) {
-    setenv(kName, yes, 1);
-    EXPECT_TRUE(lmoe::env_flag(kName)) << yes;
-    EXPECT_EQ(lmoe::env_flag_if_set(kName), true) << yes;
-  }
-  for (const char* no : {"0", "false", "No", "OFF"}) {
-    setenv(kName, no, 1);
-    EXPECT_FALSE(lmoe::env_flag(kName)) << no;
-    EXPECT_EQ(lmoe::env_flag_if_set(kName), false) << no;
-  }
-  setenv(kName, "maybe", 1);
-  try {
-    lmoe::env_flag(kName);
-    ADD_FAILURE() << "'maybe' was read as a flag";
-  } catch (const lmoe::Error& e) {
-    EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("LMOE_TEST_ENV_FLAG='maybe'"));
-  }
-  unsetenv(kName);
-}
-
-// Whole-number variables (LMOE_TOKEN_CHUNKS, LMOE_FUSED_EXCHANGE_GRID): digits only, inside the
-// range, else an error naming the variable, the range and the text.
-TEST(EnvInteger, DigitsInsideTheRangeOrAnErrorNamingTheVariable) {
-  constexpr const char* kName = "LMOE_TEST_ENV_INTEGER";
-  unsetenv(kName);
-  EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), std::nullopt);
-  setenv(kName, "", 1);
-  EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), std::nullopt);
-  for (const auto& [text, value] :
-       {std::pair{"1", 1LL}, std::pair{"32", 32LL}, std::pair{"007", 7LL}}) {
-    setenv(kName, text, 1);
-    EXPECT_EQ(lmoe::env_integer(kName, 1, 32, "blocks"), value) << text;
-  }
-  for (const char* bad : {"0", "33", "-1", "+2", " 2", "2 ", "2x", "two", "99999999999999999999"}) {
-    setenv(kName, bad, 1);
-    try {
-      lmoe::env_integer(kName, 1, 32, "blocks");
-      ADD_FAILURE() << "'" << bad << "' was accepted";
-    } catch (const lmoe::Error& e) {
-      EXPECT_EQ(
-          e.message(),
-          std::string("LMOE_TEST_ENV_INTEGER: expected blocks in [1, 32], got \"") + bad + "\"");
-    }
-  }
-  unsetenv(kName);
-}

@@ -19,6 +19,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/threads_communicator.hpp"
 
 #ifdef LMOE_HAS_MPI
@@ -614,7 +615,7 @@ std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOption
   if (size == 1) {
     check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
   } else {
-    id_file = env("LMOE_NCCL_ID_FILE");
+    id_file = setting_text("LMOE_NCCL_ID_FILE", env);
     if (!id_file || id_file->empty()) {
       throw Error("nccl: LMOE_NCCL_ID_FILE is not set: with WORLD_SIZE=" + std::to_string(size) +
                   ", rank 0 hands its NCCL id to the others through a file; set it to a fresh path on a "

@@ -20,6 +20,7 @@
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/comm/p2p_launch.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/threads_communicator.hpp"
 
 namespace lmoe {
@@ -348,7 +349,7 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   void throw_if_failed(const char* operation) {
     std::string failure = group_->device_failure();
     if (failure.empty()) return;
-    if (std::getenv("LMOE_P2P_DIAGNOSE")) failure += group_->block_progress();
+    if (setting_present("LMOE_P2P_DIAGNOSE")) failure += group_->block_progress();
     group_->abort_host(rank_, failure);
     throw CommunicatorAborted(std::string(operation) + ": " + failure);
   }

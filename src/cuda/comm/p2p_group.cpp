@@ -7,6 +7,7 @@
 
 #include "cuda/runtime/cuda_check.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 
 namespace lmoe {
 
@@ -15,13 +16,8 @@ namespace {
 constexpr std::size_t kDefaultRoundBytes = std::size_t{32} << 20;
 
 std::chrono::milliseconds default_timeout() {
-  if (const char* value = std::getenv("LMOE_P2P_TIMEOUT_MS")) {
-    char* end = nullptr;
-    const long long ms = std::strtoll(value, &end, 10);
-    LMOE_CHECK(end != value && *end == '\0' && ms > 0,
-               std::string("LMOE_P2P_TIMEOUT_MS: expected a positive number of milliseconds, got '") + value + "'");
-    return std::chrono::milliseconds(ms);
-  }
+  // The table bounds it (a day), so that ms · 10^6 ns fits the device's 64-bit timeout.
+  if (const auto ms = setting_int("LMOE_P2P_TIMEOUT_MS")) return std::chrono::milliseconds(*ms);
   return std::chrono::seconds(10);
 }
 

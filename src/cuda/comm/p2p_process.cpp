@@ -41,7 +41,7 @@
 #include "cuda/comm/p2p_group.hpp"
 #include "comm/process_launch.hpp"
 #include "comm/shared_segment.hpp"
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/comm/p2p_launch.hpp"
 #include "lmoe/error.hpp"
@@ -392,7 +392,7 @@ std::string host_name() {
   return name;
 }
 
-bool shared_gpu_allowed() { return env_flag("LMOE_P2P_SHARED_GPU"); }
+bool shared_gpu_allowed() { return setting_flag("LMOE_P2P_SHARED_GPU"); }
 
 }  // namespace
 
@@ -555,7 +555,7 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
   if (rank == 0) {
     segment = SharedSegment::create(SegmentBootstrap::segment_bytes());
     if (size > 1) {
-      const std::optional<std::string> path = env("LMOE_P2P_ID_FILE");
+      const std::optional<std::string> path = setting_text("LMOE_P2P_ID_FILE", env);
       if (!path || path->empty()) {
         throw Error("p2p: LMOE_P2P_ID_FILE is not set: with WORLD_SIZE=" + std::to_string(size) +
                     ", rank 0 hands the others the name of its shared memory through a file; set it to a fresh "
@@ -567,7 +567,7 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
       remover.path = path;
     }
   } else {
-    const std::optional<std::string> path = env("LMOE_P2P_ID_FILE");
+    const std::optional<std::string> path = setting_text("LMOE_P2P_ID_FILE", env);
     if (!path || path->empty()) {
       throw Error("p2p: rank " + std::to_string(rank) + ": LMOE_P2P_ID_FILE is not set (it must name the file "
                   "rank 0 writes)");

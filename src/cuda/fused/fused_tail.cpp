@@ -1,14 +1,11 @@
 #include "cuda/fused/fused_tail.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "cuda/comm/p2p_peer_access.hpp"
-#include "core/env_flag.hpp"
 #include "cuda/runtime/alignment.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
@@ -70,18 +67,59 @@ std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims d
 
 FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
                      const float* gamma, std::int64_t max_tokens)
-    : comm_(comm), dtype_(dtype) {
+    : FusedTail(comm, dims, dtype, latent_norm, eps, w_stripe, gamma, max_tokens,
+                fused_settings_from_environment(comm.size())) {}
+
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
+                     const float* gamma, std::int64_t max_tokens, FusedSettings settings)
+    : comm_(comm), dtype_(dtype), settings_(std::move(settings)) {
   if (auto reason = unavailable(comm, dims, dtype)) throw Error(*reason);
   const int tp = comm.size();
   peers_ = tp > 1 ? dynamic_cast<P2pPeerAccess*>(&comm) : nullptr;
   capacity_ = max_tokens > 0 ? std::min(max_tokens, kFusedMaxTokens) : kFusedMaxTokens;
-  const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
-  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype));
+  params_.rank = comm.rank();
+  params_.tp = tp;
+  params_.d = dims.d_model;
+  params_.l = dims.d_latent;
+  params_.stripe = dims.d_model / tp;
+  params_.w_stripe = w_stripe;
+  params_.gamma = gamma;
+  params_.eps = eps;
+  params_.latent_norm = latent_norm;
+  params_.capacity = capacity_;
+  // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
+  // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
+  const std::int64_t stripe_bytes =
+      params_.stripe * params_.l * static_cast<std::int64_t>(dtype_size(dtype));
+  params_.prefetch_weights = stripe_bytes <= (std::int64_t{32} << 20);
 
   // Everything below is per device (kernel attributes, occupancy, the workspace): the rank's own
   // GPU, whatever the calling thread had current.
   const int device = make_rank_device_current(comm);
-  int sms = 0;
+  check_weights_device(device, w_stripe, gamma);
+  const FusedGrid g = choose_grid(device, dims, tp);
+  const std::int64_t bytes = lay_out_workspace(dims, tp, device, g);
+  allocate_workspace(bytes);
+
+  const int grid = agree_grid(g.grid);
+  params_.grid = grid;
+  params_.col_tiles = g.col_tiles;
+  params_.splits = g.splits_for(grid);
+  if (settings_.trace) {
+    trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
+    params_.trace = static_cast<std::uint64_t*>(trace_.data());
+  }
+  choose_decode(g.sms, g.sharing);
+  choose_chained(g.sms, g.sharing);
+  if (settings_.trace && decode_max_tokens_ > 0) {
+    decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
+                                 sizeof(std::uint64_t));
+    LMOE_CUDA_CHECK(cudaMemset(decode_trace_.data(), 0, decode_trace_.bytes()));
+  }
+}
+
+void FusedTail::check_weights_device(int device, const void* w_stripe, const float* gamma) {
   for (const auto& [name, pointer] : {std::pair{"w_up's stripe", w_stripe},
                                       std::pair{"gamma", static_cast<const void*>(gamma)}}) {
     cudaPointerAttributes attributes{};
@@ -93,23 +131,34 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     }
     (void)cudaGetLastError();  // a pointer the runtime does not know is the caller's business
   }
-  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+}
+
+FusedTail::FusedGrid FusedTail::choose_grid(int device, TailDims dims, int tp) const {
+  FusedGrid g;
+  LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, device));
   int per_sm = 0;
-  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(capacity_, dtype, &per_sm));
+  LMOE_CUDA_CHECK(fused_tail_blocks_per_sm(capacity_, dtype_, &per_sm));
   LMOE_CHECK(per_sm >= 1, "fused: the kernel does not fit on an SM");
   // Every block of every rank on this GPU must be resident at once: blocks wait for each other.
   // Ranks sharing a GPU leave one block slot per SM free (when there are several), so that a
   // peer's other work on the GPU (a copy, a memset) cannot keep a rank's last blocks out.
-  const int sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
-  const int slots = sharing > 1 ? std::max(1, per_sm - 1) : per_sm;
+  g.sharing = peers_ ? peers_->ranks_on_my_gpu() : 1;
+  const int slots = g.sharing > 1 ? std::max(1, per_sm - 1) : per_sm;
   // As many blocks as fit, up to one per work item when every tile takes the most splits; the
   // splits then fill the grid (a narrow stripe spreads over every SM by splitting K).
-  const std::int64_t col_tiles = (stripe + kFusedTileCols - 1) / kFusedTileCols;
-  const std::int64_t most_splits = max_splits(l);
-  int grid = static_cast<int>(std::clamp<std::int64_t>(
-      std::min<std::int64_t>(col_tiles * most_splits, std::int64_t{sms} * slots / sharing), 1, 1 << 16));
-  const auto splits_for = [&](int blocks) { return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits); };
+  const std::int64_t stripe = dims.d_model / tp;
+  g.col_tiles = (stripe + kFusedTileCols - 1) / kFusedTileCols;
+  g.most_splits = max_splits(dims.d_latent);
+  g.grid = static_cast<int>(std::clamp<std::int64_t>(
+      std::min<std::int64_t>(g.col_tiles * g.most_splits, std::int64_t{g.sms} * slots / g.sharing),
+      1, 1 << 16));
+  return g;
+}
 
+std::int64_t FusedTail::lay_out_workspace(TailDims dims, int tp, int device, const FusedGrid& g) {
+  const std::int64_t d = dims.d_model, l = dims.d_latent, stripe = d / tp;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype_));
+  const std::int64_t col_tiles = g.col_tiles;
   // Workspace: flags; the regions the peers read or write, laid out alike on every rank (from
   // capacity, d, l, tp and the dtype only: a peer addresses them with this rank's offsets): per
   // parity the staged routed, shared and stripe rows, then (tp > 1) per parity the decode kernel's
@@ -133,7 +182,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   // Then (tp > 1, where the chained path may run: compute 9.0, not turned off) per parity the
   // chained path's exchange as LL lines (cuda/fused_chained_exchange.cuh; K3 at 128 rows: ~11 MB).
   params_.cx_latent_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
-  if (tp > 1 && !fused_chained_turned_off() && device_is_compute_90(device)) {
+  if (tp > 1 && !settings_.chained_off && device_is_compute_90(device)) {
     const std::int64_t rows = std::min(kFusedChainedMaxTokens, capacity_), line_bytes = 4;
     params_.cx_rows = rows;
     params_.cx_owner_rows = (rows + tp - 1) / tp;
@@ -152,23 +201,26 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
       params_.shared_sum_offset + (tp > 1 ? align256(capacity_ * stripe * esize) : 0);
   params_.partials_offset = params_.tile_arrived_offset +
                             align256(col_tiles * static_cast<std::int64_t>(sizeof(std::uint32_t)));
-  const std::int64_t local_splits = splits_for(grid);
+  const std::int64_t local_splits = g.splits_for(g.grid);
   const std::int64_t partial_bytes = local_splits > 1
                                          ? col_tiles * local_splits * capacity_ * kFusedTileCols *
                                                static_cast<std::int64_t>(sizeof(float))
                                          : 0;
-  const std::int64_t bytes = params_.partials_offset + align256(partial_bytes);
+  return params_.partials_offset + align256(partial_bytes);
+}
+
+void FusedTail::allocate_workspace(std::int64_t bytes) {
   if (peers_) {
     // Every rank's workspace as this rank's kernel addresses it (a peer's pointer between threads,
     // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
     shared_workspace_ = peers_->share_buffer(static_cast<std::size_t>(bytes));
-    for (int r = 0; r < tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
+    for (int r = 0; r < params_.tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
     // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
     // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
     // which its odd epochs never are). Before the collective below, so before any peer's call.
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.ll_latent_offset, 0x01,
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_latent_offset, 0x01,
                                static_cast<std::size_t>(params_.ll_parity_bytes)));
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm.rank()] + params_.cx_latent_offset, 0x01,
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.cx_latent_offset, 0x01,
                                static_cast<std::size_t>(params_.cx_parity_bytes)));
     LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
@@ -177,31 +229,22 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     LMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before the first call
     params_.workspace[0] = static_cast<std::byte*>(workspace_.data());
   }
+}
 
-  params_.rank = comm.rank();
-  params_.tp = tp;
-  params_.d = d;
-  params_.l = l;
-  params_.stripe = stripe;
-  params_.w_stripe = w_stripe;
-  params_.gamma = gamma;
-  params_.eps = eps;
-  params_.latent_norm = latent_norm;
-  params_.capacity = capacity_;
-  // The stripe goes to L2 at the start of a call (it streams in while the norm runs and the peers
-  // arrive) when it fits there with room to spare; K3's whole w_up (51 MB, tp = 1) does not.
-  params_.prefetch_weights = stripe * l * esize <= (std::int64_t{32} << 20);
+// Ranks take the smallest grid; the status record is the p2p group's, or this rank's own.
+int FusedTail::agree_grid(int grid) {
+  const int tp = params_.tp;
   if (peers_) {
     // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
     // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
     const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
     std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
-    comm.control_all_gather(mine, all.data(), sizeof(mine));
+    comm_.control_all_gather(mine, all.data(), sizeof(mine));
     for (int r = 0; r < tp; ++r) {
       const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
       if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
         throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
-                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm.rank()) +
+                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm_.rank()) +
                     "'s " + std::to_string(capacity_) +
                     " (max_tokens must be the same on every rank)");
       }
@@ -221,22 +264,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
     params_.abort_flag = own_abort_;
     params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
   }
-  params_.grid = grid;
-  params_.col_tiles = col_tiles;
-  params_.splits = splits_for(grid);
-  const bool tracing = std::getenv("LMOE_FUSED_TRACE") != nullptr;
-  if (tracing) {
-    trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
-    LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
-    params_.trace = static_cast<std::uint64_t*>(trace_.data());
-  }
-  choose_decode(sms, sharing);
-  choose_chained(sms, sharing);
-  if (tracing && decode_max_tokens_ > 0) {
-    decode_trace_ = DeviceBuffer(static_cast<std::size_t>(decode_plan_.grid) * kDecodeTracePoints *
-                                 sizeof(std::uint64_t));
-    LMOE_CUDA_CHECK(cudaMemset(decode_trace_.data(), 0, decode_trace_.bytes()));
-  }
+  return grid;
 }
 
 // Calls of up to 16 rows (8 where 16 rows do not fit in shared memory) run the decode kernel, where
@@ -246,8 +274,8 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
 // a peer's other work); the ranks then agree on the smallest bound and grid (collective).
 void FusedTail::choose_decode(int sms, int sharing) {
   // LMOE_FUSED_DECODE=0 turns the decode kernel off (every call runs the general kernel).
-  if (auto off = fused_decode_turned_off()) {
-    decode_limit_ = std::move(off);
+  if (settings_.decode_off) {
+    decode_limit_ = settings_.decode_off;
   } else if (!aligned16(params_.w_stripe) || !aligned16(params_.gamma)) {
     decode_limit_ = "the decode kernel's 16-byte loads need w_up and gamma 16-byte aligned";
   } else {
@@ -282,12 +310,9 @@ void FusedTail::choose_decode(int sms, int sharing) {
   // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
   // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
   // sets the count, for measurements (unset: 4, and all in the pair instance).
-  const bool wanted = env_flag_if_set("LMOE_FUSED_DECODE_PROGRAMMATIC").value_or(params_.tp == 1);
-  const bool pair_wanted = env_flag_if_set("LMOE_FUSED_DECODE_PAIR").value_or(true);
-  decode_early_items_ =
-      static_cast<int>(env_integer("LMOE_FUSED_DECODE_EARLY_ITEMS", 0, kFusedDecodeMaxEarlyItems,
-                                   "a count of a warp's weight items")
-                           .value_or(-1));
+  const bool wanted = settings_.decode_programmatic.value_or(params_.tp == 1);
+  const bool pair_wanted = settings_.decode_pair;
+  decode_early_items_ = settings_.decode_early_items;
   if (params_.tp == 1) {
     decode_programmatic_ = wanted && decode_max_tokens_ > 0;
     // The pair instance (two blocks an SM) only where it is launched programmatically: its point
@@ -359,7 +384,7 @@ void FusedTail::choose_chained(int sms, int sharing) {
 
 std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   const int tp = params_.tp;
-  if (auto off = fused_chained_turned_off()) return off;
+  if (settings_.chained_off) return settings_.chained_off;
   if (tp == 1 && !params_.latent_norm)
     return "the chained path needs the latent norm (its first kernel)";
   if (tp > 1 && params_.cx_rows == 0) return "the chained path runs on compute 9.0 only (wgmma)";
@@ -367,14 +392,7 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     return "the chained path's copies need w_up and gamma 16-byte aligned";
   const std::int64_t bound = std::min(kFusedChainedMaxTokens, capacity_);
   // LMOE_FUSED_CHAINED_TILE_ROWS: 64 or 128 asks for that tile (measurements); else the plan's.
-  int tile_rows = 0;
-  if (const auto asked = env_integer("LMOE_FUSED_CHAINED_TILE_ROWS", 64, 128, "64 or 128")) {
-    if (*asked != 64 && *asked != 128) {
-      throw Error("LMOE_FUSED_CHAINED_TILE_ROWS: expected 64 or 128, got \"" +
-                  std::to_string(*asked) + "\"");
-    }
-    tile_rows = static_cast<int>(*asked);
-  }
+  const int tile_rows = settings_.chained_tile_rows;
   if (const char* reason =
           fused_chained_plan(params_.stripe, params_.l, bound, dtype_, tile_rows, &chained_plan_)) {
     return std::string(reason) + " (d_model=" + std::to_string(params_.d) +
@@ -413,8 +431,11 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     const int most = sharing == 1 ? sms : std::max(1, (sms - 1) / (2 * sharing));
     chained_exchange_grid_ = sharing == 1 ? sms : std::min(32, most);
     params_.cx_early_up = sharing == 1;
-    if (const auto asked =
-            env_integer("LMOE_FUSED_EXCHANGE_GRID", 1, most, "a count of blocks on this GPU")) {
+    if (const auto asked = settings_.exchange_grid) {
+      if (*asked > most) {
+        throw Error("LMOE_FUSED_EXCHANGE_GRID: expected a count of blocks on this GPU in [1, " +
+                    std::to_string(most) + "], got \"" + std::to_string(*asked) + "\"");
+      }
       chained_exchange_grid_ = static_cast<int>(*asked);
     }
   }
@@ -439,11 +460,11 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   // 1) set it at any tp, for measurements.
   const double grid_box_bytes = static_cast<double>(p.tiles) * p.splits * chained_plan_.tile_rows *
                                 kChainedTileK * dtype_size(dtype_);
-  // Both read at every tp, so that a value they cannot take is an error wherever it is set.
+  // Both read at every tp (fused_settings_from_environment), so that a value they cannot take is
+  // an error wherever it is set.
   double pace_ns = tp == 1 ? grid_box_bytes / kChainedStreamBytesPerNs : 0.0;
-  if (const auto ns = env_integer("LMOE_FUSED_CHAINED_PACE_NS", 0, 100000, "nanoseconds"))
-    pace_ns = static_cast<double>(*ns);
-  const auto burst = env_integer("LMOE_FUSED_CHAINED_PACE_BURST", 1, 64, "a count of copies");
+  if (const auto ns = settings_.chained_pace_ns) pace_ns = static_cast<double>(*ns);
+  const auto burst = settings_.chained_pace_burst;
   if (pace_ns > 0) {
     int device = 0, khz = 0;
     LMOE_CUDA_CHECK(cudaGetDevice(&device));  // the rank's, made current at construction
@@ -451,7 +472,7 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
     p.pace_cycles = std::max(1, static_cast<int>(pace_ns * khz / 1e6));  // the SM's peak clock
     p.pace_burst = static_cast<int>(burst.value_or(1));
   }
-  if (std::getenv("LMOE_FUSED_TRACE") != nullptr) {
+  if (settings_.trace) {
     chained_trace_ = DeviceBuffer(static_cast<std::size_t>(p.tiles) * p.splits *
                                   kChainedTracePoints * sizeof(std::uint64_t));
     LMOE_CUDA_CHECK(cudaMemset(chained_trace_.data(), 0, chained_trace_.bytes()));
@@ -476,101 +497,6 @@ std::uint32_t FusedTail::chained_calls() const {
 FusedTail::~FusedTail() {
   if (trace_.bytes() || decode_trace_.bytes() || chained_trace_.bytes()) print_trace();
   if (own_status_) cudaFreeHost(own_status_);
-}
-
-namespace {
-
-// One kernel's points over its blocks: min / median / max µs after the earliest entry (point 0),
-// on stderr; points no block reached (0) are left out. Then the global timer's value (ns) at the
-// first entry and at the last stamp of any block, so that the traces of the tails of one graph
-// (`lmoe bench --layers N`: each tail prints its own) line up: the gap between one tail's last
-// stamp and the next tail's first entry is what passes between them.
-void print_points(const char* title, const std::vector<std::uint64_t>& stamps, int grid, int points,
-                  const char* const* names) {
-  std::uint64_t origin = ~std::uint64_t{0}, last = 0;
-  for (int b = 0; b < grid; ++b) {
-    const std::uint64_t entry = stamps[static_cast<std::size_t>(b) * points];
-    if (entry) origin = std::min(origin, entry);
-    for (int point = 0; point < points; ++point)
-      last = std::max(last, stamps[static_cast<std::size_t>(b) * points + point]);
-  }
-  if (origin == ~std::uint64_t{0}) return;  // the kernel did not run
-  std::fprintf(stderr, "%s (us after the first entry: min / median / max over blocks)\n", title);
-  for (int point = 0; point < points; ++point) {
-    std::vector<double> at;
-    for (int b = 0; b < grid; ++b) {
-      const std::uint64_t stamp = stamps[static_cast<std::size_t>(b) * points + point];
-      if (stamp >= origin && stamp != 0) at.push_back(static_cast<double>(stamp - origin) * 1e-3);
-    }
-    if (at.empty()) continue;
-    std::sort(at.begin(), at.end());
-    std::fprintf(stderr, "[ fused trace ] %-16s %8.2f %8.2f %8.2f\n", names[point], at.front(),
-                 at[at.size() / 2], at.back());
-  }
-  std::fprintf(stderr, "[ fused trace ] global timer: first entry %llu ns, last stamp %llu ns\n",
-               static_cast<unsigned long long>(origin), static_cast<unsigned long long>(last));
-}
-
-}  // namespace
-
-// LMOE_FUSED_TRACE: when the blocks of the last call of each kernel reached each point, on stderr.
-// Diagnostics only.
-void FusedTail::print_trace() noexcept {
-  if (cudaDeviceSynchronize() != cudaSuccess) return;
-  const auto read = [](const DeviceBuffer& buffer) {
-    std::vector<std::uint64_t> stamps(buffer.bytes() / sizeof(std::uint64_t));
-    if (cudaMemcpy(stamps.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost) !=
-        cudaSuccess)
-      stamps.clear();
-    return stamps;
-  };
-  if (trace_.bytes()) {
-    static constexpr const char* kNames[kFusedTracePoints] = {
-        "entry",      "epoch",           "staged", "inputs arrived", "normed", "rows done",
-        "items done", "stripes arrived", "end"};
-    const std::vector<std::uint64_t> stamps = read(trace_);
-    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) + ", grid " +
-                              std::to_string(params_.grid) + ", splits " +
-                              std::to_string(params_.splits) + ", last call";
-    if (!stamps.empty())
-      print_points(title.c_str(), stamps, params_.grid, kFusedTracePoints, kNames);
-  }
-  if (chained_trace_.bytes()) {
-    static constexpr const char* kNames[kChainedTracePoints] = {
-        "entry", "N ready", "multiplied", "partials in", "stored", "parked", "end"};
-    const std::vector<std::uint64_t> stamps = read(chained_trace_);
-    const int grid = chained_plan_.tiles * chained_plan_.splits;
-    const std::string title =
-        "[ fused trace ] rank " + std::to_string(params_.rank) + ", chained up-projection, grid " +
-        std::to_string(grid) + " (tiles of " + std::to_string(chained_plan_.tile_rows) +
-        " rows, splits " + std::to_string(chained_plan_.splits) + "), last call";
-    if (!stamps.empty()) print_points(title.c_str(), stamps, grid, kChainedTracePoints, kNames);
-  }
-  if (exchange_trace_.bytes()) {
-    // Both kernels' points from the exchange's first entry (the up-projection's trace above has
-    // its own origin).
-    static constexpr const char* kNames[kCxTracePoints] = {
-        "entry",      "pushed",       "own rows", "shared sums",
-        "other rows", "gather entry", "gathered", "closed"};
-    const std::vector<std::uint64_t> stamps = read(exchange_trace_);
-    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
-                              ", chained exchange and gather, grid " +
-                              std::to_string(chained_exchange_grid_) + ", last call";
-    if (!stamps.empty())
-      print_points(title.c_str(), stamps, chained_exchange_grid_, kCxTracePoints, kNames);
-  }
-  if (decode_trace_.bytes()) {
-    static constexpr const char* kNames[kDecodeTracePoints] = {
-        "entry",    "released",        "inputs landed",
-        "normed",   "items landed",    "warp 0 multiplied",
-        "streamed", "partials stored", "end"};
-    const std::vector<std::uint64_t> stamps = read(decode_trace_);
-    const std::string title = "[ fused trace ] rank " + std::to_string(params_.rank) +
-                              ", decode kernel, grid " + std::to_string(decode_plan_.grid) +
-                              ", last call";
-    if (!stamps.empty())
-      print_points(title.c_str(), stamps, decode_plan_.grid, kDecodeTracePoints, kNames);
-  }
 }
 
 std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {

@@ -15,6 +15,7 @@
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/fused/fused_chained_launch.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
+#include "cuda/fused/fused_settings.hpp"
 #include "cuda/fused/fused_tail_types.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
@@ -65,6 +66,10 @@ class FusedTail {
   // both must outlive this object. max_tokens: 0 or more than kFusedMaxTokens gives the workspace
   // kFusedMaxTokens rows.
   // latent_norm false: N = round(Σ_r routed_r), no RMSNorm (gamma unused).
+  // settings: the fused tier's knobs (cuda/fused/fused_settings.hpp); without them, this process's
+  // environment's.
+  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
+            const float* gamma, std::int64_t max_tokens, FusedSettings settings);
   FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
             const float* gamma, std::int64_t max_tokens);
   ~FusedTail();
@@ -76,6 +81,7 @@ class FusedTail {
   static std::optional<std::string> buffers_limit(const void* routed, const void* shared, const void* out);
 
   std::int64_t capacity() const { return capacity_; }
+  const FusedSettings& settings() const { return settings_; }
   int grid() const { return params_.grid; }
   std::int64_t splits() const { return params_.splits; }  // ranges of K per column tile
 
@@ -129,6 +135,25 @@ class FusedTail {
            const std::int32_t* tokens_device = nullptr);
 
  private:
+  // The general kernel's grid on this device, before the ranks agree on it.
+  struct FusedGrid {
+    int sms = 0;
+    int sharing = 1;  // ranks on this GPU
+    int grid = 0;
+    std::int64_t col_tiles = 0;
+    std::int64_t most_splits = 1;
+    // The splits of K per column tile that a grid of `blocks` fills.
+    std::int64_t splits_for(int blocks) const {
+      return std::clamp<std::int64_t>(blocks / col_tiles, 1, most_splits);
+    }
+  };
+  static void check_weights_device(int device, const void* w_stripe, const float* gamma);
+  FusedGrid choose_grid(int device, TailDims dims, int tp) const;
+  // Sets the workspace's offsets in params_ and returns its bytes.
+  std::int64_t lay_out_workspace(TailDims dims, int tp, int device, const FusedGrid& g);
+  void allocate_workspace(std::int64_t bytes);
+  // Collective with several ranks: the smallest grid of any rank; sets the status record.
+  int agree_grid(int grid);
   void choose_decode(int sms, int sharing);
   void choose_chained(int sms, int sharing);
   std::optional<std::string> chained_reason(int sms, int sharing);
@@ -141,6 +166,7 @@ class FusedTail {
   Communicator& comm_;
   P2pPeerAccess* peers_ = nullptr;  // the p2p communicator's, with several ranks
   DType dtype_;
+  FusedSettings settings_;
   std::int64_t capacity_ = 0;
   DeviceBuffer workspace_;                              // one rank: its own workspace
   std::unique_ptr<P2pSharedBuffer> shared_workspace_;   // several: every rank's, from the communicator

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/env_flag.hpp"
+#include "lmoe/settings.hpp"
 #include "core/router_weight_split.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
@@ -127,8 +127,8 @@ class CudaLayerExecutor final : public LayerExecutor {
         inter_(config.expert_intermediate / tp),
         shared_width_(config.shared_width() / tp),
         device_limit_(cuda_device_experts_limit(config, dtype, tp)),
-        device_eager_(env_flag(kDeviceExpertsEnv)),
-        serial_stages_(env_flag(kSerialStagesEnv)),
+        device_eager_(setting_flag(kDeviceExpertsEnv)),
+        serial_stages_(setting_flag(kSerialStagesEnv)),
         split_router_(dtype == DType::bf16) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {

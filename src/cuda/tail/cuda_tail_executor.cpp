@@ -127,8 +127,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     // ranks: every rank reaches this point, and decides the same).
     fused_unavailable_ = cuda::FusedTail::unavailable(comm, dims, dtype);
     if (!fused_unavailable_) {
+      // The fused tier's settings are read here, once, from the settings table.
       fused_ = std::make_unique<cuda::FusedTail>(comm, dims, dtype, latent_norm, eps, w_up_rows(comm.rank() * stripe_width()),
-                                                 static_cast<const float*>(gamma_.data()), max_tokens);
+                                                 static_cast<const float*>(gamma_.data()), max_tokens,
+                                                 cuda::fused_settings_from_environment(comm.size()));
     }
   }
 
