@@ -1,5 +1,5 @@
-// lmoe_grouped_gemm_bench: the routed experts' grouped GEMMs (src/cuda/grouped_gemm.hpp) at one
-// model's expert dims / tp, against the GPU's two ceilings measured in the same run:
+// lmoe_grouped_gemm_bench: the routed experts' grouped GEMMs (src/cuda/gemm/grouped_gemm.hpp) at
+// one model's expert dims / tp, against the GPU's two ceilings measured in the same run:
 //
 //   copy  device-to-device bandwidth (cudaMemcpyAsync; bytes read + written);
 //   gemm  the bf16 rate of CublasLtGemm on an 8192³ product (%gemm: against the rate before the
@@ -377,8 +377,8 @@ int run(const Settings& settings) {
         report_row("loop", timer.time(loop), up_flops + down_flops, up_bytes + down_bytes);
       }
     }
-    // The rate again after the rows: on an H200 it has varied between runs (~700 or ~790 TFLOP/s)
-    // while the grouped calls' times did not, so a reader can see which the percentages used.
+    // The rate again after the rows: it can vary between runs while the grouped calls' times do
+    // not, so a reader can see which the percentages used (docs/perf.md).
     const double gemm_tflops_end = tflops_of(timer.time(square_gemm));
     std::printf("# bf16 GEMM %lld³ again after the rows: %.1f TFLOP/s\n",
                 static_cast<long long>(square), gemm_tflops_end);
