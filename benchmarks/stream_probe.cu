@@ -1,9 +1,9 @@
 // lmoe_stream_probe: how fast can a block-tiled cp.async pipeline stream a weight matrix from HBM?
 //
-// The fused tail's stripe product (src/cuda/fused_tail.cuh) streams w_up [d, l] through shared
-// memory in tiles of `cols` weight rows × `seg` bytes of K per pipeline stage. At decode sizes that
-// stream is the whole cost, and the fused kernel measured ~2.9 TB/s on K3's 51 MB where a copy
-// reaches ~4.3 TB/s. This program isolates the stream: the same cp.async ring with nothing else
+// The fused tail's stripe product (src/cuda/fused/fused_tail.cuh) streams w_up [d, l] through
+// shared memory in tiles of `cols` weight rows × `seg` bytes of K per pipeline stage. At decode
+// sizes that stream is the whole cost, and the fused kernel streams slower than a copy does
+// (docs/fused.md). This program isolates the stream: the same cp.async ring with nothing else
 // (no norm, no MMA, no epilogue), for several tile geometries, pipeline depths, blocks per SM and
 // two ways of dealing the work out:
 //

@@ -1,11 +1,11 @@
 // lmoe_tma_stream_probe: how fast the copy engine (TMA) streams w_up [d, l] from HBM, by the shape
 // of its boxes.
 //
-// The chained up-projection (src/cuda/fused_chained.cuh) copies w_up in boxes of 64 rows × 64
+// The chained up-projection (src/cuda/fused/fused_chained.cuh) copies w_up in boxes of 64 rows × 64
 // elements of K (128 bytes of each row: the 128-byte swizzle's width, which wgmma reads) and
-// streams K3's 51.4 MB at ~3.7 TB/s, the rate of a plain read. lmoe_stream_probe measured cp.async
-// rings reading 512 bytes or more of a row per stage at 4.0–4.2 TB/s. Whether the copy engine
-// does the same depends on the order in which a box walks memory, so this program streams the
+// streams at the rate of a plain read, where lmoe_stream_probe's cp.async rings reading 512 bytes
+// or more of a row per stage stream faster (docs/fused.md). Whether the copy engine does the
+// same depends on the order in which a box walks memory, so this program streams the
 // same bytes in three box shapes, each 128-byte swizzled (a box's inner extent is 64 elements):
 //
 //   rows    2-D map (k, rows), box 64 × R rows: R rows' 128-byte pieces of one chunk of K (the

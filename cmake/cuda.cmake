@@ -18,8 +18,8 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 # Warnings for device code and for the host compiler behind nvcc.
 add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>")
 # Source lines in the device code's debug sections (nvcc -lineinfo), so that Nsight Compute's
-# source counters name the lines that issue or stall (scripts/gpu_check.sh turns it on for its
-# profile stages). The machine code is the same.
+# source counters name the lines that issue or stall (benchmarks/profile.sh turns it on for its
+# profiles). The machine code is the same.
 option(LMOE_CUDA_LINEINFO "Build the kernels with nvcc -lineinfo (for Nsight Compute)" OFF)
 if(LMOE_CUDA_LINEINFO)
   add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>")

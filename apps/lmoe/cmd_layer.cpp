@@ -40,6 +40,39 @@ struct LayerCommand {
   std::string json_path;
 
   void execute() const;
+
+ private:
+  // The flags resolved and checked, before anything is made or run.
+  struct LayerSetup {
+    bool load = false;  // a checkpoint's layer, not random weights
+    int divisor = 1;    // the dims' scale-down
+    const ModelPreset* preset = nullptr;
+    ModelOptions::Resolved resolved;
+    LayerConfig config;
+    Backend chosen_backend = Backend::cpu;
+    LayerOptions options;
+    LayerRunOptions run;
+    std::string setting;  // the run described in one line
+  };
+  // Per T: the inputs, every rank's results and, when checked, the fp64 reference and the cpu
+  // backend's results on the same inputs (cuda runs).
+  struct LayerRuns {
+    std::vector<HostTensor> inputs;
+    std::vector<LayerInputRun> results;
+    std::unique_ptr<LayerReference> reference;
+    std::vector<LayerInputRun> cpu_results;
+  };
+  // The printed table, its rows as JSON and whether every row passed its checks.
+  struct LayerRows {
+    Table table;
+    nlohmann::json rows;
+    bool all_ok = true;
+  };
+
+  LayerSetup setup() const;
+  LayerRuns run_layers(const LayerSetup& setup) const;
+  LayerRows report_rows(const LayerSetup& setup, const LayerRuns& runs) const;
+  void write_report(const LayerSetup& setup, const nlohmann::json& rows, bool all_ok) const;
 };
 
 // Median over repeats of one stage of rank 0's times.
@@ -82,8 +115,9 @@ double median_of_us(const std::vector<LayerStageTimes>& times, double (LayerStag
   return values.empty() ? -1 : values[values.size() / 2];
 }
 
-void LayerCommand::execute() const {
-  const bool load = !weights_dir.empty();
+LayerCommand::LayerSetup LayerCommand::setup() const {
+  LayerSetup setup;
+  const bool load = setup.load = !weights_dir.empty();
   if (load != (layer_index >= 0))
     throw Error(
         "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
@@ -92,8 +126,8 @@ void LayerCommand::execute() const {
   for (std::int64_t t : tokens) {
     LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
   }
-  const ModelOptions::Resolved resolved = model.resolve();
-  const ModelPreset& preset = find_preset(model.preset);
+  const ModelOptions::Resolved& resolved = setup.resolved = model.resolve();
+  const ModelPreset& preset = *(setup.preset = &find_preset(model.preset));
   if (!preset.layer) {
     throw Error("--preset " + preset.name +
                 ": no layer description (expert sizes unknown); presets with one: " + [] {
@@ -113,22 +147,22 @@ void LayerCommand::execute() const {
   full.d_model = resolved.dims.d_model;
   full.d_latent = resolved.dims.d_latent;
   // A checkpoint is loaded at the model's own dims; random weights are scaled down by --scale.
-  const int divisor = load ? 1 : scale;
-  LayerConfig config = scale_down(full, divisor);
+  const int divisor = setup.divisor = load ? 1 : scale;
+  LayerConfig& config = setup.config = scale_down(full, divisor);
   if (experts > 0) {
     LMOE_CHECK(!load, "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
     config.router.num_experts = experts;
   }
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
 
-  const Backend chosen_backend = resolve_backend(backend);
-  LayerOptions options;
+  const Backend chosen_backend = setup.chosen_backend = resolve_backend(backend);
+  LayerOptions& options = setup.options;
   options.config = config;
   options.dtype = resolved.dtype;
   options.rms_norm_eps = resolved.eps;
   options.backend = chosen_backend;
   options.policy = resolve_policy(tier_table);
-  LayerRunOptions run;
+  LayerRunOptions& run = setup.run;
   run.comm = resolve_comm(comm, chosen_backend);
   // A table for other hardware or dims fails here, before any weights are made or loaded.
   check_table_fits(options.policy, running_config(chosen_backend, ranks, config.tail_dims(),
@@ -138,7 +172,7 @@ void LayerCommand::execute() const {
   run.warmup = 1;  // first touches of the weights and buffers are not the layer's time
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
-  const std::string setting =
+  setup.setting =
       resolved.name +
       (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
       (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
@@ -152,9 +186,21 @@ void LayerCommand::execute() const {
       std::string(activation_name(config.activation)) + ", " +
       std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) + ", backend " +
       std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
-  std::cerr << "lmoe layer: " << setting << "\n";
+  std::cerr << "lmoe layer: " << setup.setting << "\n";
+  return setup;
 
-  std::vector<HostTensor> inputs;
+}
+
+LayerCommand::LayerRuns LayerCommand::run_layers(const LayerSetup& setup) const {
+  const bool load = setup.load;
+  const ModelPreset& preset = *setup.preset;
+  const ModelOptions::Resolved& resolved = setup.resolved;
+  const LayerConfig& config = setup.config;
+  const Backend chosen_backend = setup.chosen_backend;
+  const LayerOptions& options = setup.options;
+  const LayerRunOptions& run = setup.run;
+  LayerRuns runs;
+  std::vector<HostTensor>& inputs = runs.inputs;
   for (std::int64_t t : tokens) {
     inputs.push_back(make_random_layer_input(config.d_model, t, resolved.dtype,
                                              seed + 1 + static_cast<std::uint64_t>(t)));
@@ -171,14 +217,12 @@ void LayerCommand::execute() const {
                   error.message());
     }
   };
-  const std::vector<LayerInputRun> results = run_layer_on_threads(
+  runs.results = run_layer_on_threads(
       options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
 
-  std::unique_ptr<LayerReference> reference;
-  std::vector<LayerInputRun> cpu_results;
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
-    reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
+    runs.reference = std::make_unique<LayerReference>(config, resolved.eps, weights_of(1, 0));
     if (chosen_backend == Backend::cuda) {
       // The cpu backend is the reference every backend is held to: the same inputs through it.
       std::cerr << "lmoe layer: running the cpu backend on the same inputs\n";
@@ -189,15 +233,27 @@ void LayerCommand::execute() const {
       cpu_run.comm = default_comm_backend(Backend::cpu);
       cpu_run.tier = run.tier;
       cpu::set_blas_threads(1);
-      cpu_results = run_layer_on_threads(
+      runs.cpu_results = run_layer_on_threads(
           cpu_options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, cpu_run);
     }
   }
+  return runs;
+}
 
-  Table table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
-               "total_us", "forward_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"});
-  nlohmann::json rows = nlohmann::json::array();
-  bool all_ok = true;
+LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
+                                                   const LayerRuns& runs) const {
+  const ModelOptions::Resolved& resolved = setup.resolved;
+  const LayerConfig& config = setup.config;
+  const std::vector<HostTensor>& inputs = runs.inputs;
+  const std::vector<LayerInputRun>& results = runs.results;
+  const std::unique_ptr<LayerReference>& reference = runs.reference;
+  const std::vector<LayerInputRun>& cpu_results = runs.cpu_results;
+  LayerRows out{Table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
+               "total_us", "forward_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"}),
+                nlohmann::json::array(), true};
+  Table& table = out.table;
+  nlohmann::json& rows = out.rows;
+  bool& all_ok = out.all_ok;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const LayerRankResult& first = results[i].ranks.front();
     const std::vector<LayerStageTimes>& times = first.times;
@@ -256,35 +312,18 @@ void LayerCommand::execute() const {
     }
     rows.push_back(row);
   }
+  return out;
+}
 
-  std::cout << "# lmoe layer: " << setting << "\n"
-            << "# times: median over " << repeats
-            << " forward(s) (after one warm-up) of rank 0's stages, "
-            << "microseconds (total_us: median of the per-forward sums; forward_us: median wall time of a "
-               "forward, which is less than the sum where stages overlap"
-            << (chosen_backend == Backend::cuda
-                    ? (setting_flag("LMOE_LAYER_SERIAL_STAGES")
-                           ? "; cuda: CUDA events per stage, shared runs after the experts "
-                             "(LMOE_LAYER_SERIAL_STAGES=1), see docs/layer.md"
-                           : "; cuda: CUDA events per stage, shared runs on a second stream "
-                             "alongside router, down and experts, see docs/layer.md")
-                    : "")
-            << "); "
-            << "fp64_err: normwise error of y against fp64 math (tolerance "
-            << format_number(layer_normwise_tolerance(resolved.dtype))
-            << "); row_err: worst |y - fp64| over "
-            << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
-            << ")"
-            << (chosen_backend == Backend::cuda
-                    ? "; cpu_ids: tokens routed to the same experts as by the cpu backend "
-                      "(the fp64 check uses the backend's own routing; a near-tie may go "
-                      "either way); cpu_err: normwise error of y against the cpu backend's "
-                      "on those tokens (same tolerances)"
-                    : "")
-            << "\n";
-  table.print(std::cout);
-  std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
-
+void LayerCommand::write_report(const LayerSetup& setup, const nlohmann::json& rows,
+                                bool all_ok) const {
+  const bool load = setup.load;
+  const ModelPreset& preset = *setup.preset;
+  const ModelOptions::Resolved& resolved = setup.resolved;
+  const LayerConfig& config = setup.config;
+  const int divisor = setup.divisor;
+  const Backend chosen_backend = setup.chosen_backend;
+  const LayerRunOptions& run = setup.run;
   if (!json_path.empty()) {
     nlohmann::json doc = {{"command", "layer"},
                           {"lmoe_version", kVersion},
@@ -314,6 +353,47 @@ void LayerCommand::execute() const {
                           {"ok", all_ok}};
     write_json_file(json_path, doc);
   }
+}
+
+void LayerCommand::execute() const {
+  const LayerSetup setup = this->setup();
+  const LayerRuns runs = run_layers(setup);
+  const LayerRows report = report_rows(setup, runs);
+  const ModelOptions::Resolved& resolved = setup.resolved;
+  const Backend chosen_backend = setup.chosen_backend;
+  const std::string& setting = setup.setting;
+  const Table& table = report.table;
+  const bool all_ok = report.all_ok;
+
+  std::cout << "# lmoe layer: " << setting << "\n"
+            << "# times: median over " << repeats
+            << " forward(s) (after one warm-up) of rank 0's stages, "
+            << "microseconds (total_us: median of the per-forward sums; forward_us: median wall "
+               "time of a forward, which is less than the sum where stages overlap"
+            << (chosen_backend == Backend::cuda
+                    ? (setting_flag("LMOE_LAYER_SERIAL_STAGES")
+                           ? "; cuda: CUDA events per stage, shared runs after the experts "
+                             "(LMOE_LAYER_SERIAL_STAGES=1), see docs/layer.md"
+                           : "; cuda: CUDA events per stage, shared runs on a second stream "
+                             "alongside router, down and experts, see docs/layer.md")
+                    : "")
+            << "); "
+            << "fp64_err: normwise error of y against fp64 math (tolerance "
+            << format_number(layer_normwise_tolerance(resolved.dtype))
+            << "); row_err: worst |y - fp64| over "
+            << "its row's RMS (tolerance " << format_number(layer_row_tolerance(resolved.dtype))
+            << ")"
+            << (chosen_backend == Backend::cuda
+                    ? "; cpu_ids: tokens routed to the same experts as by the cpu backend "
+                      "(the fp64 check uses the backend's own routing; a near-tie may go "
+                      "either way); cpu_err: normwise error of y against the cpu backend's "
+                      "on those tokens (same tolerances)"
+                    : "")
+            << "\n";
+  table.print(std::cout);
+  std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
+
+  write_report(setup, report.rows, all_ok);
   if (!all_ok) throw CLI::RuntimeError(1);
 }
 

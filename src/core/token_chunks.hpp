@@ -9,9 +9,8 @@ namespace lmoe {
 
 inline constexpr int kMaxTokenChunks = 8;
 // Without LMOE_TOKEN_CHUNKS: kDefaultTokenChunks from kDefaultTokenChunksFrom rows up, one below.
-// Measured on two H200s (K3, tp 2, docs/perf.md "Token chunks"): two chunks are 7-17 % faster than
-// one from T = 4096 to 32768 over NCCL, 5-11 % over p2p, 2 % slower at 2048; four are no faster
-// than two there and slower below 16384 (each chunk's collectives and GEMM are smaller).
+// Two chunks pay from T = 4096 and cost a little below; four are no faster than two (each chunk's
+// collectives and GEMM are smaller): docs/perf.md, "Two H200s, tp 2, NCCL".
 inline constexpr int kDefaultTokenChunks = 2;
 inline constexpr std::int64_t kDefaultTokenChunksFrom = 4096;
 

@@ -2,7 +2,7 @@
 // buffers for up to max_tokens rows, and how it runs and times forwards. A forward runs every
 // layer's tail (BenchOptions::layers: each its own weights, `shared` and output; the same routed
 // input), back to back. The host version keeps host buffers and times with steady_clock between
-// barriers; the CUDA version (src/cuda/cuda_tail_bench.cpp) keeps device buffers and its own
+// barriers; the CUDA version (src/tools/cuda/cuda_tail_bench.cpp) keeps device buffers and its own
 // stream, times with CUDA events and can capture a forward into a CUDA graph.
 #pragma once
 

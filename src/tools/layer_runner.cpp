@@ -22,7 +22,7 @@ std::vector<LayerInputRun> run_layer_on_threads(
   const auto run_rank = [&](int rank, Communicator& comm) {
     LatentMoELayer layer(options, comm, weights(rank));
 #ifdef LMOE_HAS_CUDA
-    // Device inputs, the rank's own stream, results copied back: src/cuda/cuda_layer_runner.cpp.
+    // Device inputs, the rank's own stream, results copied back: cuda/cuda_layer_runner.cpp.
     if (options.backend == Backend::cuda)
       return run_layer_rank_cuda(layer, comm, inputs, run, results);
 #endif

@@ -31,7 +31,7 @@ TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const 
 
 RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& options) {
 #ifdef LMOE_HAS_CUDA
-  // Device inputs, the rank's own stream, y copied back: see src/cuda/cuda_tail_runner.cpp.
+  // Device inputs, the rank's own stream, y copied back: see src/tools/cuda/cuda_tail_runner.cpp.
   if (options.backend == Backend::cuda) return run_case_rank_cuda(c, comm, options);
 #endif
   LMOE_CHECK(!options.graph, "CUDA graphs need the cuda backend");

@@ -51,9 +51,8 @@ std::optional<TailTier> decided_when_preferring(const GridPoint& point, TailTier
 // Where a breakpoint or a range boundary between grid points `lower` and `upper` (the last T of one
 // range and the first of the next) goes: the crossing of the two tiers' medians, interpolated
 // linearly in T, when both tiers ran at both points and each is the faster one at its own end; else
-// the geometric mean (range_boundary). K3 tp 2 on two H200s: fused 38.1 / overlap 38.4 µs at T =
-// 64, 50.8 / 41.8 at 96 cross at 65 (measured: overlap ahead from T = 68), where the geometric mean
-// put the boundary at 78.
+// the geometric mean (range_boundary). The crossing lands nearer the measured change of the
+// fastest tier than the geometric mean does (docs/tuning.md).
 std::int64_t place_breakpoint(const GridPoint& lower, const GridPoint& upper,
                               std::optional<TailTier> lower_tier,
                               std::optional<TailTier> upper_tier) {

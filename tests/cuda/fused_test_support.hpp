@@ -42,7 +42,9 @@ using lmoe::cuda::DeviceBuffer;
 inline const lmoe::TailDims kSmall{
     384, 192};  // d % (8·tp) == 0 for tp ≤ 8 (stripes of 48 … 384 columns)
 inline const lmoe::TailDims kK3{7168, 3584};
-inline const std::int64_t kIssueTokens[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
+// Token counts on both sides of every bound of the fused paths (decode ≤ 16, chained ≤ 128,
+// general ≤ 256) and of the token classes inside them.
+inline const std::int64_t kTokensAroundPathBounds[] = {1, 2, 5, 8, 16, 33, 64, 65, 128, 129, 256};
 
 // The current device's compute capability as 10 · major + minor (the chained path runs on 90 only).
 inline int compute_capability() {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <random>
@@ -76,6 +77,102 @@ const lmoe::DeviceTokenBucket& bucket_of(const std::vector<lmoe::DeviceTokenBuck
                        [&](const auto& b) { return tokens <= b.max_tokens; });
 }
 
+// Every case's inputs staged on the device before any collective (a pageable copy while a peer
+// spins can stall it, docs/p2p.md): per entry of `tokens`, rank `rank`'s routed and shared rows
+// and T itself.
+struct StagedInputs {
+  std::vector<DeviceBuffer> routed, shared, tokens;
+};
+
+StagedInputs stage_inputs(const std::vector<lmoe::TailCase>& cases,
+                          const std::vector<std::int64_t>& tokens, int rank) {
+  const std::int64_t d = kSmall.d_model, l = kSmall.d_latent, M = kMaxTokens;
+  const std::size_t esize = lmoe::dtype_size(kDtype);
+  StagedInputs staged;
+  std::vector<DeviceBuffer>& stage_routed = staged.routed;
+  std::vector<DeviceBuffer>& stage_shared = staged.shared;
+  std::vector<DeviceBuffer>& stage_tokens = staged.tokens;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const std::int64_t t = std::clamp<std::int64_t>(tokens[i], 0, M);
+    stage_routed.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * l) * esize);
+    stage_shared.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * d) * esize);
+    stage_tokens.emplace_back(sizeof(std::int32_t));
+    const auto value = static_cast<std::int32_t>(tokens[i]);
+    cuda_ok(
+        cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
+    if (t > 0 && i < cases.size()) {
+      cuda_ok(cudaMemcpy(stage_routed.back().data(), cases[i].routed.slice_matrix(rank).data,
+                         static_cast<std::size_t>(t * l) * esize, cudaMemcpyHostToDevice));
+      cuda_ok(cudaMemcpy(stage_shared.back().data(), cases[i].shared.slice_matrix(rank).data,
+                         static_cast<std::size_t>(t * d) * esize, cudaMemcpyHostToDevice));
+    }
+  }
+  return staged;
+}
+
+// forward_device_tokens captured into a graph on `stream`, uploaded; null with
+// mine.capture_error set where the capture is refused.
+cudaGraphExec_t capture_device_tokens(lmoe::LatentTail& tail, lmoe::ConstMatrixView routed_view,
+                                      lmoe::MatrixView shared_view, lmoe::MatrixView out_view,
+                                      const std::int32_t* tokens_ptr,
+                                      std::optional<TailTier> tier, cudaStream_t stream,
+                                      RankResults& mine) {
+  cudaGraphExec_t exec = nullptr;
+  {
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
+                                 stream);
+    } catch (const lmoe::Error& error) {
+      cudaGraph_t dropped = nullptr;
+      cudaStreamEndCapture(stream, &dropped);
+      if (dropped) cudaGraphDestroy(dropped);
+      cudaGetLastError();
+      mine.capture_error = error.message();
+      return nullptr;
+    }
+    cudaGraph_t graph = nullptr;
+    capture_ok(cudaStreamEndCapture(stream, &graph), stream);
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    cuda_ok(instantiated);
+    cuda_ok(cudaGraphUpload(exec, stream));
+  }
+  return exec;
+}
+
+  // Many replays, their T drawn at random (the same draws on every rank): a body's state must not
+  // leak into the next replay, whichever bucket ran before.
+// Each replay is compared on the device with its case's first one: returns the bytes that differed.
+unsigned long long soak_replays(cudaGraphExec_t exec, const std::vector<lmoe::TailCase>& cases,
+                                const std::vector<std::int64_t>& tokens, const RankResults& mine,
+                                int soak, const std::function<void(std::size_t)>& stage,
+                                const DeviceBuffer& out, const std::vector<DeviceBuffer>& replayed,
+                                cudaStream_t stream) {
+  const std::int64_t M = kMaxTokens;
+  std::vector<std::size_t> runnable;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    if (tokens[i] >= 1 && tokens[i] <= M && mine.replay_errors[i].empty()) runnable.push_back(i);
+  }
+  const DeviceBuffer differences(sizeof(unsigned long long));
+  cuda_ok(cudaMemset(differences.data(), 0, differences.bytes()));
+  std::mt19937 draw(99);
+  for (int k = 0; k < soak && !runnable.empty(); ++k) {
+    const std::size_t i =
+        runnable[std::uniform_int_distribution<std::size_t>(0, runnable.size() - 1)(draw)];
+    stage(i);
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    cuda_ok(lmoe::cuda::launch_count_differences(
+        out.data(), replayed[i].data(), static_cast<std::int64_t>(out.bytes()),
+        static_cast<unsigned long long*>(differences.data()), stream));
+  }
+  cuda_ok(cudaStreamSynchronize(stream));
+  unsigned long long soak_differences = 0;
+  cuda_ok(cudaMemcpy(&soak_differences, differences.data(), sizeof(unsigned long long),
+                     cudaMemcpyDeviceToHost));
+  return soak_differences;
+}
+
 // Captures forward_device_tokens once per rank and replays it for every T of `cases` (in order),
 // then `soak` more times with cases drawn at random (each compared on the device with its first
 // replay), then runs the eager references on the same inputs. `tokens` may hold T outside [0, M]:
@@ -108,24 +205,10 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     const lmoe::MatrixView out_view{out.data(), kDtype, M, d, d, lmoe::MemorySpace::device};
     const lmoe::cuda::OwnedStream stream;
 
-    // Every case's inputs staged on the device before any collective (a pageable copy while a peer
-    // spins can stall it, docs/p2p.md).
-    std::vector<DeviceBuffer> stage_routed, stage_shared, stage_tokens;
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      const std::int64_t t = std::clamp<std::int64_t>(tokens[i], 0, M);
-      stage_routed.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * l) * esize);
-      stage_shared.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * d) * esize);
-      stage_tokens.emplace_back(sizeof(std::int32_t));
-      const auto value = static_cast<std::int32_t>(tokens[i]);
-      cuda_ok(
-          cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
-      if (t > 0 && i < cases.size()) {
-        cuda_ok(cudaMemcpy(stage_routed.back().data(), cases[i].routed.slice_matrix(rank).data,
-                           static_cast<std::size_t>(t * l) * esize, cudaMemcpyHostToDevice));
-        cuda_ok(cudaMemcpy(stage_shared.back().data(), cases[i].shared.slice_matrix(rank).data,
-                           static_cast<std::size_t>(t * d) * esize, cudaMemcpyHostToDevice));
-      }
-    }
+    const StagedInputs staged = stage_inputs(cases, tokens, rank);
+    const std::vector<DeviceBuffer>& stage_routed = staged.routed;
+    const std::vector<DeviceBuffer>& stage_shared = staged.shared;
+    const std::vector<DeviceBuffer>& stage_tokens = staged.tokens;
     std::vector<DeviceBuffer> replayed, eager_device;
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       replayed.emplace_back(out.bytes());
@@ -171,27 +254,9 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     cuda_ok(cudaStreamSynchronize(stream.get()));
     comm.barrier();
 
-    cudaGraphExec_t exec = nullptr;
-    {
-      cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-      try {
-        tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
-                                   stream.get());
-      } catch (const lmoe::Error& error) {
-        cudaGraph_t dropped = nullptr;
-        cudaStreamEndCapture(stream.get(), &dropped);
-        if (dropped) cudaGraphDestroy(dropped);
-        cudaGetLastError();
-        mine.capture_error = error.message();
-        return;
-      }
-      cudaGraph_t graph = nullptr;
-      capture_ok(cudaStreamEndCapture(stream.get(), &graph), stream.get());
-      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
-      cuda_ok(instantiated);
-      cuda_ok(cudaGraphUpload(exec, stream.get()));
-    }
+    const cudaGraphExec_t exec = capture_device_tokens(tail, routed_view, shared_view, out_view,
+                                                       tokens_ptr, tier, stream.get(), mine);
+    if (!exec) return;
     cuda_ok(cudaStreamSynchronize(stream.get()));
     comm.barrier();
     cuda_ok(cudaDeviceSynchronize());
@@ -212,27 +277,8 @@ std::vector<RankResults> run_device_tokens(const std::string& comm_name, int tp,
     }
     comm.barrier();
 
-    // Many replays, their T drawn at random (the same draws on every rank): a body's state must not
-    // leak into the next replay, whichever bucket ran before.
-    std::vector<std::size_t> runnable;
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      if (tokens[i] >= 1 && tokens[i] <= M && mine.replay_errors[i].empty()) runnable.push_back(i);
-    }
-    const DeviceBuffer differences(sizeof(unsigned long long));
-    cuda_ok(cudaMemset(differences.data(), 0, differences.bytes()));
-    std::mt19937 draw(99);
-    for (int k = 0; k < soak && !runnable.empty(); ++k) {
-      const std::size_t i =
-          runnable[std::uniform_int_distribution<std::size_t>(0, runnable.size() - 1)(draw)];
-      stage(i);
-      cuda_ok(cudaGraphLaunch(exec, stream.get()));
-      cuda_ok(lmoe::cuda::launch_count_differences(
-          out.data(), replayed[i].data(), static_cast<std::int64_t>(out.bytes()),
-          static_cast<unsigned long long*>(differences.data()), stream.get()));
-    }
-    cuda_ok(cudaStreamSynchronize(stream.get()));
-    cuda_ok(cudaMemcpy(&mine.soak_differences, differences.data(), sizeof(unsigned long long),
-                       cudaMemcpyDeviceToHost));
+    mine.soak_differences =
+        soak_replays(exec, cases, tokens, mine, soak, stage, out, replayed, stream.get());
     comm.barrier();
 
     // The eager references on the same inputs: forward_device_tokens (the whole output), and

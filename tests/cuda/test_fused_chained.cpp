@@ -123,7 +123,7 @@ TEST_F(Fused, BadChainedPathSettingsAreAnErrorOnEveryRank) {
 // LMOE_FUSED_TRACE on the chained path: destroying the FusedTail prints the up-projection's points
 // for the last call (one of 33 rows, in the plan's tiles and splits) — entry, N ready, the last
 // wgmma, the partials, the parking stores issued, the parked slice and the end, in that order —
-// then the global timer line that scripts/tail_timeline.py reads.
+// then the global timer line that benchmarks/tail_timeline.py reads.
 TEST_F(Fused, ChainedTraceListsItsPointsAndTheGlobalTimer) {
   SKIP_WITHOUT_GPU();
   if (compute_capability() != 90) GTEST_SKIP() << "the chained path runs on compute 9.0 only";

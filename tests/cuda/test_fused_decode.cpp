@@ -234,7 +234,7 @@ TEST(FusedKernelFor, EachPathTakesTheCallsUpToItsBoundAndNoMore) {
 // The decode kernel launched programmatically with several ranks, one per GPU
 // (LMOE_FUSED_DECODE_PROGRAMMATIC=1, the chained path off so that it takes every T ≤ 16): K3's
 // stripes, random and crafted inputs at T = 1, 4, 16, then a soak of graph replays with T changing
-// on the device. tp 2, and 4 and 8 where there are as many GPUs (issue 7's machines).
+// on the device. tp 2, and 4 and 8 where there are as many GPUs.
 TEST_F(Fused, DecodeLaunchedProgrammaticallyAcrossGpusMeetsTheContract) {
   SKIP_WITH_FEWER_GPUS_THAN(2, "needs a GPU per rank");
   int gpus = 0;

@@ -18,14 +18,14 @@ class FusedParity : public ::testing::TestWithParam<std::tuple<int, DType>> {
   ScopedSharedGpu shared_gpu_;
 };
 
-TEST_P(FusedParity, EveryIssueTokenCountMeetsTheContractAndCraftedInputsMatchBitForBit) {
+TEST_P(FusedParity, TokenCountsAroundEveryPathsBoundMeetTheContractAndCraftedInputsMatchBits) {
   SKIP_WITHOUT_GPU();
   const auto [tp, dtype] = GetParam();
   if (tp > 1) {
     if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;
   }
   double worst = 0;
-  for (std::int64_t tokens : kIssueTokens) {
+  for (std::int64_t tokens : kTokensAroundPathBounds) {
     SCOPED_TRACE("T=" + std::to_string(tokens));
     const auto seed = 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp);
     expect_random_and_crafted_inputs_pass(kSmall, dtype, tp, tokens, seed, &worst);
@@ -258,7 +258,7 @@ TEST_F(Fused, AStalledRankMakesEveryRankFailWithinFiveSeconds) {
                            stream);
           cuda_ok(cudaStreamSynchronize(stream));
         } else {
-          // Later than rank 0's device timeout, so that rank 0's kernel reports the stall itself
+          // Later than rank 0's kernel timeout, so that rank 0's kernel reports the stall itself
           // (an earlier barrier timeout here would abort the group first).
           std::this_thread::sleep_for(std::chrono::milliseconds(1000));
         }

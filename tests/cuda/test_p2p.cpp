@@ -348,7 +348,7 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       }
       // One eager call of this T before capturing it, as an engine warms up before capture: a
       // cuBLASLt kernel's first launch may load its module, which waits for the whole GPU and is
-      // not allowed inside a capture (cudaErrorStreamCaptureUnsupported, measured on an H200).
+      // not allowed inside a capture (cudaErrorStreamCaptureUnsupported).
       tail.forward(routed_view, shared_view, out_view, tier, stream.get());
       cuda_ok(cudaStreamSynchronize(stream.get()));
       comm.barrier();
@@ -361,7 +361,7 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       cuda_ok(cudaGraphUpload(exec, stream.get()));
       // Every case's inputs reach the GPU before any rank replays: a rank's first copy from pageable
       // memory sets up staging buffers, and a rank doing setup work while its peers already spin in
-      // a round stalled them past the timeout on two H200s (docs/p2p.md).
+      // a round can stall them past the timeout (docs/p2p.md).
       std::vector<DeviceBuffer> routed_in, shared_in;
       for (const lmoe::TailCase& c : cases) {
         routed_in.emplace_back(routed_bytes);

@@ -196,8 +196,8 @@ TEST_F(P2pProcesses, EveryTierMeetsItsContractEagerAndCaptured) {
 // A rank that never issues the collective and stays away (busy elsewhere) past the timeout: its
 // peers' rounds time out on the device, and every rank, the stalled one included (its barrier is
 // aborted by the others), gets an error naming it. (Were the stalled rank to enter the barrier at
-// once, its own host wait for the peer stuck in the collective would race the device timeout, and
-// either could report first: a run on two H200s saw the barrier's report.)
+// once, its own host wait for the peer stuck in the collective would race the kernels' timeout,
+// and either could report first.)
 TEST_F(P2pProcesses, AStalledRankFailsEveryRankWithinTheTimeout) {
   if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
   lmoe::P2pOptions options;

@@ -636,7 +636,7 @@ TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "p2p", "b").table.provenance.comm, "p2p");
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "cuda-threads", "b").table.provenance.mode, "eager");
 
-  // Checked against the second sweep of the session, every choice is the fastest.
+  // Checked against the second sweep recorded the same day, every choice is the fastest.
   const BenchSweep check = h200_sweep("check_k3_tp2.json");
   const std::string path = write("tiers.json", lmoe::write_tier_table(result.table));
   const lmoe::PolicyConfig policy = policy_of_file(path);
@@ -651,9 +651,9 @@ TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
   }
 }
 
-// The old table's check, done on the GPU machine, recorded its choices and verdicts: judged here
+// A breakpoint table's check, done on the GPU, recorded its choices and verdicts: judged here
 // from the recording, they come out the same (T=128 SLOWER: the breakpoints could not express it).
-TEST_F(H200Recordings, TheOldTablesCheckIsReproducedFromTheRecording) {
+TEST_F(H200Recordings, ABreakpointTablesRecordedChoicesAndVerdictsAreReproduced) {
   const BenchSweep check = h200_sweep("check_k3_tp2.json");
   const std::string path = kDataDir + "/tiers_k3_tp2.json";
   const lmoe::PolicyConfig policy = policy_of_file(path);

@@ -42,10 +42,9 @@ __device__ inline std::uint32_t p2p_load_acquire(const std::uint32_t* address) {
 }
 
 // The abort flag lives in host-mapped memory (the host raises it at any time), and a read of it
-// crosses PCIe: reads from many blocks at once serialize there (on an H200 a fused tail with 224
-// blocks that each read it once took ~265 µs instead of ~20). So a wait reads it only once it has
-// waited this long, which a healthy peer never makes it do at decode sizes, and the host checks
-// the group's status before every call anyway.
+// crosses PCIe: reads from many blocks at once serialize there (docs/p2p.md). So a wait reads it
+// only once it has waited this long, which a healthy peer never makes it do at decode sizes, and
+// the host checks the group's status before every call anyway.
 inline constexpr std::uint64_t kP2pAbortPollAfterNs = 50000;
 
 // Where a kernel that waits for its peers reports a failure (the p2p rounds and the fused tail):
@@ -61,7 +60,7 @@ struct P2pFailureReport {
 // it reads the code (p2p_wait_expired): a thread that stops because of another's failure then finds
 // that failure's record and leaves it alone. (Without the two fences a thread of another block,
 // aborted by the first failure, could still find the code unset and write its own peer, -1, into
-// the record: "waited more than 500 ms for rank -1", seen on two H200s.)
+// the record: "waited more than 500 ms for rank -1".)
 __device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t code, int peer, std::uint32_t round) {
   if (report.status->code == kP2pOk) {
     report.status->peer = peer;

@@ -43,8 +43,8 @@ __device__ inline Vec16<T> p2p_load_vector(const T* p) {
 // Loads in flight per thread in the vector loops. A round's grid is at most kP2pMaxBlocks blocks
 // (they share the GPU with the GEMM the collective overlaps), and a peer's memory is a NVLink round
 // trip away (~1-2 µs): with one 16-byte load per thread in flight, 32 blocks of 512 threads keep
-// 256 KB outstanding, ~130-250 GB/s at best — what the tiers measured at large T (~75-85 GB/s busbw
-// at tp 2, against NCCL's 160-210). Issuing kP2pUnroll loads before the first store multiplies that.
+// 256 KB outstanding, too little to fill the link at large T (docs/perf.md). Issuing kP2pUnroll
+// loads before the first store multiplies that.
 inline constexpr int kP2pUnroll = 4;
 
 // dst[i] = src[i] for i < n (src read through L2 when it is a peer's).

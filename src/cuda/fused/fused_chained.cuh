@@ -7,7 +7,7 @@
 // (the exchange kernel's, cuda/fused_chained_exchange.cuh) and each output vector also goes to
 // every peer as lines for the gather kernel after it.
 //
-// At T ≤ 128 the product is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate) with
+// At T ≤ 128 the product is a stream of w_up (K3: 51 MB) with
 // little arithmetic per byte, so it is built as a skinny GEMM with the weights as wgmma's M and
 // the tokens as its N ("swap AB": the tokens, too few for an M of 64, fill an N of 16 … 128):
 //
@@ -22,8 +22,7 @@
 //   Consumers: in a tile of 128 rows warpgroups 1 and 2 each multiply a 64-row half by N's rows
 //   (four m64nNk16 per chunk); in a tile of 64 warpgroup 1 alone multiplies all of it (four
 //   m64nNk16 a chunk keep ahead of the stream) and warpgroup 2 only helps finish, so that no
-//   partial sums of the block's own are stored and added (two consumers each taking half of every
-//   chunk's K took ~1.0 / 1.35 µs more at T = 64 / 128 for those partials, session 22); fp32
+//   partial sums of the block's own are stored and added (docs/fused.md, "The chained path"); fp32
 //   accumulators in registers, one wgmma group in flight, the previous stage handed back through
 //   its empty mbarrier. No block-wide barrier in the main loop.
 // - The weights do not depend on the first kernel: the first ring of weight copies is issued
@@ -31,7 +30,7 @@
 //   wait. Paced (pace_cycles > 0; one rank by default): a thread of its own issues them one box
 //   every pace_cycles at about the rate the memory serves the grid, instead of the producer all at
 //   once, so that the memory's queue holds what keeps it busy and not the whole grid's first round
-//   ahead of the norm kernel's reads (K3, per tail: N ready ~1 µs sooner, 0.6–1.0 µs a tail less).
+//   ahead of the norm kernel's reads (N is ready sooner: docs/fused.md).
 // - Split K over the S blocks of a cluster (S a power of two ≤ 8; a narrow stripe such as K3's 896
 //   rows at tp 8: 8), summed as a reduce-scatter through distributed shared memory: block q of the
 //   cluster finishes the tile's q-th slice of tile / S rows; every consumer stores its fp32
@@ -40,12 +39,9 @@
 //   timing; like the mma's K order, the partition of K is the plan's).
 //   Where they fit (up to 64 tokens in tiles of 64, 32 in tiles of 128) the partials have shared
 //   memory of their own beside the ring, so the blocks store them as soon as they are done
-//   multiplying and one cluster barrier closes the exchange
-//   (the 896-row stripe at T = 1: 1.0 µs from the last wgmma to the partials in, against 1.25
-//   with the partials in the stages, which takes a barrier before the stores as well).
-//   Through global memory instead (partials, a fence and an arrival counter) the finish took 2–9 µs
-//   at K3, T = 17 … 128 (the fence waits behind the weight stream); block 0 alone summing the whole
-//   tile (session 15) was ~1 µs slower at T = 128.
+//   multiplying and one cluster barrier closes the exchange (with the partials in the stages it
+//   takes a barrier before the stores as well). Global memory is no way around it: its fence waits
+//   behind the weight stream (docs/fused.md).
 // - The finish: each block parks round(U) of its slice in its stages as [token][row], and its
 //   threads then store 16-byte vectors of round(round(U) + shared) along Y's rows, the block's
 //   slice of `shared` copied into shared memory during the stream (cp.async, by two producer
@@ -152,8 +148,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int split = static_cast<int>(blockIdx.x) % p.splits;
   // The block finishes its slice of the tile: rows [split · R, split · R + R), R = kTileRows /
   // splits. splits is a power of two: shifts and masks below, as a division by a value known only
-  // at run time costs ~20 instructions (measured: parking 16 fragments took ~3 µs with them at
-  // T = 128).
+  // at run time costs ~20 instructions, which the finish's parking of fragments felt.
   const int slice_shift = Shape::kTileShift - (31 - __clz(p.splits));  // R = 1 << slice_shift
   const int slice_rows = 1 << slice_shift;
   const int chunks = static_cast<int>((p.l + kChainedTileK - 1) / kChainedTileK);
@@ -223,9 +218,8 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         tma_load_2d(stage_at(s) + Shape::kWeightBytes, n_map, full_bar(s), (c0 + i) * kChainedTileK,
                     0);
       };
-      // The first ring of weights, before N exists; then N, once the norm kernel has ended. (Two
-      // stages before the wait instead of the ring: N ready at 1.8 µs instead of 4.1 at K3,
-      // T = 17, as the norm's reads no longer queue behind the weights, but no faster overall.)
+      // The first ring of weights, before N exists; then N, once the norm kernel has ended (fewer
+      // stages before the wait make N ready sooner but the call no faster: docs/fused.md).
       if (!paced) {
         for (int i = 0; i < first; ++i) copy_weights(i);
       }
@@ -259,11 +253,10 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
         // The block's slice of `shared` [T, slice rows] into shared memory, once the kernels
         // before this one have ended (with several ranks `shared` is the exchange kernel's; T may
         // be the kernel's before the norm kernel), by the producer's last two warps: 16-byte
-        // cp.asyncs, each thread's landed copies one arrival on slice_bar. Loaded into registers
-        // instead, the finish waited for them (the compiler unpacks a loaded vector at once, so
-        // a load is waited for where it is issued): ~2 µs behind the next tail's stream at K3,
-        // T = 128. (Bulk copies of a token's rows each measured as fast at K3 and slower on a
-        // narrow stripe, whose split blocks copy 16 bytes a token.)
+        // cp.asyncs, each thread's landed copies one arrival on slice_bar. Not loads into
+        // registers: the compiler unpacks a loaded vector at once, so a load is waited for where
+        // it is issued and the finish would wait for them. Not bulk copies of a token's rows: a
+        // narrow stripe's split blocks copy only 16 bytes a token.
         pdl_wait();
         const int t_count = read_tokens();
         if (tid == 64) call_tokens = t_count;

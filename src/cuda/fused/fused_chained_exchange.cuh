@@ -13,13 +13,13 @@
 //      call is closed (epoch, counters' bases, the workspace freed).
 //
 // Why two shots where the decode kernel takes one: a one-shot exchange sends each rank's whole
-// latent to every peer, (tp − 1)·T·l elements, where the two shots send 2·(tp − 1)/tp·T·l; at K3
-// tp 8, T = 128 that is 21.4 against 10.7 µs of NVLink at 450 GB/s (docs/fused.md). Lines double
-// the bytes but need no fence, counter or read across NVLink.
+// latent to every peer, (tp − 1)·T·l elements, where the two shots send 2·(tp − 1)/tp·T·l: half
+// the NVLink time from tp 4 on (docs/fused.md). Lines double the bytes but need no fence, counter
+// or read across NVLink.
 //
-// Lines leave an SM across NVLink at only ~8 GB/s, so both kernels spread their lines over every SM
-// they have: with one rank per GPU a block per SM (FusedTail::chained_reason; at K3 tp 2, T = 32,
-// 20 blocks took ~14 µs to N, 132 blocks ~10), and a row of N over several blocks. The ranks'
+// Lines leave an SM across NVLink slowly, so both kernels spread their lines over every SM they
+// have: with one rank per GPU a block per SM (FusedTail::chained_reason), and a row of N over
+// several blocks. The ranks'
 // blocks of kernel 1 wait for each other, so with ranks sharing a GPU every one of them must be
 // resident at once: small grids there, and the up-projection started only after kernel 1.
 // Device code only.
@@ -44,8 +44,8 @@ __device__ inline int chained_call_tokens(const FusedTailParams& x) {
 
 // Row t of this rank's latent to its owner (rank t mod tp; not this rank's own rows) and this
 // rank's columns of every peer's stripe of `shared`, as lines into the receivers' workspaces. Grid
-// stride over every line: an SM stores across NVLink at only ~8 GB/s (at K3 tp 2, T = 32, a block
-// per row took ~3.7 µs for its 1792 lines), so every SM takes a share.
+// stride over every line: one SM stores across NVLink slowly (docs/fused.md), so every SM takes a
+// share.
 template <typename T>
 __device__ void chained_push_inputs(const FusedTailParams& x, int tokens, const FusedCall& call) {
   const T* routed = static_cast<const T*>(x.routed);

@@ -26,18 +26,12 @@ namespace lmoe::cuda {
 
 // The most tokens a chained call carries: wgmma's N of 128.
 inline constexpr std::int64_t kFusedChainedMaxTokens = 128;
-// Where the chained path runs, the decode kernel keeps only the calls of up to this many rows
-// (docs/fused-sessions.md, sessions 18–20; K3, H200s, cold L2, median µs, decode / chained). One
-// rank: none (since the chained path's norm kernel is launched programmatically, session 20: T = 1
-// per tail in a graph of 8 layers, `lmoe bench --layers 8`, 19.0 / 17.7, as graph replays 21.2
-// / 21.1). 2 … 7 ranks: 4 (tp 2 across two GPUs, graph replays: T = 1 22.4 / 24.3, T = 4 25.5
-// / 25.4, T = 8 26.7 / 26.1, T = 16 28.1 / 27.1). From 8 ranks all 16 of the decode kernel until 8
-// GPUs measure it (issue 7: its one-shot exchange against the chained path's two shots; on one
-// rank's stripe at K3 tp 8 without peers the decode kernel's per-block norm makes it the slower
-// from T = 4: 7.7 / 7.9, 9.7 / 8.0, 14.2 / 7.9 µs per tail at T = 4, 8, 16). With one rank the
-// decode kernel's pair instance takes up to 4 rows where it runs (FusedTail::decode_pair_tokens: a
-// block's share of w_up is one group of 8 rows; session 25, the 896-row stripe per tail 5.3 / 5.6
-// / 6.1 / 6.3 against the chained path's 6.3–6.4 at T = 1 / 2 / 3 / 4).
+// Where the chained path runs, the decode kernel keeps only the calls of up to this many rows,
+// where it measured at least as fast (docs/fused.md, "Which path runs a call"). One rank: none,
+// since the chained path's norm kernel is launched programmatically. 2 … 7 ranks: 4. From 8 ranks
+// all 16 of the decode kernel, until 8 GPUs measure its one-shot exchange against the chained
+// path's two shots. With one rank the decode kernel's pair instance takes up to 4 rows where it
+// runs (FusedTail::decode_pair_tokens: a block's share of w_up is one group of 8 rows).
 constexpr std::int64_t fused_decode_beside_chained_tokens(int tp) {
   return tp == 1 ? 0 : tp < 8 ? 4 : 16;
 }
@@ -93,10 +87,9 @@ struct FusedChainedParams {
 };
 
 // The rate (bytes per ns) at which the chained path's grid streams w_up from its entry on an H200
-// (K3 at tp 1, 112 blocks: ~3.7 TB/s, the rate of a plain read of the same bytes;
-// docs/fused-sessions.md, session 20), from which its first round's pace follows: one box a block
-// every grid · box / rate ns (K3: 112 boxes of 8 KB every 250 ns, the best of 200 … 400 measured in
-// session 22).
+// (K3 at tp 1, 112 blocks: the rate of a plain read of the same bytes), from which its first
+// round's pace follows: one box a block every grid · box / rate ns (docs/fused.md, "The chained
+// path").
 inline constexpr double kChainedStreamBytesPerNs = 112.0 * 8192.0 / 250.0;
 
 // The up-projection kernel's trace points, in order.

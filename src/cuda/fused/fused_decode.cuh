@@ -9,14 +9,13 @@
 // decode_gather_stripes below), and the call's epoch, N's grid barrier and its end follow the
 // general kernel's protocol (cuda/fused_protocol.cuh). Device code only.
 //
-// At decode sizes the tail is a stream of w_up (K3: 51 MB, ~12 µs at the measured copy rate), so
+// At decode sizes the tail is a stream of w_up (K3: 51 MB), so
 // the kernel is built around reading it. Each warp streams its own share through a ring of its own
 // in shared memory: a lane copies 16 bytes per item with cp.async into a slot of its own, keeps
 // kDepth items in flight (one commit group each) and reads back only what it copied itself, so no
 // lane, warp or block ever waits for another during the stream (no barrier, no mbarrier, no
-// producer warp). benchmarks/stream_probe.cu measured this walk against the alternatives: the same
-// walk loading into registers streams at ~2.4 TB/s, shared-memory rings shared by a block at
-// 2.9–4.2 TB/s depending on their shape (docs/fused.md).
+// producer warp). benchmarks/stream_probe.cu measures this walk against the alternatives (loads
+// into registers, shared-memory rings shared by a block): it streams fastest (docs/fused.md).
 //
 // The product is the plain one, tokens × weights: Uᵀ's tile is the mma's C with the tokens as M
 // (one m-tile of 16 rows; tokens ≥ T are never stored) and 8 weight rows as N. So a block's work
@@ -135,9 +134,9 @@ __device__ inline uint4 load_shared16(std::uint32_t address) {
 // N's rows in place: the latent rows as copied, normalized in the canonical order. The block's two
 // halves take rows h, h + 2, … (half h = threadIdx.x / 256, 256 lanes each: the order's lanes):
 // every row's lane sums, one barrier, then each row's tree and outputs. The loops are kept rolled:
-// the code runs once per call, so each of its instructions is fetched cold. It is still the slowest
-// part at T = 16 (~6.5 µs of a K3 call, LMOE_FUSED_TRACE; unrolled it took ~7.5, with every row's
-// chunks held in registers ~11): why is open, docs/fused.md. Every thread of the block calls it.
+// the code runs once per call, so each of its instructions is fetched cold (unrolled, or with
+// every row's chunks held in registers, it was slower). It is still the slowest part at T = 16:
+// why is open, docs/fused.md. Every thread of the block calls it.
 template <typename T>
 __device__ inline void decode_norm_rows(std::int64_t l, float eps, std::byte* normed,
                                         std::size_t pitch, const float* gamma, int tokens,
@@ -330,7 +329,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   // programmatically: with one rank, the next call's decode kernel), so that its weights stream
   // while this call finishes. The pair instance lets it in only once its own inputs have landed
   // (below): its blocks would enter beside these at once, and the call after it too, whose weights
-  // then stood ahead of the next call's inputs in the memory's queue (session 25).
+  // then stood ahead of the next call's inputs in the memory's queue.
   if constexpr (kMinBlocks == 1) pdl_launch_dependents();
 
   // The block's groups of 8 rows of w_up (this rank's stripe): [group_first, group_first + groups),
@@ -396,7 +395,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   // steps a warp), so the first ring is all of them: they are asked for in two commit groups (the
   // early ones, the rest after the inputs) and multiplied once all have landed, without the
   // per-item commits, waits and refills of the stream, which cost ~45 instructions an item in
-  // every warp (Nsight Compute's source counters, session 25) where the product itself is two mma.
+  // every warp (Nsight Compute's source counters) where the product itself is two mma.
   const bool whole = slots < kDepth;
   // 1. Gamma and the weights depend on nothing the kernels before write: one rank's gamma (fp32,
   //    at K3 twice the bytes of a latent row) and `early` of each warp's first kDepth − 1 items
@@ -410,8 +409,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   }
   cp_async_commit();
   // Launched without the attribute the kernel starts once the kernels before have ended, so
-  // nothing is gained by asking early and the inputs (with several ranks their push to the peers,
-  // ~4 µs later behind the weights' first items: session 12) would wait behind the weights.
+  // nothing is gained by asking early and the inputs (with several ranks their push to the peers)
+  // would wait behind the weights.
   const int asked = p.programmatic ? p.early_items : 0;
   const int early = asked < 0 ? 0 : asked > kDepth - 1 ? kDepth - 1 : asked;
   if (whole) {
@@ -434,7 +433,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   if (tokens == 0) return cp_async_wait<0>();  // the same for every block (and rank)
   if (exchange) {
     // Several ranks: the inputs pushed to the peers before any further weight is requested
-    // (behind the weights' first items they left ~4 µs later: LMOE_FUSED_TRACE, session 12).
+    // (behind the weights' first items they would leave later: LMOE_FUSED_TRACE shows it).
     if (!fused_begin(p.protocol, &call)) return cp_async_wait<0>();
     decode_push_inputs<T>(p, tokens, call);
   }
@@ -517,10 +516,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   if (whole) {
     cp_async_wait<0>();  // every item (and the block's inputs) landed
     decode_trace(p, kDecodeTraceLanded);
-    // Rolled, one accumulator: unrolled by 4 over two accumulators (c13a77b, undone) the phase from
-    // the items' landing to warp 0's last mma was no shorter in the pair instance (0.93–0.96 µs)
-    // and 0.2 µs longer in the 8-row one (session 29's timelines): the chain of dependent mma is
-    // not what this phase waits on.
+    // Rolled, one accumulator: the chain of dependent mma is not what this phase waits on, so
+    // unrolling over several accumulators does not shorten it (docs/fused.md).
 #pragma unroll
     for (int j = 0; j < kMaxGroups; ++j) {
       if (j < groups) {
@@ -573,8 +570,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   //    are summed by an xor butterfly over lanes (the fixed tree ((w0 + w1) + (w2 + w3)) + …:
   //    partner sets do not depend on the slot swizzle, and fp32 addition is commutative, so the
   //    bits do not depend on scheduling), then lanes 0 and 1 store round(round(u) + shared) for
-  //    elements 0–3 and 4–7. (One thread per unit summing the warps in turn read 128 scalars
-  //    through 7- to 8-way bank conflicts: ~1.7 µs at T = 1, ~3.9 at T = 16, LMOE_FUSED_TRACE.)
+  //    elements 0–3 and 4–7. (One thread per unit summing the warps in turn would read 128
+  //    scalars through 7- to 8-way bank conflicts.)
 #pragma unroll 1
   for (int u = warp; u < tokens * groups; u += kDecodeWarps) {
     const int t = u / groups, j = u % groups;

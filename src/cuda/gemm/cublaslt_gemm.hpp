@@ -1,9 +1,9 @@
 // The up-projection GEMM through cuBLASLt: D[M, N] (row-major, row stride ldd) = A[M, K] · W[N, K]ᵀ,
 // storage-dtype operands, fp32 accumulation, D in the storage dtype (rounded once) or in fp32.
 //
-// No beta = 1 epilogue: measured on an H200 (cuBLASLt 13.0), D = A·Wᵀ + C with bf16 or f16 C does
-// not equal round(fp32 acc + C) — up to 28× the contract's bound at d=384, l=192 and bit
-// mismatches on exact inputs — so the column tier takes fp32 D and adds it itself.
+// No beta = 1 epilogue: cuBLASLt's D = A·Wᵀ + C with bf16 or f16 C does not equal
+// round(fp32 acc + C) — outside the contract's bound, and bits differ on exact inputs — so the
+// column tier takes fp32 D and adds it itself (docs/numerics.md).
 #pragma once
 
 #include <cublasLt.h>

@@ -191,11 +191,9 @@ inline constexpr int kGroupedBandRows = 8;
 // group (an expert's blocks together), and inside a group band by band of up to kGroupedBandRows
 // row tiles, row tile fastest, then the next column tile. So an expert's weights come from HBM
 // once (a column tile of them serves all the band's row tiles while it is in L2) and the band's
-// rows (A) stay in L2 across the column tiles. Two orders measured worse at Kimi-K3's experts on
-// one GPU (an up+gate pair of 44 MB, ~5 row tiles of 256 rows per expert at T = 8192): all column
-// tiles of one row tile before the next streamed the weights once per row tile; bands of 8 row
-// tiles across groups split an expert over two bands about every other time, reading its weights
-// twice (10.8 GB from HBM per up call against 5.9 GB of weights and rows).
+// rows (A) stay in L2 across the column tiles. All column tiles of one row tile before the next
+// would stream the weights once per row tile; bands across groups would split an expert over two
+// bands about every other time, reading its weights twice (docs/layer.md).
 //
 // Lane i sums the blocks (row tiles × column tiles) of groups [i·per, (i + 1)·per), a warp scan
 // gives each lane its first block, and the lane whose range holds `id` walks its groups and writes

@@ -46,13 +46,9 @@ const char* grouped_tile_name(GroupedTile tile);
 
 // The average rows per group from which automatic picks a wgmma tile on compute 9.0: wgmma_ws
 // where A is read in place (a_rows null) or staged (a_staging), wgmma_m256 where rows are gathered
-// without a staging buffer. Measured on an H200 at
-// Kimi-K3's experts, tp 8 (docs/perf.md): at T = 8192 (146 rows per expert) up+gate (gathered)
-// 3.28 ms with wgmma_m256 against 4.20 (wgmma_ws), 5.92 (m64) and 6.04 (m128_wide); down (in place)
-// 2.71 with wgmma_ws against 3.19 (wgmma_m256), 4.11 and 3.96; at T = 4096 (73 rows) up+gate 2.63
-// (wgmma_m256) against 2.23 (wgmma_ws: faster there, but not at 146 rows), 3.50 and 4.17, down 1.84
-// (wgmma_ws) against 2.23, 2.39 and 2.12; at T = 1024 (18 rows) m64 wins (1.72 ms against 2.20).
-// Between 18 and 73 rows not measured: the threshold sits at m64's tile height.
+// without a staging buffer. At Kimi-K3's experts the wgmma tiles win from 73 rows per expert on
+// and m64 wins at 18 (docs/perf.md, "the routed experts' grouped GEMM"); between them nothing is
+// measured, so the threshold sits at m64's tile height.
 inline constexpr std::int64_t kGroupedWgmmaMinRows = 64;
 
 // Why `tile` cannot run on a device of compute capability `compute_capability` (10·major + minor,

@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     cp_async_commit();
     cp_async_wait<0>();
     // Then to the epilogue below, a third of it: the producer's warps would idle while the
-    // consumers compute the activation (K3's costs ~2 ms of a 12.7 ms up call at T = 8192).
+    // consumers compute the activation (a large share of K3's up call: docs/layer.md).
   } else {
     // Consumers.
     setmaxnreg<Shape::kConsumerRegs, true>();
@@ -255,8 +255,8 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     // Epilogue through shared memory: once both consumers' wgmmas are done with the stages, each
     // consumer parks its accumulators there; every warpgroup then stores them from a loop (below).
     // Unrolled over the accumulator registers instead (grouped_wgmma_store), Kimi-K3's activation
-    // (two tanh, an exp, three divisions) was inlined 128 times: 200 KB of code that every block
-    // fetched again (the up call at K3's experts on one GPU, T = 8192: 15.2 ms then, 12.0 now).
+    // (two tanh, an exp, three divisions) would be inlined 128 times: 200 KB of code that every
+    // block fetches again (docs/layer.md).
     named_barrier_sync(kWsStagesFreeBarrier, Shape::kConsumers * 128);
     float* const consumer_parked = parked + consumer * Shape::kParkedFloats;
     const int lane = tid % 32;

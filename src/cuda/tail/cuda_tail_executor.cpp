@@ -326,11 +326,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   }
 
   // p2p ranks spin on each other: a cuBLASLt GEMM launched for the first time in a shape waits for
-  // the GPU's running kernels, i.e. for a peer's round that waits for this rank (measured on an H200
-  // with lmoe_spin_probe, ranks sharing the GPU, whatever CUDA_MODULE_LOADING says). With one GPU per
-  // rank it happens too (two H200s, 2026-11-29: the token tier's first GEMM of a new shape on one
-  // rank held back its all-gather while its peer spun in that all-gather on the other GPU, until the
-  // 10 s bound; inferred from which round timed out). So the first call
+  // the GPU's running kernels, i.e. for a peer's round that waits for this rank (lmoe_spin_probe
+  // shows it with ranks sharing the GPU, whatever CUDA_MODULE_LOADING says). With one GPU per rank
+  // it happens too: one rank's first GEMM of a new shape holds back its part of a collective while
+  // its peer spins in it, until the timeout. So the first call
   // of a (tier, T) runs its GEMMs once while no rank is inside a collective: every rank finishes
   // its earlier work and meets the others, runs the GEMMs on its own workspaces (the call itself
   // overwrites them), and meets them again. Every rank takes this path at the same call (same T and

@@ -1,13 +1,12 @@
 // The grid of the grid-stride elementwise kernels (the tail's adds and accumulates, the layer's
 // activation, combine and row gather): 256 threads a block, one block per 256 work items, up to
-// 4096 blocks (a GPU holds ~1000 such blocks at once; the rest start as blocks finish; the
-// experts' row gather at K3's T = 8192 took 412 µs with 4096 blocks and 491 with 1184 in two
-// runs on an H200).
+// 4096 blocks (a GPU holds ~1000 such blocks at once; the rest start as blocks finish, which
+// measured faster than a grid of what fits at once: docs/perf.md).
 //
 // These kernels never wait on another rank, so a full grid cannot keep a peer's spinning kernel
 // from running where ranks share a GPU: their blocks finish and free the SMs (small grids per rank
-// are for the kernels that spin, docs/p2p.md). A cap of 128 blocks, one per SM, held the layer's
-// combine to 0.4 TB/s: 4.5 ms at Kimi-K3's T = 8192 on one H200 (docs/perf.md, session 9).
+// are for the kernels that spin, docs/p2p.md). A cap of one block per SM would starve the
+// layer's combine of memory bandwidth (docs/perf.md).
 #pragma once
 
 #include <algorithm>

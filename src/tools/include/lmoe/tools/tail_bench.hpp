@@ -87,8 +87,8 @@ struct BenchOptions {
   bool cold_l2 = false;
   // Tails a timed iteration runs back to back (in one graph in graph mode), each with its own copy
   // of the weights, `shared` and output, as consecutive layers of a model; times are per tail (the
-  // iteration's / layers). With 1 a graph mode time includes the replay's own cost (3–5 µs on an
-  // H200, docs/bench.md), which a model's graph of many layers pays once: with layers > 1 it is
+  // iteration's / layers). With 1 a graph mode time includes the replay's own cost (docs/bench.md),
+  // which a model's graph of many layers pays once: with layers > 1 it is
   // spread over them, as there. 1 … kMaxBenchLayers.
   int layers = 1;
   std::uint64_t seed = 2026;             // the weights and, mixed with (T, tier, rank), the inputs

@@ -1,0 +1,76 @@
+// The CUDA layer's routed-experts stage, on one of two paths:
+//
+//   host:   counting sort of the slots by expert on the host → slot order to the device → gather
+//           z rows by expert → per active expert: up (and gate) cuBLASLt GEMMs, fp32 out →
+//           activation → per active expert: down GEMM
+//   device: the same sort by a kernel → one grouped GEMM for every expert's up (and gate) rows,
+//           gathering z's rows and applying the activation → one grouped GEMM for the down rows
+//           (no host read: capturable)
+//
+// then the weighted combine into routed [T, l]. Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "core/layer_executor.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/layer/layer_router.hpp"
+#include "cuda/layer/layer_stage_support.hpp"
+
+namespace lmoe::cuda {
+
+class RoutedExperts {
+ public:
+  // `inter`: this rank's slice of each routed expert's intermediate dim.
+  RoutedExperts(const LayerConfig& config, DType dtype, std::int64_t inter,
+                const LayerWeights& weights);
+  ~RoutedExperts();
+  RoutedExperts(const RoutedExperts&) = delete;
+  RoutedExperts& operator=(const RoutedExperts&) = delete;
+
+  // Waits until the last upload of the slot order has left the host buffer.
+  void wait_for_order_upload() const;
+  // Workspaces for `rows` tokens (the caller has waited for the work that used the old ones).
+  void reserve(std::int64_t rows);
+
+  // routed [T, l] = round(Σ_j w_tj · o_tj), o_tj = round(act(z_t·G_eᵀ, z_t·U_eᵀ)) · D_eᵀ in fp32.
+  // The host path: reads the router's host routing once router_end has passed, into `routing`.
+  void run_on_host(std::int64_t tokens, const LayerRouter& router, cudaEvent_t router_end,
+                   Routing& routing, const DeviceBuffer& latent, MatrixView routed,
+                   CublasLtGemm& gemm, cudaStream_t stream);
+  // The device path: the same rows, sums and roundings, sized on the device.
+  void run_on_device(std::int64_t tokens, const LayerRouter& router, const DeviceBuffer& latent,
+                     MatrixView routed, cudaStream_t stream);
+
+ private:
+  std::size_t bytes(std::int64_t elements) const {
+    return static_cast<std::size_t>(elements) * dtype_size(dtype_);
+  }
+  std::int64_t slots(std::int64_t tokens) const { return tokens * config_.router.top_k; }
+  std::int64_t sort_slots(std::int64_t tokens, const LayerRouter& router, cudaEvent_t router_end,
+                          Routing& routing, cudaStream_t stream);
+
+  LayerConfig config_;
+  DType dtype_;
+  std::int64_t inter_;        // this rank's slice of each routed expert's intermediate dim
+  DeviceBuffer expert_gate_;  // [E, I_r, l], or empty (relu2)
+  DeviceBuffer expert_up_;    // [E, I_r, l]
+  DeviceBuffer expert_down_;  // [E, l, I_r]
+  cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
+
+  DeviceBuffer order_device_;  // row of each slot [T·k] int32, then token of each grouped row
+  PinnedBuffer order_host_;
+  // Grouped rows (G = grouped_rows(T·k)): each expert's rows together, padded.
+  DeviceBuffer gathered_;            // [G, l] z rows grouped by expert
+  DeviceBuffer expert_up_acc_;       // [G, I_r] fp32
+  DeviceBuffer expert_gate_acc_;     // [G, I_r] fp32 (gated)
+  DeviceBuffer hidden_;              // [G, I_r] storage dtype
+  DeviceBuffer slot_out_;            // [G, l] fp32
+  std::vector<std::int64_t> first_;  // [E + 1] first gathered row of each expert (host path)
+  DeviceBuffer sorted_first_;        // [E + 1] int32, the same on the device (device path)
+};
+
+}  // namespace lmoe::cuda

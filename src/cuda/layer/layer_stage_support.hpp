@@ -1,0 +1,76 @@
+// What the CUDA layer's stages share: page-locked host buffers, weight uploads, sizes in bytes and
+// the rows of the expert-grouped buffers. Host code only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "lmoe/tensor.hpp"
+
+namespace lmoe::cuda {
+
+// Each expert's rows in the grouped buffers start at a multiple of this many rows (16-byte aligned
+// operands for any row width: 8 rows of ≥ 2-byte elements span a multiple of 16 bytes).
+inline constexpr std::int64_t kExpertRowAlign = 8;
+
+// Page-locked host memory, so that copies to and from it are asynchronous.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes) {
+    if (bytes) LMOE_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+  }
+  ~PinnedBuffer() {
+    if (data_) cudaFreeHost(data_);
+  }
+  PinnedBuffer(PinnedBuffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
+    if (this != &other) {
+      if (data_) cudaFreeHost(data_);
+      data_ = std::exchange(other.data_, nullptr);
+    }
+    return *this;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+};
+
+inline DeviceBuffer upload(const HostTensor& tensor) {
+  DeviceBuffer buffer(tensor.nbytes());
+  if (tensor.nbytes()) {
+    LMOE_CUDA_CHECK(
+        cudaMemcpy(buffer.data(), tensor.data(), tensor.nbytes(), cudaMemcpyHostToDevice));
+  }
+  return buffer;
+}
+
+inline cudaEvent_t make_event(bool timing) {
+  cudaEvent_t event = nullptr;
+  LMOE_CUDA_CHECK(
+      cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  return event;
+}
+
+inline void* offset(const DeviceBuffer& buffer, std::size_t byte_offset) {
+  return buffer.at(byte_offset);
+}
+
+inline std::size_t floats(std::int64_t elements) {
+  return static_cast<std::size_t>(elements) * sizeof(float);
+}
+
+// Rows of the expert-grouped buffers for `slot_count` slots of `experts` experts: each active
+// expert's rows padded to a multiple of kExpertRowAlign.
+inline std::int64_t grouped_rows(std::int64_t slot_count, std::int64_t experts) {
+  return slot_count + (kExpertRowAlign - 1) * std::min(experts, slot_count);
+}
+
+}  // namespace lmoe::cuda
