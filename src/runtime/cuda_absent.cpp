@@ -19,12 +19,7 @@ class AbsentCudaBackendOps final : public BackendOps {
   }
   std::optional<std::string> fused_decode_limit(TailDims, DType, int) const override { return kNotBuilt; }
   std::optional<std::string> fused_chained_limit(TailDims, DType, int) const override { return kNotBuilt; }
-  std::int64_t fused_chained_max_tokens() const override { return 0; }
-  std::int64_t fused_decode_beside_chained_tokens(int) const override { return 0; }
-  int ranks_on_my_device(const Communicator&) const override { return 1; }
-  std::optional<DeviceDescription> device() const override { return std::nullopt; }
   std::vector<std::string> comm_backends() const override { return {}; }
-  std::optional<std::string> comm_group_limit(std::string_view, int) const override { return std::nullopt; }
   bool run_comm_group(std::string_view, int, const std::function<void(int, Communicator&)>&,
                       std::chrono::milliseconds) const override {
     return false;

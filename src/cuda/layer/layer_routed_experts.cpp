@@ -14,9 +14,7 @@ RoutedExperts::RoutedExperts(const LayerConfig& config, DType dtype, std::int64_
     : config_(config),
       dtype_(dtype),
       inter_(inter),
-      expert_gate_(upload(weights.expert_gate)),
-      expert_up_(upload(weights.expert_up)),
-      expert_down_(upload(weights.expert_down)) {
+      experts_(weights.expert_gate, weights.expert_up, weights.expert_down) {
   order_copied_ = make_event(false);
   sorted_first_ = DeviceBuffer(sizeof(std::int32_t) * (config.router.num_experts + 1));
 }
@@ -111,10 +109,10 @@ void RoutedExperts::run_on_host(std::int64_t tokens, const LayerRouter& router,
     const std::int64_t first = first_[e], rows = first_[e + 1] - first_[e];
     if (rows == 0) continue;
     const void* a = offset(gathered_, bytes(first * l));
-    gemm.run(a, offset(expert_up_, e * matrix), l, offset(expert_up_acc_, floats(first * inter_)),
+    gemm.run(a, offset(experts_.up, e * matrix), l, offset(expert_up_acc_, floats(first * inter_)),
              inter_, rows, inter_, l, dtype_, DType::f32, stream);
     if (gated) {
-      gemm.run(a, offset(expert_gate_, e * matrix), l,
+      gemm.run(a, offset(experts_.gate, e * matrix), l,
                offset(expert_gate_acc_, floats(first * inter_)), inter_, rows, inter_, l, dtype_,
                DType::f32, stream);
     }
@@ -126,7 +124,7 @@ void RoutedExperts::run_on_host(std::int64_t tokens, const LayerRouter& router,
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::int64_t first = first_[e], rows = first_[e + 1] - first_[e];
     if (rows == 0) continue;
-    gemm.run(offset(hidden_, bytes(first * inter_)), offset(expert_down_, e * matrix), inter_,
+    gemm.run(offset(hidden_, bytes(first * inter_)), offset(experts_.down, e * matrix), inter_,
              offset(slot_out_, floats(first * l)), l, rows, l, inter_, dtype_, DType::f32, stream);
   }
   const auto* weights = reinterpret_cast<const float*>(router.device_routing() + count);
@@ -160,8 +158,8 @@ void RoutedExperts::run_on_device(std::int64_t tokens, const LayerRouter& router
   up.lda = l;
   // Where the warp-specialized tile pays, the launcher stages the gathered rows here first.
   up.a_staging = gathered_.data();
-  up.b = expert_up_.data();
-  up.b2 = is_gated(config_.activation) ? expert_gate_.data() : nullptr;
+  up.b = experts_.up.data();
+  up.b2 = is_gated(config_.activation) ? experts_.gate.data() : nullptr;
   up.b_group_stride = inter_ * l;
   up.c = hidden_.data();
   up.ldc = inter_;
@@ -181,7 +179,7 @@ void RoutedExperts::run_on_device(std::int64_t tokens, const LayerRouter& router
   down.a = hidden_.data();
   down.a_rows = nullptr;
   down.lda = inter_;
-  down.b = expert_down_.data();
+  down.b = experts_.down.data();
   down.b2 = nullptr;
   down.c = slot_out_.data();
   down.ldc = l;

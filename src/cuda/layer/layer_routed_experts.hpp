@@ -56,9 +56,8 @@ class RoutedExperts {
   LayerConfig config_;
   DType dtype_;
   std::int64_t inter_;        // this rank's slice of each routed expert's intermediate dim
-  DeviceBuffer expert_gate_;  // [E, I_r, l], or empty (relu2)
-  DeviceBuffer expert_up_;    // [E, I_r, l]
-  DeviceBuffer expert_down_;  // [E, l, I_r]
+  DeviceExpertWeights experts_;  // gate [E, I_r, l] or empty (relu2), up [E, I_r, l],
+                                 // down [E, l, I_r]
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
 
   DeviceBuffer order_device_;  // row of each slot [T·k] int32, then token of each grouped row

@@ -9,9 +9,7 @@ SharedExperts::SharedExperts(const LayerConfig& config, DType dtype, std::int64_
     : config_(config),
       dtype_(dtype),
       shared_width_(shared_width),
-      shared_gate_(upload(weights.shared_gate)),
-      shared_up_(upload(weights.shared_up)),
-      shared_down_(upload(weights.shared_down)),
+      weights_(weights.shared_gate, weights.shared_up, weights.shared_down),
       gemm_(std::make_unique<CublasLtGemm>()) {}
 
 void SharedExperts::reserve(std::int64_t rows) {
@@ -27,17 +25,17 @@ void SharedExperts::run(ConstMatrixView x, MatrixView shared, cudaStream_t strea
     LMOE_CUDA_CHECK(cudaMemsetAsync(shared.data, 0, bytes(tokens * d), stream));
     return;
   }
-  gemm_->run(x.data, shared_up_.data(), d, shared_up_acc_.data(), shared_width_, tokens,
+  gemm_->run(x.data, weights_.up.data(), d, shared_up_acc_.data(), shared_width_, tokens,
              shared_width_, d, dtype_, DType::f32, stream);
   if (is_gated(config_.activation)) {
-    gemm_->run(x.data, shared_gate_.data(), d, shared_gate_acc_.data(), shared_width_, tokens,
+    gemm_->run(x.data, weights_.gate.data(), d, shared_gate_acc_.data(), shared_width_, tokens,
                shared_width_, d, dtype_, DType::f32, stream);
   }
   check(launch_activation(static_cast<const float*>(shared_gate_acc_.data()),
                           static_cast<const float*>(shared_up_acc_.data()), shared_hidden_.data(),
                           tokens * shared_width_, config_, dtype_, stream),
         "launch_activation");
-  gemm_->run(shared_hidden_.data(), shared_down_.data(), shared_width_, shared.data, d, tokens, d,
+  gemm_->run(shared_hidden_.data(), weights_.down.data(), shared_width_, shared.data, d, tokens, d,
              shared_width_, dtype_, dtype_, stream);
 }
 

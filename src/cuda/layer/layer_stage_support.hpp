@@ -52,6 +52,14 @@ inline DeviceBuffer upload(const HostTensor& tensor) {
   return buffer;
 }
 
+// One set of experts' weights on the device (routed or shared): gate (empty without one), up, down.
+struct DeviceExpertWeights {
+  DeviceExpertWeights(const HostTensor& gate_weight, const HostTensor& up_weight,
+                      const HostTensor& down_weight)
+      : gate(upload(gate_weight)), up(upload(up_weight)), down(upload(down_weight)) {}
+  DeviceBuffer gate, up, down;
+};
+
 inline cudaEvent_t make_event(bool timing) {
   cudaEvent_t event = nullptr;
   LMOE_CUDA_CHECK(
