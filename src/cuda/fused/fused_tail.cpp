@@ -297,19 +297,12 @@ void FusedTail::choose_decode(int sms, int sharing) {
   }
   // The decode kernel is launched programmatically with one rank: it may start as the stream's
   // previous kernel's blocks leave (another call's decode kernel lets it), and gamma and 4 of each
-  // warp's first weight items stream before it waits for that kernel to end. Session 24, one H200,
-  // cold, T = 1 / 4 / 16, µs, against HEAD's launch built beside it (docs/fused.md): per tail in
-  // graphs of 8, K3 17.5 / 19.8 / 27.5 against 19.0 / 21.2 / 29.0, a 896-row stripe 5.7 / 6.9 /
-  // 13.0 against 6.3 / 7.6 / 14.1; as replays of one tail, where nothing ends before it, the early
-  // items delay the rows: K3 20.9 / 23.3 / 30.6 against 21.2 / 23.5 / 30.3, the stripe 9.2 / 10.5 /
-  // 16.8 against 8.6 / 10.1 / 16.5. All of a warp's first items (16 at T ≤ 8): per tail K3 16.8 /
-  // 18.9 / 27.0, replays 22.4 / 24.1 / 31.0; none: per tail K3 17.9 / 20.2 / 28.0 (the first
-  // machine's HEAD 18.5 / 20.8 / 28.6). With several ranks only where
-  // LMOE_FUSED_DECODE_PROGRAMMATIC=1 asks and each rank has a GPU of its own: across GPUs it is not
-  // measured yet (issue 7), and ranks sharing a GPU need every rank's kernel resident at once,
-  // which a call's early blocks, holding SMs while they wait, could prevent. =0 turns it off at
-  // every tp. LMOE_FUSED_DECODE_EARLY_ITEMS (0 … 64; more than a warp's first ring is all of it)
-  // sets the count, for measurements (unset: 4, and all in the pair instance).
+  // warp's first weight items stream before it waits for that kernel to end; per tail in a graph
+  // of layers that is faster, as a lone replay the early items delay the rows (docs/fused.md).
+  // With several ranks only where LMOE_FUSED_DECODE_PROGRAMMATIC=1 asks and each rank has a GPU of
+  // its own: ranks sharing a GPU need every rank's kernel resident at once, which a call's early
+  // blocks, holding SMs while they wait, could prevent. LMOE_FUSED_DECODE_EARLY_ITEMS sets the
+  // count, for measurements.
   const bool wanted = settings_.decode_programmatic.value_or(params_.tp == 1);
   const bool pair_wanted = settings_.decode_pair;
   decode_early_items_ = settings_.decode_early_items;
@@ -318,12 +311,10 @@ void FusedTail::choose_decode(int sms, int sharing) {
     // The pair instance (two blocks an SM) only where it is launched programmatically: its point
     // is that the next call's blocks enter while this one runs. One rank only: with several, every
     // block of a call must be resident at once and the grid is agreed after the plan.
-    // LMOE_FUSED_DECODE_PAIR=0 turns it off. Session 25, one H200, the 896-row stripe (K3 tp 8's
-    // share) per tail in graphs of 8, cold: 5.3 / 5.6 / 6.1 / 6.3 µs at T = 1 / 2 / 3 / 4 against
-    // the chained path's 6.3–6.4, which it replaces there; as replays of one tail 9.4 / 10.6
-    // against 9.8 / 9.8 at T = 1 / 4. Letting the next call in at its entry instead was slower
-    // (6.0 / 7.9 at T = 1 / 4): the call after it entered too, and its weights queued ahead of the
-    // next call's inputs.
+    // LMOE_FUSED_DECODE_PAIR=0 turns it off. It is faster than the chained path for a narrow
+    // stripe's calls of up to 4 rows (docs/fused.md); letting the next call in at its entry instead
+    // was slower, since the call after it entered too and its weights queued ahead of the next
+    // call's inputs.
     if (!decode_programmatic_ || !pair_wanted) decode_plan_.pair_tokens = 0;
     decode_plan_.pair_tokens = std::min(decode_plan_.pair_tokens, decode_max_tokens_);
     return;
@@ -449,15 +440,13 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   LMOE_CUDA_CHECK(cudaMemset(chained_workspace_.data(), 0, chained_workspace_.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   p.calls = static_cast<std::uint32_t*>(chained_workspace_.data());
-  // The ring's first round is paced with one rank (docs/fused-sessions.md, session 22): a copy of
-  // weights per block every `pace` ns, so that the whole grid asks for them at about the rate the
-  // memory serves them. Asked for all at once, they fill its queue, and the norm kernel's reads of
-  // the rows — issued only once the kernel before it has ended — wait behind them, and N with them:
-  // K3 on an H200, per tail in a graph of 8, 17.3 / 17.0 / 17.7 µs at T = 1 / 16 / 32 all at once,
-  // 16.4 / 16.1 / 16.9 paced. With several ranks the exchange kernel comes before the
-  // up-projection; not measured across GPUs yet, so not paced by default there.
-  // LMOE_FUSED_CHAINED_PACE_NS (0: all at once) and _BURST (copies issued before the pace starts;
-  // 1) set it at any tp, for measurements.
+  // The ring's first round is paced with one rank (docs/fused.md): a copy of weights per block
+  // every `pace` ns, so that the whole grid asks for them at about the rate the memory serves
+  // them. Asked for all at once, they fill its queue, and the norm kernel's reads of the rows —
+  // issued only once the kernel before it has ended — wait behind them, and N with them. With
+  // several ranks the exchange kernel comes before the up-projection, and it is not paced by
+  // default. LMOE_FUSED_CHAINED_PACE_NS (0: all at once) and _BURST set it at any tp, for
+  // measurements.
   const double grid_box_bytes = static_cast<double>(p.tiles) * p.splits * chained_plan_.tile_rows *
                                 kChainedTileK * dtype_size(dtype_);
   // Both read at every tp (fused_settings_from_environment), so that a value they cannot take is
