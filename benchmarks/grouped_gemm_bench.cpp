@@ -32,10 +32,10 @@
 
 #include "core/fast_random.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/cuda_device_info.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "cuda/gemm/grouped_gemm.hpp"
 #include "graph_timer.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/error.hpp"
@@ -228,7 +228,6 @@ TokenData make_token_data(const Problem& p, std::int64_t tokens) {
   for (const Grouping& g : groupings) d.active += static_cast<double>(g.active);
   d.active /= sets;
   return d;
-
 }
 
 // The GPU's two ceilings, measured in the same run: a device-to-device copy and a square bf16
@@ -301,8 +300,8 @@ void time_tiles(const Problem& p, const TokenData& d, const lmoe::cuda::GroupedG
   const int sets = d.sets;
   lmoe::cuda::GroupedGemmArgs up = up_args, down = down_args;
   for (const lmoe::cuda::GroupedTile tile : tiles) {
-    if (const auto why = lmoe::cuda::grouped_tile_unsupported(
-            tile, lmoe::cuda::current_compute_capability())) {
+    if (const auto why =
+            lmoe::cuda::grouped_tile_unsupported(tile, lmoe::cuda::current_compute_capability())) {
       std::printf("# %s skipped: %s\n", lmoe::cuda::grouped_tile_name(tile), why->c_str());
       continue;
     }
@@ -324,15 +323,13 @@ void time_tiles(const Problem& p, const TokenData& d, const lmoe::cuda::GroupedG
       args.a = z.data();
       args.a_rows = static_cast<const std::int32_t*>(tokens_of_rows[i % sets].data());
       args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
-      lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream),
-                        "launch_grouped_gemm(up)");
+      lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(up)");
     });
     report_row("up:" + up_tile, t_up, up_flops, up_bytes);
     const Timing t_down = timer.time([&](int i) {
       lmoe::cuda::GroupedGemmArgs args = down;
       args.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
-      lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream),
-                        "launch_grouped_gemm(down)");
+      lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(args, stream), "launch_grouped_gemm(down)");
     });
     report_row("down:" + down_tile, t_down, down_flops, down_bytes);
   }
@@ -367,8 +364,8 @@ void time_host_loop(const Problem& p, const TokenData& d, const DeviceBuffer& w_
       }
       gemm.run(static_cast<const std::byte*>(hidden.data()) + first * inter * 2,
                static_cast<const std::byte*>(w_down.data()) + e * matrix * 2, inter,
-               static_cast<float*>(slot_out.data()) + first * l, l, rows, l, inter,
-               DType::bf16, DType::f32, stream);
+               static_cast<float*>(slot_out.data()) + first * l, l, rows, l, inter, DType::bf16,
+               DType::f32, stream);
     }
   };
   // Every routing's shapes once outside the capture: cuBLASLt plans them on first use.

@@ -15,28 +15,28 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <cctype>
 #include <fstream>
-#include <sstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/fast_random.hpp"
-#include "graph_timer.hpp"
 #include "core/host_math.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
+#include "graph_timer.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tensor.hpp"
 
@@ -122,7 +122,8 @@ std::string driver_module_version() {
   const auto at = line.find("Kernel Module");
   std::istringstream tokens(at == std::string::npos ? line : line.substr(at));
   for (std::string token; tokens >> token;) {
-    if (std::isdigit(static_cast<unsigned char>(token[0])) && token.find('.') != std::string::npos) return token;
+    if (std::isdigit(static_cast<unsigned char>(token[0])) && token.find('.') != std::string::npos)
+      return token;
   }
   return "unknown";
 }

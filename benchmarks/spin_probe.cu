@@ -1,4 +1,5 @@
-// lmoe_spin_probe: can this GPU run the spinning kernels of several ranks' streams at the same time?
+// lmoe_spin_probe: can this GPU run the spinning kernels of several ranks' streams at the same
+// time?
 //
 // The P2P collectives (docs/p2p.md) make every rank's kernel wait, on the device, for its peers'
 // kernels. When ranks share one GPU that only works if their kernels are resident together. This
@@ -45,7 +46,8 @@ __device__ unsigned long long probe_clock() {
 }
 
 // Every block arrives on the round's counter, then waits until every rank's blocks have arrived.
-__global__ void handshake(ProbeState* state, int round, unsigned expected, unsigned long long timeout_ns) {
+__global__ void handshake(ProbeState* state, int round, unsigned expected,
+                          unsigned long long timeout_ns) {
   if (threadIdx.x == 0) {
     if (atomicAdd(&state->aborted, 0) == 0) {
       atomicAdd(&state->arrived[round], 1u);
@@ -74,16 +76,17 @@ struct Probe {
   int blocks = 4, threads = 512, rounds = 200;
   unsigned long long timeout_ns = 500000000ull;
 
-  // Runs `rounds` handshakes on `streams` (one host thread per rank); before every handshake, rank 0
-  // calls `before(round, stream)` when given.
+  // Runs `rounds` handshakes on `streams` (one host thread per rank); before every handshake, rank
+  // 0 calls `before(round, stream)` when given.
   template <typename Before>
   Result run(const char* name, std::vector<cudaStream_t> streams, Before before) {
     const int ranks = static_cast<int>(streams.size());
     lmoe::cuda::DeviceBuffer state(sizeof(ProbeState));
     LMOE_CUDA_CHECK(cudaMemset(state.data(), 0, sizeof(ProbeState)));
     const int minus_one = -1;
-    LMOE_CUDA_CHECK(cudaMemcpy(static_cast<char*>(state.data()) + offsetof(ProbeState, stalled_round), &minus_one,
-                               sizeof(int), cudaMemcpyHostToDevice));
+    LMOE_CUDA_CHECK(
+        cudaMemcpy(static_cast<char*>(state.data()) + offsetof(ProbeState, stalled_round),
+                   &minus_one, sizeof(int), cudaMemcpyHostToDevice));
     LMOE_CUDA_CHECK(cudaDeviceSynchronize());
     auto* s = static_cast<ProbeState*>(state.data());
     const unsigned expected = static_cast<unsigned>(ranks * blocks);
@@ -99,15 +102,18 @@ struct Probe {
       });
     }
     for (auto& t : threads_of_ranks) t.join();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ProbeState host{};
     LMOE_CUDA_CHECK(cudaMemcpy(&host, s, sizeof(host), cudaMemcpyDeviceToHost));
     int completed = 0;
     while (completed < rounds && host.arrived[completed] == expected) ++completed;
     Result result{name, ranks, rounds, completed, host.stalled_round, seconds};
-    std::printf("%-34s ranks %2d  rounds %4d  completed %4d  %s  %.3f s\n", name, ranks, rounds, completed,
-                host.stalled_round < 0 ? "ok     " : ("STALLED at round " + std::to_string(host.stalled_round)).c_str(),
-                seconds);
+    std::printf(
+        "%-34s ranks %2d  rounds %4d  completed %4d  %s  %.3f s\n", name, ranks, rounds, completed,
+        host.stalled_round < 0 ? "ok     "
+                               : ("STALLED at round " + std::to_string(host.stalled_round)).c_str(),
+        seconds);
     std::fflush(stdout);
     return result;
   }
@@ -140,13 +146,20 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (arg == "--blocks") probe.blocks = std::atoi(value());
-    else if (arg == "--threads") probe.threads = std::atoi(value());
-    else if (arg == "--rounds") probe.rounds = std::atoi(value());
-    else if (arg == "--timeout-ms") probe.timeout_ns = std::strtoull(value(), nullptr, 10) * 1000000ull;
-    else if (arg == "--json") json = value();
+    if (arg == "--blocks")
+      probe.blocks = std::atoi(value());
+    else if (arg == "--threads")
+      probe.threads = std::atoi(value());
+    else if (arg == "--rounds")
+      probe.rounds = std::atoi(value());
+    else if (arg == "--timeout-ms")
+      probe.timeout_ns = std::strtoull(value(), nullptr, 10) * 1000000ull;
+    else if (arg == "--json")
+      json = value();
     else {
-      std::fprintf(stderr, "usage: lmoe_spin_probe [--blocks N] [--threads N] [--rounds N] [--timeout-ms N] [--json FILE]\n");
+      std::fprintf(stderr,
+                   "usage: lmoe_spin_probe [--blocks N] [--threads N] [--rounds N] [--timeout-ms "
+                   "N] [--json FILE]\n");
       return 2;
     }
   }
@@ -157,7 +170,8 @@ int main(int argc, char** argv) {
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s CUDA_MODULE_LOADING=%s blocks %d threads %d\n",
-              connections ? connections : "(unset)", loading ? loading : "(unset)", probe.blocks, probe.threads);
+              connections ? connections : "(unset)", loading ? loading : "(unset)", probe.blocks,
+              probe.threads);
   std::vector<Result> results;
   std::vector<cudaStream_t> all;
   auto nothing = [](int, cudaStream_t) {};
@@ -173,8 +187,8 @@ int main(int argc, char** argv) {
   // GEMMs on rank 0 before each handshake, peers already spinning.
   lmoe::cuda::CublasLtGemm gemm;
   const std::int64_t m = 4096, n = 4096, k = 4096;
-  lmoe::cuda::DeviceBuffer a(static_cast<std::size_t>(m * k) * 2), w(static_cast<std::size_t>(n * k) * 2),
-      d(static_cast<std::size_t>(m * n) * 4);
+  lmoe::cuda::DeviceBuffer a(static_cast<std::size_t>(m * k) * 2),
+      w(static_cast<std::size_t>(n * k) * 2), d(static_cast<std::size_t>(m * n) * 4);
   LMOE_CUDA_CHECK(cudaMemset(a.data(), 0, a.bytes()));
   LMOE_CUDA_CHECK(cudaMemset(w.data(), 0, w.bytes()));
   LMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -190,7 +204,8 @@ int main(int argc, char** argv) {
   }
   {
     auto warm = [&](int, cudaStream_t stream) {
-      gemm.run(a.data(), w.data(), k, d.data(), n, m, n, k, lmoe::DType::bf16, lmoe::DType::f32, stream);
+      gemm.run(a.data(), w.data(), k, d.data(), n, m, n, k, lmoe::DType::bf16, lmoe::DType::f32,
+               stream);
     };
     cudaStream_t s;
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -210,12 +225,18 @@ int main(int argc, char** argv) {
       std::perror(json);
       return 1;
     }
-    std::fprintf(f, "{\"connections\": \"%s\", \"module_loading\": \"%s\", \"blocks\": %d, \"threads\": %d, \"results\": [",
-                 connections ? connections : "", loading ? loading : "", probe.blocks, probe.threads);
+    std::fprintf(f,
+                 "{\"connections\": \"%s\", \"module_loading\": \"%s\", \"blocks\": %d, "
+                 "\"threads\": %d, \"results\": [",
+                 connections ? connections : "", loading ? loading : "", probe.blocks,
+                 probe.threads);
     for (std::size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f, "%s{\"scenario\": \"%s\", \"ranks\": %d, \"rounds\": %d, \"completed\": %d, \"stalled_round\": %d, \"seconds\": %.6f}",
-                   i ? ", " : "", r.scenario.c_str(), r.ranks, r.rounds, r.completed, r.stalled_round, r.seconds);
+      std::fprintf(f,
+                   "%s{\"scenario\": \"%s\", \"ranks\": %d, \"rounds\": %d, \"completed\": %d, "
+                   "\"stalled_round\": %d, \"seconds\": %.6f}",
+                   i ? ", " : "", r.scenario.c_str(), r.ranks, r.rounds, r.completed,
+                   r.stalled_round, r.seconds);
     }
     std::fprintf(f, "]}\n");
     std::fclose(f);

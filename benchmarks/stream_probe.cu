@@ -45,15 +45,16 @@ __device__ inline void cp_async_wait() {
 struct StreamParams {
   const std::byte* w = nullptr;  // [rows, row_bytes]
   std::int64_t rows = 0, row_bytes = 0;
-  int cols = 0;                  // weight rows per tile
-  int seg = 0;                   // bytes of a row per stage
-  std::int64_t splits = 1;       // items mode: K splits per tile
+  int cols = 0;             // weight rows per tile
+  int seg = 0;              // bytes of a row per stage
+  std::int64_t splits = 1;  // items mode: K splits per tile
   bool balanced = false;
   unsigned* sink = nullptr;
 };
 
 // Issues unit u (tile u / segs, segment u % segs) into `stage`.
-__device__ inline void issue_unit(const StreamParams& p, std::int64_t tile, std::int64_t segment, std::uint32_t stage) {
+__device__ inline void issue_unit(const StreamParams& p, std::int64_t tile, std::int64_t segment,
+                                  std::uint32_t stage) {
   const int pieces_per_row = p.seg / 16;
   const int pieces = p.cols * pieces_per_row;
   for (int i = static_cast<int>(threadIdx.x); i < pieces; i += kThreads) {
@@ -100,7 +101,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(StreamParams p) {
     n = u1 - u0;
   } else {
     const std::int64_t items = tiles * p.splits;
-    const std::int64_t mine = items > blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    const std::int64_t mine =
+        items > blockIdx.x ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     n = mine * (segs / p.splits);
   }
   for (int i = 0; i < kStages - 1; ++i) {
@@ -122,7 +124,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(StreamParams p) {
     }
     cp_async_commit();
     // Touch the landed stage (one word per thread) so the stream has a consumer.
-    acc ^= reinterpret_cast<const unsigned*>(ring + (i % kStages) * stage_bytes)[threadIdx.x % (stage_bytes / 4)];
+    acc ^= reinterpret_cast<const unsigned*>(
+        ring + (i % kStages) * stage_bytes)[threadIdx.x % (stage_bytes / 4)];
   }
   cp_async_wait<0>();
   if (acc == 0x9e3779b9u) *p.sink = acc;  // never true for these inputs; keeps the loads alive
@@ -284,7 +287,8 @@ struct Config {
 template <int kStages>
 cudaError_t launch_stream(const StreamParams& p, int grid, cudaStream_t stream) {
   const int smem = p.cols * p.seg * kStages;
-  cudaError_t e = cudaFuncSetAttribute(stream_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = cudaFuncSetAttribute(stream_kernel<kStages>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   stream_kernel<kStages><<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
@@ -292,12 +296,18 @@ cudaError_t launch_stream(const StreamParams& p, int grid, cudaStream_t stream) 
 
 cudaError_t launch(const Config& c, const StreamParams& p, int grid, cudaStream_t stream) {
   switch (c.stages) {
-    case 3: return launch_stream<3>(p, grid, stream);
-    case 4: return launch_stream<4>(p, grid, stream);
-    case 6: return launch_stream<6>(p, grid, stream);
-    case 8: return launch_stream<8>(p, grid, stream);
-    case 12: return launch_stream<12>(p, grid, stream);
-    default: return cudaErrorInvalidValue;
+    case 3:
+      return launch_stream<3>(p, grid, stream);
+    case 4:
+      return launch_stream<4>(p, grid, stream);
+    case 6:
+      return launch_stream<6>(p, grid, stream);
+    case 8:
+      return launch_stream<8>(p, grid, stream);
+    case 12:
+      return launch_stream<12>(p, grid, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -307,9 +317,12 @@ int main(int argc, char** argv) {
   std::int64_t rows = 7168, row_bytes = 3584 * 2;  // K3's w_up [d, l] in bf16
   const char* json = nullptr;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-    else if (!std::strcmp(argv[i], "--rows") && i + 1 < argc) rows = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--row-bytes") && i + 1 < argc) row_bytes = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json = argv[++i];
+    else if (!std::strcmp(argv[i], "--rows") && i + 1 < argc)
+      rows = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--row-bytes") && i + 1 < argc)
+      row_bytes = std::atoll(argv[++i]);
     else {
       std::fprintf(stderr, "usage: lmoe_stream_probe [--rows R] [--row-bytes B] [--json FILE]\n");
       return 2;
@@ -334,21 +347,34 @@ int main(int argc, char** argv) {
         },
         stream, iters);
     std::printf("lmoe_stream_probe: %lld x %lld bytes (%.1f MB), %d SMs, %d iterations per row\n",
-                static_cast<long long>(rows), static_cast<long long>(row_bytes), bytes / 1e6, sms, iters);
-    std::printf("%-9s %5s %5s %6s %7s %6s %6s %9s %7s\n", "mode", "cols", "seg", "stages", "blk/SM", "splits", "grid",
-                "us", "TB/s");
-    std::printf("%-9s %5s %5s %6s %7s %6s %6d %9.2f %7.2f\n", "read", "-", "-", "-", "-", "-", sms * 8, read_us,
-                bytes / read_us / 1e6);
+                static_cast<long long>(rows), static_cast<long long>(row_bytes), bytes / 1e6, sms,
+                iters);
+    std::printf("%-9s %5s %5s %6s %7s %6s %6s %9s %7s\n", "mode", "cols", "seg", "stages", "blk/SM",
+                "splits", "grid", "us", "TB/s");
+    std::printf("%-9s %5s %5s %6s %7s %6s %6d %9.2f %7.2f\n", "read", "-", "-", "-", "-", "-",
+                sms * 8, read_us, bytes / read_us / 1e6);
     results.emplace_back("read", read_us);
 
     const std::vector<Config> configs = {
-        {"items", 64, 128, 6, 2, 2},    {"items", 64, 128, 6, 2, 7},    {"balanced", 64, 128, 6, 2, 1},
-        {"balanced", 64, 128, 12, 2, 1}, {"balanced", 64, 128, 8, 3, 1}, {"items", 64, 256, 6, 2, 2},
-        {"balanced", 64, 256, 6, 2, 1},  {"balanced", 32, 256, 8, 3, 1}, {"balanced", 16, 512, 8, 3, 1},
-        {"balanced", 8, 1024, 8, 3, 1},  {"balanced", 64, 512, 3, 2, 1}, {"balanced", 32, 512, 6, 2, 1},
-        {"balanced", 16, 1024, 6, 2, 1}, {"balanced", 64, 128, 4, 4, 1}, {"balanced", 32, 256, 4, 6, 1},
+        {"items", 64, 128, 6, 2, 2},
+        {"items", 64, 128, 6, 2, 7},
+        {"balanced", 64, 128, 6, 2, 1},
+        {"balanced", 64, 128, 12, 2, 1},
+        {"balanced", 64, 128, 8, 3, 1},
+        {"items", 64, 256, 6, 2, 2},
+        {"balanced", 64, 256, 6, 2, 1},
+        {"balanced", 32, 256, 8, 3, 1},
+        {"balanced", 16, 512, 8, 3, 1},
+        {"balanced", 8, 1024, 8, 3, 1},
+        {"balanced", 64, 512, 3, 2, 1},
+        {"balanced", 32, 512, 6, 2, 1},
+        {"balanced", 16, 1024, 6, 2, 1},
+        {"balanced", 64, 128, 4, 4, 1},
+        {"balanced", 32, 256, 4, 6, 1},
         // Whole rows of K3's w_up (7168 bytes) per stage, as a GEMV would read them.
-        {"balanced", 4, 7168, 3, 2, 1},  {"balanced", 2, 7168, 6, 2, 1},  {"balanced", 8, 7168, 3, 1, 1},
+        {"balanced", 4, 7168, 3, 2, 1},
+        {"balanced", 2, 7168, 6, 2, 1},
+        {"balanced", 8, 7168, 3, 1, 1},
         {"balanced", 1, 7168, 12, 2, 1},
     };
     for (const Config& c : configs) {
@@ -365,11 +391,12 @@ int main(int argc, char** argv) {
       const int grid = sms * c.blocks_per_sm;
       const double us = lmoe::bench::back_to_back_us(
           [&](int) { LMOE_CUDA_CHECK(launch(c, p, grid, stream)); }, stream, iters);
-      std::printf("%-9s %5d %5d %6d %7d %6lld %6d %9.2f %7.2f\n", c.mode.c_str(), c.cols, c.seg, c.stages,
-                  c.blocks_per_sm, static_cast<long long>(c.splits), grid, us, bytes / us / 1e6);
-      results.emplace_back(c.mode + "_c" + std::to_string(c.cols) + "_s" + std::to_string(c.seg) + "_st" +
-                               std::to_string(c.stages) + "_b" + std::to_string(c.blocks_per_sm) + "_k" +
-                               std::to_string(c.splits),
+      std::printf("%-9s %5d %5d %6d %7d %6lld %6d %9.2f %7.2f\n", c.mode.c_str(), c.cols, c.seg,
+                  c.stages, c.blocks_per_sm, static_cast<long long>(c.splits), grid, us,
+                  bytes / us / 1e6);
+      results.emplace_back(c.mode + "_c" + std::to_string(c.cols) + "_s" + std::to_string(c.seg) +
+                               "_st" + std::to_string(c.stages) + "_b" +
+                               std::to_string(c.blocks_per_sm) + "_k" + std::to_string(c.splits),
                            us);
     }
     // Register rings: one block of 512 threads per SM (rows in whole groups of 8; the row's
@@ -418,7 +445,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "lmoe_stream_probe: cannot write %s\n", json);
         return 1;
       }
-      std::fprintf(f, "{\"bytes\": %lld, \"sms\": %d, \"results\": [", static_cast<long long>(bytes), sms);
+      std::fprintf(f, "{\"bytes\": %lld, \"sms\": %d, \"results\": [",
+                   static_cast<long long>(bytes), sms);
       for (std::size_t i = 0; i < results.size(); ++i) {
         std::fprintf(f, "%s{\"name\": \"%s\", \"us\": %.3f, \"tb_per_s\": %.4f}", i ? ", " : "",
                      results[i].first.c_str(), results[i].second, bytes / results[i].second / 1e6);

@@ -13,8 +13,8 @@
 
 #include "core/host_math.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 
 namespace lmoe::testing {
 

@@ -1,6 +1,6 @@
 // `lmoe bench`: the tail benchmark (tiers × T × comm backend), printed as an nccl-tests table and
-// optionally written as JSON. The sweep itself is the library's (include/lmoe/tail_bench.hpp), and so
-// is its JSON (write_bench_json, read_bench_json). `--check-table --from-sweep FILE` judges the
+// optionally written as JSON. The sweep itself is the library's (include/lmoe/tail_bench.hpp), and
+// so is its JSON (write_bench_json, read_bench_json). `--check-table --from-sweep FILE` judges the
 // policy against a recorded sweep instead of a measurement.
 #include <nlohmann/json.hpp>
 
@@ -155,16 +155,17 @@ nlohmann::json checks_json(const std::vector<ChoiceCheck>& checks) {
     const auto if_set = [](bool set, double value) {
       return set ? nlohmann::json(value) : nlohmann::json();
     };
-    array.push_back({{"comm", check.comm},
-                     {"tokens", check.tokens},
-                     {"chosen", tier_or_null(check.chosen)},
-                     {"fastest", tier_or_null(check.fastest)},
-                     {"chosen_median_us", if_set(judged, check.chosen_median_us)},
-                     {"fastest_median_us", if_set(check.fastest.has_value(), check.fastest_median_us)},
-                     {"fastest_p90_us", if_set(check.fastest.has_value(), check.fastest_p90_us)},
-                     {"ratio", if_set(judged, check.ratio)},
-                     {"verdict", verdict_name(check.verdict)},
-                     {"ok", check.ok()}});
+    array.push_back(
+        {{"comm", check.comm},
+         {"tokens", check.tokens},
+         {"chosen", tier_or_null(check.chosen)},
+         {"fastest", tier_or_null(check.fastest)},
+         {"chosen_median_us", if_set(judged, check.chosen_median_us)},
+         {"fastest_median_us", if_set(check.fastest.has_value(), check.fastest_median_us)},
+         {"fastest_p90_us", if_set(check.fastest.has_value(), check.fastest_p90_us)},
+         {"ratio", if_set(judged, check.ratio)},
+         {"verdict", verdict_name(check.verdict)},
+         {"ok", check.ok()}});
   }
   return array;
 }
@@ -214,8 +215,9 @@ void BenchCommand::execute() {
     }
   }
   if (check_table && options.tiers.size() != kAllTiers.size()) {
-    throw Error("--check-table: compares the policy's choice with every tier, so it times all four; "
-                "leave out --tiers");
+    throw Error(
+        "--check-table: compares the policy's choice with every tier, so it times all four; "
+        "leave out --tiers");
   }
   options.policy = resolve_policy(tier_table);
   const std::shared_ptr<const TierTable> measured = options.policy.table;

@@ -23,8 +23,8 @@ struct EnvCommand {
     for (const SettingSpec& spec : settings_table()) {
       // A presence setting is on even when set to "": show it as set.
       const std::optional<std::string> raw = env(spec.name);
-      const bool set = spec.type == SettingType::presence ? raw.has_value()
-                                                          : raw.has_value() && !raw->empty();
+      const bool set =
+          spec.type == SettingType::presence ? raw.has_value() : raw.has_value() && !raw->empty();
       const std::string value = set ? *raw : spec.fallback;
       const std::string from = set ? "environment" : "default";
       nlohmann::json row = {{"name", spec.name},

@@ -67,7 +67,8 @@ struct ExplainCommand {
     std::cout << resolved.name << ": d_model " << resolved.dims.d_model << ", d_latent "
               << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << tp
               << ", backend " << backend_name(chosen) << "\n";
-    std::cout << explain(tokens, policy, tier_support(chosen, tokens, resolved.dims, resolved.dtype, tp));
+    std::cout << explain(tokens, policy,
+                         tier_support(chosen, tokens, resolved.dims, resolved.dtype, tp));
     if (comm.empty() && !policy.table) {
       // The comm decides whether a built-in table holds: name the ones that would.
       for (const std::string& name : comm_backends(chosen)) {
@@ -90,13 +91,16 @@ void add_explain_command(CLI::App& app) {
   auto command = std::make_shared<ExplainCommand>();
   CLI::App* sub = app.add_subcommand("explain", "say which tier runs T tokens and why");
   command->model.add_to(*sub);
-  sub->add_option("-t,--tokens", command->tokens, "token count T")->required()->check(CLI::NonNegativeNumber);
+  sub->add_option("-t,--tokens", command->tokens, "token count T")
+      ->required()
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--tp", command->tp, "tensor-parallel ranks")->capture_default_str();
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
   sub->add_option("--comm", command->comm,
                   "the communicator the tail would use, for matching a measured tier table "
                   "and for the tables built into lmoe (default: not compared, none built in used)");
-  sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--tier-table", command->tier_table,
+                  "tier table JSON (default: $LMOE_TIER_TABLE)");
   sub->add_option("--rates", command->rates,
                   "LINK_GBS,MEMORY_GBS,GEMM_TFLOPS: one GPU's rates for the tiers' floors at T "
                   "(default: those lmoe knows for this machine's GPU, e.g. an H200's)");

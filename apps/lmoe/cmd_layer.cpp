@@ -9,12 +9,12 @@
 #include <iostream>
 #include <memory>
 
-#include "lmoe/settings.hpp"
 #include "common.hpp"
 #include "core/host_math.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/tools/layer_runner.hpp"
 #include "table.hpp"
 
@@ -108,7 +108,8 @@ VersusCpu versus_cpu(const LayerRankResult& mine, const LayerRankResult& cpu, st
   return result;
 }
 
-double median_of_us(const std::vector<LayerStageTimes>& times, double (LayerStageTimes::*measure)() const) {
+double median_of_us(const std::vector<LayerStageTimes>& times,
+                    double (LayerStageTimes::*measure)() const) {
   std::vector<double> values;
   for (const LayerStageTimes& t : times) values.push_back((t.*measure)() * 1e6);
   std::sort(values.begin(), values.end());
@@ -150,7 +151,9 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   const int divisor = setup.divisor = load ? 1 : scale;
   LayerConfig& config = setup.config = scale_down(full, divisor);
   if (experts > 0) {
-    LMOE_CHECK(!load, "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
+    LMOE_CHECK(
+        !load,
+        "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
     config.router.num_experts = experts;
   }
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
@@ -172,23 +175,22 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   run.warmup = 1;  // first touches of the weights and buffers are not the layer's time
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
-  setup.setting =
-      resolved.name +
-      (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
-      (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
-      std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
-      std::to_string(config.router.num_experts) + " experts top-" +
-      std::to_string(config.router.top_k) + " (groups " + std::to_string(config.router.topk_group) +
-      "/" + std::to_string(config.router.n_group) + "), expert I " +
-      std::to_string(config.expert_intermediate) + ", shared " +
-      std::to_string(config.num_shared_experts) + " x " +
-      std::to_string(config.shared_intermediate) + ", " +
-      std::string(activation_name(config.activation)) + ", " +
-      std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) + ", backend " +
-      std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
+  setup.setting = resolved.name +
+                  (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
+                  (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
+                  std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
+                  std::to_string(config.router.num_experts) + " experts top-" +
+                  std::to_string(config.router.top_k) + " (groups " +
+                  std::to_string(config.router.topk_group) + "/" +
+                  std::to_string(config.router.n_group) + "), expert I " +
+                  std::to_string(config.expert_intermediate) + ", shared " +
+                  std::to_string(config.num_shared_experts) + " x " +
+                  std::to_string(config.shared_intermediate) + ", " +
+                  std::string(activation_name(config.activation)) + ", " +
+                  std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) +
+                  ", backend " + std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
   std::cerr << "lmoe layer: " << setup.setting << "\n";
   return setup;
-
 }
 
 LayerCommand::LayerRuns LayerCommand::run_layers(const LayerSetup& setup) const {
@@ -241,16 +243,17 @@ LayerCommand::LayerRuns LayerCommand::run_layers(const LayerSetup& setup) const 
 }
 
 LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
-                                                   const LayerRuns& runs) const {
+                                                  const LayerRuns& runs) const {
   const ModelOptions::Resolved& resolved = setup.resolved;
   const LayerConfig& config = setup.config;
   const std::vector<HostTensor>& inputs = runs.inputs;
   const std::vector<LayerInputRun>& results = runs.results;
   const std::unique_ptr<LayerReference>& reference = runs.reference;
   const std::vector<LayerInputRun>& cpu_results = runs.cpu_results;
-  LayerRows out{Table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us",
-               "total_us", "forward_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"}),
-                nlohmann::json::array(), true};
+  LayerRows out{
+      Table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us", "total_us",
+             "forward_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"}),
+      nlohmann::json::array(), true};
   Table& table = out.table;
   nlohmann::json& rows = out.rows;
   bool& all_ok = out.all_ok;
@@ -412,7 +415,8 @@ void add_layer_command(CLI::App& app) {
          "divide d, l, intermediate sizes and the expert count by this (1: the model's own dims)")
       ->capture_default_str();
   sub->add_option("--experts", command->experts,
-                  "routed experts (default: the preset's, divided by --scale); e.g. --scale 1 --experts 112 runs "
+                  "routed experts (default: the preset's, divided by --scale); e.g. --scale 1 "
+                  "--experts 112 runs "
                   "the model's own dims with 1/8 of Kimi-K3's experts, to fit one GPU")
       ->check(CLI::PositiveNumber);
   sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")

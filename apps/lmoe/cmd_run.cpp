@@ -69,16 +69,19 @@ void RunCommand::execute() const {
   }
   const Backend chosen_backend = resolve_backend(backend);
   const std::string chosen_comm = resolve_comm(comm, chosen_backend);
-  // NCCL sums in its own order: its results are judged by the reordered-sum bound (docs/numerics.md).
+  // NCCL sums in its own order: its results are judged by the reordered-sum bound
+  // (docs/numerics.md).
   const ReductionOrder reductions = comm_reduction_order(chosen_comm);
   const PolicyConfig policy = with_rank_defaults(resolve_policy(tier_table), chosen_backend, ranks,
                                                  resolved.dims, resolved.dtype);
-  check_table_fits(policy, running_config(chosen_backend, ranks, resolved.dims, resolved.dtype, chosen_comm));
+  check_table_fits(
+      policy, running_config(chosen_backend, ranks, resolved.dims, resolved.dtype, chosen_comm));
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   std::cerr << "lmoe run: " << resolved.name << " d=" << resolved.dims.d_model
             << " l=" << resolved.dims.d_latent << " dtype=" << dtype_name(resolved.dtype)
-            << " tp=" << ranks << " backend=" << backend_name(chosen_backend) << " comm=" << chosen_comm << "\n";
+            << " tp=" << ranks << " backend=" << backend_name(chosen_backend)
+            << " comm=" << chosen_comm << "\n";
 
   Table table({"T", "chosen", "fused_us", "overlap_us", "column_us", "token_us", "max_err/bound",
                "fp64_err", "ok"});
@@ -87,12 +90,14 @@ void RunCommand::execute() const {
   std::size_t row_index = 0;
   for (std::int64_t t : tokens) {
     ++row_index;
-    std::cerr << "[" << row_index << "/" << tokens.size() << "] T=" << t << ": preparing inputs and references\n";
+    std::cerr << "[" << row_index << "/" << tokens.size() << "] T=" << t
+              << ": preparing inputs and references\n";
     const TailCase c = make_random_case(resolved.dims, resolved.eps, resolved.dtype, ranks, t,
                                         seed + static_cast<std::uint64_t>(t));
     const std::vector<double> exact = exact_tail(c);
     std::unique_ptr<ContractReference> references[2];
-    const TierSupport support = tier_support(chosen_backend, t, resolved.dims, resolved.dtype, ranks);
+    const TierSupport support =
+        tier_support(chosen_backend, t, resolved.dims, resolved.dtype, ranks);
     const TierDecision decision = decide(t, policy, support);
 
     std::vector<TierResult> results;
@@ -102,7 +107,9 @@ void RunCommand::execute() const {
       if (!result.declined) {
         std::cerr << "    " << tier_name(tier) << "\n";
         auto& reference = references[static_cast<int>(contract_of(tier))];
-        if (!reference) reference = std::make_unique<ContractReference>(reference_tail(c, contract_of(tier), reductions));
+        if (!reference)
+          reference =
+              std::make_unique<ContractReference>(reference_tail(c, contract_of(tier), reductions));
         RunOptions options;
         options.backend = chosen_backend;
         options.comm = chosen_comm;
@@ -138,19 +145,24 @@ void RunCommand::execute() const {
     cells.push_back(row_ok ? "ok" : "FAIL");
     table.add_row(cells);
     all_ok = all_ok && row_ok;
-    rows.push_back({{"tokens", t},
-                    {"chosen", decision.tier ? nlohmann::json(tier_name(*decision.tier)) : nlohmann::json()},
-                    {"decision", decision.summary},
-                    {"tiers", tiers_json},
-                    {"ok", row_ok}});
+    rows.push_back(
+        {{"tokens", t},
+         {"chosen", decision.tier ? nlohmann::json(tier_name(*decision.tier)) : nlohmann::json()},
+         {"decision", decision.summary},
+         {"tiers", tiers_json},
+         {"ok", row_ok}});
   }
 
-  std::cout << "# lmoe run: " << resolved.name << ", d_model " << resolved.dims.d_model << ", d_latent "
-            << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype) << ", tp " << ranks
-            << ", backend " << backend_name(chosen_backend) << ", comm " << chosen_comm << "\n"
-            << "# times: median per forward over " << repeats << " run(s), all ranks, microseconds; "
+  std::cout << "# lmoe run: " << resolved.name << ", d_model " << resolved.dims.d_model
+            << ", d_latent " << resolved.dims.d_latent << ", " << dtype_name(resolved.dtype)
+            << ", tp " << ranks << ", backend " << backend_name(chosen_backend) << ", comm "
+            << chosen_comm << "\n"
+            << "# times: median per forward over " << repeats
+            << " run(s), all ranks, microseconds; "
             << "max_err/bound: worst |Y - contract| / allowed bound over tiers (<= 1 passes"
-            << (reductions == ReductionOrder::unspecified ? "; the bound of reductions in NCCL's own order" : "")
+            << (reductions == ReductionOrder::unspecified
+                    ? "; the bound of reductions in NCCL's own order"
+                    : "")
             << "); "
             << "fp64_err: worst normwise error against fp64 math (tolerance "
             << format_number(fp64_tolerance(resolved.dtype)) << ")\n";
@@ -182,17 +194,24 @@ void RunCommand::execute() const {
 void add_run_command(CLI::App& app) {
   auto command = std::make_shared<RunCommand>();
   CLI::App* sub = app.add_subcommand(
-      "run", "run every tier at a preset's dims over a sweep of T, check each against the contract "
-             "and fp64 math, print a table (default: kimi-k3, 4 ranks on threads)");
+      "run",
+      "run every tier at a preset's dims over a sweep of T, check each against the contract "
+      "and fp64 math, print a table (default: kimi-k3, 4 ranks on threads)");
   command->model.add_to(*sub);
-  sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")->capture_default_str();
-  sub->add_option("-t,--tokens", command->tokens, "token counts T to run")->delimiter(',')->capture_default_str();
+  sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")
+      ->capture_default_str();
+  sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
+      ->delimiter(',')
+      ->capture_default_str();
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
   sub->add_option("--comm", command->comm,
                   "communicator: threads (cpu); cuda-threads, p2p or nccl (cuda; nccl: one GPU per "
                   "rank) (default: the backend's)");
-  sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
-  sub->add_option("--repeats", command->repeats, "timed forwards per tier and T")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--tier-table", command->tier_table,
+                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--repeats", command->repeats, "timed forwards per tier and T")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--seed", command->seed, "seed of the random inputs")->capture_default_str();
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
   sub->callback([command] { command->execute(); });

@@ -81,16 +81,20 @@ void TailCommand::execute() const {
   auto expect_shape = [&](const HostTensor& tensor, const std::string& name,
                           std::vector<std::int64_t> shape) {
     if (tensor.shape() != shape) {
-      throw Error(input + ": tensor '" + name + "' has shape " + tensor.shape_string() + ", expected " +
-                  shape_string(shape) + " (from routed " + c.routed.shape_string() + ")");
+      throw Error(input + ": tensor '" + name + "' has shape " + tensor.shape_string() +
+                  ", expected " + shape_string(shape) + " (from routed " + c.routed.shape_string() +
+                  ")");
     }
     if (tensor.dtype() != c.dtype) {
-      throw Error(input + ": tensor '" + name + "' is " + std::string(safetensors_dtype_name(tensor.dtype())) +
-                  " but routed is " + std::string(safetensors_dtype_name(c.dtype)) +
+      throw Error(input + ": tensor '" + name + "' is " +
+                  std::string(safetensors_dtype_name(tensor.dtype())) + " but routed is " +
+                  std::string(safetensors_dtype_name(c.dtype)) +
                   " (all four tensors must share one dtype)");
     }
   };
-  if (c.tp < 1) throw Error(input + ": routed has tp=" + std::to_string(c.tp) + " (its first dim); expected >= 1");
+  if (c.tp < 1)
+    throw Error(input + ": routed has tp=" + std::to_string(c.tp) +
+                " (its first dim); expected >= 1");
   expect_shape(c.shared, "shared", {c.tp, c.num_tokens, c.dims.d_model});
   expect_shape(c.norm_weight, "norm.weight", {c.dims.d_latent});
   expect_shape(c.up_proj_weight, "up_proj.weight", {c.dims.d_model, c.dims.d_latent});
@@ -101,32 +105,39 @@ void TailCommand::execute() const {
   options.policy = with_rank_defaults(resolve_policy(tier_table), options.backend, c.tp, c.dims,
                                       c.dtype, c.latent_norm);
   options.tier = parse_tier_or_auto(tier);
-  check_table_fits(options.policy, running_config(options.backend, c.tp, c.dims, c.dtype, options.comm));
+  check_table_fits(options.policy,
+                   running_config(options.backend, c.tp, c.dims, c.dtype, options.comm));
   if (options.backend == Backend::cpu) cpu::set_blas_threads(1);
 
   const TierSupport support = tier_support(options.backend, c.num_tokens, c.dims, c.dtype, c.tp);
-  std::cerr << "lmoe tail: " << input << ": tp=" << c.tp << " T=" << c.num_tokens << " d=" << c.dims.d_model
-            << " l=" << c.dims.d_latent << " dtype=" << dtype_name(c.dtype) << " eps=" << c.eps << " ("
-            << eps_source << ") backend=" << backend_name(options.backend) << " comm=" << options.comm << "\n";
+  std::cerr << "lmoe tail: " << input << ": tp=" << c.tp << " T=" << c.num_tokens
+            << " d=" << c.dims.d_model << " l=" << c.dims.d_latent
+            << " dtype=" << dtype_name(c.dtype) << " eps=" << c.eps << " (" << eps_source
+            << ") backend=" << backend_name(options.backend) << " comm=" << options.comm << "\n";
   if (!options.tier) std::cerr << explain(c.num_tokens, options.policy, support);
 
   const CaseRun run = run_case_on_threads(c, options);
-  if (!run.ranks_identical) throw Error("ranks produced different outputs; the output was not written");
+  if (!run.ranks_identical)
+    throw Error("ranks produced different outputs; the output was not written");
   std::cout << "tier: " << (run.tier ? std::string(tier_name(*run.tier)) : "none (T=0)") << " — "
-            << (options.tier ? std::string("forced by --tier") : decide(c.num_tokens, options.policy, support).summary)
+            << (options.tier ? std::string("forced by --tier")
+                             : decide(c.num_tokens, options.policy, support).summary)
             << "\n";
 
   if (check) {
     const TailTier ran = run.tier.value_or(TailTier::overlap);
-    // NCCL sums in its own order: its results are judged by the reordered-sum bound (docs/numerics.md).
-    const Comparison result = compare(run.ranks.front().y.matrix(),
-                                      reference_tail(c, contract_of(ran), comm_reduction_order(options.comm)), exact_tail(c));
+    // NCCL sums in its own order: its results are judged by the reordered-sum bound
+    // (docs/numerics.md).
+    const Comparison result = compare(
+        run.ranks.front().y.matrix(),
+        reference_tail(c, contract_of(ran), comm_reduction_order(options.comm)), exact_tail(c));
     std::cout << "check: " << result.bit_mismatches << " of " << result.elements
               << " elements differ in bits from the contract, " << result.beyond_bound
               << " beyond the bound (max err/bound " << result.max_error_over_bound
               << "); normwise error vs fp64 " << result.normwise_error << " (tolerance "
               << result.normwise_tolerance << ")\n";
-    if (!result.ok()) throw Error("check failed: the output does not meet the contract; it was not written");
+    if (!result.ok())
+      throw Error("check failed: the output does not meet the contract; it was not written");
   }
 
   std::map<std::string, HostTensor> tensors;
@@ -136,25 +147,36 @@ void TailCommand::execute() const {
                      {"tp", std::to_string(c.tp)},
                      {"eps", std::to_string(c.eps)},
                      {"producer", "lmoe 0.1.0"}});
-  std::cout << "wrote " << output << ": output " << shape_string(std::vector<std::int64_t>{c.num_tokens, c.dims.d_model})
-            << " " << safetensors_dtype_name(c.dtype) << "\n";
+  std::cout << "wrote " << output << ": output "
+            << shape_string(std::vector<std::int64_t>{c.num_tokens, c.dims.d_model}) << " "
+            << safetensors_dtype_name(c.dtype) << "\n";
 }
 
 }  // namespace
 
 void add_tail_command(CLI::App& app) {
   auto command = std::make_shared<TailCommand>();
-  CLI::App* sub = app.add_subcommand("tail", "run the tail on tensors from a safetensors file, write the output");
-  sub->add_option("--input", command->input, "safetensors with routed [tp,T,l], shared [tp,T,d], norm.weight [l], up_proj.weight [d,l]")->required();
-  sub->add_option("--output", command->output, "safetensors to write: output [T,d] in the input dtype")->required();
-  sub->add_option("--tier", command->tier, "auto, fused, overlap, column or token")->capture_default_str();
+  CLI::App* sub = app.add_subcommand(
+      "tail", "run the tail on tensors from a safetensors file, write the output");
+  sub->add_option(
+         "--input", command->input,
+         "safetensors with routed [tp,T,l], shared [tp,T,d], norm.weight [l], up_proj.weight [d,l]")
+      ->required();
+  sub->add_option("--output", command->output,
+                  "safetensors to write: output [T,d] in the input dtype")
+      ->required();
+  sub->add_option("--tier", command->tier, "auto, fused, overlap, column or token")
+      ->capture_default_str();
   sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
   sub->add_option("--comm", command->comm,
                   "communicator: threads (cpu); cuda-threads, p2p or nccl (cuda; nccl: one GPU per "
                   "rank) (default: the backend's)");
-  sub->add_option("--tier-table", command->tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
-  sub->add_option("--eps", command->eps, "RMSNorm epsilon (default: __metadata__ eps or rms_norm_eps, else 1e-5)");
-  sub->add_flag("--check", command->check, "compare with the contract and fp64 math before writing");
+  sub->add_option("--tier-table", command->tier_table,
+                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  sub->add_option("--eps", command->eps,
+                  "RMSNorm epsilon (default: __metadata__ eps or rms_norm_eps, else 1e-5)");
+  sub->add_flag("--check", command->check,
+                "compare with the contract and fp64 math before writing");
   sub->callback([command] { command->execute(); });
 }
 

@@ -18,8 +18,10 @@ void ModelOptions::add_to(CLI::App& app, bool layers_only) {
     presets += (presets.empty() ? "" : ", ") + preset.name;
   }
   app.add_option("--preset", preset, "model dims: " + presets)->capture_default_str();
-  app.add_option("--d-model", d_model, "hidden size d (overrides the preset)")->check(CLI::PositiveNumber);
-  app.add_option("--d-latent", d_latent, "latent size l (overrides the preset)")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", d_model, "hidden size d (overrides the preset)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--d-latent", d_latent, "latent size l (overrides the preset)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype, "storage dtype: bf16, f16 or f32 (default: the preset's)");
   app.add_option("--eps", eps, "RMSNorm epsilon (default: the preset's)");
 }
@@ -77,14 +79,15 @@ void write_json_file(const std::string& path, const nlohmann::json& doc) {
 }
 
 PolicyConfig resolve_policy(const std::string& tier_table) {
-  return load_policy_config(process_environment(),
-                            tier_table.empty() ? std::nullopt : std::optional<std::string>(tier_table));
+  return load_policy_config(process_environment(), tier_table.empty()
+                                                       ? std::nullopt
+                                                       : std::optional<std::string>(tier_table));
 }
 
 void check_table_fits(const PolicyConfig& policy, const RunningConfig& running) {
   if (!policy.table) return;
-  for (const std::string& warning :
-       match_tier_table(policy.table->provenance, running, policy.table_path.value_or("(unnamed)"))) {
+  for (const std::string& warning : match_tier_table(policy.table->provenance, running,
+                                                     policy.table_path.value_or("(unnamed)"))) {
     std::cerr << "lmoe: warning: " << warning << "\n";
   }
 }

@@ -16,10 +16,12 @@ void Table::print(std::ostream& out) const {
   }
   auto line = [&](const std::vector<std::string>& cells, const std::string& note) {
     // A note starts where the first empty cell would: cells up to there, then the text.
-    const std::size_t columns = note.empty() ? widths.size() : std::min(cells.size(), widths.size());
+    const std::size_t columns =
+        note.empty() ? widths.size() : std::min(cells.size(), widths.size());
     for (std::size_t c = 0; c < columns; ++c) {
       const std::string cell = c < cells.size() ? cells[c] : "";
-      out << (c ? "  " : "") << std::string(widths[c] - std::min(widths[c], cell.size()), ' ') << cell;
+      out << (c ? "  " : "") << std::string(widths[c] - std::min(widths[c], cell.size()), ' ')
+          << cell;
     }
     if (!note.empty()) out << (columns ? "  " : "") << note;
     out << "\n";

@@ -3,7 +3,8 @@
 // directly (same device, plain pointers); every reduction is the contract's rank-order sum, so
 // results are bit-identical on every rank and equal to the host communicators'.
 //
-// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every build.
+// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every
+// build.
 #pragma once
 
 #include <chrono>

@@ -49,15 +49,15 @@ struct RouterConfig {
 // The whole latent MoE layer: router on the full-width input, latent down-projection d → l,
 // routed experts in latent space, shared experts at d, then the tail (TailDims).
 struct LayerConfig {
-  std::int64_t d_model = 0;                 // d
-  std::int64_t d_latent = 0;                // l
+  std::int64_t d_model = 0;   // d
+  std::int64_t d_latent = 0;  // l
   RouterConfig router;
-  std::int64_t expert_intermediate = 0;     // I: intermediate size of one routed expert
-  std::int64_t num_shared_experts = 0;      // shared experts, fused into one MLP of width
-  std::int64_t shared_intermediate = 0;     // num_shared_experts × shared_intermediate
+  std::int64_t expert_intermediate = 0;  // I: intermediate size of one routed expert
+  std::int64_t num_shared_experts = 0;   // shared experts, fused into one MLP of width
+  std::int64_t shared_intermediate = 0;  // num_shared_experts × shared_intermediate
   ExpertActivation activation = ExpertActivation::silu_glu;  // routed and shared experts alike
-  float activation_beta = 1.0f;             // situ_glu: β of the gate
-  float activation_linear_beta = 1.0f;      // situ_glu: β_lin of the up projection
+  float activation_beta = 1.0f;                              // situ_glu: β of the gate
+  float activation_linear_beta = 1.0f;  // situ_glu: β_lin of the up projection
   // Whether the model normalizes the reduced routed latent before the up-projection (the tail's
   // RMSNorm). Without it (Nemotron 3) the tail runs with TailOptions::latent_norm = false: the cpu
   // backend only, for now.
@@ -79,17 +79,17 @@ LayerConfig scale_down(const LayerConfig& config, int divisor);
 // Where a checkpoint keeps one layer's tensors: names with "{layer}" and, for routed experts,
 // "{expert}" placeholders. Empty names: the model has no such tensor.
 struct LayerTensorNames {
-  std::string router_weight;     // [E, d]
-  std::string router_bias;       // [E]
-  std::string latent_down;       // [l, d]
-  std::string latent_norm;       // [l]
-  std::string latent_up;         // [d, l]
-  std::string expert_gate;       // [I, l] per expert (gated activations)
-  std::string expert_up;         // [I, l] per expert
-  std::string expert_down;       // [l, I] per expert
-  std::string shared_gate;       // [S, d] (gated activations)
-  std::string shared_up;         // [S, d]
-  std::string shared_down;       // [d, S]
+  std::string router_weight;  // [E, d]
+  std::string router_bias;    // [E]
+  std::string latent_down;    // [l, d]
+  std::string latent_norm;    // [l]
+  std::string latent_up;      // [d, l]
+  std::string expert_gate;    // [I, l] per expert (gated activations)
+  std::string expert_up;      // [I, l] per expert
+  std::string expert_down;    // [l, I] per expert
+  std::string shared_gate;    // [S, d] (gated activations)
+  std::string shared_up;      // [S, d]
+  std::string shared_down;    // [d, S]
   // Routed experts stored as MXFP4: "<name>_packed" (U8, two e2m1 values a byte) and
   // "<name>_scale" (U8 E8M0, one per 32 values along the input dimension).
   bool experts_mxfp4 = false;

@@ -36,8 +36,9 @@ inline std::uint16_t float_to_f16_bits(float value) {
   const std::uint32_t sign = (bits >> 16) & 0x8000u;
   const std::uint32_t mag = bits & 0x7fffffffu;
   if (mag > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
-  if (mag >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (mag >= 0x38800000u) {                                                  // normal: >= 2^-14
+  if (mag >= 0x477ff000u)
+    return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (mag >= 0x38800000u) {                             // normal: >= 2^-14
     const std::uint32_t rounded = mag + 0xfffu + ((mag >> 13) & 1u);
     return static_cast<std::uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
   }
@@ -58,7 +59,8 @@ inline float f16_bits_to_float(std::uint16_t half_bits) {
   const std::uint32_t exponent = (half_bits >> 10) & 0x1fu;
   const std::uint32_t mantissa = half_bits & 0x3ffu;
   if (exponent == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  if (exponent != 0)
+    return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
   // Zero or subnormal: mantissa · 2^-24, exact in fp32.
   const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
   return sign ? -magnitude : magnitude;
@@ -67,27 +69,39 @@ inline float f16_bits_to_float(std::uint16_t half_bits) {
 // Element access to a buffer of the given dtype, through fp32.
 inline float load_as_float(const void* data, std::size_t index, DType dtype) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(data)[index];
-    case DType::f16: return f16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
-    case DType::bf16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
+    case DType::f32:
+      return static_cast<const float*>(data)[index];
+    case DType::f16:
+      return f16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
+    case DType::bf16:
+      return bf16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
   }
   return 0.0f;
 }
 
 inline void store_from_float(void* data, std::size_t index, DType dtype, float value) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(data)[index] = value; return;
-    case DType::f16: static_cast<std::uint16_t*>(data)[index] = float_to_f16_bits(value); return;
-    case DType::bf16: static_cast<std::uint16_t*>(data)[index] = float_to_bf16_bits(value); return;
+    case DType::f32:
+      static_cast<float*>(data)[index] = value;
+      return;
+    case DType::f16:
+      static_cast<std::uint16_t*>(data)[index] = float_to_f16_bits(value);
+      return;
+    case DType::bf16:
+      static_cast<std::uint16_t*>(data)[index] = float_to_bf16_bits(value);
+      return;
   }
 }
 
 // The value a float takes once stored in `dtype` (the "round" of the numerics contract).
 inline float round_to(DType dtype, float value) {
   switch (dtype) {
-    case DType::f32: return value;
-    case DType::f16: return f16_bits_to_float(float_to_f16_bits(value));
-    case DType::bf16: return bf16_bits_to_float(float_to_bf16_bits(value));
+    case DType::f32:
+      return value;
+    case DType::f16:
+      return f16_bits_to_float(float_to_f16_bits(value));
+    case DType::bf16:
+      return bf16_bits_to_float(float_to_bf16_bits(value));
   }
   return value;
 }

@@ -20,8 +20,9 @@ class Error : public std::runtime_error {
 
 }  // namespace lmoe
 
-// LMOE_CHECK(cond, message-expression): throws lmoe::Error naming the file and line when cond fails.
-#define LMOE_CHECK(cond, msg)                      \
-  do {                                             \
+// LMOE_CHECK(cond, message-expression): throws lmoe::Error naming the file and line when cond
+// fails.
+#define LMOE_CHECK(cond, msg)                           \
+  do {                                                  \
     if (!(cond)) throw ::lmoe::Error(std::string(msg)); \
   } while (0)

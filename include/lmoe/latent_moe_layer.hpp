@@ -25,8 +25,6 @@
 
 namespace lmoe {
 
-
-
 class LayerExecutor;
 
 class LatentMoELayer {

@@ -1,7 +1,8 @@
 // LatentTail: the object a user holds for one layer's tail. It owns the replicated weights and
 // runs, per call, the tier the policy picks (or the one the caller forces) on its backend.
 //
-//   Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r      → [T, d], identical on all ranks
+//   Y = RMSNorm(Σ_r routed_r; gamma, eps) · w_upᵀ + Σ_r shared_r      → [T, d], identical on all
+//   ranks
 #pragma once
 
 #include <cstdint>
@@ -22,9 +23,10 @@
 
 namespace lmoe {
 
-// The built-in breakpoints (with_rank_defaults, fused_defaults.hpp), asking fused_decode_limit() and fused_chained_limit() for these dims, dtype and ranks
-// when it matters (cuda, fewer than kFusedDefaultMinRanks ranks, the built-in breakpoint); with
-// one rank and without the latent norm the chained path does not run.
+// The built-in breakpoints (with_rank_defaults, fused_defaults.hpp), asking fused_decode_limit()
+// and fused_chained_limit() for these dims, dtype and ranks when it matters (cuda, fewer than
+// kFusedDefaultMinRanks ranks, the built-in breakpoint); with one rank and without the latent norm
+// the chained path does not run.
 PolicyConfig with_rank_defaults(PolicyConfig policy, Backend backend, int ranks, TailDims dims,
                                 DType dtype, bool latent_norm = true);
 // Why the fused tier's decode kernel cannot take the default calls (kFusedDefaultTp1Tokens rows at
@@ -51,11 +53,10 @@ bool fused_runs_two_shot(Backend backend, TailDims dims, DType dtype, int tp,
 
 // Which tiers a backend can run for T tokens at these dims, without building a tail (for
 // `lmoe explain`); a LatentTail may decline more (e.g. a workspace too small).
-TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp);
-
+TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype,
+                         int tp);
 
 class TailExecutor;
-
 
 class LatentTail {
  public:
@@ -85,26 +86,30 @@ class LatentTail {
   // (may be the same buffer as shared). Runs `tier` when given (an error if it cannot run), else
   // the policy's choice. Returns the tier that ran; nullopt for T = 0, which runs nothing.
   std::optional<TailTier> forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
-                   std::optional<TailTier> tier = std::nullopt, StreamHandle stream = nullptr);
+                                  std::optional<TailTier> tier = std::nullopt,
+                                  StreamHandle stream = nullptr);
 
-  // The tail with T read on the device (cuda backend, TailOptions::max_tokens = M > 0; docs/graphs.md):
-  // routed [M, l], shared [M, d] and out [M, d] hold M rows, and T is *tokens_device (int32, device
-  // memory) when the work runs, so that a CUDA graph captured around this call replays correctly for
-  // any 0 ≤ T ≤ M written there before each replay. T runs in its bucket (device_token_buckets):
-  // rows < T of out get the tail; rows in [T, bucket's max_tokens) of out and shared hold
-  // unspecified values; rows from the bucket's max_tokens on are not touched. T = 0 runs nothing.
-  // `tier`: that tier in every bucket where it can run (none elsewhere), else the policy's choice.
+  // The tail with T read on the device (cuda backend, TailOptions::max_tokens = M > 0;
+  // docs/graphs.md): routed [M, l], shared [M, d] and out [M, d] hold M rows, and T is
+  // *tokens_device (int32, device memory) when the work runs, so that a CUDA graph captured around
+  // this call replays correctly for any 0 ≤ T ≤ M written there before each replay. T runs in its
+  // bucket (device_token_buckets): rows < T of out get the tail; rows in [T, bucket's max_tokens)
+  // of out and shared hold unspecified values; rows from the bucket's max_tokens on are not
+  // touched. T = 0 runs nothing. `tier`: that tier in every bucket where it can run (none
+  // elsewhere), else the policy's choice.
   //   Under capture: host work only (validation, the ranks' agreement exchange): a selector kernel
-  //   and one conditional body per bucket. A replay whose T is outside [0, M], or in a bucket no tier
-  //   runs, runs nothing and records the error for check_device_tokens().
-  //   Outside capture: reads T with one copy to the host (waits for the stream) and runs what a
-  //   replay would; a T it cannot run throws on every rank. The first such call also runs every
-  //   bucket's GEMMs once, which a capture cannot do: call it once before capturing.
+  //   and one conditional body per bucket. A replay whose T is outside [0, M], or in a bucket no
+  //   tier runs, runs nothing and records the error for check_device_tokens(). Outside capture:
+  //   reads T with one copy to the host (waits for the stream) and runs what a replay would; a T it
+  //   cannot run throws on every rank. The first such call also runs every bucket's GEMMs once,
+  //   which a capture cannot do: call it once before capturing.
   void forward_device_tokens(ConstMatrixView routed, MatrixView shared, MatrixView out,
-                             const std::int32_t* tokens_device, std::optional<TailTier> tier = std::nullopt,
+                             const std::int32_t* tokens_device,
+                             std::optional<TailTier> tier = std::nullopt,
                              StreamHandle stream = nullptr);
   // The buckets forward_device_tokens runs, ascending, covering 1 … max_tokens.
-  std::vector<DeviceTokenBucket> device_token_buckets(std::optional<TailTier> tier = std::nullopt) const;
+  std::vector<DeviceTokenBucket> device_token_buckets(
+      std::optional<TailTier> tier = std::nullopt) const;
   // Throws lmoe::Error when a replay since the last check read a T it could not run (and ran
   // nothing), naming T; clears the record. forward and forward_device_tokens check first. Does not
   // wait for the GPU: synchronize with the replays' stream before.

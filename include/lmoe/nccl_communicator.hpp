@@ -1,5 +1,6 @@
-// The `nccl` communicator: NCCL collectives on device buffers, one rank per GPU, either as threads of
-// one process that drives several GPUs or as one process per GPU (started by mpirun or torchrun).
+// The `nccl` communicator: NCCL collectives on device buffers, one rank per GPU, either as threads
+// of one process that drives several GPUs or as one process per GPU (started by mpirun or
+// torchrun).
 //
 // Reductions are NCCL's: any order, each partial sum rounded to the storage dtype. Results are
 // identical on every rank but not the contract's rank-order sum bit for bit; they are judged with
@@ -29,7 +30,8 @@ int nccl_runtime_version();
 // cannot put two ranks on one GPU; use cuda-threads for that). `timeout` bounds every host wait
 // (creation, barriers, the control path, destruction); past it the group is aborted.
 std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(
-    int num_ranks, std::span<const int> devices = {}, std::chrono::milliseconds timeout = std::chrono::seconds(120));
+    int num_ranks, std::span<const int> devices = {},
+    std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
 // Runs fn(rank, communicator) on `num_ranks` threads, each made current on its rank's device, and
 // joins them; on a rank's error the group is aborted and the first root-cause error is rethrown.

@@ -1,21 +1,23 @@
 // The `p2p` communicator: lmoe's own collectives over a symmetric device workspace, for ranks that
 // are host threads of one process, each on a GPU (several ranks may share one GPU; ranks on
 // different GPUs reach each other through peer access), or processes of one node, one rank each
-// (workspaces exchanged as CUDA IPC handles; docs/p2p.md, "Processes"). Every collective is one or more rounds of
-// one small kernel per rank that stages its input into its workspace, signals its peers through
-// device flags, waits for them with a bounded spin and reads their workspaces directly
-// (docs/p2p.md). Reductions are the contract's rank-order fp32 sums, bit-identical on every rank
-// and to the host communicators. No host work per call: the collectives can be captured in CUDA
-// graphs.
+// (workspaces exchanged as CUDA IPC handles; docs/p2p.md, "Processes"). Every collective is one or
+// more rounds of one small kernel per rank that stages its input into its workspace, signals its
+// peers through device flags, waits for them with a bounded spin and reads their workspaces
+// directly (docs/p2p.md). Reductions are the contract's rank-order fp32 sums, bit-identical on
+// every rank and to the host communicators. No host work per call: the collectives can be captured
+// in CUDA graphs.
 //
 // Ranks that share a GPU spin on each other, so while a collective is in flight no rank may make
 // the GPU wait for all of its work (cudaFree, cudaDeviceSynchronize, graph instantiation, ...):
 // such a call waits for a peer's round that waits for this rank. Put a barrier() between setup or
 // teardown and collectives, give each stream some work before its first collective, keep the
 // streams alive in the process fewer than CUDA_DEVICE_MAX_CONNECTIONS, and capture a forward only
-// after an eager call of the same T (docs/p2p.md). With one GPU per rank these hazards do not arise.
+// after an eager call of the same T (docs/p2p.md). With one GPU per rank these hazards do not
+// arise.
 //
-// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every build.
+// Defined by builds with the CUDA backend (lmoe_cuda); the declarations are the same in every
+// build.
 #pragma once
 
 #include <chrono>
@@ -45,8 +47,8 @@ struct P2pOptions {
 };
 
 // One communicator per rank. Throws lmoe::Error when a GPU cannot reach another's memory.
-std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num_ranks,
-                                                                         const P2pOptions& options = {});
+std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(
+    int num_ranks, const P2pOptions& options = {});
 
 // Runs fn(rank, communicator) on `num_ranks` threads (each made current on its rank's GPU) and
 // joins them; on a rank's error the group is aborted and the first root-cause error is rethrown.
@@ -63,7 +65,8 @@ void run_on_p2p_threads(int num_ranks, const std::function<void(int rank, Commun
 // When any rank cannot join (another node, a GPU not visible, no peer access, an IPC call failing)
 // every rank throws the same lmoe::Error, naming that rank. Destroying the communicator is
 // collective too: every rank closes its peers' mappings before any frees its own memory.
-std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootstrap, const P2pOptions& options = {});
+std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootstrap,
+                                                            const P2pOptions& options = {});
 
 // make_p2p_process_communicator for processes started without MPI (torchrun and the like): rank
 // and size from RANK and WORLD_SIZE; with more than one rank, LMOE_P2P_ID_FILE names a fresh path

@@ -15,7 +15,7 @@ namespace lmoe {
 struct TailCase {
   TailDims dims;
   float eps = 1e-5f;
-  bool latent_norm = true;    // false: N = round(Σ routed_r), no RMSNorm (TailOptions::latent_norm)
+  bool latent_norm = true;  // false: N = round(Σ routed_r), no RMSNorm (TailOptions::latent_norm)
   DType dtype = DType::bf16;
   int tp = 1;
   std::int64_t num_tokens = 0;
@@ -43,14 +43,15 @@ Contract contract_of(TailTier tier);
 enum class ReductionOrder : std::uint8_t {
   // The contract's rank sum: fp32 in rank order, rounded once (threads, mpi, cuda-threads).
   rank_order,
-  // Any order, each partial sum rounded to the storage dtype (NCCL): the bound widens by what tp − 1
+  // Any order, each partial sum rounded to the storage dtype (NCCL): the bound widens by what tp −
+  // 1
   // such roundings of the latent and of `shared` can change, carried through the norm and the GEMM.
   unspecified,
 };
 
 struct ContractReference {
-  HostTensor y;                // [T, d]: the contract's result (the CPU's fp32 GEMM order)
-  std::vector<double> bound;   // [T, d]: the largest difference a correct implementation may show
+  HostTensor y;               // [T, d]: the contract's result (the CPU's fp32 GEMM order)
+  std::vector<double> bound;  // [T, d]: the largest difference a correct implementation may show
 };
 ContractReference reference_tail(const TailCase& c, Contract contract,
                                  ReductionOrder reductions = ReductionOrder::rank_order);
@@ -60,11 +61,11 @@ std::vector<double> exact_tail(const TailCase& c);
 
 struct Comparison {
   std::int64_t elements = 0;
-  std::int64_t bit_mismatches = 0;   // elements whose bits differ from the reference
-  std::int64_t beyond_bound = 0;     // elements farther from the reference than its bound (NaN counts)
-  double max_error_over_bound = 0;   // max |y − ref| / bound (0 when bitwise equal)
-  double normwise_error = 0;         // ‖y − exact‖ / ‖exact‖ against fp64 math
-  double normwise_tolerance = 0;     // fp64_tolerance(dtype)
+  std::int64_t bit_mismatches = 0;  // elements whose bits differ from the reference
+  std::int64_t beyond_bound = 0;  // elements farther from the reference than its bound (NaN counts)
+  double max_error_over_bound = 0;  // max |y − ref| / bound (0 when bitwise equal)
+  double normwise_error = 0;        // ‖y − exact‖ / ‖exact‖ against fp64 math
+  double normwise_tolerance = 0;    // fp64_tolerance(dtype)
   bool ok() const { return beyond_bound == 0 && normwise_error <= normwise_tolerance; }
 };
 

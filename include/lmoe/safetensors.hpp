@@ -30,9 +30,9 @@ SafetensorsFile read_safetensors(const std::string& path);
 
 // One tensor as a file's header describes it, in any dtype the format defines.
 struct SafetensorsTensorInfo {
-  std::string dtype;                // as the header spells it: "BF16", "U8", ...
+  std::string dtype;  // as the header spells it: "BF16", "U8", ...
   std::vector<std::int64_t> shape;
-  std::uint64_t offset = 0;         // file offset of its first byte
+  std::uint64_t offset = 0;  // file offset of its first byte
   std::uint64_t bytes = 0;
 };
 struct SafetensorsHeader {
@@ -44,7 +44,8 @@ struct SafetensorsHeader {
 // reading the data, for loaders that read only some tensors or some rows of them.
 SafetensorsHeader read_safetensors_header(const std::string& path);
 // Reads out.size() bytes at file offset `offset`.
-void read_safetensors_bytes(const std::string& path, std::uint64_t offset, std::span<std::byte> out);
+void read_safetensors_bytes(const std::string& path, std::uint64_t offset,
+                            std::span<std::byte> out);
 
 // Serializes tensors (sorted by name, 8-byte aligned header as the format recommends).
 std::string serialize_safetensors(const std::map<std::string, HostTensor>& tensors,

@@ -41,7 +41,7 @@ struct SettingSpec {
   const char* what;      // what a value is, for messages: "a count of chunks", "0 or 1"
   const char* fallback;  // the default, in words
   const char* meaning;
-  const char* applies;   // the layer, tier or command that reads it
+  const char* applies;  // the layer, tier or command that reads it
 };
 
 // Every variable, in name order.

@@ -1,5 +1,5 @@
-// What a tail is built with (TailOptions), and the ranges of T a tail with T read on the device runs
-// alike (DeviceTokenBucket). Plain data, the same for every backend.
+// What a tail is built with (TailOptions), and the ranges of T a tail with T read on the device
+// runs alike (DeviceTokenBucket). Plain data, the same for every backend.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +42,9 @@ struct TailOptions {
 // max_tokens] runs `tier` on max_tokens rows (the fused tier reads T itself and runs T rows).
 struct DeviceTokenBucket {
   std::int64_t min_tokens = 0, max_tokens = 0;
-  std::optional<TailTier> tier;  // nullopt: no tier runs these T (a replay with one runs nothing and records an error)
-  std::string reason;            // why no tier (empty when one runs)
+  std::optional<TailTier>
+      tier;  // nullopt: no tier runs these T (a replay with one runs nothing and records an error)
+  std::string reason;  // why no tier (empty when one runs)
 };
 
 }  // namespace lmoe

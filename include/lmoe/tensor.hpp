@@ -30,8 +30,7 @@ struct BasicMatrixView {
 
   // A mutable view converts to a read-only one.
   operator BasicMatrixView<const void*>() const
-    requires(!std::is_const_v<std::remove_pointer_t<Pointer>>)
-  {
+      requires(!std::is_const_v<std::remove_pointer_t<Pointer>>) {
     return {data, dtype, rows, cols, ld, space};
   }
 
@@ -42,7 +41,8 @@ struct BasicMatrixView {
     return static_cast<std::size_t>(row * ld + col);
   }
   Pointer row_ptr(std::int64_t row) const {
-    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const std::byte, std::byte>;
+    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>,
+                                    const std::byte, std::byte>;
     return static_cast<Byte*>(data) + static_cast<std::size_t>(row * ld) * element_size();
   }
   // Rows [first, first + count).
@@ -54,7 +54,8 @@ struct BasicMatrixView {
   }
   // Columns [first, first + count), same rows, same ld.
   BasicMatrixView col_block(std::int64_t first, std::int64_t count) const {
-    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const std::byte, std::byte>;
+    using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>,
+                                    const std::byte, std::byte>;
     BasicMatrixView block = *this;
     block.data = static_cast<Byte*>(data) + static_cast<std::size_t>(first) * element_size();
     block.cols = count;
@@ -84,7 +85,9 @@ class HostTensor {
   std::span<std::byte> bytes() { return bytes_; }
   std::span<const std::byte> bytes() const { return bytes_; }
 
-  float get(std::int64_t index) const { return load_as_float(data(), static_cast<std::size_t>(index), dtype_); }
+  float get(std::int64_t index) const {
+    return load_as_float(data(), static_cast<std::size_t>(index), dtype_);
+  }
   void set(std::int64_t index, float value) {
     store_from_float(data(), static_cast<std::size_t>(index), dtype_, value);
   }

@@ -9,9 +9,11 @@
 namespace lmoe {
 
 enum class TailTier : std::uint8_t {
-  fused,    // one-shot latent all-reduce + norm, stripe reduce-scatter of shared, striped up-proj, all-gather
+  fused,    // one-shot latent all-reduce + norm, stripe reduce-scatter of shared, striped up-proj,
+            // all-gather
   overlap,  // all-reduce latent, norm, full-width up-proj while shared is all-reduced, add
-  column,   // all-reduce latent, norm, up-proj of this rank's stripe accumulated into shared, all-reduce
+  column,   // all-reduce latent, norm, up-proj of this rank's stripe accumulated into shared,
+            // all-reduce
   token,    // reduce-scatter by token rows, norm + full-width up-proj of own rows, add, all-gather
 };
 

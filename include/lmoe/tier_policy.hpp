@@ -92,7 +92,8 @@ PolicyConfig load_policy_config(const EnvLookup& env,
 // explanations. Version 3 sets the ranges and the breakpoints; versions 1 and 2 set breakpoints and
 // clear any ranges (a later table's breakpoints are meant to rule). Versions 2 and 3 also set
 // config.table.
-void apply_tier_table(PolicyConfig& config, const std::string& json_text, const std::string& origin);
+void apply_tier_table(PolicyConfig& config, const std::string& json_text,
+                      const std::string& origin);
 
 // For one T: which tiers the backend can run, with the reason for each it cannot.
 struct TierSupport {
@@ -107,7 +108,7 @@ struct TierVerdict {
 };
 
 struct TierDecision {
-  std::optional<TailTier> tier;        // nullopt: no tier can run (an error for callers)
+  std::optional<TailTier> tier;         // nullopt: no tier can run (an error for callers)
   std::vector<TierVerdict> considered;  // in the order they were considered
   // One line: "T=64 → fused (preferred: T=64 <= fused_max_tokens=128 (default))", or with ranges
   // "T=128 → overlap (preferred: 45 < T <= 512: overlap, table t.json ranges)".
@@ -118,7 +119,8 @@ struct TierDecision {
 // capabilities are consulted.
 TailTier preferred_tier(std::int64_t num_tokens, const PolicyConfig& config);
 // Pure: the same inputs give the same decision. Throws nothing for T = 0 (reported as no work).
-TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
+TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config,
+                    const TierSupport& support);
 // decide() that throws lmoe::Error (with the explanation) when no tier can run.
 TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
 // Which rule prefers tiers, in one line: "ranges column T<=45, overlap T<=512, token above (table
@@ -127,6 +129,7 @@ TailTier select(std::int64_t num_tokens, const PolicyConfig& config, const TierS
 std::string describe_rule(const PolicyConfig& config);
 // Multi-line human-readable account: the rule, the settings and their sources, then every tier
 // considered; with a measured table, its medians at the grid point nearest to T.
-std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support);
+std::string explain(std::int64_t num_tokens, const PolicyConfig& config,
+                    const TierSupport& support);
 
 }  // namespace lmoe

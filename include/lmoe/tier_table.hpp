@@ -90,7 +90,6 @@ struct PolicyFit {
   double max_regret = 0;
 };
 
-
 // How `policy` does on the grid: what it chooses at every point, and the regret.
 PolicyFit evaluate_policy(std::span<const GridPoint> grid, const PolicyConfig& policy);
 

@@ -10,7 +10,8 @@ namespace lmoe {
 
 void Communicator::control_all_gather(const void* send, void* recv, std::size_t bytes) {
   if (memory_space() != MemorySpace::host) {
-    throw Error(std::string(backend_name()) + " communicator: control_all_gather needs a host path");
+    throw Error(std::string(backend_name()) +
+                " communicator: control_all_gather needs a host path");
   }
   // Whole bytes as 1-byte elements would need a byte dtype; pad to 4-byte words instead.
   const std::size_t words = (bytes + 3) / 4;

@@ -163,6 +163,8 @@ int MpiSession::size() const {
   return size;
 }
 
-std::shared_ptr<Communicator> make_mpi_communicator() { return std::make_shared<MpiCommunicator>(); }
+std::shared_ptr<Communicator> make_mpi_communicator() {
+  return std::make_shared<MpiCommunicator>();
+}
 
 }  // namespace lmoe

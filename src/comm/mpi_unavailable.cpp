@@ -8,8 +8,9 @@ namespace lmoe {
 
 namespace {
 [[noreturn]] void unavailable() {
-  throw Error("this lmoe was built without MPI (install an MPI, e.g. Debian's libopenmpi-dev, and "
-              "reconfigure with -DLMOE_WITH_MPI=ON)");
+  throw Error(
+      "this lmoe was built without MPI (install an MPI, e.g. Debian's libopenmpi-dev, and "
+      "reconfigure with -DLMOE_WITH_MPI=ON)");
 }
 }  // namespace
 

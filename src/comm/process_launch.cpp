@@ -19,12 +19,15 @@ namespace lmoe {
 
 namespace {
 
-// A record: the tag, the world size and the payload's length (little-endian uint32 each), the payload.
-constexpr std::array<char, 16> kTag = {'l', 'm', 'o', 'e', '-', 'l', 'a', 'u', 'n', 'c', 'h', '-', 'v', '1', '\n', '\0'};
+// A record: the tag, the world size and the payload's length (little-endian uint32 each), the
+// payload.
+constexpr std::array<char, 16> kTag = {'l', 'm', 'o', 'e', '-', 'l', 'a',  'u',
+                                       'n', 'c', 'h', '-', 'v', '1', '\n', '\0'};
 constexpr std::size_t kHeaderBytes = kTag.size() + 8;
 
 void put_u32(std::vector<std::byte>& out, std::uint32_t value) {
-  for (int shift = 0; shift < 32; shift += 8) out.push_back(static_cast<std::byte>((value >> shift) & 0xffu));
+  for (int shift = 0; shift < 32; shift += 8)
+    out.push_back(static_cast<std::byte>((value >> shift) & 0xffu));
 }
 
 std::uint32_t get_u32(const std::byte* in) {
@@ -66,16 +69,18 @@ std::optional<LaunchRank> launch_rank_from_env(const EnvLookup& env) {
   const std::optional<int> world_size = env_int(env, "WORLD_SIZE", 1);
   if (!rank && !world_size) return std::nullopt;
   if (!rank || !world_size) {
-    throw Error(std::string(rank ? "WORLD_SIZE" : "RANK") + " is not set but " + (rank ? "RANK" : "WORLD_SIZE") +
-                " is: a launcher sets both (torchrun does)");
+    throw Error(std::string(rank ? "WORLD_SIZE" : "RANK") + " is not set but " +
+                (rank ? "RANK" : "WORLD_SIZE") + " is: a launcher sets both (torchrun does)");
   }
   if (*rank >= *world_size) {
-    throw Error("RANK=" + std::to_string(*rank) + ": expected less than WORLD_SIZE=" + std::to_string(*world_size));
+    throw Error("RANK=" + std::to_string(*rank) +
+                ": expected less than WORLD_SIZE=" + std::to_string(*world_size));
   }
   return LaunchRank{*rank, *world_size, env_int(env, "LOCAL_RANK", 0)};
 }
 
-void publish_launch_record(const std::string& path, int world_size, std::span<const std::byte> payload) {
+void publish_launch_record(const std::string& path, int world_size,
+                           std::span<const std::byte> payload) {
   std::vector<std::byte> record;
   for (char c : kTag) record.push_back(static_cast<std::byte>(c));
   put_u32(record, static_cast<std::uint32_t>(world_size));
@@ -98,7 +103,8 @@ void publish_launch_record(const std::string& path, int world_size, std::span<co
     }
     written += static_cast<std::size_t>(n);
   }
-  // Flushed before the rename, so that a reader on another node never sees the name before the bytes.
+  // Flushed before the rename, so that a reader on another node never sees the name before the
+  // bytes.
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     const std::string message = system_error("cannot flush", temporary);
     ::unlink(temporary.c_str());
@@ -111,31 +117,38 @@ void publish_launch_record(const std::string& path, int world_size, std::span<co
   }
 }
 
-std::vector<std::byte> await_launch_record(const std::string& path, int world_size, std::size_t payload_size,
+std::vector<std::byte> await_launch_record(const std::string& path, int world_size,
+                                           std::size_t payload_size,
                                            std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string last_seen = "no file there";
-  for (auto pause = std::chrono::milliseconds(1);; pause = std::min(pause * 2, std::chrono::milliseconds(100))) {
+  for (auto pause = std::chrono::milliseconds(1);;
+       pause = std::min(pause * 2, std::chrono::milliseconds(100))) {
     if (const std::optional<std::vector<std::byte>> bytes = read_file(path)) {
-      const bool tagged = bytes->size() >= kHeaderBytes && std::memcmp(bytes->data(), kTag.data(), kTag.size()) == 0;
+      const bool tagged = bytes->size() >= kHeaderBytes &&
+                          std::memcmp(bytes->data(), kTag.data(), kTag.size()) == 0;
       if (!tagged) {
-        throw Error("'" + path + "' is not an lmoe launch record (" + std::to_string(bytes->size()) +
+        throw Error("'" + path + "' is not an lmoe launch record (" +
+                    std::to_string(bytes->size()) +
                     " bytes without its tag): point the variable at a path of its own");
       }
       const std::uint32_t size_in_file = get_u32(bytes->data() + kTag.size());
       const std::uint32_t payload_in_file = get_u32(bytes->data() + kTag.size() + 4);
       if (payload_in_file != payload_size || bytes->size() != kHeaderBytes + payload_size) {
-        throw Error("'" + path + "' holds a payload of " + std::to_string(payload_in_file) + " bytes, expected " +
-                    std::to_string(payload_size) + " (written by another program, or another NCCL version?)");
+        throw Error("'" + path + "' holds a payload of " + std::to_string(payload_in_file) +
+                    " bytes, expected " + std::to_string(payload_size) +
+                    " (written by another program, or another NCCL version?)");
       }
       if (size_in_file == static_cast<std::uint32_t>(world_size)) {
         return {bytes->begin() + static_cast<std::ptrdiff_t>(kHeaderBytes), bytes->end()};
       }
-      last_seen = "a record for WORLD_SIZE=" + std::to_string(size_in_file) + ", left by an earlier launch?";
+      last_seen = "a record for WORLD_SIZE=" + std::to_string(size_in_file) +
+                  ", left by an earlier launch?";
     }
     if (std::chrono::steady_clock::now() >= deadline) {
-      throw Error("waited " + std::to_string(timeout.count()) + " ms for rank 0 to write '" + path + "' (" +
-                  last_seen + "): did rank 0 start, and is the path on a filesystem every node shares?");
+      throw Error("waited " + std::to_string(timeout.count()) + " ms for rank 0 to write '" + path +
+                  "' (" + last_seen +
+                  "): did rank 0 start, and is the path on a filesystem every node shares?");
     }
     std::this_thread::sleep_for(pause);
   }

@@ -72,8 +72,8 @@ SharedSegment SharedSegment::create(std::size_t bytes) {
   static std::atomic<unsigned> counter{0};
   std::random_device random;
   SharedSegment segment;
-  segment.name_ = "/lmoe-p2p-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" +
-                  std::to_string(random());
+  segment.name_ = "/lmoe-p2p-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) +
+                  "-" + std::to_string(random());
   const int fd = ::shm_open(segment.name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) throw Error(system_error("shm_open (create)", segment.name_));
   segment.owns_name_ = true;
@@ -131,12 +131,15 @@ void SharedSegment::unlink() noexcept {
   owns_name_ = false;
 }
 
-bool SharedControl::aborted() const { return shared(*abort_word_).load(std::memory_order_acquire) != 0; }
+bool SharedControl::aborted() const {
+  return shared(*abort_word_).load(std::memory_order_acquire) != 0;
+}
 
 std::string SharedControl::abort_reason() const {
   // A peer raising the abort writes its reason first; one raised by a GPU round has none (the
   // communicator then reports the round's status record).
-  if (shared(block_->reason_state).load(std::memory_order_acquire) != 2) return "the group was aborted";
+  if (shared(block_->reason_state).load(std::memory_order_acquire) != 2)
+    return "the group was aborted";
   return std::string(block_->reason, strnlen(block_->reason, kReasonBytes));
 }
 
@@ -144,7 +147,8 @@ void SharedControl::throw_aborted() const { throw CommunicatorAborted(abort_reas
 
 void SharedControl::abort(const std::string& why) {
   std::uint32_t expected = 0;
-  if (shared(block_->reason_state).compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+  if (shared(block_->reason_state)
+          .compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
     const std::string reason = "communicator aborted by rank " + std::to_string(rank_) + ": " + why;
     std::memset(block_->reason, 0, kReasonBytes);
     std::memcpy(block_->reason, reason.data(), std::min(reason.size(), kReasonBytes - 1));
@@ -158,18 +162,19 @@ void SharedControl::barrier(const char* operation) {
   const std::uint64_t target = ++barriers_;
   shared(block_->arrived[rank_]).store(target, std::memory_order_release);
   const auto deadline = Clock::now() + timeout_;
-  const int missing = wait_for_ranks(block_->arrived, size_, target, [&] {
-    return aborted() || Clock::now() >= deadline;
-  });
+  const int missing = wait_for_ranks(block_->arrived, size_, target,
+                                     [&] { return aborted() || Clock::now() >= deadline; });
   if (missing < 0) return;
   if (!aborted()) {
-    abort("rank " + std::to_string(rank_) + " waited more than " + std::to_string(timeout_.count()) +
-          " ms for rank " + std::to_string(missing) + " in " + operation);
+    abort("rank " + std::to_string(rank_) + " waited more than " +
+          std::to_string(timeout_.count()) + " ms for rank " + std::to_string(missing) + " in " +
+          operation);
   }
   throw_aborted();
 }
 
-void SharedControl::all_gather(const void* send, void* recv, std::size_t bytes, const char* operation) {
+void SharedControl::all_gather(const void* send, void* recv, std::size_t bytes,
+                               const char* operation) {
   // Piece by piece through this rank's slot: write, meet, read every slot, meet (a slot is not
   // overwritten before every peer has read it).
   std::size_t done = 0;
@@ -178,7 +183,8 @@ void SharedControl::all_gather(const void* send, void* recv, std::size_t bytes, 
     if (piece) std::memcpy(block_->slots[rank_], static_cast<const std::byte*>(send) + done, piece);
     barrier(operation);
     for (int r = 0; r < size_ && piece; ++r) {
-      std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(r) * bytes + done, block_->slots[r], piece);
+      std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(r) * bytes + done,
+                  block_->slots[r], piece);
     }
     barrier(operation);
     done += piece;
@@ -188,7 +194,8 @@ void SharedControl::all_gather(const void* send, void* recv, std::size_t bytes, 
 bool SharedControl::teardown_barrier(std::uint32_t phase) {
   shared(block_->leaving[rank_]).store(phase, std::memory_order_release);
   const auto deadline = Clock::now() + timeout_;
-  return wait_for_ranks(block_->leaving, size_, phase, [&] { return Clock::now() >= deadline; }) < 0;
+  return wait_for_ranks(block_->leaving, size_, phase, [&] { return Clock::now() >= deadline; }) <
+         0;
 }
 
 }  // namespace lmoe

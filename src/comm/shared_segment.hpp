@@ -45,17 +45,22 @@ class SharedControl {
   static constexpr std::size_t kSlotBytes = 16384;  // all_gather moves larger records in pieces
   static constexpr std::size_t kReasonBytes = 1024;
   struct Block {
-    std::uint64_t arrived[kMaxRanks];   // barriers each rank has entered
-    std::uint32_t leaving[kMaxRanks];   // teardown phases each rank has reached (1, 2)
-    std::uint32_t reason_state;         // 0: no reason, 1: being written, 2: written
+    std::uint64_t arrived[kMaxRanks];  // barriers each rank has entered
+    std::uint32_t leaving[kMaxRanks];  // teardown phases each rank has reached (1, 2)
+    std::uint32_t reason_state;        // 0: no reason, 1: being written, 2: written
     char reason[kReasonBytes];
     std::byte slots[kMaxRanks][kSlotBytes];
   };
   static std::size_t bytes() { return sizeof(Block); }
 
   // `block` lies in the segment; `abort_word` is the group's abort flag (also in the segment).
-  SharedControl(void* block, std::int32_t* abort_word, int rank, int size, std::chrono::milliseconds timeout)
-      : block_(static_cast<Block*>(block)), abort_word_(abort_word), rank_(rank), size_(size), timeout_(timeout) {}
+  SharedControl(void* block, std::int32_t* abort_word, int rank, int size,
+                std::chrono::milliseconds timeout)
+      : block_(static_cast<Block*>(block)),
+        abort_word_(abort_word),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout) {}
 
   // The bound of every later wait (setup allows more than the collectives' timeout).
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }

@@ -21,7 +21,9 @@ namespace {
 class ThreadGroup {
  public:
   ThreadGroup(int size, std::chrono::milliseconds timeout)
-      : size_(size), barrier_(size, timeout), slots_(static_cast<std::size_t>(size)),
+      : size_(size),
+        barrier_(size, timeout),
+        slots_(static_cast<std::size_t>(size)),
         scratch_(static_cast<std::size_t>(size)) {}
 
   int size() const { return size_; }
@@ -72,7 +74,8 @@ class ThreadCommunicator final : public Communicator {
                       DType dtype, StreamHandle) override {
     check_counts(counts, "reduce_scatter");
     const std::size_t esize = dtype_size(dtype);
-    const std::size_t begin = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
+    const std::size_t begin =
+        std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
     group_->slot(rank_) = send;
     group_->barrier(rank_, "reduce_scatter");
     reduce_block_into_scratch(begin * esize, counts[rank_], dtype);

@@ -47,16 +47,19 @@ class BackendOps {
   virtual bool available() const { return true; }
   // nullopt when the backend can run `tier` for `problem` (beyond the limits every backend shares);
   // otherwise why not.
-  virtual std::optional<std::string> tier_limit(TailTier /*tier*/, const TailProblem& /*problem*/) const {
+  virtual std::optional<std::string> tier_limit(TailTier /*tier*/,
+                                                const TailProblem& /*problem*/) const {
     return std::nullopt;
   }
   // Why the fused decode kernel, or the chained path, cannot take the default calls over one rank's
   // stripe (d / ranks rows of w_up) at these dims and dtype; nullopt when it can
   // (fused_defaults.hpp: the built-in breakpoints rest on these).
-  virtual std::optional<std::string> fused_decode_limit(TailDims /*dims*/, DType /*dtype*/, int /*ranks*/) const {
+  virtual std::optional<std::string> fused_decode_limit(TailDims /*dims*/, DType /*dtype*/,
+                                                        int /*ranks*/) const {
     return "the " + std::string(backend_name(backend())) + " backend has no decode kernel";
   }
-  virtual std::optional<std::string> fused_chained_limit(TailDims /*dims*/, DType /*dtype*/, int /*ranks*/) const {
+  virtual std::optional<std::string> fused_chained_limit(TailDims /*dims*/, DType /*dtype*/,
+                                                         int /*ranks*/) const {
     return "the " + std::string(backend_name(backend())) + " backend has no chained path";
   }
   // The most rows the chained path takes (0: none), and the rows up to which the decode kernel
@@ -69,7 +72,8 @@ class BackendOps {
   // The communicators this backend's ranks can use on this machine, the preferred first.
   virtual std::vector<std::string> comm_backends() const = 0;
   // Why `num_ranks` ranks cannot use the communicator `name` here; nullopt when they can.
-  virtual std::optional<std::string> comm_group_limit(std::string_view /*name*/, int /*num_ranks*/) const {
+  virtual std::optional<std::string> comm_group_limit(std::string_view /*name*/,
+                                                      int /*num_ranks*/) const {
     return std::nullopt;
   }
   // Runs fn(rank, comm) on `num_ranks` ranks of the communicator `name` (lmoe/comm_group.hpp);
@@ -78,16 +82,18 @@ class BackendOps {
                               const std::function<void(int, Communicator&)>& fn,
                               std::chrono::milliseconds timeout) const = 0;
   // Why the backend cannot run this layer; nullopt when it can.
-  virtual std::optional<std::string> layer_limit(const LayerConfig& /*config*/) const { return std::nullopt; }
+  virtual std::optional<std::string> layer_limit(const LayerConfig& /*config*/) const {
+    return std::nullopt;
+  }
   // Copies the weights to the backend's memory. max_tokens > 0: workspaces for that many tokens,
   // allocated now (CUDA graphs need them fixed); 0: they grow on demand.
-  virtual std::unique_ptr<TailExecutor> make_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                           bool latent_norm, float eps,
+  virtual std::unique_ptr<TailExecutor> make_tail_executor(Communicator& comm, TailDims dims,
+                                                           DType dtype, bool latent_norm, float eps,
                                                            ConstMatrixView norm_weight,
                                                            ConstMatrixView up_proj_weight,
                                                            std::int64_t max_tokens) const = 0;
-  virtual std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig& config, DType dtype, int tp,
-                                                             const LayerWeights& weights,
+  virtual std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig& config, DType dtype,
+                                                             int tp, const LayerWeights& weights,
                                                              std::int64_t max_tokens) const = 0;
 };
 

@@ -9,7 +9,8 @@ std::vector<DeviceTokenBucket> make_device_token_buckets(
   for (std::int64_t tokens = 1; tokens <= max_tokens; ++tokens) {
     DeviceTokenChoice choice = choose(tokens);
     if (buckets.empty() || choice.first != buckets.back().tier || power_of_two(tokens - 1)) {
-      buckets.push_back({tokens, tokens, choice.first, choice.first ? std::string() : std::move(choice.second)});
+      buckets.push_back(
+          {tokens, tokens, choice.first, choice.first ? std::string() : std::move(choice.second)});
     } else {
       buckets.back().max_tokens = tokens;
     }

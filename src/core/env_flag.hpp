@@ -1,6 +1,6 @@
-// The parsers of setting values, one way everywhere (lmoe/settings.hpp reads the environment through
-// them): flags are 1/0, true/false, yes/no, on/off (any case); anything else is an lmoe::Error naming
-// the variable, so a typo is never taken as "no".
+// The parsers of setting values, one way everywhere (lmoe/settings.hpp reads the environment
+// through them): flags are 1/0, true/false, yes/no, on/off (any case); anything else is an
+// lmoe::Error naming the variable, so a typo is never taken as "no".
 #pragma once
 
 #include <cstdint>

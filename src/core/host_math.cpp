@@ -11,7 +11,9 @@
 
 namespace lmoe::cpu {
 
-void set_blas_threads(int num_threads) { openblas_set_num_threads(num_threads < 1 ? 1 : num_threads); }
+void set_blas_threads(int num_threads) {
+  openblas_set_num_threads(num_threads < 1 ? 1 : num_threads);
+}
 
 std::vector<float> to_float(ConstMatrixView matrix) {
   std::vector<float> values(static_cast<std::size_t>(matrix.rows * matrix.cols));
@@ -40,9 +42,9 @@ float rms_norm_sum_of_squares(std::span<const float> squares) {
 }
 
 void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, MatrixView out) {
-  LMOE_CHECK(static_cast<std::int64_t>(gamma.size()) == x.cols && out.cols == x.cols &&
-                 out.rows == x.rows,
-             "rms_norm: shape mismatch");
+  LMOE_CHECK(
+      static_cast<std::int64_t>(gamma.size()) == x.cols && out.cols == x.cols && out.rows == x.rows,
+      "rms_norm: shape mismatch");
   const std::size_t cols = static_cast<std::size_t>(x.cols);
   std::vector<float> row(cols), squares(cols);
   for (std::int64_t t = 0; t < x.rows; ++t) {
@@ -62,7 +64,8 @@ void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, Matrix
   }
 }
 
-void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w, float* c) {
+void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w,
+              float* c) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // BLAS may leave C untouched when there is nothing to sum; the sum is +0
     std::fill(c, c + m * n, 0.0f);
@@ -81,7 +84,8 @@ std::vector<float> gemm_fp32(ConstMatrixView a, const float* w, std::int64_t n) 
   return acc;
 }
 
-void up_project(ConstMatrixView a, const float* w, std::int64_t n, MatrixView out, bool accumulate) {
+void up_project(ConstMatrixView a, const float* w, std::int64_t n, MatrixView out,
+                bool accumulate) {
   LMOE_CHECK(out.rows == a.rows && out.cols == n, "up_project: shape mismatch");
   const std::vector<float> acc = gemm_fp32(a, w, n);
   for (std::int64_t t = 0; t < a.rows; ++t) {
@@ -109,7 +113,8 @@ void copy(ConstMatrixView src, MatrixView dst) {
   LMOE_CHECK(src.rows == dst.rows && src.cols == dst.cols && src.dtype == dst.dtype,
              "copy: shape mismatch");
   const std::size_t row_bytes = static_cast<std::size_t>(src.cols) * src.element_size();
-  for (std::int64_t t = 0; t < src.rows; ++t) std::memcpy(dst.row_ptr(t), src.row_ptr(t), row_bytes);
+  for (std::int64_t t = 0; t < src.rows; ++t)
+    std::memcpy(dst.row_ptr(t), src.row_ptr(t), row_bytes);
 }
 
 }  // namespace lmoe::cpu

@@ -28,7 +28,8 @@ void rms_norm(ConstMatrixView x, std::span<const float> gamma, float eps, Matrix
 
 // c [m, n] = a [m, k] · w [n, k]ᵀ, all fp32 row-major and contiguous, accumulated in fp32 (BLAS
 // order), not rounded.
-void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w, float* c);
+void sgemm_nt(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, const float* w,
+              float* c);
 
 // a · wᵀ accumulated in fp32 and not rounded: [M, N] row-major.
 std::vector<float> gemm_fp32(ConstMatrixView a, const float* w, std::int64_t n);

@@ -41,7 +41,8 @@ class Checkpoint {
   explicit Checkpoint(std::string dir) : dir_(std::move(dir)) {
     namespace fs = std::filesystem;
     std::error_code error;
-    if (!fs::is_directory(dir_, error)) throw Error("checkpoint directory " + dir_ + ": not a directory");
+    if (!fs::is_directory(dir_, error))
+      throw Error("checkpoint directory " + dir_ + ": not a directory");
     const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
     if (fs::exists(index, error)) {
       std::ifstream in(index);

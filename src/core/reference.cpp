@@ -7,8 +7,8 @@
 #include <limits>
 #include <random>
 
-#include "core/rank_order_reduce.hpp"
 #include "core/host_math.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -36,9 +36,18 @@ double ulp_of(DType dtype, double x) {
   int mantissa_bits = 0;
   int min_exponent = 0;  // exponent of the smallest normal
   switch (dtype) {
-    case DType::f32: mantissa_bits = 23; min_exponent = -126; break;
-    case DType::f16: mantissa_bits = 10; min_exponent = -14; break;
-    case DType::bf16: mantissa_bits = 7; min_exponent = -126; break;
+    case DType::f32:
+      mantissa_bits = 23;
+      min_exponent = -126;
+      break;
+    case DType::f16:
+      mantissa_bits = 10;
+      min_exponent = -14;
+      break;
+    case DType::bf16:
+      mantissa_bits = 7;
+      min_exponent = -126;
+      break;
   }
   x = std::fabs(x);
   int exponent = min_exponent;
@@ -48,7 +57,8 @@ double ulp_of(DType dtype, double x) {
 
 std::vector<const void*> rank_slices(const HostTensor& stacked) {
   std::vector<const void*> slices;
-  for (std::int64_t r = 0; r < stacked.shape()[0]; ++r) slices.push_back(stacked.slice_matrix(r).data);
+  for (std::int64_t r = 0; r < stacked.shape()[0]; ++r)
+    slices.push_back(stacked.slice_matrix(r).data);
   return slices;
 }
 
@@ -56,9 +66,12 @@ std::vector<const void*> rank_slices(const HostTensor& stacked) {
 // sums that land among the subnormals, which are exact).
 double unit_roundoff(DType dtype) {
   switch (dtype) {
-    case DType::f32: return std::ldexp(1.0, -24);
-    case DType::f16: return std::ldexp(1.0, -11);
-    case DType::bf16: return std::ldexp(1.0, -8);
+    case DType::f32:
+      return std::ldexp(1.0, -24);
+    case DType::f16:
+      return std::ldexp(1.0, -11);
+    case DType::bf16:
+      return std::ldexp(1.0, -8);
   }
   return 0;
 }
@@ -68,34 +81,39 @@ double unit_roundoff(DType dtype) {
 double gamma_of(double k, double unit) { return k * unit / (1.0 - k * unit); }
 
 // How far a rank sum in an unspecified order with intermediate roundings (NCCL) can be from the
-// contract's: for each element of the reduced tensor, with A = Σ_r |x_r| and c the contract's value,
+// contract's: for each element of the reduced tensor, with A = Σ_r |x_r| and c the contract's
+// value,
 //   |ĉ − c| <= |ĉ − Σ x_r| + |Σ x_r − c| <= γ_{tp−1}(u) A + γ_{tp−1}(2⁻²⁴) A + ulp(|c|) / 2,
 // the first term for the tree NCCL builds (any tree of tp leaves has at most tp − 1 roundings on a
 // path), the others for the contract's fp32 rank-order sum and its one rounding.
 std::vector<double> reduction_slack(const HostTensor& stacked, const HostTensor& reduced, int tp) {
   const DType dtype = reduced.dtype();
   const std::int64_t count = reduced.numel();
-  const double per_magnitude = gamma_of(tp - 1, unit_roundoff(dtype)) + gamma_of(tp - 1, std::ldexp(1.0, -24));
+  const double per_magnitude =
+      gamma_of(tp - 1, unit_roundoff(dtype)) + gamma_of(tp - 1, std::ldexp(1.0, -24));
   std::vector<double> slack(static_cast<std::size_t>(count));
   for (std::int64_t i = 0; i < count; ++i) {
     double magnitude = 0;
     for (int r = 0; r < tp; ++r) magnitude += std::fabs(stacked.get(r * count + i));
     slack[static_cast<std::size_t>(i)] =
-        per_magnitude * magnitude + 0.5 * ulp_of(dtype, std::fabs(static_cast<double>(reduced.get(i))));
+        per_magnitude * magnitude +
+        0.5 * ulp_of(dtype, std::fabs(static_cast<double>(reduced.get(i))));
   }
   return slack;
 }
 
 // A bound on |N̂ − N| per element of the normalized latent [T, l] when the reduced latent L̂ differs
-// from the contract's L by at most `latent_slack` per element. For a row with ρ = sqrt(Σ L²/l + eps)
-// and τ = ‖latent_slack‖₂ / √l (so |ρ̂ − ρ| <= τ by the triangle inequality):
-//   n̂_j − n_j = γ_j (δ_j / ρ̂ + L_j (ρ − ρ̂) / (ρ ρ̂))  ⇒  |n̂_j − n_j| <= |γ_j| (Δ_j + |L_j| τ / ρ) / (ρ − τ).
+// from the contract's L by at most `latent_slack` per element. For a row with ρ = sqrt(Σ L²/l +
+// eps) and τ = ‖latent_slack‖₂ / √l (so |ρ̂ − ρ| <= τ by the triangle inequality):
+//   n̂_j − n_j = γ_j (δ_j / ρ̂ + L_j (ρ − ρ̂) / (ρ ρ̂))  ⇒  |n̂_j − n_j| <= |γ_j| (Δ_j + |L_j| τ / ρ) /
+//   (ρ − τ).
 // Both sides are evaluated in fp32 (relative error at most ε = γ_{l+2}/2 + γ_6 in 2⁻²⁴: the sum of
 // squares, the mean and eps, the square root, its reciprocal and two products) and rounded once.
 // Rows where τ >= ρ / 2 (a latent about as small as its own rounding) get a slack so large that
 // nothing is judged there (finite, so that the GEMM with |W| never forms ∞ · 0).
-std::vector<float> norm_slack(const HostTensor& latent, const HostTensor& normed, const HostTensor& gamma,
-                              const std::vector<double>& latent_slack, float eps) {
+std::vector<float> norm_slack(const HostTensor& latent, const HostTensor& normed,
+                              const HostTensor& gamma, const std::vector<double>& latent_slack,
+                              float eps) {
   const DType dtype = latent.dtype();
   const std::int64_t tokens = latent.shape()[0], l = latent.shape()[1];
   const double f32_unit = std::ldexp(1.0, -24);
@@ -106,7 +124,8 @@ std::vector<float> norm_slack(const HostTensor& latent, const HostTensor& normed
     for (std::int64_t j = 0; j < l; ++j) {
       const double x = latent.get(t * l + j);
       squares += x * x;
-      slack_squares += latent_slack[static_cast<std::size_t>(t * l + j)] * latent_slack[static_cast<std::size_t>(t * l + j)];
+      slack_squares += latent_slack[static_cast<std::size_t>(t * l + j)] *
+                       latent_slack[static_cast<std::size_t>(t * l + j)];
     }
     const double rho = std::sqrt(squares / static_cast<double>(l) + eps);
     const double tau = std::sqrt(slack_squares / static_cast<double>(l));
@@ -136,7 +155,8 @@ TailCase make_random_case(TailDims dims, float eps, DType dtype, int tp, std::in
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (std::int64_t i = 0; i < c.routed.numel(); ++i) c.routed.set(i, normal(rng));
   for (std::int64_t i = 0; i < c.shared.numel(); ++i) c.shared.set(i, normal(rng));
-  for (std::int64_t i = 0; i < c.norm_weight.numel(); ++i) c.norm_weight.set(i, 1.0f + 0.1f * normal(rng));
+  for (std::int64_t i = 0; i < c.norm_weight.numel(); ++i)
+    c.norm_weight.set(i, 1.0f + 0.1f * normal(rng));
   const float w_scale = 1.0f / std::sqrt(static_cast<float>(dims.d_latent));
   for (std::int64_t i = 0; i < c.up_proj_weight.numel(); ++i) {
     c.up_proj_weight.set(i, w_scale * normal(rng));
@@ -144,7 +164,8 @@ TailCase make_random_case(TailDims dims, float eps, DType dtype, int tp, std::in
   return c;
 }
 
-TailCase make_exact_case(TailDims dims, DType dtype, int tp, std::int64_t tokens, std::uint64_t seed) {
+TailCase make_exact_case(TailDims dims, DType dtype, int tp, std::int64_t tokens,
+                         std::uint64_t seed) {
   TailCase c = empty_case(dims, 0.0f, dtype, tp, tokens);
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> small(-3, 3);
@@ -161,8 +182,10 @@ TailCase make_exact_case(TailDims dims, DType dtype, int tp, std::int64_t tokens
     }
     c.routed.set(static_cast<std::int64_t>(tp - 1) * latent + i, static_cast<float>(rest));
   }
-  for (std::int64_t i = 0; i < c.shared.numel(); ++i) c.shared.set(i, static_cast<float>(small(rng)));
-  for (std::int64_t i = 0; i < c.norm_weight.numel(); ++i) c.norm_weight.set(i, static_cast<float>(gamma(rng)));
+  for (std::int64_t i = 0; i < c.shared.numel(); ++i)
+    c.shared.set(i, static_cast<float>(small(rng)));
+  for (std::int64_t i = 0; i < c.norm_weight.numel(); ++i)
+    c.norm_weight.set(i, static_cast<float>(gamma(rng)));
   for (std::int64_t i = 0; i < c.up_proj_weight.numel(); ++i) {
     c.up_proj_weight.set(i, static_cast<float>(small(rng)));
   }
@@ -185,9 +208,11 @@ ContractReference reference_tail(const TailCase& c, Contract contract, Reduction
 
   // N = round(rmsnorm(round(Σ routed_r))), or round(Σ routed_r) without the norm
   HostTensor latent(c.dtype, {tokens, l});
-  reduce_in_rank_order(rank_slices(c.routed), latent.data(), static_cast<std::size_t>(tokens * l), c.dtype);
+  reduce_in_rank_order(rank_slices(c.routed), latent.data(), static_cast<std::size_t>(tokens * l),
+                       c.dtype);
   HostTensor normed = latent;
-  if (c.latent_norm) cpu::rms_norm(latent.matrix(), cpu::to_float(c.norm_weight.matrix()), c.eps, normed.matrix());
+  if (c.latent_norm)
+    cpu::rms_norm(latent.matrix(), cpu::to_float(c.norm_weight.matrix()), c.eps, normed.matrix());
 
   const std::vector<float> w = cpu::to_float(c.up_proj_weight.matrix());
   const std::vector<float> u = cpu::gemm_fp32(normed.matrix(), w.data(), d);  // unrounded
@@ -197,9 +222,9 @@ ContractReference reference_tail(const TailCase& c, Contract contract, Reduction
   for (float& v : abs_w) v = std::fabs(v);
   const auto abs_product = [&](const std::vector<float>& a) {  // a [T, l] · |W|ᵀ → [T, d]
     std::vector<float> product(td);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens), static_cast<int>(d),
-                static_cast<int>(l), 1.0f, a.data(), static_cast<int>(l), abs_w.data(), static_cast<int>(l), 0.0f,
-                product.data(), static_cast<int>(d));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens),
+                static_cast<int>(d), static_cast<int>(l), 1.0f, a.data(), static_cast<int>(l),
+                abs_w.data(), static_cast<int>(l), 0.0f, product.data(), static_cast<int>(d));
     return product;
   };
   const std::vector<float> magnitude = abs_product(abs_n);
@@ -217,7 +242,8 @@ ContractReference reference_tail(const TailCase& c, Contract contract, Reduction
       moved_u = abs_product(norm_slack(latent, normed, c.norm_weight, latent_slack, c.eps));
     } else {  // N is the latent: it moves by the latent's own slack (rounded up to fp32)
       std::vector<float> slack(latent_slack.size());
-      for (std::size_t i = 0; i < slack.size(); ++i) slack[i] = static_cast<float>(1.01 * latent_slack[i]);
+      for (std::size_t i = 0; i < slack.size(); ++i)
+        slack[i] = static_cast<float>(1.01 * latent_slack[i]);
       moved_u = abs_product(slack);
     }
   }
@@ -293,29 +319,36 @@ std::vector<double> exact_tail(const TailCase& c) {
     }
     if (!c.latent_norm) continue;
     const double rstd = 1.0 / std::sqrt(sum_squares / static_cast<double>(l) + c.eps);
-    for (std::int64_t j = 0; j < l; ++j) normed[static_cast<std::size_t>(t * l + j)] *= rstd * c.norm_weight.get(j);
+    for (std::int64_t j = 0; j < l; ++j)
+      normed[static_cast<std::size_t>(t * l + j)] *= rstd * c.norm_weight.get(j);
   }
   std::vector<double> w(static_cast<std::size_t>(d * l));
-  for (std::size_t i = 0; i < w.size(); ++i) w[i] = c.up_proj_weight.get(static_cast<std::int64_t>(i));
+  for (std::size_t i = 0; i < w.size(); ++i)
+    w[i] = c.up_proj_weight.get(static_cast<std::int64_t>(i));
   for (std::int64_t r = 0; r < c.tp; ++r) {
-    for (std::int64_t i = 0; i < tokens * d; ++i) y[static_cast<std::size_t>(i)] += c.shared.get(r * tokens * d + i);
+    for (std::int64_t i = 0; i < tokens * d; ++i)
+      y[static_cast<std::size_t>(i)] += c.shared.get(r * tokens * d + i);
   }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens), static_cast<int>(d),
-              static_cast<int>(l), 1.0, normed.data(), static_cast<int>(l), w.data(), static_cast<int>(l),
-              1.0, y.data(), static_cast<int>(d));
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(tokens),
+              static_cast<int>(d), static_cast<int>(l), 1.0, normed.data(), static_cast<int>(l),
+              w.data(), static_cast<int>(l), 1.0, y.data(), static_cast<int>(d));
   return y;
 }
 
 double fp64_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16: return 1e-2;
-    case DType::f16: return 2e-3;
-    case DType::f32: return 1e-4;
+    case DType::bf16:
+      return 1e-2;
+    case DType::f16:
+      return 2e-3;
+    case DType::f32:
+      return 1e-4;
   }
   return 0;
 }
 
-Comparison compare(ConstMatrixView y, const ContractReference& reference, const std::vector<double>& exact) {
+Comparison compare(ConstMatrixView y, const ContractReference& reference,
+                   const std::vector<double>& exact) {
   Comparison result;
   const ConstMatrixView ref = reference.y.matrix();
   LMOE_CHECK(y.rows == ref.rows && y.cols == ref.cols && y.dtype == ref.dtype,
@@ -334,7 +367,8 @@ Comparison compare(ConstMatrixView y, const ContractReference& reference, const 
       const double error = std::fabs(got - want);
       if (std::isnan(got) != std::isnan(want) || error > reference.bound[i]) ++result.beyond_bound;
       if (reference.bound[i] > 0 && std::isfinite(error)) {
-        result.max_error_over_bound = std::max(result.max_error_over_bound, error / reference.bound[i]);
+        result.max_error_over_bound =
+            std::max(result.max_error_over_bound, error / reference.bound[i]);
       } else if (!std::isfinite(error) && !(std::isnan(got) && std::isnan(want))) {
         result.max_error_over_bound = std::numeric_limits<double>::infinity();
       }
@@ -343,8 +377,10 @@ Comparison compare(ConstMatrixView y, const ContractReference& reference, const 
     }
   }
   result.normwise_tolerance = fp64_tolerance(y.dtype);
-  result.normwise_error = exact_squares > 0 ? std::sqrt(diff_squares / exact_squares) : std::sqrt(diff_squares);
-  if (std::isnan(result.normwise_error)) result.normwise_error = std::numeric_limits<double>::infinity();
+  result.normwise_error =
+      exact_squares > 0 ? std::sqrt(diff_squares / exact_squares) : std::sqrt(diff_squares);
+  if (std::isnan(result.normwise_error))
+    result.normwise_error = std::numeric_limits<double>::infinity();
   return result;
 }
 

@@ -78,8 +78,8 @@ std::string store_le64(std::uint64_t value) {
 
 // One tensor as the header describes it, before its data is read.
 struct TensorEntry {
-  DType dtype = DType::f32;      // when the dtype is one lmoe computes in
-  std::string dtype_name;        // as the header spells it
+  DType dtype = DType::f32;  // when the dtype is one lmoe computes in
+  std::string dtype_name;    // as the header spells it
   std::size_t element_size = 4;
   std::vector<std::int64_t> shape;
   std::uint64_t begin = 0;
@@ -99,8 +99,8 @@ struct Header {
 // (read_safetensors_header) accepts them, since a loader may convert them itself (MXFP4 blocks
 // and scales are U8).
 constexpr std::pair<std::string_view, std::size_t> kRawDtypes[] = {
-    {"BOOL", 1}, {"U8", 1}, {"I8", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"U16", 2}, {"I16", 2},
-    {"U32", 4}, {"I32", 4}, {"U64", 8}, {"I64", 8}, {"F64", 8}};
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"U16", 2},
+    {"I16", 2},  {"U32", 4}, {"I32", 4}, {"U64", 8},     {"I64", 8},     {"F64", 8}};
 
 class HeaderReader {
  public:
@@ -402,9 +402,8 @@ std::vector<const NamedEntry*> check_layout(const Header& header, std::uint64_t 
     const std::uint64_t expected = numel * entry.element_size;
     if (entry.end - entry.begin != expected) {
       fail(name, "has data_offsets " + offsets + " spanning " +
-                     std::to_string(entry.end - entry.begin) + " bytes, but " +
-                     entry.dtype_name + " " +
-                     shape_string(entry.shape) + " needs " + std::to_string(expected));
+                     std::to_string(entry.end - entry.begin) + " bytes, but " + entry.dtype_name +
+                     " " + shape_string(entry.shape) + " needs " + std::to_string(expected));
     }
     order.push_back(&named);
   }
@@ -601,7 +600,8 @@ void open_checked(const std::string& path, bool raw_dtypes, OpenedFile& file) {
   if (file_size >= kLengthPrefixBytes) read_all(file.fd, 0, prefix.data(), prefix.size(), path);
   const std::uint64_t header_bytes = check_header_length(load_le64(prefix.data()), file_size, path);
   std::string text(header_bytes, '\0');
-  read_all(file.fd, kLengthPrefixBytes, reinterpret_cast<std::byte*>(text.data()), text.size(), path);
+  read_all(file.fd, kLengthPrefixBytes, reinterpret_cast<std::byte*>(text.data()), text.size(),
+           path);
   file.header = HeaderReader(path, raw_dtypes).take(text);
   file.data_start = kLengthPrefixBytes + header_bytes;
   file.order = check_layout(file.header, file_size - file.data_start, path);
@@ -630,15 +630,16 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   SafetensorsHeader header;
   header.path = path;
   for (const auto& [name, entry] : opened.header.tensors) {
-    header.tensors.emplace(name, SafetensorsTensorInfo{entry.dtype_name, entry.shape,
-                                                       opened.data_start + entry.begin,
-                                                       entry.end - entry.begin});
+    header.tensors.emplace(
+        name, SafetensorsTensorInfo{entry.dtype_name, entry.shape, opened.data_start + entry.begin,
+                                    entry.end - entry.begin});
   }
   header.metadata = std::move(opened.header.metadata);
   return header;
 }
 
-void read_safetensors_bytes(const std::string& path, std::uint64_t offset, std::span<std::byte> out) {
+void read_safetensors_bytes(const std::string& path, std::uint64_t offset,
+                            std::span<std::byte> out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(path + ": cannot open safetensors file: " + system_message(errno));
   const FdCloser closer{fd};

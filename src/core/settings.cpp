@@ -97,9 +97,8 @@ constexpr std::array<SettingSpec, 25> kTable = {{
     {"LMOE_P2P_SHARED_GPU", T::flag, 0, 0, "", "0",
      "p2p ranks may share a GPU (its SMs, bandwidth and L2), where rounds can stall",
      "cuda comm (p2p)"},
-    {"LMOE_P2P_TIMEOUT_MS", T::milliseconds, 1, kMaxTimeoutMs,
-     "a positive number of milliseconds", "10000",
-     "how long a p2p round waits for its peers before it fails", "cuda comm (p2p)"},
+    {"LMOE_P2P_TIMEOUT_MS", T::milliseconds, 1, kMaxTimeoutMs, "a positive number of milliseconds",
+     "10000", "how long a p2p round waits for its peers before it fails", "cuda comm (p2p)"},
     {"LMOE_TIER", T::tier, 0, 0, "", "auto", "forces a tier for every T (auto: the policy's)",
      "tier policy (core)"},
     {"LMOE_TIER_TABLE", T::path, 0, 0, "", "unset (the shipped table or the breakpoints)",
@@ -145,15 +144,24 @@ EnvLookup process_environment() {
 
 std::string_view setting_type_name(SettingType type) {
   switch (type) {
-    case T::flag: return "flag";
-    case T::presence: return "presence";
-    case T::integer: return "integer";
-    case T::milliseconds: return "milliseconds";
-    case T::nanoseconds: return "nanoseconds";
-    case T::tokens: return "tokens";
-    case T::choice: return "choice";
-    case T::tier: return "tier";
-    case T::path: return "path";
+    case T::flag:
+      return "flag";
+    case T::presence:
+      return "presence";
+    case T::integer:
+      return "integer";
+    case T::milliseconds:
+      return "milliseconds";
+    case T::nanoseconds:
+      return "nanoseconds";
+    case T::tokens:
+      return "tokens";
+    case T::choice:
+      return "choice";
+    case T::tier:
+      return "tier";
+    case T::path:
+      return "path";
   }
   return "?";
 }
@@ -175,21 +183,26 @@ const SettingSpec& setting_spec(std::string_view name) {
 
 std::string setting_range_text(const SettingSpec& spec) {
   switch (spec.type) {
-    case T::flag: return "1/0, true/false, yes/no, on/off";
-    case T::presence: return "set or unset";
+    case T::flag:
+      return "1/0, true/false, yes/no, on/off";
+    case T::presence:
+      return "set or unset";
     case T::integer:
     case T::milliseconds:
     case T::nanoseconds:
     case T::tokens: {
       const std::string range =
           "[" + std::to_string(spec.min) + ", " + std::to_string(spec.max) + "]";
-      return spec.name == std::string_view("LMOE_COLUMN_MAX_TOKENS") ? range + " or none"
+      return spec.name == std::string_view("LMOE_COLUMN_MAX_TOKENS")         ? range + " or none"
              : spec.name == std::string_view("LMOE_FUSED_CHAINED_TILE_ROWS") ? "64 or 128"
-                                                                              : range;
+                                                                             : range;
     }
-    case T::choice: return spec.what;
-    case T::tier: return "auto, fused, overlap, column or token";
-    case T::path: return "a path";
+    case T::choice:
+      return spec.what;
+    case T::tier:
+      return "auto, fused, overlap, column or token";
+    case T::path:
+      return "a path";
   }
   return "?";
 }

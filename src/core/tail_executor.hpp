@@ -6,10 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "lmoe/tensor.hpp"
 #include "lmoe/dims.hpp"
-#include "lmoe/tensor.hpp"
 #include "lmoe/tail_options.hpp"
+#include "lmoe/tensor.hpp"
 #include "lmoe/tier.hpp"
 
 namespace lmoe {
@@ -40,38 +39,46 @@ class TailExecutor {
   virtual std::string_view backend_name() const = 0;
   virtual MemorySpace memory_space() const = 0;
   // nullopt when `tier` can run `problem` on this backend; otherwise the reason it cannot.
-  virtual std::optional<std::string> can_implement(TailTier tier, const TailProblem& problem) const = 0;
+  virtual std::optional<std::string> can_implement(TailTier tier,
+                                                   const TailProblem& problem) const = 0;
   // nullopt when `tier` can run on these very buffers; otherwise why not (e.g. an alignment a
   // kernel needs). LatentTail asks before the ranks agree on a call, so that a rank whose buffers
   // do not fit makes every rank fail at once instead of leaving them waiting in a collective.
-  virtual std::optional<std::string> call_limit(TailTier, ConstMatrixView /*routed*/, ConstMatrixView /*shared*/,
+  virtual std::optional<std::string> call_limit(TailTier, ConstMatrixView /*routed*/,
+                                                ConstMatrixView /*shared*/,
                                                 ConstMatrixView /*out*/) const {
     return std::nullopt;
   }
-  // Inputs are validated by the caller. routed [T, l], shared [T, d] (may be overwritten), out [T, d].
+  // Inputs are validated by the caller. routed [T, l], shared [T, d] (may be overwritten), out [T,
+  // d].
   virtual void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
                    StreamHandle stream) = 0;
 };
 
 // What LatentTail::forward_device_tokens needs from the CUDA executor (T read on the device; one
-// CUDA graph for every T, docs/graphs.md). An executor that can implements it next to TailExecutor (the CUDA one).
+// CUDA graph for every T, docs/graphs.md). An executor that can implements it next to TailExecutor
+// (the CUDA one).
 class DeviceTokensRunner {
  public:
   virtual ~DeviceTokensRunner() = default;
-  // nullopt when `tier` can run inside a CUDA graph conditional body with this communicator; else why not.
+  // nullopt when `tier` can run inside a CUDA graph conditional body with this communicator; else
+  // why not.
   virtual std::optional<std::string> device_tokens_limit(TailTier tier) const = 0;
   virtual bool capturing(StreamHandle stream) const = 0;
   // T as *tokens_device holds it once the stream's earlier work is done (waits for the stream).
-  virtual std::int64_t read_device_tokens(const std::int32_t* tokens_device, StreamHandle stream) = 0;
+  virtual std::int64_t read_device_tokens(const std::int32_t* tokens_device,
+                                          StreamHandle stream) = 0;
   // Runs the GEMMs of every bucket once, outside any collective (every rank at the same call).
-  virtual void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets, StreamHandle stream) = 0;
-  // Bucket `tier` on the views' rows (the bucket's max_tokens); the fused tier reads T from tokens_device.
+  virtual void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets,
+                               StreamHandle stream) = 0;
+  // Bucket `tier` on the views' rows (the bucket's max_tokens); the fused tier reads T from
+  // tokens_device.
   virtual void run_bucket(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
                           const std::int32_t* tokens_device, StreamHandle stream) = 0;
   // Under capture on `stream`: the selector and one body per bucket (views of max_tokens rows).
-  virtual void capture_buckets(const std::vector<DeviceTokenBucket>& buckets, ConstMatrixView routed,
-                               MatrixView shared, MatrixView out, const std::int32_t* tokens_device,
-                               StreamHandle stream) = 0;
+  virtual void capture_buckets(const std::vector<DeviceTokenBucket>& buckets,
+                               ConstMatrixView routed, MatrixView shared, MatrixView out,
+                               const std::int32_t* tokens_device, StreamHandle stream) = 0;
   // What a replay could not run since the last call (and clears the record): the last such T, and
   // whether it was outside [0, max_tokens] (else it fell in a bucket no tier runs).
   struct Failure {

@@ -20,7 +20,8 @@ HostTensor::HostTensor(DType dtype, std::vector<std::int64_t> shape)
     : dtype_(dtype), shape_(std::move(shape)) {
   std::size_t count = 1;
   for (std::int64_t extent : shape_) {
-    LMOE_CHECK(extent >= 0, "tensor shape " + lmoe::shape_string(shape_) + " has a negative extent");
+    LMOE_CHECK(extent >= 0,
+               "tensor shape " + lmoe::shape_string(shape_) + " has a negative extent");
     const auto uextent = static_cast<std::size_t>(extent);
     LMOE_CHECK(uextent == 0 || count <= std::numeric_limits<std::size_t>::max() / uextent / 4,
                "tensor shape " + lmoe::shape_string(shape_) + " is too large");
@@ -61,7 +62,11 @@ MatrixView HostTensor::slice_matrix(std::int64_t index) {
   std::int64_t rows = 1;
   for (std::size_t i = 1; i + 1 < shape_.size(); ++i) rows *= shape_[i];
   const std::size_t slice_bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dtype_);
-  return {data() + static_cast<std::size_t>(index) * slice_bytes, dtype_, rows, cols, cols,
+  return {data() + static_cast<std::size_t>(index) * slice_bytes,
+          dtype_,
+          rows,
+          cols,
+          cols,
           MemorySpace::host};
 }
 

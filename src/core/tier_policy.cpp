@@ -16,16 +16,19 @@ namespace lmoe {
 
 std::string_view setting_source_name(SettingSource source) {
   switch (source) {
-    case SettingSource::built_in: return "default";
-    case SettingSource::table: return "table";
-    case SettingSource::environment: return "environment";
-    case SettingSource::caller: return "caller";
+    case SettingSource::built_in:
+      return "default";
+    case SettingSource::table:
+      return "table";
+    case SettingSource::environment:
+      return "environment";
+    case SettingSource::caller:
+      return "caller";
   }
   return "?";
 }
 
 namespace {
-
 
 // An unset or empty variable leaves the setting as it was.
 std::optional<std::string> read_variable(const EnvLookup& env, const std::string& name) {
@@ -74,23 +77,24 @@ Preference prefer(std::int64_t num_tokens, const PolicyConfig& config) {
   if (!config.ranges.value.empty()) return prefer_by_ranges(num_tokens, config);
   const std::string t = "T=" + std::to_string(num_tokens);
   if (num_tokens <= config.fused_max_tokens.value) {
-    return {TailTier::fused, t + " <= fused_max_tokens=" +
-                                 std::to_string(config.fused_max_tokens.value) + " (" +
-                                 origin_of(config.fused_max_tokens) + ")"};
+    return {TailTier::fused,
+            t + " <= fused_max_tokens=" + std::to_string(config.fused_max_tokens.value) + " (" +
+                origin_of(config.fused_max_tokens) + ")"};
   }
   if (num_tokens <= config.overlap_max_tokens.value) {
     if (!config.overlap_disabled.value) {
-      return {TailTier::overlap, t + " <= overlap_max_tokens=" +
-                                     std::to_string(config.overlap_max_tokens.value) + " (" +
-                                     origin_of(config.overlap_max_tokens) + ")"};
+      return {TailTier::overlap,
+              t + " <= overlap_max_tokens=" + std::to_string(config.overlap_max_tokens.value) +
+                  " (" + origin_of(config.overlap_max_tokens) + ")"};
     }
   }
   const auto& column_max = config.column_max_tokens;
   if (!column_max.value || num_tokens <= *column_max.value) {
-    std::string why = column_max.value ? t + " <= column_max_tokens=" + describe_limit(column_max) +
-                                             " (" + origin_of(column_max) + ")"
-                                       : t + " > every smaller tier's limit; column_max_tokens=none (" +
-                                             origin_of(column_max) + ")";
+    std::string why = column_max.value
+                          ? t + " <= column_max_tokens=" + describe_limit(column_max) + " (" +
+                                origin_of(column_max) + ")"
+                          : t + " > every smaller tier's limit; column_max_tokens=none (" +
+                                origin_of(column_max) + ")";
     if (num_tokens <= config.overlap_max_tokens.value && config.overlap_disabled.value) {
       why = t + " is in overlap's range but overlap is disabled (" +
             origin_of(config.overlap_disabled) + ")";
@@ -104,10 +108,14 @@ Preference prefer(std::int64_t num_tokens, const PolicyConfig& config) {
 // Where to go when the preferred tier cannot run: the nearest tier in cost model first.
 std::vector<TailTier> fallback_order(TailTier preferred) {
   switch (preferred) {
-    case TailTier::fused: return {TailTier::overlap, TailTier::column, TailTier::token};
-    case TailTier::overlap: return {TailTier::column, TailTier::token, TailTier::fused};
-    case TailTier::column: return {TailTier::token, TailTier::overlap, TailTier::fused};
-    case TailTier::token: return {TailTier::column, TailTier::overlap, TailTier::fused};
+    case TailTier::fused:
+      return {TailTier::overlap, TailTier::column, TailTier::token};
+    case TailTier::overlap:
+      return {TailTier::column, TailTier::token, TailTier::fused};
+    case TailTier::column:
+      return {TailTier::token, TailTier::overlap, TailTier::fused};
+    case TailTier::token:
+      return {TailTier::column, TailTier::overlap, TailTier::fused};
   }
   return {};
 }
@@ -157,7 +165,8 @@ std::string describe_tier_ranges(std::span<const TierRange> ranges) {
   return text;
 }
 
-PolicyConfig load_policy_config(const EnvLookup& env, const std::optional<std::string>& table_path) {
+PolicyConfig load_policy_config(const EnvLookup& env,
+                                const std::optional<std::string>& table_path) {
   PolicyConfig config;
 
   std::optional<std::string> path = table_path;
@@ -218,7 +227,8 @@ TailTier preferred_tier(std::int64_t num_tokens, const PolicyConfig& config) {
   return prefer(num_tokens, config).tier;
 }
 
-TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
+TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config,
+                    const TierSupport& support) {
   TierDecision decision;
   const std::string t = "T=" + std::to_string(num_tokens);
   auto declined_reason = [&](TailTier tier) -> std::optional<std::string> {
@@ -241,15 +251,19 @@ TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const T
     const TailTier tier = *forced.value;
     auto declined = support.declined[static_cast<std::size_t>(tier)];
     if (declined) {
-      decision.considered.push_back({tier, false, "forced (" + origin_of(forced) + ") but declined: " + *declined});
-      decision.summary = t + ": forced tier " + std::string(tier_name(tier)) + " cannot run: " + *declined;
+      decision.considered.push_back(
+          {tier, false, "forced (" + origin_of(forced) + ") but declined: " + *declined});
+      decision.summary =
+          t + ": forced tier " + std::string(tier_name(tier)) + " cannot run: " + *declined;
     } else {
       decision.tier = tier;
       decision.considered.push_back({tier, true, "forced (" + origin_of(forced) + ")"});
-      decision.summary = t + " → " + std::string(tier_name(tier)) + " (forced: " + origin_of(forced) + ")";
+      decision.summary =
+          t + " → " + std::string(tier_name(tier)) + " (forced: " + origin_of(forced) + ")";
     }
     for (TailTier other : kAllTiers) {
-      if (other != tier) decision.considered.push_back({other, false, "not considered: a tier is forced"});
+      if (other != tier)
+        decision.considered.push_back({other, false, "not considered: a tier is forced"});
     }
     return decision;
   }
@@ -263,8 +277,9 @@ TierDecision decide(std::int64_t num_tokens, const PolicyConfig& config, const T
     if (decision.tier) {
       auto declined = declined_reason(tier);
       decision.considered.push_back(
-          {tier, false, "not needed: " + std::string(tier_name(*decision.tier)) + " was chosen" +
-                            (declined ? " (and it cannot run: " + *declined + ")" : "")});
+          {tier, false,
+           "not needed: " + std::string(tier_name(*decision.tier)) + " was chosen" +
+               (declined ? " (and it cannot run: " + *declined + ")" : "")});
       continue;
     }
     if (auto declined = declined_reason(tier)) {
@@ -305,7 +320,8 @@ std::string describe_rule(const PolicyConfig& config) {
   return "breakpoints";
 }
 
-std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const TierSupport& support) {
+std::string explain(std::int64_t num_tokens, const PolicyConfig& config,
+                    const TierSupport& support) {
   std::ostringstream out;
   const TierDecision decision = decide(num_tokens, config, support);
   out << "decision: " << decision.summary << "\n";
@@ -324,11 +340,14 @@ std::string explain(std::int64_t num_tokens, const PolicyConfig& config, const T
   };
   row("ranges", config.ranges.value.empty() ? "none" : describe_tier_ranges(config.ranges.value),
       origin_of(config.ranges));
-  row("fused_max_tokens", std::to_string(config.fused_max_tokens.value), origin_of(config.fused_max_tokens));
+  row("fused_max_tokens", std::to_string(config.fused_max_tokens.value),
+      origin_of(config.fused_max_tokens));
   row("overlap_max_tokens", std::to_string(config.overlap_max_tokens.value),
       origin_of(config.overlap_max_tokens));
-  row("column_max_tokens", describe_limit(config.column_max_tokens), origin_of(config.column_max_tokens));
-  row("overlap_disabled", config.overlap_disabled.value ? "yes" : "no", origin_of(config.overlap_disabled));
+  row("column_max_tokens", describe_limit(config.column_max_tokens),
+      origin_of(config.column_max_tokens));
+  row("overlap_disabled", config.overlap_disabled.value ? "yes" : "no",
+      origin_of(config.overlap_disabled));
   row("forced_tier",
       config.forced_tier.value ? std::string(tier_name(*config.forced_tier.value)) : "none",
       origin_of(config.forced_tier));

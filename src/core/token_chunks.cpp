@@ -13,7 +13,8 @@ int token_chunks_setting_from_environment() {
 
 std::int64_t token_chunk_count(std::int64_t tokens, int tp, int setting) {
   if (tp <= 1) return 1;
-  const int wanted = setting != 0 ? setting : (tokens >= kDefaultTokenChunksFrom ? kDefaultTokenChunks : 1);
+  const int wanted =
+      setting != 0 ? setting : (tokens >= kDefaultTokenChunksFrom ? kDefaultTokenChunks : 1);
   return std::clamp<std::int64_t>(tokens / tp, 1, wanted);
 }
 

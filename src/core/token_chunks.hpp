@@ -19,8 +19,8 @@ inline constexpr std::int64_t kDefaultTokenChunksFrom = 4096;
 int token_chunks_setting_from_environment();
 
 // The chunks for `tokens` rows on `tp` ranks with `setting` (0: the built-in rule): one with a
-// single rank (nothing to overlap), and never more than tokens / tp, so that every chunk gives every
-// rank at least one row (at least one chunk).
+// single rank (nothing to overlap), and never more than tokens / tp, so that every chunk gives
+// every rank at least one row (at least one chunk).
 std::int64_t token_chunk_count(std::int64_t tokens, int tp, int setting);
 
 }  // namespace lmoe

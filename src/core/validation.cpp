@@ -32,7 +32,8 @@ bool overlaps(ConstMatrixView a, ConstMatrixView b) {
 std::optional<std::string> check_matrix(const char* name, ConstMatrixView view, DType dtype,
                                         MemorySpace space, std::int64_t rows, std::int64_t cols) {
   if (view.dtype != dtype) {
-    return expected(name, "dtype " + std::string(dtype_name(dtype)), std::string(dtype_name(view.dtype)));
+    return expected(name, "dtype " + std::string(dtype_name(dtype)),
+                    std::string(dtype_name(view.dtype)));
   }
   if (view.rows != rows || view.cols != cols) {
     return expected(name, "shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "]",
@@ -52,14 +53,17 @@ std::optional<std::string> check_matrix(const char* name, ConstMatrixView view, 
 
 std::optional<std::string> validate_options(const TailOptions& options, int tp) {
   const TailDims& dims = options.dims;
-  if (dims.d_model <= 0) return expected("d_model", "a positive size", std::to_string(dims.d_model));
-  if (dims.d_latent <= 0) return expected("d_latent", "a positive size", std::to_string(dims.d_latent));
+  if (dims.d_model <= 0)
+    return expected("d_model", "a positive size", std::to_string(dims.d_model));
+  if (dims.d_latent <= 0)
+    return expected("d_latent", "a positive size", std::to_string(dims.d_latent));
   if (tp < 1) return expected("tp", "at least 1 rank", std::to_string(tp));
   if (!(options.rms_norm_eps >= 0.0f) || !std::isfinite(options.rms_norm_eps)) {
     return expected("rms_norm_eps", "a finite value >= 0", std::to_string(options.rms_norm_eps));
   }
   if (options.max_tokens < 0) {
-    return expected("max_tokens", "0 (grow on demand) or a positive token count", std::to_string(options.max_tokens));
+    return expected("max_tokens", "0 (grow on demand) or a positive token count",
+                    std::to_string(options.max_tokens));
   }
   // Ranges a caller builds by hand get the checks a table's get when it is read.
   if (!options.policy.ranges.value.empty()) {
@@ -81,7 +85,8 @@ std::optional<std::string> validate_weights(const TailOptions& options, ConstMat
     gamma.cols = dims.d_latent;
     gamma.ld = dims.d_latent;
   }
-  if (auto error = check_matrix("norm_weight", gamma, options.dtype, MemorySpace::host, 1, dims.d_latent)) {
+  if (auto error =
+          check_matrix("norm_weight", gamma, options.dtype, MemorySpace::host, 1, dims.d_latent)) {
     return error;
   }
   return check_matrix("up_proj_weight", up_proj_weight, options.dtype, MemorySpace::host,
@@ -92,15 +97,21 @@ std::optional<std::string> validate_call(const TailOptions& options, MemorySpace
                                          ConstMatrixView routed, ConstMatrixView shared,
                                          ConstMatrixView out) {
   const TailDims& dims = options.dims;
-  if (routed.rows < 0) return expected("routed", "a non-negative token count", std::to_string(routed.rows));
+  if (routed.rows < 0)
+    return expected("routed", "a non-negative token count", std::to_string(routed.rows));
   const std::int64_t tokens = routed.rows;
   if (options.max_tokens > 0 && tokens > options.max_tokens) {
-    return expected("routed", "at most max_tokens=" + std::to_string(options.max_tokens) +
-                                  " rows (set at construction)", std::to_string(tokens) + " rows");
+    return expected(
+        "routed",
+        "at most max_tokens=" + std::to_string(options.max_tokens) + " rows (set at construction)",
+        std::to_string(tokens) + " rows");
   }
-  if (auto error = check_matrix("routed", routed, options.dtype, space, tokens, dims.d_latent)) return error;
-  if (auto error = check_matrix("shared", shared, options.dtype, space, tokens, dims.d_model)) return error;
-  if (auto error = check_matrix("out", out, options.dtype, space, tokens, dims.d_model)) return error;
+  if (auto error = check_matrix("routed", routed, options.dtype, space, tokens, dims.d_latent))
+    return error;
+  if (auto error = check_matrix("shared", shared, options.dtype, space, tokens, dims.d_model))
+    return error;
+  if (auto error = check_matrix("out", out, options.dtype, space, tokens, dims.d_model))
+    return error;
   if (overlaps(out, routed)) return std::string("out: must not overlap routed");
   if (overlaps(out, shared) && out.data != shared.data) {
     return std::string("out: must be either the shared buffer itself or not overlap it");
@@ -115,7 +126,8 @@ std::optional<std::string> generic_tier_limit(TailTier tier, const TailProblem& 
     case TailTier::fused:
     case TailTier::column:
       if (d % problem.tp != 0) {
-        return "d_model=" + std::to_string(d) + " is not divisible by tp=" + std::to_string(problem.tp) +
+        return "d_model=" + std::to_string(d) +
+               " is not divisible by tp=" + std::to_string(problem.tp) +
                " (the tier splits the hidden size into tp stripes)";
       }
       return std::nullopt;

@@ -13,14 +13,16 @@ class CpuBackendOps final : public BackendOps {
  public:
   Backend backend() const override { return Backend::cpu; }
   std::vector<std::string> comm_backends() const override { return {"threads"}; }
-  bool run_comm_group(std::string_view name, int num_ranks, const std::function<void(int, Communicator&)>& fn,
+  bool run_comm_group(std::string_view name, int num_ranks,
+                      const std::function<void(int, Communicator&)>& fn,
                       std::chrono::milliseconds timeout) const override {
     if (name != "threads") return false;
     run_on_threads(num_ranks, fn, timeout);
     return true;
   }
   std::unique_ptr<TailExecutor> make_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                   bool latent_norm, float eps, ConstMatrixView norm_weight,
+                                                   bool latent_norm, float eps,
+                                                   ConstMatrixView norm_weight,
                                                    ConstMatrixView up_proj_weight,
                                                    std::int64_t /*max_tokens*/) const override {
     return make_cpu_tail_executor(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight);

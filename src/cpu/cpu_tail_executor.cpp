@@ -24,8 +24,13 @@ class CpuTailExecutor final : public TailExecutor {
  public:
   CpuTailExecutor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
                   ConstMatrixView norm_weight, ConstMatrixView up_proj_weight)
-      : comm_(comm), dims_(dims), dtype_(dtype), latent_norm_(latent_norm), eps_(eps),
-        gamma_(cpu::to_float(norm_weight)), w_up_(cpu::to_float(up_proj_weight)) {}
+      : comm_(comm),
+        dims_(dims),
+        dtype_(dtype),
+        latent_norm_(latent_norm),
+        eps_(eps),
+        gamma_(cpu::to_float(norm_weight)),
+        w_up_(cpu::to_float(up_proj_weight)) {}
 
   std::string_view backend_name() const override { return "cpu"; }
   MemorySpace memory_space() const override { return MemorySpace::host; }
@@ -38,10 +43,14 @@ class CpuTailExecutor final : public TailExecutor {
   void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
            StreamHandle) override {
     switch (tier) {
-      case TailTier::overlap: return run_overlap(routed, shared, out);
-      case TailTier::column: return run_column(routed, shared, out);
-      case TailTier::token: return run_token(routed, shared, out);
-      case TailTier::fused: return run_fused(routed, shared, out);
+      case TailTier::overlap:
+        return run_overlap(routed, shared, out);
+      case TailTier::column:
+        return run_column(routed, shared, out);
+      case TailTier::token:
+        return run_token(routed, shared, out);
+      case TailTier::fused:
+        return run_fused(routed, shared, out);
     }
   }
 
@@ -84,7 +93,8 @@ class CpuTailExecutor final : public TailExecutor {
     const std::int64_t first = comm_.rank() * width;
     Buffer normed = all_reduce_and_norm(routed);
     cpu::up_project(normed.cview(), w_up_rows(first), width, shared.col_block(first, width), true);
-    comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model), dtype_);
+    comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model),
+                     dtype_);
   }
 
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one); it
@@ -142,8 +152,10 @@ class CpuTailExecutor final : public TailExecutor {
       return;
     }
     for (std::int64_t r = 0; r < latent.rows; ++r) {
-      std::memcpy(static_cast<std::byte*>(normed.data) + static_cast<std::size_t>(r * normed.ld) * dtype_size(dtype_),
-                  static_cast<const std::byte*>(latent.data) + static_cast<std::size_t>(r * latent.ld) * dtype_size(dtype_),
+      std::memcpy(static_cast<std::byte*>(normed.data) +
+                      static_cast<std::size_t>(r * normed.ld) * dtype_size(dtype_),
+                  static_cast<const std::byte*>(latent.data) +
+                      static_cast<std::size_t>(r * latent.ld) * dtype_size(dtype_),
                   static_cast<std::size_t>(latent.cols) * dtype_size(dtype_));
     }
   }
@@ -160,9 +172,11 @@ class CpuTailExecutor final : public TailExecutor {
 }  // namespace
 
 std::unique_ptr<TailExecutor> make_cpu_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                     bool latent_norm, float eps, ConstMatrixView norm_weight,
+                                                     bool latent_norm, float eps,
+                                                     ConstMatrixView norm_weight,
                                                      ConstMatrixView up_proj_weight) {
-  return std::make_unique<CpuTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight);
+  return std::make_unique<CpuTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight,
+                                           up_proj_weight);
 }
 
 }  // namespace lmoe

@@ -11,7 +11,8 @@ namespace lmoe {
 
 // latent_norm false: the latent is not normalized (norm_weight and eps are unused).
 std::unique_ptr<TailExecutor> make_cpu_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                     bool latent_norm, float eps, ConstMatrixView norm_weight,
+                                                     bool latent_norm, float eps,
+                                                     ConstMatrixView norm_weight,
                                                      ConstMatrixView up_proj_weight);
 
 }  // namespace lmoe

@@ -7,11 +7,11 @@
 #include "cuda/layer/cuda_layer_executor.hpp"
 #include "cuda/runtime/cuda_device_info.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
-#include "lmoe/settings.hpp"
 #include "lmoe/cuda_communicator.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/fused_defaults.hpp"
 #include "lmoe/p2p_communicator.hpp"
+#include "lmoe/settings.hpp"
 #ifdef LMOE_HAS_NCCL
 #include "lmoe/nccl_communicator.hpp"
 #endif
@@ -28,21 +28,24 @@ class CudaBackendOps final : public BackendOps {
   std::optional<std::string> tier_limit(TailTier tier, const TailProblem& problem) const override {
     return cuda_tier_limit(tier, problem);
   }
-  std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype, int ranks) const override {
+  std::optional<std::string> fused_decode_limit(TailDims dims, DType dtype,
+                                                int ranks) const override {
     if (cuda_device_count() == 0) return "no CUDA device";
     cuda::FusedDecodePlan plan;
     const int tokens = ranks == 1 ? kFusedDefaultTp1Tokens : kFusedDefaultDecodeTokens;
-    if (const char* reason = cuda::fused_decode_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, &plan)) {
+    if (const char* reason =
+            cuda::fused_decode_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, &plan)) {
       return std::string(reason);
     }
     return std::nullopt;
   }
-  std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype, int ranks) const override {
+  std::optional<std::string> fused_chained_limit(TailDims dims, DType dtype,
+                                                 int ranks) const override {
     if (cuda_device_count() == 0) return "no CUDA device";
     cuda::FusedChainedPlan plan;
     const int tokens = ranks == 1 ? kFusedDefaultTp1ChainedTokens : kFusedDefaultChainedTokens;
-    if (const char* reason =
-            cuda::fused_chained_plan(dims.d_model / ranks, dims.d_latent, tokens, dtype, 0, &plan)) {
+    if (const char* reason = cuda::fused_chained_plan(dims.d_model / ranks, dims.d_latent, tokens,
+                                                      dtype, 0, &plan)) {
       return std::string(reason);
     }
     return std::nullopt;
@@ -57,12 +60,13 @@ class CudaBackendOps final : public BackendOps {
   }
   std::optional<DeviceDescription> device() const override {
     const cuda::DeviceInfo info = cuda::device_info(0);
-    return DeviceDescription{info.name,
-                             std::to_string(info.compute_major) + "." + std::to_string(info.compute_minor),
-                             info.driver_version,
-                             info.runtime_version,
-                             info.device_count,
-                             cuda::nccl_version()};
+    return DeviceDescription{
+        info.name,
+        std::to_string(info.compute_major) + "." + std::to_string(info.compute_minor),
+        info.driver_version,
+        info.runtime_version,
+        info.device_count,
+        cuda::nccl_version()};
   }
   std::vector<std::string> comm_backends() const override {
     if (cuda_device_count() == 0) return {};
@@ -75,19 +79,23 @@ class CudaBackendOps final : public BackendOps {
   std::optional<std::string> comm_group_limit(std::string_view name, int num_ranks) const override {
     const int gpus = cuda_device_count();
     if (name == "nccl" && num_ranks > gpus) {
-      return "nccl needs one GPU per rank (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
-             " GPU(s) visible)";
+      return "nccl needs one GPU per rank (" + std::to_string(num_ranks) + " ranks, " +
+             std::to_string(gpus) + " GPU(s) visible)";
     }
     if (name == "p2p" && num_ranks > gpus && !setting_flag("LMOE_P2P_SHARED_GPU")) {
-      return "p2p ranks would share a GPU (" + std::to_string(num_ranks) + " ranks, " + std::to_string(gpus) +
-             " GPU(s)), where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 to run it anyway";
+      return "p2p ranks would share a GPU (" + std::to_string(num_ranks) + " ranks, " +
+             std::to_string(gpus) +
+             " GPU(s)), where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 to "
+             "run it anyway";
     }
     return std::nullopt;
   }
-  bool run_comm_group(std::string_view name, int num_ranks, const std::function<void(int, Communicator&)>& fn,
+  bool run_comm_group(std::string_view name, int num_ranks,
+                      const std::function<void(int, Communicator&)>& fn,
                       std::chrono::milliseconds timeout) const override {
     if (name == "cuda-threads") {
-      LMOE_CHECK(cuda_device_count() > 0, "comm backend 'cuda-threads' needs a CUDA GPU; none is visible");
+      LMOE_CHECK(cuda_device_count() > 0,
+                 "comm backend 'cuda-threads' needs a CUDA GPU; none is visible");
       run_on_cuda_threads(num_ranks, 0, fn, timeout);
       return true;
     }
@@ -111,7 +119,8 @@ class CudaBackendOps final : public BackendOps {
     return cuda_layer_limit(config);
   }
   std::unique_ptr<TailExecutor> make_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                   bool latent_norm, float eps, ConstMatrixView norm_weight,
+                                                   bool latent_norm, float eps,
+                                                   ConstMatrixView norm_weight,
                                                    ConstMatrixView up_proj_weight,
                                                    std::int64_t max_tokens) const override {
     return make_cuda_tail_executor(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight,

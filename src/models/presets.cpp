@@ -10,8 +10,8 @@ namespace lmoe {
 const std::vector<ModelPreset>& model_presets() {
   static const std::vector<ModelPreset> presets = [] {
     std::vector<ModelPreset> all;
-    for (auto&& group : {models::kimi_k3_presets(), models::nemotron3_presets(),
-                         models::small_presets()}) {
+    for (auto&& group :
+         {models::kimi_k3_presets(), models::nemotron3_presets(), models::small_presets()}) {
       all.insert(all.end(), group.begin(), group.end());
     }
     return all;
@@ -60,7 +60,13 @@ std::vector<ModelPreset> small_presets() {
   names.shared_gate = moe + "shared.gate.weight";
   names.shared_up = moe + "shared.up.weight";
   names.shared_down = moe + "shared.down.weight";
-  return {{"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16, layer, names}};
+  return {{"small",
+           "quick runs and tests (not a model)",
+           {384, 192},
+           1e-5f,
+           DType::bf16,
+           layer,
+           names}};
 }
 }  // namespace models
 

@@ -15,11 +15,15 @@ std::string joined(const std::vector<std::string>& names) {
 
 }  // namespace
 
-std::vector<std::string> comm_backends(Backend backend) { return backend_ops(backend).comm_backends(); }
+std::vector<std::string> comm_backends(Backend backend) {
+  return backend_ops(backend).comm_backends();
+}
 
 std::vector<std::string> comm_backends(Backend backend, int num_ranks) {
   std::vector<std::string> names = comm_backends(backend);
-  std::erase_if(names, [&](const std::string& name) { return comm_group_limit(name, num_ranks).has_value(); });
+  std::erase_if(names, [&](const std::string& name) {
+    return comm_group_limit(name, num_ranks).has_value();
+  });
   return names;
 }
 
@@ -42,14 +46,15 @@ std::string default_comm_backend(Backend backend) {
 }
 
 void run_comm_group(std::string_view comm_backend, int num_ranks,
-                    const std::function<void(int, Communicator&)>& fn, std::chrono::milliseconds timeout) {
+                    const std::function<void(int, Communicator&)>& fn,
+                    std::chrono::milliseconds timeout) {
   for (Backend backend : {Backend::cpu, Backend::cuda}) {
     if (backend_ops(backend).run_comm_group(comm_backend, num_ranks, fn, timeout)) return;
   }
   std::vector<std::string> known = comm_backends(Backend::cpu);
   for (const std::string& name : comm_backends(Backend::cuda)) known.push_back(name);
-  throw Error("unknown or unavailable comm backend '" + std::string(comm_backend) + "'; available here: " +
-              joined(known));
+  throw Error("unknown or unavailable comm backend '" + std::string(comm_backend) +
+              "'; available here: " + joined(known));
 }
 
 }  // namespace lmoe

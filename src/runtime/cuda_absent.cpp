@@ -17,8 +17,12 @@ class AbsentCudaBackendOps final : public BackendOps {
   std::optional<std::string> tier_limit(TailTier, const TailProblem&) const override {
     return "the cuda backend is not built";
   }
-  std::optional<std::string> fused_decode_limit(TailDims, DType, int) const override { return kNotBuilt; }
-  std::optional<std::string> fused_chained_limit(TailDims, DType, int) const override { return kNotBuilt; }
+  std::optional<std::string> fused_decode_limit(TailDims, DType, int) const override {
+    return kNotBuilt;
+  }
+  std::optional<std::string> fused_chained_limit(TailDims, DType, int) const override {
+    return kNotBuilt;
+  }
   std::vector<std::string> comm_backends() const override { return {}; }
   bool run_comm_group(std::string_view, int, const std::function<void(int, Communicator&)>&,
                       std::chrono::milliseconds) const override {
@@ -27,11 +31,13 @@ class AbsentCudaBackendOps final : public BackendOps {
   std::optional<std::string> layer_limit(const LayerConfig&) const override {
     return std::string(kNotBuilt) + " (configure with the cuda preset)";
   }
-  std::unique_ptr<TailExecutor> make_tail_executor(Communicator&, TailDims, DType, bool, float, ConstMatrixView,
-                                                   ConstMatrixView, std::int64_t) const override {
+  std::unique_ptr<TailExecutor> make_tail_executor(Communicator&, TailDims, DType, bool, float,
+                                                   ConstMatrixView, ConstMatrixView,
+                                                   std::int64_t) const override {
     throw Error(kNotBuilt);
   }
-  std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig&, DType, int, const LayerWeights&,
+  std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig&, DType, int,
+                                                     const LayerWeights&,
                                                      std::int64_t) const override {
     throw Error(kNotBuilt);
   }

@@ -5,9 +5,9 @@
 #include <tuple>
 
 #include "core/layer_executor.hpp"
-#include "runtime/rank_agreement.hpp"
 #include "core/validation.hpp"
 #include "lmoe/error.hpp"
+#include "runtime/rank_agreement.hpp"
 
 #include "runtime/backend_registry.hpp"
 
@@ -50,7 +50,8 @@ std::optional<std::string> validate_layer(const LayerOptions& options, int tp,
   const BackendOps& ops = backend_ops(options.backend);
   if (ops.built() && !ops.available()) {
     return "backend " + std::string(backend_name(options.backend)) + ": no " +
-           (options.backend == Backend::cuda ? "CUDA GPU" : "device") + " is visible on this machine";
+           (options.backend == Backend::cuda ? "CUDA GPU" : "device") +
+           " is visible on this machine";
   }
   if (auto limit = ops.layer_limit(options.config)) {
     return "backend " + std::string(backend_name(options.backend)) + ": " + *limit;
@@ -154,7 +155,8 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
   }
 
   impl_->executor =
-      backend_ops(opts.backend).make_layer_executor(opts.config, opts.dtype, comm.size(), weights, opts.max_tokens);
+      backend_ops(opts.backend)
+          .make_layer_executor(opts.config, opts.dtype, comm.size(), weights, opts.max_tokens);
   TailOptions tail;
   tail.dims = opts.config.tail_dims();
   tail.rms_norm_eps = opts.rms_norm_eps;

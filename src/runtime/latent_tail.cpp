@@ -73,41 +73,46 @@ struct LatentTail::Impl {
   std::string config_text;
   std::vector<std::string> table_warnings;
 
-  Impl(TailOptions opts, Communicator& communicator) : options(std::move(opts)), comm(communicator) {}
+  Impl(TailOptions opts, Communicator& communicator)
+      : options(std::move(opts)), comm(communicator) {}
 
   TailProblem problem(std::int64_t tokens) const {
     return {tokens, options.dims, options.dtype, comm.size()};
   }
 
-  bool exchange_records() const {
-    return options.check_ranks_agree && comm.size() > 1;
-  }
+  bool exchange_records() const { return options.check_ranks_agree && comm.size() > 1; }
 
   // forward_device_tokens: buckets per forced tier (key: the tier's index, -1 for the policy), made
   // once (the policy does not change after construction), and the keys whose GEMMs have run.
   mutable std::map<int, std::vector<DeviceTokenBucket>> device_buckets;
   std::set<int> device_warmed;
 
-  DeviceTokensRunner* device_tokens() const { return dynamic_cast<DeviceTokensRunner*>(executor.get()); }
+  DeviceTokensRunner* device_tokens() const {
+    return dynamic_cast<DeviceTokensRunner*>(executor.get());
+  }
 
   // Why the backend cannot run `tier` with T read on the device; nullopt when it can.
   std::optional<std::string> device_tokens_limit(TailTier tier) const {
-    if (const DeviceTokensRunner* runner = device_tokens()) return runner->device_tokens_limit(tier);
-    return "the " + std::string(backend_name(options.backend)) + " backend reads T on the host only";
+    if (const DeviceTokensRunner* runner = device_tokens())
+      return runner->device_tokens_limit(tier);
+    return "the " + std::string(backend_name(options.backend)) +
+           " backend reads T on the host only";
   }
 
   // What a replay could not run since the last check, as the error message; clears the record.
   std::optional<std::string> device_tokens_failure() {
     if (DeviceTokensRunner* runner = device_tokens()) {
       if (const auto failure = runner->take_device_tokens_failure()) {
-        std::string text = "a run with T read on the device read T=" + std::to_string(failure->tokens);
+        std::string text =
+            "a run with T read on the device read T=" + std::to_string(failure->tokens);
         if (failure->out_of_range) {
           text += ", outside [0, max_tokens=" + std::to_string(options.max_tokens) + "]";
         } else {
           text += ", which no tier runs here";
           for (const auto& [key, buckets] : device_buckets) {
             for (const DeviceTokenBucket& bucket : buckets) {
-              if (!bucket.tier && failure->tokens >= bucket.min_tokens && failure->tokens <= bucket.max_tokens) {
+              if (!bucket.tier && failure->tokens >= bucket.min_tokens &&
+                  failure->tokens <= bucket.max_tokens) {
                 text += " (" + bucket.reason + ")";
                 break;
               }
@@ -120,8 +125,6 @@ struct LatentTail::Impl {
     return std::nullopt;
   }
 };
-
-
 
 LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView norm_weight,
                        ConstMatrixView up_proj_weight)
@@ -149,11 +152,11 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   if (!error && opts.policy.table) {
     // A table measured elsewhere would choose tiers by times that do not hold here.
     try {
-      impl_->table_warnings = match_tier_table(
-          opts.policy.table->provenance,
-          running_config(opts.backend, comm.size(), opts.dims, opts.dtype,
-                         std::string(comm.backend_name())),
-          opts.policy.table_path.value_or("(unnamed)"));
+      impl_->table_warnings =
+          match_tier_table(opts.policy.table->provenance,
+                           running_config(opts.backend, comm.size(), opts.dims, opts.dtype,
+                                          std::string(comm.backend_name())),
+                           opts.policy.table_path.value_or("(unnamed)"));
     } catch (const Error& mismatch) {
       error = mismatch.message();
     }
@@ -170,13 +173,15 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     const std::uint64_t weights = checksum(up_proj_weight, checksum(norm_weight, kFnvOffsetBasis));
     hash = fnv1a(&weights, sizeof(weights), hash);
     char text[200];
-    std::snprintf(text, sizeof(text),
-                  "d_model=%lld d_latent=%lld latent_norm=%s eps=%g dtype=%s backend=%s max_tokens=%lld weights=%016llx",
-                  static_cast<long long>(opts.dims.d_model), static_cast<long long>(opts.dims.d_latent),
-                  opts.latent_norm ? "true" : "false", static_cast<double>(opts.rms_norm_eps),
-                  std::string(dtype_name(opts.dtype)).c_str(),
-                  std::string(backend_name(opts.backend)).c_str(), static_cast<long long>(opts.max_tokens),
-                  static_cast<unsigned long long>(weights));
+    std::snprintf(
+        text, sizeof(text),
+        "d_model=%lld d_latent=%lld latent_norm=%s eps=%g dtype=%s backend=%s max_tokens=%lld "
+        "weights=%016llx",
+        static_cast<long long>(opts.dims.d_model), static_cast<long long>(opts.dims.d_latent),
+        opts.latent_norm ? "true" : "false", static_cast<double>(opts.rms_norm_eps),
+        std::string(dtype_name(opts.dtype)).c_str(),
+        std::string(backend_name(opts.backend)).c_str(), static_cast<long long>(opts.max_tokens),
+        static_cast<unsigned long long>(weights));
     impl_->config_hash = hash;
     impl_->config_text = text;
     mine.config_hash = hash;
@@ -191,9 +196,10 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
     throw Error(*error);
   }
 
-  impl_->executor = backend_ops(opts.backend)
-                        .make_tail_executor(comm, opts.dims, opts.dtype, opts.latent_norm, opts.rms_norm_eps,
-                                            norm_weight, up_proj_weight, opts.max_tokens);
+  impl_->executor =
+      backend_ops(opts.backend)
+          .make_tail_executor(comm, opts.dims, opts.dtype, opts.latent_norm, opts.rms_norm_eps,
+                              norm_weight, up_proj_weight, opts.max_tokens);
 }
 
 LatentTail::~LatentTail() = default;
@@ -202,7 +208,8 @@ const TailOptions& LatentTail::options() const { return impl_->options; }
 int LatentTail::tp_rank() const { return impl_->comm.rank(); }
 int LatentTail::tp_size() const { return impl_->comm.size(); }
 
-TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype, int tp) {
+TierSupport tier_support(Backend backend, std::int64_t num_tokens, TailDims dims, DType dtype,
+                         int tp) {
   TierSupport support;
   const TailProblem problem{num_tokens, dims, dtype, tp};
   for (TailTier tier : kAllTiers) {
@@ -236,20 +243,22 @@ std::string LatentTail::explain(std::int64_t num_tokens) const {
 
 const std::vector<std::string>& LatentTail::table_warnings() const { return impl_->table_warnings; }
 
-std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView shared, MatrixView out,
-                                            std::optional<TailTier> tier, StreamHandle stream) {
+std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView shared,
+                                            MatrixView out, std::optional<TailTier> tier,
+                                            StreamHandle stream) {
   const std::int64_t tokens = routed.rows;
   std::optional<std::string> error = impl_->device_tokens_failure();
   if (!error) {
-    error = validate_call(impl_->options, impl_->executor->memory_space(), routed, as_const(shared), as_const(out));
+    error = validate_call(impl_->options, impl_->executor->memory_space(), routed, as_const(shared),
+                          as_const(out));
   }
   std::optional<TailTier> chosen;
   if (!error && tokens > 0) {
     if (tier) {
       const TierSupport can = support(tokens);
       if (auto declined = can.declined[static_cast<std::size_t>(*tier)]) {
-        error = "tier " + std::string(tier_name(*tier)) + " cannot run T=" + std::to_string(tokens) +
-                ": " + *declined;
+        error = "tier " + std::string(tier_name(*tier)) +
+                " cannot run T=" + std::to_string(tokens) + ": " + *declined;
       } else {
         chosen = tier;
       }
@@ -264,7 +273,8 @@ std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView s
   }
 
   if (!error && chosen) {
-    if (auto limit = impl_->executor->call_limit(*chosen, routed, as_const(shared), as_const(out))) {
+    if (auto limit =
+            impl_->executor->call_limit(*chosen, routed, as_const(shared), as_const(out))) {
       error = "tier " + std::string(tier_name(*chosen)) + " cannot run on these buffers: " + *limit;
     }
   }
@@ -289,21 +299,24 @@ std::optional<TailTier> LatentTail::forward(ConstMatrixView routed, MatrixView s
 
 namespace lmoe {
 
-std::vector<DeviceTokenBucket> LatentTail::device_token_buckets(std::optional<TailTier> tier) const {
+std::vector<DeviceTokenBucket> LatentTail::device_token_buckets(
+    std::optional<TailTier> tier) const {
   const std::int64_t max_tokens = impl_->options.max_tokens;
   const int key = tier ? static_cast<int>(*tier) : -1;
-  if (const auto found = impl_->device_buckets.find(key); found != impl_->device_buckets.end()) return found->second;
+  if (const auto found = impl_->device_buckets.find(key); found != impl_->device_buckets.end())
+    return found->second;
   const auto choose = [&](std::int64_t tokens) -> DeviceTokenChoice {
     TierSupport can = support(tokens);
     for (TailTier each : kAllTiers) {
       auto& declined = can.declined[static_cast<std::size_t>(each)];
       if (declined) continue;
-      if (auto limit = impl_->device_tokens_limit(each)) declined = "with T read on the device: " + *limit;
+      if (auto limit = impl_->device_tokens_limit(each))
+        declined = "with T read on the device: " + *limit;
     }
     if (tier) {
       if (const auto& declined = can.declined[static_cast<std::size_t>(*tier)]) {
-        return {std::nullopt, "tier " + std::string(tier_name(*tier)) + " cannot run T=" + std::to_string(tokens) +
-                                  ": " + *declined};
+        return {std::nullopt, "tier " + std::string(tier_name(*tier)) +
+                                  " cannot run T=" + std::to_string(tokens) + ": " + *declined};
       }
       return {tier, {}};
     }
@@ -320,23 +333,28 @@ void LatentTail::check_device_tokens() {
 }
 
 void LatentTail::forward_device_tokens(ConstMatrixView routed, MatrixView shared, MatrixView out,
-                                       const std::int32_t* tokens_device, std::optional<TailTier> tier,
-                                       StreamHandle stream) {
+                                       const std::int32_t* tokens_device,
+                                       std::optional<TailTier> tier, StreamHandle stream) {
   const TailOptions& opts = impl_->options;
   const std::int64_t max_tokens = opts.max_tokens;
   std::optional<std::string> error = impl_->device_tokens_failure();
   if (!error && opts.backend != Backend::cuda) {
-    error = "forward_device_tokens needs the cuda backend, not " + std::string(backend_name(opts.backend));
+    error = "forward_device_tokens needs the cuda backend, not " +
+            std::string(backend_name(opts.backend));
   }
   if (!error && max_tokens <= 0) {
-    error = "forward_device_tokens needs TailOptions::max_tokens > 0 (the rows of its views), got " +
-            std::to_string(max_tokens);
+    error =
+        "forward_device_tokens needs TailOptions::max_tokens > 0 (the rows of its views), got " +
+        std::to_string(max_tokens);
   }
-  if (!error && tokens_device == nullptr) error = "tokens_device: expected a device pointer to T (int32), got null";
-  if (!error) error = validate_call(opts, impl_->executor->memory_space(), routed, as_const(shared), as_const(out));
+  if (!error && tokens_device == nullptr)
+    error = "tokens_device: expected a device pointer to T (int32), got null";
+  if (!error)
+    error = validate_call(opts, impl_->executor->memory_space(), routed, as_const(shared),
+                          as_const(out));
   if (!error && routed.rows != max_tokens) {
-    error = "routed: expected max_tokens=" + std::to_string(max_tokens) + " rows (T is read on the device), got " +
-            std::to_string(routed.rows) + " rows";
+    error = "routed: expected max_tokens=" + std::to_string(max_tokens) +
+            " rows (T is read on the device), got " + std::to_string(routed.rows) + " rows";
   }
 
   std::vector<DeviceTokenBucket> buckets;
@@ -344,11 +362,14 @@ void LatentTail::forward_device_tokens(ConstMatrixView routed, MatrixView shared
   std::int64_t tokens = -1;  // read on the host outside capture
   const DeviceTokenBucket* bucket = nullptr;
   DeviceTokensRunner* runner = error ? nullptr : impl_->device_tokens();
-  if (!error && runner == nullptr) error = "forward_device_tokens: this backend cannot read T on the device";
+  if (!error && runner == nullptr)
+    error = "forward_device_tokens: this backend cannot read T on the device";
   if (!error) {
     buckets = device_token_buckets(tier);
-    if (std::none_of(buckets.begin(), buckets.end(), [](const DeviceTokenBucket& b) { return b.tier.has_value(); })) {
-      error = "forward_device_tokens: no tier can run any T up to max_tokens=" + std::to_string(max_tokens) +
+    if (std::none_of(buckets.begin(), buckets.end(),
+                     [](const DeviceTokenBucket& b) { return b.tier.has_value(); })) {
+      error = "forward_device_tokens: no tier can run any T up to max_tokens=" +
+              std::to_string(max_tokens) +
               " with T read on the device (T=1: " + buckets.front().reason + ")";
     }
   }
@@ -356,8 +377,10 @@ void LatentTail::forward_device_tokens(ConstMatrixView routed, MatrixView shared
     // The fused kernel's vector accesses need aligned buffers: asked of every tier that may run.
     for (const DeviceTokenBucket& b : buckets) {
       if (!b.tier) continue;
-      if (auto limit = impl_->executor->call_limit(*b.tier, routed, as_const(shared), as_const(out))) {
-        error = "tier " + std::string(tier_name(*b.tier)) + " cannot run on these buffers: " + *limit;
+      if (auto limit =
+              impl_->executor->call_limit(*b.tier, routed, as_const(shared), as_const(out))) {
+        error =
+            "tier " + std::string(tier_name(*b.tier)) + " cannot run on these buffers: " + *limit;
         break;
       }
     }
@@ -367,12 +390,14 @@ void LatentTail::forward_device_tokens(ConstMatrixView routed, MatrixView shared
     if (!capture) {
       tokens = runner->read_device_tokens(tokens_device, stream);
       if (tokens < 0 || tokens > max_tokens) {
-        error = "T=" + std::to_string(tokens) + " read from tokens_device is outside [0, max_tokens=" +
-                std::to_string(max_tokens) + "]";
+        error = "T=" + std::to_string(tokens) +
+                " read from tokens_device is outside [0, max_tokens=" + std::to_string(max_tokens) +
+                "]";
       } else if (tokens > 0) {
         bucket = &*std::find_if(buckets.begin(), buckets.end(),
                                 [&](const DeviceTokenBucket& b) { return tokens <= b.max_tokens; });
-        if (!bucket->tier) error = "T=" + std::to_string(tokens) + " read from tokens_device: " + bucket->reason;
+        if (!bucket->tier)
+          error = "T=" + std::to_string(tokens) + " read from tokens_device: " + bucket->reason;
       }
     }
   }

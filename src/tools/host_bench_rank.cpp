@@ -6,9 +6,9 @@
 #include <utility>
 #include <vector>
 
+#include "lmoe/error.hpp"
 #include "tools/bench_rank.hpp"
 #include "tools/bench_values.hpp"
-#include "lmoe/error.hpp"
 
 namespace lmoe {
 

@@ -10,13 +10,13 @@
 #include <memory>
 #include <set>
 
-#include "tools/bench_rank.hpp"
-#include "tools/bench_values.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/tools/tier_tuning.hpp"
 #include "runtime/backend_registry.hpp"
+#include "tools/bench_rank.hpp"
+#include "tools/bench_values.hpp"
 
 namespace lmoe {
 
@@ -71,9 +71,12 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
 
 std::string_view bench_mode_name(BenchMode mode) {
   switch (mode) {
-    case BenchMode::eager: return "eager";
-    case BenchMode::graph: return "graph";
-    case BenchMode::device_tokens: return "device-tokens";
+    case BenchMode::eager:
+      return "eager";
+    case BenchMode::graph:
+      return "graph";
+    case BenchMode::device_tokens:
+      return "device-tokens";
   }
   return "eager";
 }
@@ -82,7 +85,8 @@ BenchMode parse_bench_mode(std::string_view name) {
   if (name == "eager") return BenchMode::eager;
   if (name == "graph") return BenchMode::graph;
   if (name == "device-tokens") return BenchMode::device_tokens;
-  throw Error("unknown bench mode '" + std::string(name) + "': expected eager, graph or device-tokens");
+  throw Error("unknown bench mode '" + std::string(name) +
+              "': expected eager, graph or device-tokens");
 }
 
 std::vector<std::int64_t> default_bench_tokens(Backend backend) {
@@ -115,9 +119,10 @@ void validate_bench_options(const BenchOptions& options) {
              "bench: dims: expected positive d_model and d_latent, got " +
                  std::to_string(options.dims.d_model) + " and " +
                  std::to_string(options.dims.d_latent));
-  LMOE_CHECK(!(options.backend == Backend::cpu && options.mode && *options.mode != BenchMode::eager),
-             "bench: mode " + std::string(bench_mode_name(options.mode.value_or(BenchMode::eager))) +
-                 " needs the cuda backend (the cpu backend has no graphs)");
+  LMOE_CHECK(
+      !(options.backend == Backend::cpu && options.mode && *options.mode != BenchMode::eager),
+      "bench: mode " + std::string(bench_mode_name(options.mode.value_or(BenchMode::eager))) +
+          " needs the cuda backend (the cpu backend has no graphs)");
   LMOE_CHECK(!(options.backend == Backend::cpu && options.cold_l2),
              "bench: cold_l2 (--cold-l2) needs the cuda backend: the cpu backend has no device L2 "
              "to evict");
@@ -172,7 +177,8 @@ struct ModeChoice {
   std::string reason;
 };
 
-ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, std::int64_t max_tokens) {
+ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm,
+                       std::int64_t max_tokens) {
   if (options.backend == Backend::cpu)
     return {BenchMode::eager, "the cpu backend runs on the host"};
   const std::string comm_name(comm.backend_name());
@@ -183,8 +189,9 @@ ModeChoice choose_mode(const BenchOptions& options, const Communicator& comm, st
   if (options.mode == BenchMode::eager) return {BenchMode::eager, "eager mode requested"};
   if (options.mode == BenchMode::device_tokens) {
     if (why_not) throw Error("bench: device-tokens mode cannot run: " + *why_not);
-    return {BenchMode::device_tokens, "one graph per tier for every T (read on the device), workspaces sized for T=" +
-                                          std::to_string(max_tokens)};
+    return {BenchMode::device_tokens,
+            "one graph per tier for every T (read on the device), workspaces sized for T=" +
+                std::to_string(max_tokens)};
   }
   if (!why_not) {
     return {BenchMode::graph,
@@ -287,7 +294,8 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
       const Job& job = jobs[j];
       JobSlot& slot = slots[j];
       if (rank == 0) meter.report(first_progress_index + j, comm_name, job.tokens, job.tier);
-      std::optional<std::string> declined = tail.support(job.tokens).declined[static_cast<std::size_t>(job.tier)];
+      std::optional<std::string> declined =
+          tail.support(job.tokens).declined[static_cast<std::size_t>(job.tier)];
       if (!declined && mode.mode == BenchMode::device_tokens) {
         // The tier's buckets with T read on the device (a bucket without it: the reason).
         for (const DeviceTokenBucket& bucket : tail.device_token_buckets(job.tier)) {
@@ -478,9 +486,9 @@ BenchEnvironment bench_environment(Backend backend) {
   const BackendOps& ops = backend_ops(backend);
   if (ops.built()) {
     if (const std::optional<DeviceDescription> device = ops.device()) {
-      environment.gpu = BenchEnvironment::Gpu{device->name, device->compute_capability,
-                                              device->driver_version, device->runtime_version,
-                                              device->device_count};
+      environment.gpu =
+          BenchEnvironment::Gpu{device->name, device->compute_capability, device->driver_version,
+                                device->runtime_version, device->device_count};
       environment.nccl_version = device->nccl_version;
       environment.driver_version = nvidia_driver_version();
     }

@@ -4,8 +4,8 @@
 #include <chrono>
 #include <cstring>
 
-#include "lmoe/error.hpp"
 #include "lmoe/comm_group.hpp"
+#include "lmoe/error.hpp"
 
 #ifdef LMOE_HAS_CUDA
 #include "tools/cuda/cuda_tail_runner.hpp"
@@ -13,9 +13,11 @@
 
 namespace lmoe {
 
-TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const RunOptions& options) {
-  LMOE_CHECK(comm.size() == c.tp, "the case has tp=" + std::to_string(c.tp) + " but the communicator has " +
-                                      std::to_string(comm.size()) + " ranks");
+TailOptions tail_options_for(const TailCase& c, const Communicator& comm,
+                             const RunOptions& options) {
+  LMOE_CHECK(comm.size() == c.tp, "the case has tp=" + std::to_string(c.tp) +
+                                      " but the communicator has " + std::to_string(comm.size()) +
+                                      " ranks");
   TailOptions tail_options;
   tail_options.dims = c.dims;
   tail_options.rms_norm_eps = c.eps;
@@ -25,7 +27,8 @@ TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const 
   tail_options.policy = options.policy;
   // GPU workspaces are allocated once, at construction: capture needs it, and a device allocation
   // in the middle of a forward would stall ranks that share a GPU and spin on each other (p2p).
-  if (options.backend == Backend::cuda) tail_options.max_tokens = std::max<std::int64_t>(c.num_tokens, 1);
+  if (options.backend == Backend::cuda)
+    tail_options.max_tokens = std::max<std::int64_t>(c.num_tokens, 1);
   return tail_options;
 }
 
@@ -49,9 +52,11 @@ RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& o
     run.y.fill_bytes(std::byte{0xff});  // NaN in every dtype: an unwritten element cannot pass
     comm.barrier();
     const auto start = std::chrono::steady_clock::now();
-    run.tier = tail.forward(c.routed.slice_matrix(rank), shared.matrix(), run.y.matrix(), options.tier);
+    run.tier =
+        tail.forward(c.routed.slice_matrix(rank), shared.matrix(), run.y.matrix(), options.tier);
     comm.barrier();
-    run.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    run.seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return run;
 }
@@ -62,7 +67,8 @@ CaseRun run_case_on_threads(const TailCase& c, const RunOptions& options) {
   const auto run_rank = [&](int rank, Communicator& comm) {
     result.ranks[static_cast<std::size_t>(rank)] = run_case_rank(c, comm, options);
   };
-  run_comm_group(options.comm.empty() ? default_comm_backend(options.backend) : options.comm, c.tp, run_rank);
+  run_comm_group(options.comm.empty() ? default_comm_backend(options.backend) : options.comm, c.tp,
+                 run_rank);
   const RankRun& first = result.ranks.front();
   result.tier = first.tier;
   for (const RankRun& rank : result.ranks) {

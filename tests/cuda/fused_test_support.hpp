@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "core/host_math.hpp"
-#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/fused/fused_tail.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
@@ -30,8 +30,8 @@
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/threads_communicator.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace lmoe_fused_test {
 

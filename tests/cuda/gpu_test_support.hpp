@@ -28,15 +28,19 @@
     if (lmoe::cuda_device_count() < (gpus)) GTEST_SKIP() << (why); \
   } while (0)
 
-inline void cuda_ok(cudaError_t status) { ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status); }
+inline void cuda_ok(cudaError_t status) {
+  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+}
 
 // `count` normal values in `dtype`, from `seed`: sums of them round differently in another order,
 // so only the rank-order sum matches bit for bit.
-inline std::vector<std::byte> random_values(std::size_t count, lmoe::DType dtype, std::uint64_t seed) {
+inline std::vector<std::byte> random_values(std::size_t count, lmoe::DType dtype,
+                                            std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<std::byte> bytes(count * lmoe::dtype_size(dtype));
-  for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
+  for (std::size_t i = 0; i < count; ++i)
+    lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
   return bytes;
 }
 // An environment variable set (or, with a null value, unset) for one scope, then restored.

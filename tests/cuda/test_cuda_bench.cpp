@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
-#include "tools/bench_rank.hpp"
-#include "tools/cuda/bench_fill.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "tools/cuda/l2_evict.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/tools/tail_bench.hpp"
+#include "tools/bench_rank.hpp"
+#include "tools/cuda/bench_fill.hpp"
+#include "tools/cuda/l2_evict.hpp"
 
 namespace {
 

@@ -14,8 +14,8 @@
 #include "core/host_math.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {

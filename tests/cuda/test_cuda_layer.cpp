@@ -22,20 +22,20 @@
 #include <numeric>
 #include <random>
 
-#include "core/router_weight_split.hpp"
 #include "core/host_math.hpp"
+#include "core/router_weight_split.hpp"
 #include "cuda/layer/cuda_layer_executor.hpp"
-#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "gpu_test_support.hpp"
 #include "layer_checks.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_moe_layer.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/router.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 
 namespace {
 

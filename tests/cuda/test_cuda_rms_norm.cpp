@@ -13,13 +13,13 @@
 #include <string>
 #include <vector>
 
-#include "gpu_test_support.hpp"
 #include "core/fast_random.hpp"
 #include "core/host_math.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "cuda/tail/launchers.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {

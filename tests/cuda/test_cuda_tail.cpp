@@ -1,6 +1,6 @@
 // The CUDA backend against the CPU contract: the same-GPU collectives bit for bit, and every tier ×
-// tp × T × dtype within the contract's bound (random inputs) and bit for bit (crafted exact inputs),
-// with all ranks sharing one GPU. Every test skips where no GPU is visible.
+// tp × T × dtype within the contract's bound (random inputs) and bit for bit (crafted exact
+// inputs), with all ranks sharing one GPU. Every test skips where no GPU is visible.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -11,11 +11,11 @@
 #include <set>
 #include <vector>
 
-#include "gpu_test_support.hpp"
-#include "core/rank_order_reduce.hpp"
 #include "core/host_math.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/cuda_communicator.hpp"
 #include "lmoe/error.hpp"
@@ -28,18 +28,19 @@ namespace {
 using lmoe::DType;
 using lmoe::TailTier;
 
-const lmoe::TailDims kSmall{384, 192};   // divisible by 8·tp for tp ∈ {1, 2, 4, 8}
+const lmoe::TailDims kSmall{384, 192};  // divisible by 8·tp for tp ∈ {1, 2, 4, 8}
 const lmoe::TailDims kK3{7168, 3584};
 
-constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused};
+constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token,
+                                  TailTier::fused};
 
 // The GPU communicators that keep the contract's rank-order sums (bit for bit on every rank).
 const char* const kExactComms[] = {"cuda-threads", "p2p"};
 
 // Skips the test when the communicator cannot host tp ranks on this machine (comm_group_limit).
-#define SKIP_UNLESS_COMM_CAN_RUN(comm, tp)                                         \
-  do {                                                                             \
-    if (auto limit = lmoe::comm_group_limit(comm, tp)) GTEST_SKIP() << *limit;     \
+#define SKIP_UNLESS_COMM_CAN_RUN(comm, tp)                                     \
+  do {                                                                         \
+    if (auto limit = lmoe::comm_group_limit(comm, tp)) GTEST_SKIP() << *limit; \
   } while (0)
 
 // Where the fused kernel declines (its own tests: test_fused_tail.cpp): f32, more than 256 tokens,
@@ -48,13 +49,15 @@ bool fused_declines(const std::string& comm, int tp, DType dtype, std::int64_t t
   return dtype == DType::f32 || tokens > 256 || (tp > 1 && comm != "p2p");
 }
 
-lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier, const std::string& comm, bool graph = false) {
+lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier, const std::string& comm,
+                      bool graph = false) {
   lmoe::RunOptions options;
   options.backend = lmoe::Backend::cuda;
   options.comm = comm;
   options.tier = tier;
   options.graph = graph;
-  options.repeats = graph ? 2 : 1;  // a graph is replayed twice: the second replay must not see the first's state
+  options.repeats =
+      graph ? 2 : 1;  // a graph is replayed twice: the second replay must not see the first's state
   return lmoe::run_case_on_threads(c, options);
 }
 
@@ -87,7 +90,8 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
   SKIP_UNLESS_COMM_CAN_RUN(comm_name, tp);
   const std::size_t esize = lmoe::dtype_size(dtype);
   for (bool exact : {true, false}) {
-    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4096 + 3}, std::size_t{1} << 20}) {
+    for (std::size_t count :
+         {std::size_t{1}, std::size_t{7}, std::size_t{4096 + 3}, std::size_t{1} << 20}) {
       SCOPED_TRACE("count " + std::to_string(count) + (exact ? " exact" : " random"));
       // Host inputs in the storage dtype and the expected sums.
       std::vector<std::vector<std::byte>> inputs(static_cast<std::size_t>(tp));
@@ -95,7 +99,8 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
       for (int r = 0; r < tp; ++r) {
         const auto values = collective_input(r, count, exact, count);
         inputs[r].resize(count * esize);
-        for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(inputs[r].data(), i, dtype, values[i]);
+        for (std::size_t i = 0; i < count; ++i)
+          lmoe::store_from_float(inputs[r].data(), i, dtype, values[i]);
         input_ptrs.push_back(inputs[r].data());
       }
       std::vector<std::byte> expected(count * esize);
@@ -128,7 +133,8 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
         comm.barrier();
         comm.reduce_scatter(buffer, my_block, counts, dtype, stream);
         if (counts[rank]) {
-          cuda_ok(cudaMemcpyAsync(scattered_copy, my_block, counts[rank] * esize, cudaMemcpyDeviceToDevice, stream));
+          cuda_ok(cudaMemcpyAsync(scattered_copy, my_block, counts[rank] * esize,
+                                  cudaMemcpyDeviceToDevice, stream));
         }
         comm.all_reduce(buffer, buffer, count, dtype, stream);
         comm.all_gather(my_block, other, counts, dtype, stream);
@@ -136,10 +142,12 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
         comm.barrier();
         auto& s = scattered[rank];
         s.resize(counts[rank] * esize);
-        if (!s.empty()) cuda_ok(cudaMemcpy(s.data(), scattered_copy, s.size(), cudaMemcpyDeviceToHost));
+        if (!s.empty())
+          cuda_ok(cudaMemcpy(s.data(), scattered_copy, s.size(), cudaMemcpyDeviceToHost));
         all_reduced[rank].resize(count * esize);
         gathered[rank].resize(count * esize);
-        cuda_ok(cudaMemcpy(all_reduced[rank].data(), buffer, count * esize, cudaMemcpyDeviceToHost));
+        cuda_ok(
+            cudaMemcpy(all_reduced[rank].data(), buffer, count * esize, cudaMemcpyDeviceToHost));
         cuda_ok(cudaMemcpy(gathered[rank].data(), other, count * esize, cudaMemcpyDeviceToHost));
         cuda_ok(cudaFree(scattered_copy));
         cuda_ok(cudaStreamDestroy(stream));
@@ -147,9 +155,12 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
         cuda_ok(cudaFree(other));
       });
       for (int r = 0; r < tp; ++r) {
-        EXPECT_EQ(0, std::memcmp(all_reduced[r].data(), expected.data(), expected.size())) << "all_reduce rank " << r;
-        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size())) << "all_gather rank " << r;
-        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + offsets[r] * esize, scattered[r].size()))
+        EXPECT_EQ(0, std::memcmp(all_reduced[r].data(), expected.data(), expected.size()))
+            << "all_reduce rank " << r;
+        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size()))
+            << "all_gather rank " << r;
+        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + offsets[r] * esize,
+                                 scattered[r].size()))
             << "reduce_scatter rank " << r;
       }
     }
@@ -157,7 +168,9 @@ TEST_P(CudaCollectives, MatchTheHostRankOrderSumBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(CommTpDtype, CudaCollectives,
-                         ::testing::Combine(::testing::Values(std::string("cuda-threads"), std::string("p2p")), ::testing::Values(1, 2, 3, 4, 8),
+                         ::testing::Combine(::testing::Values(std::string("cuda-threads"),
+                                                              std::string("p2p")),
+                                            ::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Values(DType::bf16, DType::f16, DType::f32)),
                          [](const auto& info) {
                            std::string comm = std::get<0>(info.param);
@@ -172,7 +185,8 @@ TEST(CudaCollectives, RejectsWrongCountsAndTooManyRanks) {
   EXPECT_THROW(lmoe::run_on_cuda_threads(2, 0,
                                          [](int, lmoe::Communicator& comm) {
                                            const std::vector<std::size_t> counts = {1};
-                                           comm.all_gather(nullptr, nullptr, counts, DType::f32, nullptr);
+                                           comm.all_gather(nullptr, nullptr, counts, DType::f32,
+                                                           nullptr);
                                          }),
                lmoe::Error);
 }
@@ -200,7 +214,8 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
     double worst = 0;
     for (std::int64_t tokens : token_counts(tp)) {
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
-      const std::uint64_t seed = 1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
+      const std::uint64_t seed =
+          1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
       const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
       if ((tier == TailTier::token && tokens < tp) ||
           (tier == TailTier::fused && fused_declines(comm, tp, dtype, tokens))) {
@@ -211,7 +226,8 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
       EXPECT_TRUE(result.ranks_identical);
       ASSERT_EQ(result.tier, tier);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
       EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
       elements += cmp.elements;
@@ -219,10 +235,11 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
       worst = std::max(worst, cmp.max_error_over_bound);
     }
     // Not asserted (the GEMM's order is free): how far cuBLASLt's order moves results.
-    std::printf("[ parity ] %-12s%s %-7s tp=%d %-4s elements=%lld bit_mismatches=%lld max_err/bound=%.3f\n",
-                comm.c_str(), graph ? "+graph" : "      ", std::string(lmoe::tier_name(tier)).c_str(), tp,
-                std::string(lmoe::dtype_name(dtype)).c_str(),
-                static_cast<long long>(elements), static_cast<long long>(mismatches), worst);
+    std::printf(
+        "[ parity ] %-12s%s %-7s tp=%d %-4s elements=%lld bit_mismatches=%lld max_err/bound=%.3f\n",
+        comm.c_str(), graph ? "+graph" : "      ", std::string(lmoe::tier_name(tier)).c_str(), tp,
+        std::string(lmoe::dtype_name(dtype)).c_str(), static_cast<long long>(elements),
+        static_cast<long long>(mismatches), worst);
   }
 }
 
@@ -230,8 +247,10 @@ TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
   SKIP_WITHOUT_GPU();
   const auto [comm, tp, dtype, graph] = GetParam();
   SKIP_UNLESS_COMM_CAN_RUN(comm, tp);
-  for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
-    const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
+  for (std::int64_t tokens :
+       {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
+    const lmoe::TailCase c =
+        lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : kGpuTiers) {
       if (tier == TailTier::token && tokens < tp) continue;  // declined: covered by the random test
       if (tier == TailTier::fused && fused_declines(comm, tp, dtype, tokens)) continue;
@@ -240,7 +259,8 @@ TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
       EXPECT_TRUE(result.ranks_identical);
       ASSERT_EQ(result.tier, tier);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
       EXPECT_EQ(cmp.bit_mismatches, 0);
     }
   }
@@ -249,8 +269,14 @@ TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
 std::vector<ParityParam> parity_params() {
   std::vector<ParityParam> params;
   for (const char* comm : kExactComms) {
-    for (const auto& [tp, dtype] : {std::pair{1, DType::bf16}, {2, DType::bf16}, {4, DType::bf16}, {8, DType::bf16},
-                                    {2, DType::f16}, {8, DType::f16}, {2, DType::f32}, {8, DType::f32}}) {
+    for (const auto& [tp, dtype] : {std::pair{1, DType::bf16},
+                                    {2, DType::bf16},
+                                    {4, DType::bf16},
+                                    {8, DType::bf16},
+                                    {2, DType::f16},
+                                    {8, DType::f16},
+                                    {2, DType::f32},
+                                    {8, DType::f32}}) {
       params.push_back({comm, tp, dtype});
     }
   }
@@ -259,43 +285,50 @@ std::vector<ParityParam> parity_params() {
   return params;
 }
 
-INSTANTIATE_TEST_SUITE_P(CommTpDtype, CudaTailParity, ::testing::ValuesIn(parity_params()), [](const auto& info) {
-  std::string comm = info.param.comm;
-  std::replace(comm.begin(), comm.end(), '-', '_');
-  return comm + (info.param.graph ? "_graph" : "") + "_tp" + std::to_string(info.param.tp) + "_" +
-         std::string(lmoe::dtype_name(info.param.dtype));
-});
+INSTANTIATE_TEST_SUITE_P(CommTpDtype, CudaTailParity, ::testing::ValuesIn(parity_params()),
+                         [](const auto& info) {
+                           std::string comm = info.param.comm;
+                           std::replace(comm.begin(), comm.end(), '-', '_');
+                           return comm + (info.param.graph ? "_graph" : "") + "_tp" +
+                                  std::to_string(info.param.tp) + "_" +
+                                  std::string(lmoe::dtype_name(info.param.dtype));
+                         });
 
 TEST(CudaTailK3, Bf16Tp8AtModelDims) {
   SKIP_WITHOUT_GPU();
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{129}}) {
-    const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, 8, tokens, 4242u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, 8, tokens,
+                                                    4242u + static_cast<std::uint64_t>(tokens));
     const std::vector<double> exact = lmoe::exact_tail(c);
     for (const char* comm : kExactComms) {
-    if (auto limit = lmoe::comm_group_limit(comm, 8)) {
-      std::printf("[ k3     ] %s skipped: %s\n", comm, limit->c_str());
-      continue;
-    }
-    for (TailTier tier : {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused}) {
-      if (tier == TailTier::token && tokens < 8) continue;
-      if (tier == TailTier::fused && fused_declines(comm, 8, DType::bf16, tokens)) continue;
-      SCOPED_TRACE(std::string(comm) + " tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
-      lmoe::RunOptions options;
-      options.backend = lmoe::Backend::cuda;
-      options.comm = comm;
-      options.tier = tier;
-      options.repeats = 5;  // the median is printed for information only (host barriers included)
-      const lmoe::CaseRun result = lmoe::run_case_on_threads(c, options);
-      EXPECT_TRUE(result.ranks_identical);
-      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, exact);
-      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
-      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
-      std::printf("[ k3     ] %-12s %-7s T=%lld bit_mismatches=%lld/%lld max_err/bound=%.3f normwise=%.2e median_ms=%.3f\n",
-                  comm, std::string(lmoe::tier_name(tier)).c_str(), static_cast<long long>(tokens),
-                  static_cast<long long>(cmp.bit_mismatches), static_cast<long long>(cmp.elements),
-                  cmp.max_error_over_bound, cmp.normwise_error, result.median_seconds * 1e3);
-    }
+      if (auto limit = lmoe::comm_group_limit(comm, 8)) {
+        std::printf("[ k3     ] %s skipped: %s\n", comm, limit->c_str());
+        continue;
+      }
+      for (TailTier tier :
+           {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused}) {
+        if (tier == TailTier::token && tokens < 8) continue;
+        if (tier == TailTier::fused && fused_declines(comm, 8, DType::bf16, tokens)) continue;
+        SCOPED_TRACE(std::string(comm) + " tier " + std::string(lmoe::tier_name(tier)) +
+                     " T=" + std::to_string(tokens));
+        lmoe::RunOptions options;
+        options.backend = lmoe::Backend::cuda;
+        options.comm = comm;
+        options.tier = tier;
+        options.repeats = 5;  // the median is printed for information only (host barriers included)
+        const lmoe::CaseRun result = lmoe::run_case_on_threads(c, options);
+        EXPECT_TRUE(result.ranks_identical);
+        const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+        const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, exact);
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+        std::printf(
+            "[ k3     ] %-12s %-7s T=%lld bit_mismatches=%lld/%lld max_err/bound=%.3f "
+            "normwise=%.2e median_ms=%.3f\n",
+            comm, std::string(lmoe::tier_name(tier)).c_str(), static_cast<long long>(tokens),
+            static_cast<long long>(cmp.bit_mismatches), static_cast<long long>(cmp.elements),
+            cmp.max_error_over_bound, cmp.normwise_error, result.median_seconds * 1e3);
+      }
     }
   }
 }
@@ -310,20 +343,23 @@ TEST(CudaTailTp1, FusedOneLaunchPathMeetsTheContract) {
   for (const lmoe::TailDims dims : {kSmall, kK3}) {
     for (DType dtype : {DType::bf16, DType::f16}) {
       for (std::int64_t tokens : {1, 2, 5, 8, 15, 16, 17}) {
-        SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " " + std::string(lmoe::dtype_name(dtype)) +
-                     " T=" + std::to_string(tokens));
-        const auto seed = static_cast<std::uint64_t>(tokens) * 7 + static_cast<std::uint64_t>(dtype);
+        SCOPED_TRACE("d=" + std::to_string(dims.d_model) + " " +
+                     std::string(lmoe::dtype_name(dtype)) + " T=" + std::to_string(tokens));
+        const auto seed =
+            static_cast<std::uint64_t>(tokens) * 7 + static_cast<std::uint64_t>(dtype);
         const lmoe::TailCase random = lmoe::make_random_case(dims, 1e-5f, dtype, 1, tokens, seed);
         const lmoe::CaseRun result = run_gpu(random, TailTier::fused, "cuda-threads");
         const auto reference = lmoe::reference_tail(random, lmoe::contract_of(TailTier::fused));
-        const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(random));
+        const lmoe::Comparison cmp =
+            lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(random));
         EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
         EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
         const lmoe::TailCase exact = lmoe::make_exact_case(dims, dtype, 1, tokens, seed);
         const lmoe::CaseRun exact_result = run_gpu(exact, TailTier::fused, "cuda-threads");
-        const lmoe::Comparison exact_cmp = lmoe::compare(
-            exact_result.ranks[0].y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
-            lmoe::exact_tail(exact));
+        const lmoe::Comparison exact_cmp =
+            lmoe::compare(exact_result.ranks[0].y.matrix(),
+                          lmoe::reference_tail(exact, lmoe::contract_of(TailTier::fused)),
+                          lmoe::exact_tail(exact));
         EXPECT_EQ(exact_cmp.bit_mismatches, 0);
       }
     }
@@ -338,57 +374,69 @@ TEST(CudaTail, OutMayBeSharedOnTheDefaultStreamAsTGrowsAndShrinks) {
   const std::vector<std::int64_t> token_steps = {5, 300, 64};
   std::vector<lmoe::TailCase> cases;
   for (std::int64_t tokens : token_steps) {
-    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 900u + static_cast<std::uint64_t>(tokens)));
+    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens,
+                                           900u + static_cast<std::uint64_t>(tokens)));
     cases.back().norm_weight = cases.front().norm_weight;  // one tail, one set of weights
     cases.back().up_proj_weight = cases.front().up_proj_weight;
   }
   for (const char* comm_name : kExactComms) {
-  if (lmoe::comm_group_limit(comm_name, tp)) continue;  // p2p on one GPU: opt-in (LMOE_P2P_SHARED_GPU)
-  for (TailTier tier : kGpuTiers) {
-    if (tier == TailTier::fused) continue;  // T = 300 is beyond fused's workspace (declined)
-    SCOPED_TRACE(std::string(comm_name) + " tier " + std::string(lmoe::tier_name(tier)));
-    std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(), std::vector<lmoe::HostTensor>(tp));
-    lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
-      lmoe::TailOptions options;
-      options.dims = kSmall;
-      options.backend = lmoe::Backend::cuda;
-      // p2p ranks spin on each other on one GPU, so no rank may allocate (grow a workspace) while a
-      // peer's collective is in flight: there the workspaces are sized once, and T moves within them.
-      if (std::string(comm_name) == "p2p") options.max_tokens = 300;
-      lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+    if (lmoe::comm_group_limit(comm_name, tp))
+      continue;  // p2p on one GPU: opt-in (LMOE_P2P_SHARED_GPU)
+    for (TailTier tier : kGpuTiers) {
+      if (tier == TailTier::fused) continue;  // T = 300 is beyond fused's workspace (declined)
+      SCOPED_TRACE(std::string(comm_name) + " tier " + std::string(lmoe::tier_name(tier)));
+      std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(),
+                                                         std::vector<lmoe::HostTensor>(tp));
+      lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
+        lmoe::TailOptions options;
+        options.dims = kSmall;
+        options.backend = lmoe::Backend::cuda;
+        // p2p ranks spin on each other on one GPU, so no rank may allocate (grow a workspace) while
+        // a peer's collective is in flight: there the workspaces are sized once, and T moves within
+        // them.
+        if (std::string(comm_name) == "p2p") options.max_tokens = 300;
+        lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(),
+                              cases[0].up_proj_weight.matrix());
+        for (std::size_t i = 0; i < cases.size(); ++i) {
+          const lmoe::TailCase& c = cases[i];
+          const std::int64_t tokens = c.num_tokens;
+          const lmoe::ConstMatrixView routed_in = c.routed.slice_matrix(rank),
+                                      shared_in = c.shared.slice_matrix(rank);
+          const std::size_t routed_bytes = static_cast<std::size_t>(tokens * kSmall.d_latent) * 2;
+          const std::size_t shared_bytes = static_cast<std::size_t>(tokens * kSmall.d_model) * 2;
+          const lmoe::cuda::DeviceBuffer routed(routed_bytes), shared(shared_bytes);
+          cuda_ok(cudaMemcpy(routed.data(), routed_in.data, routed_bytes, cudaMemcpyHostToDevice));
+          cuda_ok(cudaMemcpy(shared.data(), shared_in.data, shared_bytes, cudaMemcpyHostToDevice));
+          const lmoe::MatrixView shared_view{shared.data(),  DType::bf16,
+                                             tokens,         kSmall.d_model,
+                                             kSmall.d_model, lmoe::MemorySpace::device};
+          const lmoe::ConstMatrixView routed_view{routed.data(),   DType::bf16,
+                                                  tokens,          kSmall.d_latent,
+                                                  kSmall.d_latent, lmoe::MemorySpace::device};
+          cuda_ok(cudaDeviceSynchronize());
+          comm.barrier();  // every rank's buffers exist before any rank's collectives spin
+          EXPECT_EQ(tail.forward(routed_view, shared_view, shared_view, tier), tier);
+          cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+          comm.barrier();  // and nobody frees them (a GPU-wide wait) while a peer still spins
+          outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, kSmall.d_model});
+          cuda_ok(cudaMemcpy(outputs[i][rank].data(), shared.data(), shared_bytes,
+                             cudaMemcpyDeviceToHost));
+        }
+      });
       for (std::size_t i = 0; i < cases.size(); ++i) {
-        const lmoe::TailCase& c = cases[i];
-        const std::int64_t tokens = c.num_tokens;
-        const lmoe::ConstMatrixView routed_in = c.routed.slice_matrix(rank), shared_in = c.shared.slice_matrix(rank);
-        const std::size_t routed_bytes = static_cast<std::size_t>(tokens * kSmall.d_latent) * 2;
-        const std::size_t shared_bytes = static_cast<std::size_t>(tokens * kSmall.d_model) * 2;
-        const lmoe::cuda::DeviceBuffer routed(routed_bytes), shared(shared_bytes);
-        cuda_ok(cudaMemcpy(routed.data(), routed_in.data, routed_bytes, cudaMemcpyHostToDevice));
-        cuda_ok(cudaMemcpy(shared.data(), shared_in.data, shared_bytes, cudaMemcpyHostToDevice));
-        const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, kSmall.d_model, kSmall.d_model,
-                                           lmoe::MemorySpace::device};
-        const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, kSmall.d_latent, kSmall.d_latent,
-                                                lmoe::MemorySpace::device};
-        cuda_ok(cudaDeviceSynchronize());
-        comm.barrier();  // every rank's buffers exist before any rank's collectives spin
-        EXPECT_EQ(tail.forward(routed_view, shared_view, shared_view, tier), tier);
-        cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
-        comm.barrier();  // and nobody frees them (a GPU-wide wait) while a peer still spins
-        outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, kSmall.d_model});
-        cuda_ok(cudaMemcpy(outputs[i][rank].data(), shared.data(), shared_bytes, cudaMemcpyDeviceToHost));
+        SCOPED_TRACE("T=" + std::to_string(cases[i].num_tokens));
+        for (int r = 1; r < tp; ++r) {
+          EXPECT_EQ(0,
+                    std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes()))
+              << "rank " << r;
+        }
+        const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(tier));
+        const lmoe::Comparison cmp =
+            lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
       }
-    });
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      SCOPED_TRACE("T=" + std::to_string(cases[i].num_tokens));
-      for (int r = 1; r < tp; ++r) {
-        EXPECT_EQ(0, std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes())) << "rank " << r;
-      }
-      const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
-      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
-      EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
     }
-  }
   }
 }
 
@@ -399,32 +447,34 @@ TEST(CudaTail, BadInputOnOneRankFailsEveryRankAlike) {
   const int tp = 4;
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, 4, 31u);
   for (const char* comm_name : kExactComms) {
-  if (lmoe::comm_group_limit(comm_name, tp)) continue;
-  SCOPED_TRACE(comm_name);
-  std::vector<std::string> messages(tp);
-  lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
-    lmoe::TailOptions options;
-    options.dims = kSmall;
-    options.backend = lmoe::Backend::cuda;
-    lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
-    const std::int64_t out_rows = rank == 2 ? 3 : 4;
-    const lmoe::cuda::DeviceBuffer routed(4 * kSmall.d_latent * 2), shared(4 * kSmall.d_model * 2),
-        out(out_rows * kSmall.d_model * 2);
-    const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, 4, kSmall.d_latent, kSmall.d_latent,
-                                            lmoe::MemorySpace::device};
-    const lmoe::MatrixView shared_view{shared.data(), DType::bf16, 4, kSmall.d_model, kSmall.d_model,
-                                       lmoe::MemorySpace::device};
-    const lmoe::MatrixView out_view{out.data(), DType::bf16, out_rows, kSmall.d_model, kSmall.d_model,
-                                    lmoe::MemorySpace::device};
-    try {
-      tail.forward(routed_view, shared_view, out_view);
-    } catch (const lmoe::Error& error) {
-      messages[rank] = error.message();
+    if (lmoe::comm_group_limit(comm_name, tp)) continue;
+    SCOPED_TRACE(comm_name);
+    std::vector<std::string> messages(tp);
+    lmoe::run_comm_group(comm_name, tp, [&](int rank, lmoe::Communicator& comm) {
+      lmoe::TailOptions options;
+      options.dims = kSmall;
+      options.backend = lmoe::Backend::cuda;
+      lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      const std::int64_t out_rows = rank == 2 ? 3 : 4;
+      const lmoe::cuda::DeviceBuffer routed(4 * kSmall.d_latent * 2),
+          shared(4 * kSmall.d_model * 2), out(out_rows * kSmall.d_model * 2);
+      const lmoe::ConstMatrixView routed_view{
+          routed.data(),   DType::bf16,     4,
+          kSmall.d_latent, kSmall.d_latent, lmoe::MemorySpace::device};
+      const lmoe::MatrixView shared_view{shared.data(),  DType::bf16,    4,
+                                         kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device};
+      const lmoe::MatrixView out_view{out.data(),     DType::bf16,    out_rows,
+                                      kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device};
+      try {
+        tail.forward(routed_view, shared_view, out_view);
+      } catch (const lmoe::Error& error) {
+        messages[rank] = error.message();
+      }
+    });
+    for (int rank = 0; rank < tp; ++rank) {
+      EXPECT_EQ(messages[rank], "rank 2: out: expected shape [4, 384], got [3, 384]")
+          << "rank " << rank;
     }
-  });
-  for (int rank = 0; rank < tp; ++rank) {
-    EXPECT_EQ(messages[rank], "rank 2: out: expected shape [4, 384], got [3, 384]") << "rank " << rank;
-  }
   }
 }
 
@@ -450,15 +500,19 @@ TEST(CudaTokenChunks, EveryChunkCountMeetsTheContract) {
     }
     for (const char* chunks : {"1", "2", "3", "8"}) {
       ScopedEnv env("LMOE_TOKEN_CHUNKS", chunks);
-      for (std::int64_t tokens : {std::int64_t{2}, std::int64_t{5}, std::int64_t{37}, std::int64_t{300}}) {
+      for (std::int64_t tokens :
+           {std::int64_t{2}, std::int64_t{5}, std::int64_t{37}, std::int64_t{300}}) {
         for (bool graph : {false, true}) {
           if (graph && std::string(comm) == "cuda-threads") continue;  // synchronizes on the host
-          SCOPED_TRACE(std::string(comm) + " chunks=" + chunks + " T=" + std::to_string(tokens) + (graph ? " graph" : ""));
-          const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 77u + tokens);
+          SCOPED_TRACE(std::string(comm) + " chunks=" + chunks + " T=" + std::to_string(tokens) +
+                       (graph ? " graph" : ""));
+          const lmoe::TailCase c =
+              lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 77u + tokens);
           const lmoe::CaseRun result = run_gpu(c, TailTier::token, comm, graph);
           EXPECT_TRUE(result.ranks_identical);
           const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::token));
-          const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+          const lmoe::Comparison cmp =
+              lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
           EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
         }
       }
@@ -489,29 +543,34 @@ TEST(CudaTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
     for (int tp : {1, 2}) {
       if (lmoe::comm_group_limit(comm, tp)) continue;
       for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{7}, std::int64_t{129}}) {
-        lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 41u + static_cast<std::uint64_t>(tokens));
+        lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens,
+                                                  41u + static_cast<std::uint64_t>(tokens));
         c.latent_norm = false;
-        lmoe::TailCase crafted = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens, 7u + static_cast<std::uint64_t>(tokens));
+        lmoe::TailCase crafted = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens,
+                                                       7u + static_cast<std::uint64_t>(tokens));
         crafted.latent_norm = false;
         for (TailTier tier : kGpuTiers) {
           if (tier == TailTier::token && tokens < tp) continue;
           if (tier == TailTier::fused && fused_declines(comm, tp, DType::bf16, tokens)) continue;
-          SCOPED_TRACE(std::string(comm) + " tp=" + std::to_string(tp) + " T=" + std::to_string(tokens) + " " +
-                       std::string(lmoe::tier_name(tier)));
+          SCOPED_TRACE(std::string(comm) + " tp=" + std::to_string(tp) +
+                       " T=" + std::to_string(tokens) + " " + std::string(lmoe::tier_name(tier)));
           const lmoe::CaseRun result = run_gpu(c, tier, comm);
           EXPECT_TRUE(result.ranks_identical);
-          const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(),
-                                                     lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
+          const lmoe::Comparison cmp =
+              lmoe::compare(result.ranks[0].y.matrix(),
+                            lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
           EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
           const lmoe::CaseRun exact = run_gpu(crafted, tier, comm);
-          EXPECT_EQ(lmoe::compare(exact.ranks[0].y.matrix(), lmoe::reference_tail(crafted, lmoe::contract_of(tier)),
+          EXPECT_EQ(lmoe::compare(exact.ranks[0].y.matrix(),
+                                  lmoe::reference_tail(crafted, lmoe::contract_of(tier)),
                                   lmoe::exact_tail(crafted))
                         .bit_mismatches,
                     0);
           lmoe::TailCase normed = c;
           normed.latent_norm = true;
           const lmoe::CaseRun with_norm = run_gpu(normed, tier, comm);
-          EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), result.ranks[0].y.data(), result.ranks[0].y.nbytes()));
+          EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), result.ranks[0].y.data(),
+                                   result.ranks[0].y.nbytes()));
         }
       }
     }

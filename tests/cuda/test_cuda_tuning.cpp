@@ -7,8 +7,8 @@
 
 #include <regex>
 
-#include "gpu_test_support.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
@@ -114,11 +114,11 @@ TEST(CudaTuning, TuneWritesATableThatFitsThisGpuAndNoOther) {
 TEST(CudaTuning, ATableDerivedFromASweepRecordedHereFitsHere) {
   SKIP_WITHOUT_GPU();
   const lmoe::BenchOptions options = small_sweep();
-  const lmoe::BenchSweep recorded = lmoe::read_bench_json(
-      lmoe::write_bench_json(lmoe::bench_sweep_of(options, "small",
-                                                  lmoe::bench_environment(lmoe::Backend::cuda),
-                                                  lmoe::run_tail_bench(options))),
-      "sweep.json");
+  const lmoe::BenchSweep recorded =
+      lmoe::read_bench_json(lmoe::write_bench_json(lmoe::bench_sweep_of(
+                                options, "small", lmoe::bench_environment(lmoe::Backend::cuda),
+                                lmoe::run_tail_bench(options))),
+                            "sweep.json");
   ASSERT_TRUE(recorded.result.ok());
   const std::string& comm = options.comms.front();
   const lmoe::RunningConfig here =

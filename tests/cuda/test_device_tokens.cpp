@@ -21,8 +21,8 @@
 
 #include "core/host_math.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "cuda/tail/launchers.hpp"
 #include "cuda/runtime/owned_stream.hpp"
+#include "cuda/tail/launchers.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
@@ -98,8 +98,7 @@ StagedInputs stage_inputs(const std::vector<lmoe::TailCase>& cases,
     stage_shared.emplace_back(static_cast<std::size_t>(std::max<std::int64_t>(t, 1) * d) * esize);
     stage_tokens.emplace_back(sizeof(std::int32_t));
     const auto value = static_cast<std::int32_t>(tokens[i]);
-    cuda_ok(
-        cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
+    cuda_ok(cudaMemcpy(stage_tokens.back().data(), &value, sizeof(value), cudaMemcpyHostToDevice));
     if (t > 0 && i < cases.size()) {
       cuda_ok(cudaMemcpy(stage_routed.back().data(), cases[i].routed.slice_matrix(rank).data,
                          static_cast<std::size_t>(t * l) * esize, cudaMemcpyHostToDevice));
@@ -114,15 +113,13 @@ StagedInputs stage_inputs(const std::vector<lmoe::TailCase>& cases,
 // mine.capture_error set where the capture is refused.
 cudaGraphExec_t capture_device_tokens(lmoe::LatentTail& tail, lmoe::ConstMatrixView routed_view,
                                       lmoe::MatrixView shared_view, lmoe::MatrixView out_view,
-                                      const std::int32_t* tokens_ptr,
-                                      std::optional<TailTier> tier, cudaStream_t stream,
-                                      RankResults& mine) {
+                                      const std::int32_t* tokens_ptr, std::optional<TailTier> tier,
+                                      cudaStream_t stream, RankResults& mine) {
   cudaGraphExec_t exec = nullptr;
   {
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
-      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier,
-                                 stream);
+      tail.forward_device_tokens(routed_view, shared_view, out_view, tokens_ptr, tier, stream);
     } catch (const lmoe::Error& error) {
       cudaGraph_t dropped = nullptr;
       cudaStreamEndCapture(stream, &dropped);
@@ -141,8 +138,8 @@ cudaGraphExec_t capture_device_tokens(lmoe::LatentTail& tail, lmoe::ConstMatrixV
   return exec;
 }
 
-  // Many replays, their T drawn at random (the same draws on every rank): a body's state must not
-  // leak into the next replay, whichever bucket ran before.
+// Many replays, their T drawn at random (the same draws on every rank): a body's state must not
+// leak into the next replay, whichever bucket ran before.
 // Each replay is compared on the device with its case's first one: returns the bytes that differed.
 unsigned long long soak_replays(cudaGraphExec_t exec, const std::vector<lmoe::TailCase>& cases,
                                 const std::vector<std::int64_t>& tokens, const RankResults& mine,
@@ -357,10 +354,13 @@ TEST_P(DeviceTokens, OneGraphServesEveryT) {
   if (auto limit = lmoe::comm_group_limit(comm, tp)) GTEST_SKIP() << *limit;
 #ifdef LMOE_HAS_NCCL
   // NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process: when an earlier test of this process
-  // started NCCL with it at 1, the collective tiers are declined here (DeviceTokensNccl checks that).
-  if (const auto mixing = lmoe::nccl_graph_mixing_in_effect(); comm == "nccl" && tp > 1 && mixing && *mixing != "0") {
+  // started NCCL with it at 1, the collective tiers are declined here (DeviceTokensNccl checks
+  // that).
+  if (const auto mixing = lmoe::nccl_graph_mixing_in_effect();
+      comm == "nccl" && tp > 1 && mixing && *mixing != "0") {
     GTEST_SKIP() << "NCCL in this process read NCCL_GRAPH_MIXING_SUPPORT=" << *mixing
-                 << " at its first communicator; run this test in a process of its own (gpu_check's graphs stage)";
+                 << " at its first communicator; run this test in a process of its own "
+                    "(gpu_check's graphs stage)";
   }
 #endif
   const std::int64_t d = kSmall.d_model, M = kMaxTokens;
@@ -488,13 +488,15 @@ INSTANTIATE_TEST_SUITE_P(CommTpTier, DeviceTokens, ::testing::ValuesIn(device_to
 // Over NCCL with tp > 1, the collective tiers run for T read on the device exactly when NCCL read
 // NCCL_GRAPH_MIXING_SUPPORT=0 at the process's first communicator (else its captured collectives
 // carry event nodes, which conditional bodies cannot hold, and every bucket is declined naming the
-// variable). NCCL reads it once per process, so which case this run sees depends on the tests before
-// it; both are checked against the value recorded (the refusal's text: NcclSettings, a CPU test).
+// variable). NCCL reads it once per process, so which case this run sees depends on the tests
+// before it; both are checked against the value recorded (the refusal's text: NcclSettings, a CPU
+// test).
 #ifdef LMOE_HAS_NCCL
 TEST(DeviceTokensNccl, TheCollectiveTiersFollowTheMixingSupportNcclRead) {
   SKIP_WITHOUT_GPU();
   if (auto limit = lmoe::comm_group_limit("nccl", 2)) GTEST_SKIP() << *limit;
-  ScopedEnv zero("NCCL_GRAPH_MIXING_SUPPORT", "0");  // what NCCL reads if this is its first start here
+  ScopedEnv zero("NCCL_GRAPH_MIXING_SUPPORT",
+                 "0");  // what NCCL reads if this is its first start here
   const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, kDtype, 2, 4, 5u);
   std::vector<std::vector<lmoe::DeviceTokenBucket>> buckets(2);
   lmoe::run_comm_group("nccl", 2, [&](int rank, lmoe::Communicator& comm) {
@@ -506,8 +508,10 @@ TEST(DeviceTokensNccl, TheCollectiveTiersFollowTheMixingSupportNcclRead) {
     buckets[static_cast<std::size_t>(rank)] = tail.device_token_buckets(TailTier::overlap);
   });
   const std::optional<std::string> mixing = lmoe::nccl_graph_mixing_in_effect();
-  ASSERT_TRUE(mixing.has_value()) << "NCCL communicators were created, so the value NCCL read is recorded";
-  std::printf("[ nccl   ] NCCL read NCCL_GRAPH_MIXING_SUPPORT=%s in this process\n", mixing->c_str());
+  ASSERT_TRUE(mixing.has_value())
+      << "NCCL communicators were created, so the value NCCL read is recorded";
+  std::printf("[ nccl   ] NCCL read NCCL_GRAPH_MIXING_SUPPORT=%s in this process\n",
+              mixing->c_str());
   for (const auto& rank_buckets : buckets) {
     ASSERT_FALSE(rank_buckets.empty());
     for (const lmoe::DeviceTokenBucket& bucket : rank_buckets) {
@@ -515,7 +519,8 @@ TEST(DeviceTokensNccl, TheCollectiveTiersFollowTheMixingSupportNcclRead) {
         EXPECT_TRUE(bucket.tier.has_value()) << bucket.reason;
       } else {
         EXPECT_FALSE(bucket.tier.has_value());
-        EXPECT_NE(bucket.reason.find("NCCL_GRAPH_MIXING_SUPPORT=" + *mixing), std::string::npos) << bucket.reason;
+        EXPECT_NE(bucket.reason.find("NCCL_GRAPH_MIXING_SUPPORT=" + *mixing), std::string::npos)
+            << bucket.reason;
       }
     }
   }

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda/layer/layer_kernels.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
-#include "cuda/layer/layer_kernels.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/dtype.hpp"

@@ -71,7 +71,8 @@ TEST_P(FusedParity, DecodeKernelWithSeveralRanksMeetsTheContract) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TpDtype, FusedParity,
-                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Values(DType::bf16, DType::f16)),
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8),
+                                            ::testing::Values(DType::bf16, DType::f16)),
                          [](const auto& info) {
                            return "tp" + std::to_string(std::get<0>(info.param)) + "_" +
                                   std::string(lmoe::dtype_name(std::get<1>(info.param)));
@@ -101,12 +102,14 @@ TEST_F(Fused, K3DimsEagerAndGraphReplays) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
     for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{16}, std::int64_t{128}}) {
       for (bool graph : {false, true}) {
-        SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens) + (graph ? " graph" : " eager"));
-        const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
+        SCOPED_TRACE("tp=" + std::to_string(tp) + " T=" + std::to_string(tokens) +
+                     (graph ? " graph" : " eager"));
+        const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, tp, tokens,
+                                                        77u + static_cast<std::uint64_t>(tokens));
         double worst = 0;
         expect_meets_contract(c, run_fused(c, graph), &worst);
-        std::printf("[ fused  ] K3 tp=%d T=%lld %s max_err/bound=%.3f\n", tp, static_cast<long long>(tokens),
-                    graph ? "graph" : "eager", worst);
+        std::printf("[ fused  ] K3 tp=%d T=%lld %s max_err/bound=%.3f\n", tp,
+                    static_cast<long long>(tokens), graph ? "graph" : "eager", worst);
       }
     }
   }
@@ -121,22 +124,26 @@ TEST_F(Fused, KeepsSubnormalsAndSignedZerosOfTheSharedSum) {
     if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
     for (DType dtype : {DType::bf16, DType::f16}) {
       lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, 9, 5u);
-      const float tiny = dtype == DType::bf16 ? std::ldexp(1.0f, -130) : std::ldexp(1.0f, -20);  // subnormal
+      const float tiny =
+          dtype == DType::bf16 ? std::ldexp(1.0f, -130) : std::ldexp(1.0f, -20);  // subnormal
       for (std::int64_t i = 0; i < c.routed.numel(); ++i) c.routed.set(i, 0.0f);
       for (std::int64_t i = 0; i < c.shared.numel(); ++i) {
         const std::int64_t r = i / (c.num_tokens * c.dims.d_model);
-        c.shared.set(i, i % 3 == 0 ? -0.0f : (i % 3 == 1 ? tiny * static_cast<float>(r + 1) : -tiny));
+        c.shared.set(i,
+                     i % 3 == 0 ? -0.0f : (i % 3 == 1 ? tiny * static_cast<float>(r + 1) : -tiny));
       }
       const lmoe::CaseRun result = run_fused(c);
       EXPECT_TRUE(result.ranks_identical);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
       EXPECT_EQ(cmp.bit_mismatches, 0) << "tp=" << tp << " " << lmoe::dtype_name(dtype);
       std::int64_t subnormals = 0;
       const lmoe::HostTensor& y = result.ranks[0].y;
       for (std::int64_t i = 0; i < y.numel(); ++i) {
         const float v = y.get(i);
-        subnormals += v != 0.0f && std::fabs(v) < (dtype == DType::bf16 ? std::ldexp(1.0f, -126) : std::ldexp(1.0f, -14));
+        subnormals += v != 0.0f && std::fabs(v) < (dtype == DType::bf16 ? std::ldexp(1.0f, -126)
+                                                                        : std::ldexp(1.0f, -14));
       }
       EXPECT_GT(subnormals, 0) << "the case must exercise subnormal outputs";
     }
@@ -147,7 +154,8 @@ TEST_F(Fused, DeclinesWhatItCannotRunAndThePolicyFallsBack) {
   SKIP_WITHOUT_GPU();
   const lmoe::TailProblem f32{16, kSmall, DType::f32, 2};
   EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, f32).has_value());
-  const lmoe::TailProblem odd_stripe{16, {392, 192}, DType::bf16, 2};  // 392 / 2 = 196, not a multiple of 8
+  const lmoe::TailProblem odd_stripe{
+      16, {392, 192}, DType::bf16, 2};  // 392 / 2 = 196, not a multiple of 8
   EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, odd_stripe).has_value());
   const lmoe::TailProblem too_many{257, kSmall, DType::bf16, 2};
   EXPECT_TRUE(lmoe::cuda_tier_limit(TailTier::fused, too_many).has_value());
@@ -197,7 +205,9 @@ TEST_F(Fused, TraceListsEveryPhaseOfTheLastCallOnlyWhenAskedFor) {
   const std::string traced = stderr_of_two_calls("1");
   EXPECT_NE(traced.find("[ fused trace ] rank 0, grid "), std::string::npos) << traced;
   for (const char* point : {"entry", "epoch", "normed", "rows done", "items done", "end"}) {
-    EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos) << point << "\n" << traced;
+    EXPECT_NE(traced.find(std::string("[ fused trace ] ") + point + " "), std::string::npos)
+        << point << "\n"
+        << traced;
   }
   // With one rank there are no peers: no staging or stripe points.
   EXPECT_EQ(traced.find("stripes arrived"), std::string::npos) << traced;
@@ -292,11 +302,15 @@ TEST_F(Fused, AMisalignedBufferOnOneRankFailsEveryRankAtOnce) {
     options.backend = lmoe::Backend::cuda;
     options.max_tokens = tokens;
     lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
-    const DeviceBuffer routed(static_cast<std::size_t>(tokens * l) * 2), shared(static_cast<std::size_t>(tokens * d) * 2),
+    const DeviceBuffer routed(static_cast<std::size_t>(tokens * l) * 2),
+        shared(static_cast<std::size_t>(tokens * d) * 2),
         out(static_cast<std::size_t>(tokens * d) * 2 + 16);
-    void* out_data = static_cast<std::byte*>(out.data()) + (rank == 1 ? 2 : 0);  // bf16-aligned, not 16-byte
-    const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, l, l, lmoe::MemorySpace::device};
-    const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
+    void* out_data =
+        static_cast<std::byte*>(out.data()) + (rank == 1 ? 2 : 0);  // bf16-aligned, not 16-byte
+    const lmoe::ConstMatrixView routed_view{
+        routed.data(), DType::bf16, tokens, l, l, lmoe::MemorySpace::device};
+    const lmoe::MatrixView shared_view{
+        shared.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
     const lmoe::MatrixView out_view{out_data, DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
     cuda_ok(cudaDeviceSynchronize());
     comm.barrier();

@@ -22,10 +22,10 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda/runtime/cuda_device_info.hpp"
-#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/runtime/cuda_device_info.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/tensor.hpp"

@@ -16,12 +16,12 @@
 #include <thread>
 #include <vector>
 
-#include "gpu_test_support.hpp"
 #include "comm/aborted_error.hpp"
-#include "core/rank_order_reduce.hpp"
 #include "core/host_math.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
@@ -36,30 +36,37 @@ using lmoe::TailTier;
 using ::testing::HasSubstr;
 
 const lmoe::TailDims kSmall{384, 192};  // divisible by 8·tp for tp ∈ {1, 2, 4, 8}
-constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token, TailTier::fused};
+constexpr TailTier kGpuTiers[] = {TailTier::overlap, TailTier::column, TailTier::token,
+                                  TailTier::fused};
 constexpr DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
 
-#define SKIP_WITHOUT_GPUS(needed)                                                                           \
-  do {                                                                                                      \
-    const int visible = lmoe::cuda_device_count();                                                          \
-    if (visible < (needed)) {                                                                               \
-      GTEST_SKIP() << "needs " << (needed) << " GPU(s), one per NCCL rank; " << visible << " visible";     \
-    }                                                                                                       \
+#define SKIP_WITHOUT_GPUS(needed)                                                       \
+  do {                                                                                  \
+    const int visible = lmoe::cuda_device_count();                                      \
+    if (visible < (needed)) {                                                           \
+      GTEST_SKIP() << "needs " << (needed) << " GPU(s), one per NCCL rank; " << visible \
+                   << " visible";                                                       \
+    }                                                                                   \
   } while (0)
 
-std::string tp_name(const ::testing::TestParamInfo<int>& info) { return "tp" + std::to_string(info.param); }
+std::string tp_name(const ::testing::TestParamInfo<int>& info) {
+  return "tp" + std::to_string(info.param);
+}
 
 // ---- collectives -------------------------------------------------------------------------------
 
-// Rank r's input in the storage dtype: quarter-integers in [-2, 2] when `exact` (every partial sum of
-// up to 8 ranks has at most 7 significant bits, so any order is exact in every dtype), else N(0, 1).
-std::vector<std::byte> rank_input(int rank, std::size_t count, DType dtype, bool exact, std::uint64_t seed) {
+// Rank r's input in the storage dtype: quarter-integers in [-2, 2] when `exact` (every partial sum
+// of up to 8 ranks has at most 7 significant bits, so any order is exact in every dtype), else N(0,
+// 1).
+std::vector<std::byte> rank_input(int rank, std::size_t count, DType dtype, bool exact,
+                                  std::uint64_t seed) {
   std::mt19937_64 rng(seed * 131 + static_cast<std::uint64_t>(rank));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> small(-8, 8);
   std::vector<std::byte> bytes(count * lmoe::dtype_size(dtype));
   for (std::size_t i = 0; i < count; ++i) {
-    lmoe::store_from_float(bytes.data(), i, dtype, exact ? static_cast<float>(small(rng)) * 0.25f : normal(rng));
+    lmoe::store_from_float(bytes.data(), i, dtype,
+                           exact ? static_cast<float>(small(rng)) * 0.25f : normal(rng));
   }
   return bytes;
 }
@@ -81,8 +88,8 @@ std::vector<std::byte> to_host(const void* device, std::size_t bytes) {
 
 // One rank's results of every collective on one input.
 struct RankResults {
-  std::vector<std::byte> all_reduce_out, all_reduce_in_place, scatter_out, scatter_in_place, scatter_clash,
-      gather_out, gather_in_place, gather_clash;
+  std::vector<std::byte> all_reduce_out, all_reduce_in_place, scatter_out, scatter_in_place,
+      scatter_clash, gather_out, gather_in_place, gather_clash;
 };
 
 // Runs each collective on this rank's input: out of place, in place, and with buffers that overlap
@@ -98,7 +105,9 @@ RankResults run_collectives(lmoe::Communicator& comm, const std::vector<std::byt
   cudaStream_t stream = nullptr;
   EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const auto load = [&](const lmoe::cuda::DeviceBuffer& buffer) {
-    EXPECT_EQ(cudaMemcpyAsync(buffer.data(), input.data(), input.size(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpyAsync(buffer.data(), input.data(), input.size(), cudaMemcpyHostToDevice, stream),
+        cudaSuccess);
   };
   const auto poison = [&](const lmoe::cuda::DeviceBuffer& buffer) {
     EXPECT_EQ(cudaMemsetAsync(buffer.data(), 0xff, buffer.bytes(), stream), cudaSuccess);
@@ -132,12 +141,15 @@ RankResults run_collectives(lmoe::Communicator& comm, const std::vector<std::byt
   comm.all_gather(send.at(first * esize), recv.data(), counts, dtype, stream);
   out.gather_out = fetch(recv.data(), input.size());
   poison(work);
-  EXPECT_EQ(cudaMemcpyAsync(work.at(first * esize), input.data() + first * esize, mine, cudaMemcpyHostToDevice, stream),
+  EXPECT_EQ(cudaMemcpyAsync(work.at(first * esize), input.data() + first * esize, mine,
+                            cudaMemcpyHostToDevice, stream),
             cudaSuccess);
   comm.all_gather(work.at(first * esize), work.data(), counts, dtype, stream);
   out.gather_in_place = fetch(work.data(), input.size());
   poison(work);
-  EXPECT_EQ(cudaMemcpyAsync(work.data(), input.data() + first * esize, mine, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(work.data(), input.data() + first * esize, mine, cudaMemcpyHostToDevice,
+                            stream),
+            cudaSuccess);
   comm.all_gather(work.data(), work.data(), counts, dtype, stream);
   out.gather_clash = fetch(work.data(), input.size());
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
@@ -151,7 +163,8 @@ TEST_P(NcclCollectives, ExactInputsMatchTheRankOrderSumBitForBit) {
   SKIP_WITHOUT_GPUS(tp);
   // Unequal blocks (count % tp != 0 takes the grouped ncclReduce / ncclBroadcast path), equal
   // blocks (ncclReduceScatter / ncclAllGather), a block of one element, and 1 MiB elements.
-  const std::vector<std::size_t> sizes = {static_cast<std::size_t>(tp), 4096 + 3, 1000 * static_cast<std::size_t>(tp),
+  const std::vector<std::size_t> sizes = {static_cast<std::size_t>(tp), 4096 + 3,
+                                          1000 * static_cast<std::size_t>(tp),
                                           std::size_t{1} << 20};
   lmoe::run_on_nccl_threads(tp, {}, [&](int rank, lmoe::Communicator& comm) {
     EXPECT_EQ(comm.backend_name(), "nccl");
@@ -159,8 +172,8 @@ TEST_P(NcclCollectives, ExactInputsMatchTheRankOrderSumBitForBit) {
     EXPECT_TRUE(comm.graph_capturable());
     for (DType dtype : kDtypes) {
       for (std::size_t count : sizes) {
-        SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " count " + std::to_string(count) + " rank " +
-                     std::to_string(rank));
+        SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)) + " count " + std::to_string(count) +
+                     " rank " + std::to_string(rank));
         const std::size_t esize = lmoe::dtype_size(dtype);
         std::vector<std::vector<std::byte>> inputs;
         std::vector<const void*> pointers;
@@ -171,8 +184,9 @@ TEST_P(NcclCollectives, ExactInputsMatchTheRankOrderSumBitForBit) {
         const std::vector<std::size_t> counts = split(count, tp);
         std::size_t first = 0;
         for (int r = 0; r < rank; ++r) first += counts[r];
-        const std::vector<std::byte> my_block(expected.begin() + static_cast<std::ptrdiff_t>(first * esize),
-                                              expected.begin() + static_cast<std::ptrdiff_t>((first + counts[rank]) * esize));
+        const std::vector<std::byte> my_block(
+            expected.begin() + static_cast<std::ptrdiff_t>(first * esize),
+            expected.begin() + static_cast<std::ptrdiff_t>((first + counts[rank]) * esize));
 
         const RankResults got = run_collectives(comm, inputs[rank], counts, dtype);
         EXPECT_EQ(got.all_reduce_out, expected);
@@ -184,8 +198,9 @@ TEST_P(NcclCollectives, ExactInputsMatchTheRankOrderSumBitForBit) {
         std::vector<std::byte> gathered;
         std::size_t offset = 0;
         for (int r = 0; r < tp; ++r) {
-          gathered.insert(gathered.end(), inputs[r].begin() + static_cast<std::ptrdiff_t>(offset * esize),
-                          inputs[r].begin() + static_cast<std::ptrdiff_t>((offset + counts[r]) * esize));
+          gathered.insert(
+              gathered.end(), inputs[r].begin() + static_cast<std::ptrdiff_t>(offset * esize),
+              inputs[r].begin() + static_cast<std::ptrdiff_t>((offset + counts[r]) * esize));
           offset += counts[r];
         }
         EXPECT_EQ(got.gather_out, gathered);
@@ -210,7 +225,8 @@ TEST_P(NcclCollectives, RandomInputsStayWithinTheReorderedSumBoundOnEveryRankAli
     for (int r = 0; r < tp; ++r) inputs.push_back(rank_input(r, count, dtype, false, 11));
     lmoe::run_on_nccl_threads(tp, {}, [&](int rank, lmoe::Communicator& comm) {
       const lmoe::cuda::DeviceBuffer buffer(inputs[rank].size());
-      cuda_ok(cudaMemcpy(buffer.data(), inputs[rank].data(), buffer.bytes(), cudaMemcpyHostToDevice));
+      cuda_ok(
+          cudaMemcpy(buffer.data(), inputs[rank].data(), buffer.bytes(), cudaMemcpyHostToDevice));
       comm.all_reduce(buffer.data(), buffer.data(), count, dtype, nullptr);
       cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
       reduced[rank] = to_host(buffer.data(), buffer.bytes());
@@ -227,7 +243,8 @@ TEST_P(NcclCollectives, RandomInputsStayWithinTheReorderedSumBoundOnEveryRankAli
         magnitude += std::fabs(x);
       }
       const double got = lmoe::load_as_float(reduced[0].data(), i, dtype);
-      // The last rounding of a sum that lands on a subnormal or zero is exact, so γ·Σ|x| covers all.
+      // The last rounding of a sum that lands on a subnormal or zero is exact, so γ·Σ|x| covers
+      // all.
       if (!(std::fabs(got - sum) <= gamma * magnitude * 1.0001)) ++beyond;
     }
     EXPECT_EQ(beyond, 0);
@@ -262,27 +279,33 @@ TEST_P(NcclTail, EveryTierMeetsItsContractWithinTheReorderedBound) {
   SKIP_WITHOUT_GPUS(tp);
   for (TailTier tier : kGpuTiers) {
     double worst = 0, worst_normwise = 0;
-    for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
+    for (std::int64_t tokens :
+         {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}, std::int64_t{300}}) {
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
-      const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 700u + static_cast<std::uint64_t>(tokens));
+      const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens,
+                                                      700u + static_cast<std::uint64_t>(tokens));
       // Declined: token with fewer rows than ranks; fused over NCCL with several ranks (its kernel
       // reads the peers' workspaces, which only p2p provides) or beyond its 256 rows.
-      if ((tier == TailTier::token && tokens < tp) || (tier == TailTier::fused && (tp > 1 || tokens > 256))) {
+      if ((tier == TailTier::token && tokens < tp) ||
+          (tier == TailTier::fused && (tp > 1 || tokens > 256))) {
         EXPECT_THROW(run_nccl(c, tier), lmoe::Error);
         continue;
       }
       const lmoe::CaseRun result = run_nccl(c, tier);
       EXPECT_TRUE(result.ranks_identical);
       ASSERT_EQ(result.tier, tier);
-      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier), lmoe::comm_reduction_order("nccl"));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const auto reference =
+          lmoe::reference_tail(c, lmoe::contract_of(tier), lmoe::comm_reduction_order("nccl"));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
       EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
       worst = std::max(worst, cmp.max_error_over_bound);
       worst_normwise = std::max(worst_normwise, cmp.normwise_error);
     }
-    std::printf("[ nccl   ] %-7s tp=%d %-4s max_err/bound=%.3f fp64_err=%.2e\n", std::string(lmoe::tier_name(tier)).c_str(),
-                tp, std::string(lmoe::dtype_name(dtype)).c_str(), worst, worst_normwise);
+    std::printf("[ nccl   ] %-7s tp=%d %-4s max_err/bound=%.3f fp64_err=%.2e\n",
+                std::string(lmoe::tier_name(tier)).c_str(), tp,
+                std::string(lmoe::dtype_name(dtype)).c_str(), worst, worst_normwise);
   }
 }
 
@@ -290,28 +313,31 @@ TEST_P(NcclTail, CraftedExactInputsMatchBitForBit) {
   const auto [tp, dtype] = GetParam();
   SKIP_WITHOUT_GPUS(tp);
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{37}, std::int64_t{300}}) {
-    const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 79u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase c =
+        lmoe::make_exact_case(kSmall, dtype, tp, tokens, 79u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : kGpuTiers) {
       if (tier == TailTier::token && tokens < tp) continue;
       if (tier == TailTier::fused && (tp > 1 || tokens > 256)) continue;  // declined (see above)
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       const lmoe::CaseRun result = run_nccl(c, tier);
       EXPECT_TRUE(result.ranks_identical);
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(),
-                                                 lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(),
+                        lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
       EXPECT_EQ(cmp.bit_mismatches, 0);
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    TpDtype, NcclTail,
-    ::testing::Values(TailParam{1, DType::bf16}, TailParam{2, DType::bf16}, TailParam{4, DType::bf16},
-                      TailParam{8, DType::bf16}, TailParam{2, DType::f16}, TailParam{2, DType::f32},
-                      TailParam{8, DType::f16}, TailParam{8, DType::f32}),
-    [](const auto& info) {
-      return "tp" + std::to_string(info.param.tp) + "_" + std::string(lmoe::dtype_name(info.param.dtype));
-    });
+INSTANTIATE_TEST_SUITE_P(TpDtype, NcclTail,
+                         ::testing::Values(TailParam{1, DType::bf16}, TailParam{2, DType::bf16},
+                                           TailParam{4, DType::bf16}, TailParam{8, DType::bf16},
+                                           TailParam{2, DType::f16}, TailParam{2, DType::f32},
+                                           TailParam{8, DType::f16}, TailParam{8, DType::f32}),
+                         [](const auto& info) {
+                           return "tp" + std::to_string(info.param.tp) + "_" +
+                                  std::string(lmoe::dtype_name(info.param.dtype));
+                         });
 
 // One group serves many calls whose T grows and shrinks (the executor's workspaces grow on demand)
 // over every tier, with the results judged as above.
@@ -320,28 +346,35 @@ TEST(NcclTailReuse, OneGroupServesManyCalls) {
   const int tp = std::min(2, lmoe::cuda_device_count());
   std::vector<lmoe::TailCase> cases;
   for (std::int64_t tokens : {5, 300, 64}) {
-    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 40u + static_cast<std::uint64_t>(tokens)));
+    cases.push_back(lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens,
+                                           40u + static_cast<std::uint64_t>(tokens)));
   }
-  std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size() * 4, std::vector<lmoe::HostTensor>(tp));
+  std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size() * 4,
+                                                     std::vector<lmoe::HostTensor>(tp));
   lmoe::run_on_nccl_threads(tp, {}, [&](int rank, lmoe::Communicator& comm) {
     lmoe::RunOptions options;
     options.backend = lmoe::Backend::cuda;
     for (std::size_t t = 0; t < 4; ++t) {
       options.tier = kGpuTiers[t];
       for (std::size_t i = 0; i < cases.size(); ++i) {
-        if (kGpuTiers[t] == TailTier::fused && (tp > 1 || cases[i].num_tokens > 256)) continue;  // declined
+        if (kGpuTiers[t] == TailTier::fused && (tp > 1 || cases[i].num_tokens > 256))
+          continue;  // declined
         outputs[t * cases.size() + i][rank] = lmoe::run_case_rank(cases[i], comm, options).y;
       }
     }
   });
   for (std::size_t t = 0; t < 4; ++t) {
     for (std::size_t i = 0; i < cases.size(); ++i) {
-      SCOPED_TRACE(std::string(lmoe::tier_name(kGpuTiers[t])) + " T=" + std::to_string(cases[i].num_tokens));
+      SCOPED_TRACE(std::string(lmoe::tier_name(kGpuTiers[t])) +
+                   " T=" + std::to_string(cases[i].num_tokens));
       if (kGpuTiers[t] == TailTier::fused && (tp > 1 || cases[i].num_tokens > 256)) continue;
       const auto& ranks = outputs[t * cases.size() + i];
-      for (int r = 1; r < tp; ++r) EXPECT_EQ(0, std::memcmp(ranks[r].data(), ranks[0].data(), ranks[0].nbytes()));
-      const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(kGpuTiers[t]), lmoe::ReductionOrder::unspecified);
-      const lmoe::Comparison cmp = lmoe::compare(ranks[0].matrix(), reference, lmoe::exact_tail(cases[i]));
+      for (int r = 1; r < tp; ++r)
+        EXPECT_EQ(0, std::memcmp(ranks[r].data(), ranks[0].data(), ranks[0].nbytes()));
+      const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(kGpuTiers[t]),
+                                                  lmoe::ReductionOrder::unspecified);
+      const lmoe::Comparison cmp =
+          lmoe::compare(ranks[0].matrix(), reference, lmoe::exact_tail(cases[i]));
       EXPECT_TRUE(cmp.ok()) << "beyond " << cmp.beyond_bound << ", normwise " << cmp.normwise_error;
     }
   }
@@ -363,15 +396,19 @@ TEST(NcclTailErrors, BadInputOnOneRankFailsEveryRankAlike) {
     const lmoe::cuda::DeviceBuffer routed(4 * kSmall.d_latent * 2), shared(4 * kSmall.d_model * 2),
         out(out_rows * kSmall.d_model * 2);
     try {
-      tail.forward({routed.data(), DType::bf16, 4, kSmall.d_latent, kSmall.d_latent, lmoe::MemorySpace::device},
-                   {shared.data(), DType::bf16, 4, kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device},
-                   {out.data(), DType::bf16, out_rows, kSmall.d_model, kSmall.d_model, lmoe::MemorySpace::device});
+      tail.forward({routed.data(), DType::bf16, 4, kSmall.d_latent, kSmall.d_latent,
+                    lmoe::MemorySpace::device},
+                   {shared.data(), DType::bf16, 4, kSmall.d_model, kSmall.d_model,
+                    lmoe::MemorySpace::device},
+                   {out.data(), DType::bf16, out_rows, kSmall.d_model, kSmall.d_model,
+                    lmoe::MemorySpace::device});
     } catch (const lmoe::Error& error) {
       messages[rank] = error.message();
     }
   });
   for (int rank = 0; rank < tp; ++rank) {
-    EXPECT_EQ(messages[rank], "rank 1: out: expected shape [4, 384], got [3, 384]") << "rank " << rank;
+    EXPECT_EQ(messages[rank], "rank 1: out: expected shape [4, 384], got [3, 384]")
+        << "rank " << rank;
   }
 }
 
@@ -397,12 +434,14 @@ TEST(NcclAbort, EveryRankThrowsWithTheReason) {
       kernel_ended[rank] = 1;
     } else {
       try {
-        comm.all_reduce(buffer.data(), buffer.data(), 1024, DType::f32, nullptr);  // rank 0 never joins
+        comm.all_reduce(buffer.data(), buffer.data(), 1024, DType::f32,
+                        nullptr);  // rank 0 never joins
       } catch (const lmoe::Error&) {
         // Taken by the abort before NCCL had launched it: nothing is in flight.
       }
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      while (cudaStreamQuery(cudaStreamPerThread) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+      while (cudaStreamQuery(cudaStreamPerThread) == cudaErrorNotReady &&
+             std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       kernel_ended[rank] = cudaStreamQuery(cudaStreamPerThread) != cudaErrorNotReady;
@@ -460,7 +499,8 @@ TEST(NcclGraphs, ACapturedAllReduceReplays) {
     cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
     for (int launch = 1; launch <= 2; ++launch) {
       const std::vector<float> mine(count, static_cast<float>(launch * (rank + 1)));
-      cuda_ok(cudaMemcpyAsync(buffer.data(), mine.data(), buffer.bytes(), cudaMemcpyHostToDevice, stream));
+      cuda_ok(cudaMemcpyAsync(buffer.data(), mine.data(), buffer.bytes(), cudaMemcpyHostToDevice,
+                              stream));
       cuda_ok(cudaGraphLaunch(exec, stream));
       cuda_ok(cudaStreamSynchronize(stream));
       std::vector<float> got(count);
@@ -474,16 +514,21 @@ TEST(NcclGraphs, ACapturedAllReduceReplays) {
   });
   const float ranks_sum = static_cast<float>(tp * (tp + 1) / 2);  // Σ_r (r + 1)
   for (int rank = 0; rank < tp; ++rank) {
-    EXPECT_EQ(results[rank], (std::vector<float>{ranks_sum, ranks_sum, 2 * ranks_sum, 2 * ranks_sum})) << "rank " << rank;
+    EXPECT_EQ(results[rank],
+              (std::vector<float>{ranks_sum, ranks_sum, 2 * ranks_sum, 2 * ranks_sum}))
+        << "rank " << rank;
   }
 }
 
 // Runs without a GPU too: the counts are checked before NCCL is touched.
 TEST(NcclGroups, MoreRanksThanGpusIsAnError) {
   const int visible = lmoe::cuda_device_count();
-  const std::string expected = "nccl: " + std::to_string(visible + 1) + (visible == 0 ? " rank needs 1 GPU" : " ranks need " + std::to_string(visible + 1) + " GPUs") +
-                               " (NCCL cannot put two ranks on one GPU; the cuda-threads communicator can), but " +
-                               std::to_string(visible) + (visible == 1 ? " is" : " are") + " visible";
+  const std::string expected =
+      "nccl: " + std::to_string(visible + 1) +
+      (visible == 0 ? " rank needs 1 GPU"
+                    : " ranks need " + std::to_string(visible + 1) + " GPUs") +
+      " (NCCL cannot put two ranks on one GPU; the cuda-threads communicator can), but " +
+      std::to_string(visible) + (visible == 1 ? " is" : " are") + " visible";
   try {
     lmoe::make_nccl_thread_communicators(visible + 1);
     FAIL() << "no error";
@@ -503,10 +548,13 @@ TEST(NcclGroups, ADeviceListedTwiceOrNotVisibleIsAnError) {
   SKIP_WITHOUT_GPUS(1);
   const int twice[] = {0, 0};
   EXPECT_THAT([&] { lmoe::make_nccl_thread_communicators(2, twice); },
-              ::testing::ThrowsMessage<lmoe::Error>(HasSubstr("ranks 0 and 1 are both on GPU 0 (NCCL cannot put two ranks on one GPU)")));
+              ::testing::ThrowsMessage<lmoe::Error>(HasSubstr(
+                  "ranks 0 and 1 are both on GPU 0 (NCCL cannot put two ranks on one GPU)")));
   const int missing[] = {lmoe::cuda_device_count()};
-  EXPECT_THAT([&] { lmoe::make_nccl_thread_communicators(1, missing); },
-              ::testing::ThrowsMessage<lmoe::Error>(HasSubstr("rank 0 on GPU " + std::to_string(missing[0]) + ", but the visible GPUs are 0 to")));
+  EXPECT_THAT(
+      [&] { lmoe::make_nccl_thread_communicators(1, missing); },
+      ::testing::ThrowsMessage<lmoe::Error>(HasSubstr(
+          "rank 0 on GPU " + std::to_string(missing[0]) + ", but the visible GPUs are 0 to")));
 }
 
 TEST(NcclGroups, IsListedForTheCudaBackendAndJudgedInItsOwnOrder) {

@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "gpu_test_support.hpp"
 #include "core/rank_order_reduce.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
+#include "gpu_test_support.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
@@ -31,9 +31,9 @@ using lmoe::cuda::DeviceBuffer;
 // Ranks sharing a GPU can stall in p2p (docs/p2p.md): such tests run only where every rank has its
 // own GPU or with LMOE_P2P_SHARED_GPU=1. The failure-path tests below (a stalled rank, two
 // collectives at once, an abort) run everywhere: they must end in an error, which they do.
-#define SKIP_UNLESS_P2P_CAN_RUN(tp)                                                  \
-  do {                                                                               \
-    if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;      \
+#define SKIP_UNLESS_P2P_CAN_RUN(tp)                                             \
+  do {                                                                          \
+    if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit; \
   } while (0)
 
 class Stream {
@@ -49,7 +49,8 @@ class Stream {
   cudaStream_t stream_ = nullptr;
 };
 
-std::vector<std::byte> host_sum(const std::vector<std::vector<std::byte>>& inputs, std::size_t count, DType dtype) {
+std::vector<std::byte> host_sum(const std::vector<std::vector<std::byte>>& inputs,
+                                std::size_t count, DType dtype) {
   std::vector<const void*> pointers;
   for (const auto& input : inputs) pointers.push_back(input.data());
   std::vector<std::byte> sum(count * lmoe::dtype_size(dtype));
@@ -72,11 +73,13 @@ TEST(P2p, CollectivesSpanningManyRoundsMatchTheHostBitForBit) {
       SCOPED_TRACE("tp " + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)));
       // Uneven blocks: rank r owns 1000 + 37 r elements; one rank owns none.
       std::vector<std::size_t> counts;
-      for (int r = 0; r < tp; ++r) counts.push_back(r == 1 ? 0 : 1000 + 37 * static_cast<std::size_t>(r));
+      for (int r = 0; r < tp; ++r)
+        counts.push_back(r == 1 ? 0 : 1000 + 37 * static_cast<std::size_t>(r));
       std::size_t total = 0;
       for (std::size_t c : counts) total += c;
       std::vector<std::vector<std::byte>> inputs;
-      for (int r = 0; r < tp; ++r) inputs.push_back(random_values(total, dtype, 77 + static_cast<std::uint64_t>(r)));
+      for (int r = 0; r < tp; ++r)
+        inputs.push_back(random_values(total, dtype, 77 + static_cast<std::uint64_t>(r)));
       const std::vector<std::byte> expected = host_sum(inputs, total, dtype);
 
       std::vector<std::vector<std::byte>> reduced(tp), scattered(tp), gathered(tp);
@@ -85,9 +88,10 @@ TEST(P2p, CollectivesSpanningManyRoundsMatchTheHostBitForBit) {
           [&](int rank, lmoe::Communicator& comm) {
             const Stream stream;
             const std::size_t mine = counts[rank] * esize;
-            const DeviceBuffer send(total * esize), reduced_d(total * esize), block(std::max<std::size_t>(mine, 16)),
-                gathered_d(total * esize);
-            cuda_ok(cudaMemcpy(send.data(), inputs[rank].data(), total * esize, cudaMemcpyHostToDevice));
+            const DeviceBuffer send(total * esize), reduced_d(total * esize),
+                block(std::max<std::size_t>(mine, 16)), gathered_d(total * esize);
+            cuda_ok(cudaMemcpy(send.data(), inputs[rank].data(), total * esize,
+                               cudaMemcpyHostToDevice));
             // Poisoned on the rank's own stream, which also gives the stream its first work before
             // any peer spins (a stream's first launch while peers spin stalled on an H200).
             cuda_ok(cudaMemsetAsync(reduced_d.data(), 0xff, total * esize, stream.get()));
@@ -104,16 +108,23 @@ TEST(P2p, CollectivesSpanningManyRoundsMatchTheHostBitForBit) {
             reduced[rank].resize(total * esize);
             gathered[rank].resize(total * esize);
             scattered[rank].resize(mine);
-            cuda_ok(cudaMemcpy(reduced[rank].data(), reduced_d.data(), total * esize, cudaMemcpyDeviceToHost));
-            cuda_ok(cudaMemcpy(gathered[rank].data(), gathered_d.data(), total * esize, cudaMemcpyDeviceToHost));
-            if (mine) cuda_ok(cudaMemcpy(scattered[rank].data(), block.data(), mine, cudaMemcpyDeviceToHost));
+            cuda_ok(cudaMemcpy(reduced[rank].data(), reduced_d.data(), total * esize,
+                               cudaMemcpyDeviceToHost));
+            cuda_ok(cudaMemcpy(gathered[rank].data(), gathered_d.data(), total * esize,
+                               cudaMemcpyDeviceToHost));
+            if (mine)
+              cuda_ok(
+                  cudaMemcpy(scattered[rank].data(), block.data(), mine, cudaMemcpyDeviceToHost));
           },
           options);
       std::size_t first = 0;
       for (int r = 0; r < tp; ++r) {
-        EXPECT_EQ(0, std::memcmp(reduced[r].data(), expected.data(), expected.size())) << "all_reduce rank " << r;
-        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size())) << "all_gather rank " << r;
-        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + first * esize, scattered[r].size()))
+        EXPECT_EQ(0, std::memcmp(reduced[r].data(), expected.data(), expected.size()))
+            << "all_reduce rank " << r;
+        EXPECT_EQ(0, std::memcmp(gathered[r].data(), expected.data(), expected.size()))
+            << "all_gather rank " << r;
+        EXPECT_EQ(0, std::memcmp(scattered[r].data(), expected.data() + first * esize,
+                                 scattered[r].size()))
             << "reduce_scatter rank " << r;
         first += counts[r];
       }
@@ -131,7 +142,8 @@ TEST(P2p, KeepsNegativeZeroAndSubnormals) {
   for (int r = 0; r < tp; ++r) {
     inputs[r].resize(count * 4);
     for (std::size_t i = 0; i < count; ++i) {
-      const float value = i % 2 ? -0.0f : std::ldexp(1.0f, -140) * static_cast<float>(r + 1);  // subnormal
+      const float value =
+          i % 2 ? -0.0f : std::ldexp(1.0f, -140) * static_cast<float>(r + 1);  // subnormal
       lmoe::store_from_float(inputs[r].data(), i, DType::f32, value);
     }
   }
@@ -152,7 +164,8 @@ TEST(P2p, KeepsNegativeZeroAndSubnormals) {
   float first_odd = 1.0f;
   std::memcpy(&first_odd, expected.data() + 4, 4);
   ASSERT_TRUE(std::signbit(first_odd) && first_odd == 0.0f);  // the expectation itself is −0
-  for (int r = 0; r < tp; ++r) EXPECT_EQ(0, std::memcmp(got[r].data(), expected.data(), expected.size())) << r;
+  for (int r = 0; r < tp; ++r)
+    EXPECT_EQ(0, std::memcmp(got[r].data(), expected.data(), expected.size())) << r;
 }
 
 // One capture, many replays: new inputs each time, and the workspace's rounds keep their parity
@@ -164,7 +177,8 @@ TEST(P2p, GraphReplaysWithNewInputsMatchTheHost) {
   const std::size_t count = 3000;
   const int replays = 200;
   std::vector<int> wrong(tp, 0);
-  std::vector<std::vector<std::vector<std::byte>>> inputs(replays, std::vector<std::vector<std::byte>>(tp));
+  std::vector<std::vector<std::vector<std::byte>>> inputs(replays,
+                                                          std::vector<std::vector<std::byte>>(tp));
   std::vector<std::vector<std::byte>> expected(replays);
   for (int i = 0; i < replays; ++i) {
     for (int r = 0; r < tp; ++r) inputs[i][r] = random_values(count, DType::bf16, 1000u * i + r);
@@ -185,10 +199,12 @@ TEST(P2p, GraphReplaysWithNewInputsMatchTheHost) {
     cuda_ok(cudaDeviceSynchronize());
     comm.barrier();
     for (int i = 0; i < replays; ++i) {
-      cuda_ok(cudaMemcpyAsync(send.data(), inputs[i][rank].data(), count * 2, cudaMemcpyHostToDevice, stream.get()));
+      cuda_ok(cudaMemcpyAsync(send.data(), inputs[i][rank].data(), count * 2,
+                              cudaMemcpyHostToDevice, stream.get()));
       cuda_ok(cudaMemsetAsync(recv.data(), 0xff, count * 2, stream.get()));
       cuda_ok(cudaGraphLaunch(exec, stream.get()));
-      cuda_ok(cudaMemcpyAsync(got.data(), recv.data(), count * 2, cudaMemcpyDeviceToHost, stream.get()));
+      cuda_ok(cudaMemcpyAsync(got.data(), recv.data(), count * 2, cudaMemcpyDeviceToHost,
+                              stream.get()));
       cuda_ok(cudaStreamSynchronize(stream.get()));
       if (std::memcmp(got.data(), expected[i].data(), got.size()) != 0) ++wrong[rank];
       comm.barrier();  // peers must not stage the next inputs before every rank has read this round
@@ -214,7 +230,8 @@ TEST(P2p, AStalledRankFailsItsPeersWithAnError) {
         [&](int rank, lmoe::Communicator& comm) {
           const DeviceBuffer buffer(4096 * 2);
           comm.barrier();
-          if (rank != stalled) comm.all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
+          if (rank != stalled)
+            comm.all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
           cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
           comm.barrier();
         },
@@ -222,7 +239,8 @@ TEST(P2p, AStalledRankFailsItsPeersWithAnError) {
   } catch (const lmoe::Error& error) {
     message = error.message();
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("[ p2p    ] stalled rank detected after %.2f s: %s\n", seconds, message.c_str());
   EXPECT_NE(message.find("for rank 3"), std::string::npos) << message;
 }
@@ -241,7 +259,7 @@ TEST(P2p, TwoCollectivesAtOnceOnOneWorkspaceAreAnError) {
           comm.barrier();
           if (rank == 0) {
             const Stream first, second;
-            comm.all_reduce(a.data(), a.data(), 1024, DType::f32, first.get());   // waits for rank 1
+            comm.all_reduce(a.data(), a.data(), 1024, DType::f32, first.get());  // waits for rank 1
             comm.all_reduce(b.data(), b.data(), 1024, DType::f32, second.get());  // overlaps it
             cuda_ok(cudaStreamSynchronize(first.get()));
             cuda_ok(cudaStreamSynchronize(second.get()));
@@ -281,7 +299,8 @@ TEST(P2p, AbortStopsASpinningPeer) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   comms[1]->abort("test abort");
   spinner.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 20.0) << "the spinning round did not see the abort";
   EXPECT_NE(messages[0].find("aborted"), std::string::npos) << messages[0];
 }
@@ -301,27 +320,31 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
     cases.back().norm_weight = cases.front().norm_weight;
     cases.back().up_proj_weight = cases.front().up_proj_weight;
   }
-  for (lmoe::TailTier tier : {lmoe::TailTier::overlap, lmoe::TailTier::column, lmoe::TailTier::token,
-                              lmoe::TailTier::fused}) {
+  for (lmoe::TailTier tier : {lmoe::TailTier::overlap, lmoe::TailTier::column,
+                              lmoe::TailTier::token, lmoe::TailTier::fused}) {
     SCOPED_TRACE(std::string(lmoe::tier_name(tier)));
-    std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(), std::vector<lmoe::HostTensor>(tp));
+    std::vector<std::vector<lmoe::HostTensor>> outputs(cases.size(),
+                                                       std::vector<lmoe::HostTensor>(tp));
     std::vector<std::string> refusals(tp), too_many(tp);
     lmoe::run_on_p2p_threads(tp, [&](int rank, lmoe::Communicator& comm) {
       lmoe::TailOptions options;
       options.dims = dims;
       options.backend = lmoe::Backend::cuda;
-      const std::size_t routed_bytes = tokens * dims.d_latent * 2, shared_bytes = tokens * dims.d_model * 2;
-      const DeviceBuffer routed(routed_bytes + dims.d_latent * 2), shared(shared_bytes + dims.d_model * 2),
-          out(shared_bytes + dims.d_model * 2);
-      const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16, tokens, dims.d_latent, dims.d_latent,
-                                              lmoe::MemorySpace::device};
-      const lmoe::MatrixView shared_view{shared.data(), DType::bf16, tokens, dims.d_model, dims.d_model,
-                                         lmoe::MemorySpace::device};
-      const lmoe::MatrixView out_view{out.data(), DType::bf16, tokens, dims.d_model, dims.d_model,
-                                      lmoe::MemorySpace::device};
+      const std::size_t routed_bytes = tokens * dims.d_latent * 2,
+                        shared_bytes = tokens * dims.d_model * 2;
+      const DeviceBuffer routed(routed_bytes + dims.d_latent * 2),
+          shared(shared_bytes + dims.d_model * 2), out(shared_bytes + dims.d_model * 2);
+      const lmoe::ConstMatrixView routed_view{routed.data(), DType::bf16,
+                                              tokens,        dims.d_latent,
+                                              dims.d_latent, lmoe::MemorySpace::device};
+      const lmoe::MatrixView shared_view{shared.data(), DType::bf16,  tokens,
+                                         dims.d_model,  dims.d_model, lmoe::MemorySpace::device};
+      const lmoe::MatrixView out_view{out.data(),   DType::bf16,  tokens,
+                                      dims.d_model, dims.d_model, lmoe::MemorySpace::device};
       const Stream stream;
       {  // growing workspaces cannot be captured
-        lmoe::LatentTail growing(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+        lmoe::LatentTail growing(options, comm, cases[0].norm_weight.matrix(),
+                                 cases[0].up_proj_weight.matrix());
         cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
         try {
           growing.forward(routed_view, shared_view, out_view, tier, stream.get());
@@ -334,14 +357,16 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
         cudaGetLastError();
       }
       options.max_tokens = tokens;
-      lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(), cases[0].up_proj_weight.matrix());
+      lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(),
+                            cases[0].up_proj_weight.matrix());
       try {
-        const lmoe::ConstMatrixView big_routed{routed.data(), DType::bf16, tokens + 1, dims.d_latent, dims.d_latent,
-                                               lmoe::MemorySpace::device};
-        const lmoe::MatrixView big_shared{shared.data(), DType::bf16, tokens + 1, dims.d_model, dims.d_model,
-                                          lmoe::MemorySpace::device};
-        const lmoe::MatrixView big_out{out.data(), DType::bf16, tokens + 1, dims.d_model, dims.d_model,
-                                       lmoe::MemorySpace::device};
+        const lmoe::ConstMatrixView big_routed{routed.data(), DType::bf16,
+                                               tokens + 1,    dims.d_latent,
+                                               dims.d_latent, lmoe::MemorySpace::device};
+        const lmoe::MatrixView big_shared{shared.data(), DType::bf16,  tokens + 1,
+                                          dims.d_model,  dims.d_model, lmoe::MemorySpace::device};
+        const lmoe::MatrixView big_out{out.data(),   DType::bf16,  tokens + 1,
+                                       dims.d_model, dims.d_model, lmoe::MemorySpace::device};
         tail.forward(big_routed, big_shared, big_out, tier, stream.get());
       } catch (const lmoe::Error& error) {
         too_many[rank] = error.message();
@@ -359,9 +384,9 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
       cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
       cuda_ok(cudaGraphUpload(exec, stream.get()));
-      // Every case's inputs reach the GPU before any rank replays: a rank's first copy from pageable
-      // memory sets up staging buffers, and a rank doing setup work while its peers already spin in
-      // a round can stall them past the timeout (docs/p2p.md).
+      // Every case's inputs reach the GPU before any rank replays: a rank's first copy from
+      // pageable memory sets up staging buffers, and a rank doing setup work while its peers
+      // already spin in a round can stall them past the timeout (docs/p2p.md).
       std::vector<DeviceBuffer> routed_in, shared_in;
       for (const lmoe::TailCase& c : cases) {
         routed_in.emplace_back(routed_bytes);
@@ -374,14 +399,15 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       cuda_ok(cudaDeviceSynchronize());
       comm.barrier();
       for (std::size_t i = 0; i < cases.size(); ++i) {
-        cuda_ok(cudaMemcpyAsync(routed.data(), routed_in[i].data(), routed_bytes, cudaMemcpyDeviceToDevice,
-                                stream.get()));
-        cuda_ok(cudaMemcpyAsync(shared.data(), shared_in[i].data(), shared_bytes, cudaMemcpyDeviceToDevice,
-                                stream.get()));
+        cuda_ok(cudaMemcpyAsync(routed.data(), routed_in[i].data(), routed_bytes,
+                                cudaMemcpyDeviceToDevice, stream.get()));
+        cuda_ok(cudaMemcpyAsync(shared.data(), shared_in[i].data(), shared_bytes,
+                                cudaMemcpyDeviceToDevice, stream.get()));
         cuda_ok(cudaMemsetAsync(out.data(), 0xff, shared_bytes, stream.get()));
         cuda_ok(cudaGraphLaunch(exec, stream.get()));
         outputs[i][rank] = lmoe::HostTensor(DType::bf16, {tokens, dims.d_model});
-        cuda_ok(cudaMemcpyAsync(outputs[i][rank].data(), out.data(), shared_bytes, cudaMemcpyDeviceToHost, stream.get()));
+        cuda_ok(cudaMemcpyAsync(outputs[i][rank].data(), out.data(), shared_bytes,
+                                cudaMemcpyDeviceToHost, stream.get()));
         cuda_ok(cudaStreamSynchronize(stream.get()));
         comm.barrier();
       }
@@ -395,10 +421,13 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
     for (std::size_t i = 0; i < cases.size(); ++i) {
       SCOPED_TRACE("inputs " + std::to_string(i));
       for (int r = 1; r < tp; ++r) {
-        EXPECT_EQ(0, std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes())) << "rank " << r;
+        EXPECT_EQ(0,
+                  std::memcmp(outputs[i][r].data(), outputs[i][0].data(), outputs[i][0].nbytes()))
+            << "rank " << r;
       }
       const auto reference = lmoe::reference_tail(cases[i], lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
+      const lmoe::Comparison cmp =
+          lmoe::compare(outputs[i][0].matrix(), reference, lmoe::exact_tail(cases[i]));
       EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
     }
@@ -417,7 +446,8 @@ TEST(P2pTail, CaptureOverAHostSynchronizedCommunicatorIsRefused) {
     lmoe::run_case_on_threads(c, options);
     ADD_FAILURE() << "capture over cuda-threads did not fail";
   } catch (const lmoe::Error& error) {
-    EXPECT_NE(std::string(error.message()).find("cannot be captured"), std::string::npos) << error.message();
+    EXPECT_NE(std::string(error.message()).find("cannot be captured"), std::string::npos)
+        << error.message();
   }
 }
 

@@ -6,9 +6,9 @@
 #include "core/text_file.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/safetensors.hpp"
+#include "lmoe/tier_policy.hpp"
 #include "lmoe/tools/tail_bench.hpp"
 #include "lmoe/tools/tail_floor.hpp"
-#include "lmoe/tier_policy.hpp"
 #include "lmoe/tools/tier_tuning.hpp"
 
 namespace lmoe_fuzz {

@@ -42,7 +42,8 @@ inline bool identical_on_all_ranks(lmoe::Communicator& comm, const lmoe::HostTen
   std::vector<std::byte> all(tensor.nbytes() * static_cast<std::size_t>(comm.size()));
   comm.control_all_gather(tensor.data(), all.data(), tensor.nbytes());
   for (int r = 1; r < comm.size(); ++r) {
-    if (std::memcmp(all.data(), all.data() + tensor.nbytes() * static_cast<std::size_t>(r), tensor.nbytes()) != 0) {
+    if (std::memcmp(all.data(), all.data() + tensor.nbytes() * static_cast<std::size_t>(r),
+                    tensor.nbytes()) != 0) {
       return false;
     }
   }
@@ -51,22 +52,25 @@ inline bool identical_on_all_ranks(lmoe::Communicator& comm, const lmoe::HostTen
 
 // One tier on this rank's slice of two cases: the random one within the contract's bound (sums in
 // `order`) and identical on every rank, the crafted exact one bit for bit.
-inline void expect_contract(lmoe::Communicator& comm, const lmoe::TailCase& random, const lmoe::TailCase& exact,
-                            const lmoe::RunOptions& options, lmoe::ReductionOrder order) {
+inline void expect_contract(lmoe::Communicator& comm, const lmoe::TailCase& random,
+                            const lmoe::TailCase& exact, const lmoe::RunOptions& options,
+                            lmoe::ReductionOrder order) {
   const lmoe::TailTier tier = *options.tier;
   const lmoe::RankRun run = lmoe::run_case_rank(random, comm, options);
   EXPECT_EQ(run.tier, tier);
-  const lmoe::Comparison cmp = lmoe::compare(
-      run.y.matrix(), lmoe::reference_tail(random, lmoe::contract_of(tier), order), lmoe::exact_tail(random));
+  const lmoe::Comparison cmp =
+      lmoe::compare(run.y.matrix(), lmoe::reference_tail(random, lmoe::contract_of(tier), order),
+                    lmoe::exact_tail(random));
   EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
   EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
   EXPECT_TRUE(identical_on_all_ranks(comm, run.y));
 
   const lmoe::RankRun exact_run = lmoe::run_case_rank(exact, comm, options);
-  EXPECT_EQ(lmoe::compare(exact_run.y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(tier)),
-                          lmoe::exact_tail(exact))
-                .bit_mismatches,
-            0);
+  EXPECT_EQ(
+      lmoe::compare(exact_run.y.matrix(), lmoe::reference_tail(exact, lmoe::contract_of(tier)),
+                    lmoe::exact_tail(exact))
+          .bit_mismatches,
+      0);
 }
 
 // A forward whose output has one row too few on the last rank only: the error every rank gets
@@ -82,9 +86,12 @@ inline std::string bad_output_shape_error(lmoe::Communicator& comm, lmoe::TailDi
   const lmoe::cuda::DeviceBuffer routed(4 * dims.d_latent * 2), shared(4 * dims.d_model * 2),
       out(out_rows * dims.d_model * 2);
   try {
-    tail.forward({routed.data(), lmoe::DType::bf16, 4, dims.d_latent, dims.d_latent, lmoe::MemorySpace::device},
-                 {shared.data(), lmoe::DType::bf16, 4, dims.d_model, dims.d_model, lmoe::MemorySpace::device},
-                 {out.data(), lmoe::DType::bf16, out_rows, dims.d_model, dims.d_model, lmoe::MemorySpace::device});
+    tail.forward({routed.data(), lmoe::DType::bf16, 4, dims.d_latent, dims.d_latent,
+                  lmoe::MemorySpace::device},
+                 {shared.data(), lmoe::DType::bf16, 4, dims.d_model, dims.d_model,
+                  lmoe::MemorySpace::device},
+                 {out.data(), lmoe::DType::bf16, out_rows, dims.d_model, dims.d_model,
+                  lmoe::MemorySpace::device});
   } catch (const lmoe::Error& error) {
     return error.message();
   }

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "core/rank_order_reduce.hpp"
 #include "core/host_math.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/reference.hpp"
@@ -30,7 +30,8 @@ bool identical_on_all_ranks(const lmoe::HostTensor& tensor) {
   const std::vector<std::size_t> counts(static_cast<std::size_t>(tp), tensor.nbytes() / 2);
   g_comm->all_gather(tensor.data(), all.data(), counts, DType::bf16);  // bytes, two at a time
   for (int r = 1; r < tp; ++r) {
-    if (std::memcmp(all.data(), all.data() + tensor.nbytes() * static_cast<std::size_t>(r), tensor.nbytes()) != 0) {
+    if (std::memcmp(all.data(), all.data() + tensor.nbytes() * static_cast<std::size_t>(r),
+                    tensor.nbytes()) != 0) {
       return false;
     }
   }
@@ -40,8 +41,10 @@ bool identical_on_all_ranks(const lmoe::HostTensor& tensor) {
 TEST(MpiTail, EveryTierMeetsItsContract) {
   const int tp = g_comm->size();
   for (DType dtype : {DType::bf16, DType::f32}) {
-    for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{tp + 1}, std::int64_t{129}, std::int64_t{300}}) {
-      const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 42u + static_cast<std::uint64_t>(tokens));
+    for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{tp + 1},
+                                std::int64_t{129}, std::int64_t{300}}) {
+      const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens,
+                                                      42u + static_cast<std::uint64_t>(tokens));
       const std::vector<double> exact = lmoe::exact_tail(c);
       for (TailTier tier : lmoe::kAllTiers) {
         SCOPED_TRACE(std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens) + " " +
@@ -49,11 +52,13 @@ TEST(MpiTail, EveryTierMeetsItsContract) {
         lmoe::RunOptions options;
         options.tier = tier;
         if (tier == TailTier::token && tokens < tp) {
-          EXPECT_THROW(lmoe::run_case_rank(c, *g_comm, options), lmoe::Error);  // declined on every rank
+          EXPECT_THROW(lmoe::run_case_rank(c, *g_comm, options),
+                       lmoe::Error);  // declined on every rank
           continue;
         }
         const lmoe::RankRun run = lmoe::run_case_rank(c, *g_comm, options);
-        const lmoe::Comparison cmp = lmoe::compare(run.y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier)), exact);
+        const lmoe::Comparison cmp =
+            lmoe::compare(run.y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier)), exact);
         EXPECT_EQ(cmp.beyond_bound, 0);
         EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
         EXPECT_TRUE(identical_on_all_ranks(run.y));
@@ -70,8 +75,8 @@ TEST(MpiTail, CraftedExactInputsMatchBitForBit) {
     lmoe::RunOptions options;
     options.tier = tier;
     const lmoe::RankRun run = lmoe::run_case_rank(c, *g_comm, options);
-    const lmoe::Comparison cmp =
-        lmoe::compare(run.y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
+    const lmoe::Comparison cmp = lmoe::compare(
+        run.y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier)), lmoe::exact_tail(c));
     EXPECT_EQ(cmp.bit_mismatches, 0);
   }
 }
@@ -81,7 +86,8 @@ TEST(MpiCollectives, ReductionsFollowRankOrderBitForBit) {
   const int rank = g_comm->rank();
   const std::size_t count = 1001;  // not a multiple of tp: uneven chunks
   // Every rank builds every rank's input from the same seed, to compute the expected sums locally.
-  lmoe::TailCase c = lmoe::make_random_case({static_cast<std::int64_t>(count), 1}, 1e-5f, DType::bf16, tp, 1, 5u);
+  lmoe::TailCase c =
+      lmoe::make_random_case({static_cast<std::int64_t>(count), 1}, 1e-5f, DType::bf16, tp, 1, 5u);
   std::vector<const void*> inputs;
   for (int r = 0; r < tp; ++r) inputs.push_back(c.shared.slice_matrix(r).data);
   std::vector<std::uint16_t> expected(count), got(count);
@@ -95,7 +101,8 @@ TEST(MpiCollectives, ReductionsFollowRankOrderBitForBit) {
   for (int r = 0; r < tp; ++r) counts.push_back(offsets[r + 1] - offsets[r]);
   std::vector<std::uint16_t> mine(counts[rank]);
   g_comm->reduce_scatter(inputs[rank], mine.data(), counts, DType::bf16);
-  EXPECT_TRUE(std::equal(mine.begin(), mine.end(), expected.begin() + static_cast<std::ptrdiff_t>(offsets[rank])));
+  EXPECT_TRUE(std::equal(mine.begin(), mine.end(),
+                         expected.begin() + static_cast<std::ptrdiff_t>(offsets[rank])));
 
   std::vector<std::uint16_t> gathered(count);
   g_comm->all_gather(mine.data(), gathered.data(), counts, DType::bf16);
@@ -166,7 +173,8 @@ TEST(MpiTail, BadInputOnOneRankFailsEveryRankAlike) {
   } catch (const lmoe::Error& error) {
     message = error.message();
   }
-  EXPECT_EQ(message, "rank " + std::to_string(tp - 1) + ": out: expected shape [4, 384], got [3, 384]");
+  EXPECT_EQ(message,
+            "rank " + std::to_string(tp - 1) + ": out: expected shape [4, 384], got [3, 384]");
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 // The `nccl` communicator with one process per GPU, under `mpirun -n N`: bootstrapped by MPI
 // (make_nccl_mpi_communicator) and by the torchrun variables with the id file
-// (make_nccl_env_communicator, the variables set here from MPI's). For each: the collectives bit for
-// bit on exact inputs with unequal blocks, every tier against the contract within the reordered
-// bound and bit for bit on crafted exact inputs, results identical on every rank, and a bad input on
-// one rank failing every rank alike. Skips (every rank) when the processes of a node outnumber its GPUs.
+// (make_nccl_env_communicator, the variables set here from MPI's). For each: the collectives bit
+// for bit on exact inputs with unequal blocks, every tier against the contract within the reordered
+// bound and bit for bit on crafted exact inputs, results identical on every rank, and a bad input
+// on one rank failing every rank alike. Skips (every rank) when the processes of a node outnumber
+// its GPUs.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -15,16 +16,16 @@
 #include <random>
 #include <string>
 
-#include "core/rank_order_reduce.hpp"
-#include "mpi/mpi_gpu_test_support.hpp"
 #include "core/host_math.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/nccl_communicator.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/tools/tail_runner.hpp"
+#include "mpi/mpi_gpu_test_support.hpp"
 
 namespace {
 
@@ -42,7 +43,8 @@ class NcclProcesses : public ::testing::TestWithParam<Bootstrap> {
     if (!g_skip.empty()) GTEST_SKIP() << g_skip;
   }
   static std::shared_ptr<lmoe::Communicator> make(Bootstrap bootstrap) {
-    return bootstrap == Bootstrap::mpi ? lmoe::make_nccl_mpi_communicator() : lmoe::make_nccl_env_communicator();
+    return bootstrap == Bootstrap::mpi ? lmoe::make_nccl_mpi_communicator()
+                                       : lmoe::make_nccl_env_communicator();
   }
 };
 
@@ -60,7 +62,8 @@ TEST_P(NcclProcesses, CollectivesOnExactInputsMatchTheRankOrderSum) {
       std::mt19937_64 rng(17u + static_cast<std::uint64_t>(r));
       std::uniform_int_distribution<int> small(-8, 8);
       inputs[r].resize(count * esize);
-      for (std::size_t i = 0; i < count; ++i) lmoe::store_from_float(inputs[r].data(), i, dtype, small(rng) * 0.25f);
+      for (std::size_t i = 0; i < count; ++i)
+        lmoe::store_from_float(inputs[r].data(), i, dtype, small(rng) * 0.25f);
       pointers.push_back(inputs[r].data());
     }
     std::vector<std::byte> expected(count * esize);
@@ -70,7 +73,8 @@ TEST_P(NcclProcesses, CollectivesOnExactInputsMatchTheRankOrderSum) {
     for (int r = 0; r < tp; ++r) counts.push_back(offsets[r + 1] - offsets[r]);
 
     const lmoe::cuda::DeviceBuffer send(count * esize), recv(count * esize);
-    ASSERT_EQ(cudaMemcpy(send.data(), inputs[rank].data(), send.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(send.data(), inputs[rank].data(), send.bytes(), cudaMemcpyHostToDevice),
+              cudaSuccess);
     std::vector<std::byte> got(count * esize);
     comm->all_reduce(send.data(), recv.data(), count, dtype, nullptr);
     ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
@@ -78,7 +82,8 @@ TEST_P(NcclProcesses, CollectivesOnExactInputsMatchTheRankOrderSum) {
     EXPECT_EQ(got, expected);
 
     comm->reduce_scatter(send.data(), recv.at(offsets[rank] * esize), counts, dtype, nullptr);
-    comm->all_gather(recv.at(offsets[rank] * esize), recv.data(), counts, dtype, nullptr);  // in place
+    comm->all_gather(recv.at(offsets[rank] * esize), recv.data(), counts, dtype,
+                     nullptr);  // in place
     ASSERT_EQ(cudaStreamSynchronize(cudaStreamPerThread), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(got.data(), recv.data(), got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(got, expected);
@@ -89,15 +94,17 @@ TEST_P(NcclProcesses, EveryTierMeetsItsContract) {
   auto comm = make(GetParam());
   const int tp = comm->size();
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp + 1}, std::int64_t{300}}) {
-    const lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 42u + static_cast<std::uint64_t>(tokens));
-    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens, 9u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens,
+                                                         42u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens,
+                                                       9u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : lmoe::kAllTiers) {
       SCOPED_TRACE(std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       lmoe::RunOptions options;
       options.backend = lmoe::Backend::cuda;
       options.tier = tier;
-      // Declined on every rank: token with fewer rows than ranks; fused over NCCL with several ranks
-      // (its kernel reads the peers' workspaces, which needs the p2p communicator).
+      // Declined on every rank: token with fewer rows than ranks; fused over NCCL with several
+      // ranks (its kernel reads the peers' workspaces, which needs the p2p communicator).
       if ((tier == TailTier::token && tokens < tp) || (tier == TailTier::fused && tp > 1)) {
         EXPECT_THROW(lmoe::run_case_rank(random, *comm, options), lmoe::Error);
         continue;
@@ -109,12 +116,15 @@ TEST_P(NcclProcesses, EveryTierMeetsItsContract) {
 
 TEST_P(NcclProcesses, BadInputOnOneRankFailsEveryRankAlike) {
   auto comm = make(GetParam());
-  EXPECT_EQ(mpi_test::bad_output_shape_error(*comm, kSmall),
-            "rank " + std::to_string(comm->size() - 1) + ": out: expected shape [4, 384], got [3, 384]");
+  EXPECT_EQ(
+      mpi_test::bad_output_shape_error(*comm, kSmall),
+      "rank " + std::to_string(comm->size() - 1) + ": out: expected shape [4, 384], got [3, 384]");
 }
 
-INSTANTIATE_TEST_SUITE_P(Bootstrap, NcclProcesses, ::testing::Values(Bootstrap::mpi, Bootstrap::env),
-                         [](const auto& info) { return info.param == Bootstrap::mpi ? "mpi" : "env"; });
+INSTANTIATE_TEST_SUITE_P(Bootstrap, NcclProcesses,
+                         ::testing::Values(Bootstrap::mpi, Bootstrap::env), [](const auto& info) {
+                           return info.param == Bootstrap::mpi ? "mpi" : "env";
+                         });
 
 // Why this node cannot run the test (its processes outnumber its GPUs), agreed by every rank.
 std::string reason_to_skip() {
@@ -136,7 +146,8 @@ void set_launch_environment() {
   MPI_Comm_rank(node, &local_rank);
   MPI_Comm_free(&node);
   char path[256] = {};
-  if (rank == 0) std::snprintf(path, sizeof(path), "/tmp/lmoe-nccl-id-%d", static_cast<int>(::getpid()));
+  if (rank == 0)
+    std::snprintf(path, sizeof(path), "/tmp/lmoe-nccl-id-%d", static_cast<int>(::getpid()));
   MPI_Bcast(path, sizeof(path), MPI_CHAR, 0, MPI_COMM_WORLD);
   setenv("RANK", std::to_string(rank).c_str(), 1);
   setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);

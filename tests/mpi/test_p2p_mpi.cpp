@@ -21,17 +21,17 @@
 #include <string>
 #include <thread>
 
-#include "core/rank_order_reduce.hpp"
 #include "core/host_math.hpp"
-#include "cuda/tail/cuda_tail_executor.hpp"
-#include "cuda/runtime/device_buffer.hpp"
+#include "core/rank_order_reduce.hpp"
 #include "cuda/gpu_test_support.hpp"
-#include "mpi/mpi_gpu_test_support.hpp"
+#include "cuda/runtime/device_buffer.hpp"
+#include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/tools/tail_runner.hpp"
+#include "mpi/mpi_gpu_test_support.hpp"
 
 namespace {
 
@@ -52,9 +52,11 @@ class P2pProcesses : public ::testing::Test {
 // Setup bootstrapped by MPI (make_p2p_mpi_communicator) or by the torchrun variables and a launch
 // record file (make_p2p_env_communicator; the variables are set from MPI's in main()).
 enum class Bootstrap { mpi, env };
-class P2pProcessesBootstrap : public P2pProcesses, public ::testing::WithParamInterface<Bootstrap> {};
+class P2pProcessesBootstrap : public P2pProcesses,
+                              public ::testing::WithParamInterface<Bootstrap> {};
 
-std::shared_ptr<lmoe::Communicator> make(Bootstrap bootstrap, const lmoe::P2pOptions& options = {}) {
+std::shared_ptr<lmoe::Communicator> make(Bootstrap bootstrap,
+                                         const lmoe::P2pOptions& options = {}) {
   if (bootstrap == Bootstrap::mpi) return lmoe::make_p2p_mpi_communicator(options);
   // A fresh record path for every group, chosen by rank 0 (a record left by an earlier group would
   // name a segment that is gone).
@@ -62,7 +64,9 @@ std::shared_ptr<lmoe::Communicator> make(Bootstrap bootstrap, const lmoe::P2pOpt
   char path[256] = {};
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank == 0) std::snprintf(path, sizeof(path), "/tmp/lmoe-p2p-id-%d-%d", static_cast<int>(::getpid()), groups);
+  if (rank == 0)
+    std::snprintf(path, sizeof(path), "/tmp/lmoe-p2p-id-%d-%d", static_cast<int>(::getpid()),
+                  groups);
   ++groups;
   MPI_Bcast(path, sizeof(path), MPI_CHAR, 0, MPI_COMM_WORLD);
   setenv("LMOE_P2P_ID_FILE", path, 1);
@@ -77,11 +81,13 @@ std::vector<std::string> leftovers() {
   int pid = static_cast<int>(::getpid());
   MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
   std::vector<std::string> found;
-  for (const auto& [folder, prefix] : {std::pair{"/dev/shm", "lmoe-p2p-"}, std::pair{"/tmp", "lmoe-p2p-id-"}}) {
+  for (const auto& [folder, prefix] :
+       {std::pair{"/dev/shm", "lmoe-p2p-"}, std::pair{"/tmp", "lmoe-p2p-id-"}}) {
     std::error_code error;
     for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
       const std::string name = entry.path().filename().string();
-      if (name.rfind(prefix + std::to_string(pid) + "-", 0) == 0) found.push_back(entry.path().string());
+      if (name.rfind(prefix + std::to_string(pid) + "-", 0) == 0)
+        found.push_back(entry.path().string());
     }
   }
   return found;
@@ -108,7 +114,8 @@ void check_collectives(Bootstrap bootstrap, const lmoe::P2pOptions& options) {
     SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)));
     const std::size_t esize = lmoe::dtype_size(dtype);
     std::vector<std::size_t> counts;
-    for (int r = 0; r < tp; ++r) counts.push_back(r == 1 ? 0 : 1000 + 37 * static_cast<std::size_t>(r));
+    for (int r = 0; r < tp; ++r)
+      counts.push_back(r == 1 ? 0 : 1000 + 37 * static_cast<std::size_t>(r));
     std::size_t total = 0, first = 0;
     for (int r = 0; r < tp; ++r) {
       if (r < rank) first += counts[r];
@@ -116,43 +123,50 @@ void check_collectives(Bootstrap bootstrap, const lmoe::P2pOptions& options) {
     }
     std::vector<std::vector<std::byte>> inputs;
     std::vector<const void*> pointers;
-    for (int r = 0; r < tp; ++r) inputs.push_back(random_values(total, dtype, 77 + static_cast<std::uint64_t>(r)));
+    for (int r = 0; r < tp; ++r)
+      inputs.push_back(random_values(total, dtype, 77 + static_cast<std::uint64_t>(r)));
     for (const auto& input : inputs) pointers.push_back(input.data());
     std::vector<std::byte> expected(total * esize);
     lmoe::reduce_in_rank_order(pointers, expected.data(), total, dtype);
 
     const std::size_t mine = counts[static_cast<std::size_t>(rank)] * esize;
-    const DeviceBuffer send(total * esize), reduced(total * esize), block(std::max<std::size_t>(mine, 16)),
-        gathered(total * esize), in_place(total * esize);
+    const DeviceBuffer send(total * esize), reduced(total * esize),
+        block(std::max<std::size_t>(mine, 16)), gathered(total * esize), in_place(total * esize);
     cuda_ok(cudaMemcpy(send.data(), inputs[rank].data(), total * esize, cudaMemcpyHostToDevice));
     cuda_ok(cudaMemsetAsync(reduced.data(), 0xff, total * esize, stream));
     cuda_ok(cudaMemsetAsync(gathered.data(), 0xff, total * esize, stream));
     cuda_ok(cudaMemsetAsync(in_place.data(), 0xff, total * esize, stream));
-    // No allocation or synchronous copy while a peer spins (ranks may share a GPU): set up, then meet.
+    // No allocation or synchronous copy while a peer spins (ranks may share a GPU): set up, then
+    // meet.
     cuda_ok(cudaDeviceSynchronize());
     comm->barrier();
     comm->all_reduce(send.data(), reduced.data(), total, dtype, stream);
     comm->reduce_scatter(send.data(), block.data(), counts, dtype, stream);
     comm->all_gather(block.data(), gathered.data(), counts, dtype, stream);
     // In place: this rank's block of the output is the send buffer.
-    cuda_ok(cudaMemcpyAsync(in_place.at(first * esize), block.data(), mine, cudaMemcpyDeviceToDevice, stream));
+    cuda_ok(cudaMemcpyAsync(in_place.at(first * esize), block.data(), mine,
+                            cudaMemcpyDeviceToDevice, stream));
     comm->all_gather(in_place.at(first * esize), in_place.data(), counts, dtype, stream);
     cuda_ok(cudaStreamSynchronize(stream));
     comm->barrier();
-    std::vector<std::byte> got(total * esize), got_block(mine), got_gathered(total * esize), got_in_place(total * esize);
+    std::vector<std::byte> got(total * esize), got_block(mine), got_gathered(total * esize),
+        got_in_place(total * esize);
     cuda_ok(cudaMemcpy(got.data(), reduced.data(), got.size(), cudaMemcpyDeviceToHost));
     cuda_ok(cudaMemcpy(got_gathered.data(), gathered.data(), got.size(), cudaMemcpyDeviceToHost));
     cuda_ok(cudaMemcpy(got_in_place.data(), in_place.data(), got.size(), cudaMemcpyDeviceToHost));
     if (mine) cuda_ok(cudaMemcpy(got_block.data(), block.data(), mine, cudaMemcpyDeviceToHost));
     EXPECT_EQ(got, expected) << "all_reduce, rank " << rank;
-    EXPECT_EQ(0, std::memcmp(got_block.data(), expected.data() + first * esize, mine)) << "reduce_scatter, rank " << rank;
+    EXPECT_EQ(0, std::memcmp(got_block.data(), expected.data() + first * esize, mine))
+        << "reduce_scatter, rank " << rank;
     EXPECT_EQ(got_gathered, expected) << "all_gather, rank " << rank;
     EXPECT_EQ(got_in_place, expected) << "all_gather in place, rank " << rank;
   }
   cuda_ok(cudaStreamDestroy(stream));
 }
 
-TEST_P(P2pProcessesBootstrap, CollectivesMatchTheRankOrderSumBitForBit) { check_collectives(GetParam(), {}); }
+TEST_P(P2pProcessesBootstrap, CollectivesMatchTheRankOrderSumBitForBit) {
+  check_collectives(GetParam(), {});
+}
 
 TEST_P(P2pProcessesBootstrap, CollectivesSpanningManyRoundsMatchTheRankOrderSumBitForBit) {
   lmoe::P2pOptions options;
@@ -167,13 +181,16 @@ TEST_P(P2pProcessesBootstrap, CollectivesSpanningManyRoundsMatchTheRankOrderSumB
 TEST_F(P2pProcesses, EveryTierMeetsItsContractEagerAndCaptured) {
   auto comm = lmoe::make_p2p_mpi_communicator();
   const int tp = comm->size();
-  for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp + 1}, std::int64_t{129}, std::int64_t{300}}) {
-    const lmoe::TailCase random =
-        lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 42u + static_cast<std::uint64_t>(tokens));
-    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens, 9u + static_cast<std::uint64_t>(tokens));
+  for (std::int64_t tokens :
+       {std::int64_t{1}, std::int64_t{tp + 1}, std::int64_t{129}, std::int64_t{300}}) {
+    const lmoe::TailCase random = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens,
+                                                         42u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens,
+                                                       9u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : lmoe::kAllTiers) {
       for (bool graph : {false, true}) {
-        SCOPED_TRACE(std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens) + (graph ? " graph" : " eager"));
+        SCOPED_TRACE(std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens) +
+                     (graph ? " graph" : " eager"));
         lmoe::RunOptions options;
         options.backend = lmoe::Backend::cuda;
         options.tier = tier;
@@ -220,9 +237,12 @@ TEST_F(P2pProcesses, AStalledRankFailsEveryRankWithinTheTimeout) {
   } catch (const lmoe::Error& error) {
     message = error.message();
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("[ p2p    ] rank %d: stalled rank detected after %.2f s: %s\n", comm->rank(), seconds, message.c_str());
-  EXPECT_TRUE(on_every_rank(message.find("for rank " + std::to_string(stalled)) != std::string::npos))
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("[ p2p    ] rank %d: stalled rank detected after %.2f s: %s\n", comm->rank(), seconds,
+              message.c_str());
+  EXPECT_TRUE(
+      on_every_rank(message.find("for rank " + std::to_string(stalled)) != std::string::npos))
       << "rank " << comm->rank() << ": " << message;
   EXPECT_THROW(comm->barrier(), lmoe::Error);  // the group stays failed
 }
@@ -256,8 +276,9 @@ TEST_F(P2pProcesses, AnAbortEndsAPeersWait) {
 
 TEST_F(P2pProcesses, BadInputOnOneRankFailsEveryRankAlike) {
   auto comm = lmoe::make_p2p_mpi_communicator();
-  EXPECT_EQ(mpi_test::bad_output_shape_error(*comm, kSmall),
-            "rank " + std::to_string(comm->size() - 1) + ": out: expected shape [4, 384], got [3, 384]");
+  EXPECT_EQ(
+      mpi_test::bad_output_shape_error(*comm, kSmall),
+      "rank " + std::to_string(comm->size() - 1) + ": out: expected shape [4, 384], got [3, 384]");
 }
 
 // Setup refuses, on every rank alike and naming the rank, a device that is not visible.
@@ -276,15 +297,18 @@ TEST_P(P2pProcessesBootstrap, ABadDeviceOnOneRankFailsSetupOnEveryRank) {
                          std::to_string(visible) + " GPUs)");
 }
 
-INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesBootstrap, ::testing::Values(Bootstrap::mpi, Bootstrap::env),
-                         [](const auto& info) { return info.param == Bootstrap::mpi ? "mpi" : "env"; });
+INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesBootstrap,
+                         ::testing::Values(Bootstrap::mpi, Bootstrap::env), [](const auto& info) {
+                           return info.param == Bootstrap::mpi ? "mpi" : "env";
+                         });
 
 // Where no GPU is visible, setup still runs its bootstrap and shared-memory steps and then fails on
 // every rank with the same error, naming rank 0 (whose GPU lookup failed first).
 class P2pProcessesWithoutGpu : public ::testing::TestWithParam<Bootstrap> {};
 
 TEST_P(P2pProcessesWithoutGpu, SetupFailsOnEveryRankAlike) {
-  if (lmoe::cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible (the fixture's tests run instead)";
+  if (lmoe::cuda_device_count() > 0)
+    GTEST_SKIP() << "a GPU is visible (the fixture's tests run instead)";
   std::string message;
   try {
     make(GetParam());
@@ -297,11 +321,14 @@ TEST_P(P2pProcessesWithoutGpu, SetupFailsOnEveryRankAlike) {
   std::vector<char> mine(512, '\0'), all(512 * static_cast<std::size_t>(world_size()));
   std::memcpy(mine.data(), message.data(), std::min<std::size_t>(message.size(), 511));
   MPI_Allgather(mine.data(), 512, MPI_CHAR, all.data(), 512, MPI_CHAR, MPI_COMM_WORLD);
-  for (int r = 1; r < world_size(); ++r) EXPECT_EQ(std::memcmp(all.data(), all.data() + 512 * r, 512), 0) << "rank " << r;
+  for (int r = 1; r < world_size(); ++r)
+    EXPECT_EQ(std::memcmp(all.data(), all.data() + 512 * r, 512), 0) << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesWithoutGpu, ::testing::Values(Bootstrap::mpi, Bootstrap::env),
-                         [](const auto& info) { return info.param == Bootstrap::mpi ? "mpi" : "env"; });
+INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesWithoutGpu,
+                         ::testing::Values(Bootstrap::mpi, Bootstrap::env), [](const auto& info) {
+                           return info.param == Bootstrap::mpi ? "mpi" : "env";
+                         });
 
 // Why this node cannot run the tests, agreed by every rank.
 std::string reason_to_skip() {

@@ -11,8 +11,8 @@
 #include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
-#include "lmoe/tools/tail_runner.hpp"
 #include "lmoe/threads_communicator.hpp"
+#include "lmoe/tools/tail_runner.hpp"
 
 namespace {
 
@@ -49,7 +49,8 @@ class CpuTailParity : public ::testing::TestWithParam<ParityParam> {
 TEST_P(CpuTailParity, EveryTierMeetsItsContractAndFp64) {
   const auto [tp, dtype] = GetParam();
   for (std::int64_t tokens : token_counts(tp)) {
-    const std::uint64_t seed = 1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
+    const std::uint64_t seed =
+        1000u * static_cast<std::uint64_t>(tp) + static_cast<std::uint64_t>(tokens);
     const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, seed);
     const std::vector<double> exact = lmoe::exact_tail(c);
     for (TailTier tier : lmoe::kAllTiers) {
@@ -76,13 +77,15 @@ TEST_P(CpuTailParity, EveryTierMeetsItsContractAndFp64) {
 TEST_P(CpuTailParity, CraftedExactInputsMatchBitForBit) {
   const auto [tp, dtype] = GetParam();
   for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{tp}, std::int64_t{37}}) {
-    const lmoe::TailCase c = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
+    const lmoe::TailCase c =
+        lmoe::make_exact_case(kSmall, dtype, tp, tokens, 77u + static_cast<std::uint64_t>(tokens));
     for (TailTier tier : lmoe::kAllTiers) {
       if (tier == TailTier::token && tokens < tp) continue;
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
       const lmoe::CaseRun result = run(c, tier);
       const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp = lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp =
+          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
       EXPECT_EQ(cmp.bit_mismatches, 0);
     }
   }
@@ -90,16 +93,20 @@ TEST_P(CpuTailParity, CraftedExactInputsMatchBitForBit) {
 
 TEST_P(CpuTailParity, AutoRunsThePolicyChoice) {
   const auto [tp, dtype] = GetParam();
-  for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{128}, std::int64_t{129}, std::int64_t{257}}) {
+  for (std::int64_t tokens :
+       {std::int64_t{1}, std::int64_t{128}, std::int64_t{129}, std::int64_t{257}}) {
     const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 5u);
     const lmoe::CaseRun result = run(c, std::nullopt);
-    const TailTier expected = tokens <= 128 ? TailTier::fused : tokens <= 256 ? TailTier::overlap : TailTier::column;
+    const TailTier expected = tokens <= 128   ? TailTier::fused
+                              : tokens <= 256 ? TailTier::overlap
+                                              : TailTier::column;
     EXPECT_EQ(result.tier, expected) << "T=" << tokens;
   }
 }
 
 std::string name_of(const ::testing::TestParamInfo<ParityParam>& info) {
-  return "tp" + std::to_string(info.param.tp) + "_" + std::string(lmoe::dtype_name(info.param.dtype));
+  return "tp" + std::to_string(info.param.tp) + "_" +
+         std::string(lmoe::dtype_name(info.param.dtype));
 }
 
 std::vector<ParityParam> all_params() {
@@ -120,26 +127,31 @@ TEST(CpuTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
   for (int tp : {1, 2, 4}) {
     for (DType dtype : {DType::bf16, DType::f32}) {
       for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{7}, std::int64_t{64}}) {
-        lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp));
+        lmoe::TailCase c = lmoe::make_random_case(
+            kSmall, 1e-5f, dtype, tp, tokens,
+            31u * static_cast<std::uint64_t>(tokens) + static_cast<std::uint64_t>(tp));
         c.latent_norm = false;
-        lmoe::TailCase exact_inputs = lmoe::make_exact_case(kSmall, dtype, tp, tokens, 5u + static_cast<std::uint64_t>(tokens));
+        lmoe::TailCase exact_inputs = lmoe::make_exact_case(
+            kSmall, dtype, tp, tokens, 5u + static_cast<std::uint64_t>(tokens));
         exact_inputs.latent_norm = false;
         const std::vector<double> exact = lmoe::exact_tail(c);
         for (TailTier tier : lmoe::kAllTiers) {
           if (tier == TailTier::token && tokens < tp) continue;
-          SCOPED_TRACE("tp=" + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)) + " T=" +
-                       std::to_string(tokens) + " " + std::string(lmoe::tier_name(tier)));
+          SCOPED_TRACE("tp=" + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)) +
+                       " T=" + std::to_string(tokens) + " " + std::string(lmoe::tier_name(tier)));
           const lmoe::CaseRun result = run(c, tier);
           EXPECT_TRUE(result.ranks_identical);
           for (auto order : {lmoe::ReductionOrder::rank_order, lmoe::ReductionOrder::unspecified}) {
             const lmoe::Comparison cmp =
-                lmoe::compare(result.ranks[0].y.matrix(), lmoe::reference_tail(c, lmoe::contract_of(tier), order), exact);
+                lmoe::compare(result.ranks[0].y.matrix(),
+                              lmoe::reference_tail(c, lmoe::contract_of(tier), order), exact);
             EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
             EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
           }
           const lmoe::CaseRun crafted = run(exact_inputs, tier);
           const lmoe::Comparison crafted_cmp =
-              lmoe::compare(crafted.ranks[0].y.matrix(), lmoe::reference_tail(exact_inputs, lmoe::contract_of(tier)),
+              lmoe::compare(crafted.ranks[0].y.matrix(),
+                            lmoe::reference_tail(exact_inputs, lmoe::contract_of(tier)),
                             lmoe::exact_tail(exact_inputs));
           EXPECT_EQ(crafted_cmp.bit_mismatches, 0);
         }
@@ -148,7 +160,8 @@ TEST(CpuTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
         normed.latent_norm = true;
         const lmoe::CaseRun with_norm = run(normed, TailTier::overlap);
         const lmoe::CaseRun without = run(c, TailTier::overlap);
-        EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), without.ranks[0].y.data(), without.ranks[0].y.nbytes()));
+        EXPECT_NE(0, std::memcmp(with_norm.ranks[0].y.data(), without.ranks[0].y.data(),
+                                 without.ranks[0].y.nbytes()));
       }
     }
   }
@@ -175,7 +188,8 @@ TEST(CpuTail, OutputMayAliasShared) {
     });
     const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
     for (int rank = 0; rank < tp; ++rank) {
-      EXPECT_EQ(lmoe::compare(outputs[rank].matrix(), reference, exact).beyond_bound, 0) << "rank " << rank;
+      EXPECT_EQ(lmoe::compare(outputs[rank].matrix(), reference, exact).beyond_bound, 0)
+          << "rank " << rank;
     }
   }
 }

@@ -19,9 +19,9 @@
 #include "layer_checks.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
-#include "lmoe/tools/layer_runner.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/threads_communicator.hpp"
+#include "lmoe/tools/layer_runner.hpp"
 
 namespace {
 

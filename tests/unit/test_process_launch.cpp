@@ -1,6 +1,6 @@
-// The launch environment of one process per GPU (RANK, WORLD_SIZE, LOCAL_RANK) and the record rank 0
-// hands to the others through a file: parsed values, the messages of bad ones, an atomic hand-over
-// between a writer and a waiting reader, stale and foreign files, and the bounded wait.
+// The launch environment of one process per GPU (RANK, WORLD_SIZE, LOCAL_RANK) and the record rank
+// 0 hands to the others through a file: parsed values, the messages of bad ones, an atomic
+// hand-over between a writer and a waiting reader, stale and foreign files, and the bounded wait.
 #include "comm/process_launch.hpp"
 
 #include <gmock/gmock.h>
@@ -36,40 +36,58 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 TEST(LaunchRank, ReadsWhatTorchrunSets) {
-  const auto launch = lmoe::launch_rank_from_env(env_of({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}}));
+  const auto launch =
+      lmoe::launch_rank_from_env(env_of({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}}));
   ASSERT_TRUE(launch.has_value());
   EXPECT_EQ(launch->rank, 3);
   EXPECT_EQ(launch->world_size, 8);
   EXPECT_EQ(launch->local_rank, 1);
-  const auto without_local = lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
+  const auto without_local =
+      lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
   ASSERT_TRUE(without_local.has_value());
   EXPECT_FALSE(without_local->local_rank.has_value());
   EXPECT_FALSE(lmoe::launch_rank_from_env(env_of({})).has_value());
 }
 
 TEST(LaunchRank, BadValuesNameTheVariable) {
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "1"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"RANK", "1"}}));
+            }),
             "WORLD_SIZE is not set but RANK is: a launcher sets both (torchrun does)");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"WORLD_SIZE", "2"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"WORLD_SIZE", "2"}}));
+            }),
             "RANK is not set but WORLD_SIZE is: a launcher sets both (torchrun does)");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
+            }),
             "RANK=2: expected less than WORLD_SIZE=2");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}));
+            }),
             "RANK='x': expected an integer >= 0");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}));
+            }),
             "WORLD_SIZE='0': expected an integer >= 1");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "-1"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(
+                  env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "-1"}}));
+            }),
             "LOCAL_RANK='-1': expected an integer >= 0");
-  EXPECT_EQ(error_of([] { lmoe::launch_rank_from_env(env_of({{"RANK", "1 "}, {"WORLD_SIZE", "2"}})); }),
+  EXPECT_EQ(error_of([] {
+              lmoe::launch_rank_from_env(env_of({{"RANK", "1 "}, {"WORLD_SIZE", "2"}}));
+            }),
             "RANK='1 ': expected an integer >= 0");
 }
 
 class LaunchRecord : public ::testing::Test {
  protected:
   void SetUp() override {
-    directory_ = std::filesystem::temp_directory_path() /
-                 ("lmoe-launch-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "-" +
-                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    directory_ =
+        std::filesystem::temp_directory_path() /
+        ("lmoe-launch-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "-" +
+         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::create_directories(directory_);
     path_ = (directory_ / "nccl.id").string();
   }
@@ -77,7 +95,8 @@ class LaunchRecord : public ::testing::Test {
 
   static std::vector<std::byte> payload(std::size_t size, int salt) {
     std::vector<std::byte> bytes(size);
-    for (std::size_t i = 0; i < size; ++i) bytes[i] = static_cast<std::byte>((i * 7 + static_cast<std::size_t>(salt)) & 0xffu);
+    for (std::size_t i = 0; i < size; ++i)
+      bytes[i] = static_cast<std::byte>((i * 7 + static_cast<std::size_t>(salt)) & 0xffu);
     return bytes;
   }
 
@@ -100,7 +119,8 @@ TEST_F(LaunchRecord, AReaderWaitingBeforeTheWriterGetsTheWholePayload) {
   EXPECT_EQ(read_while_published(id), id);
   // Nothing but the record is left beside it (the temporary file was renamed, not copied).
   std::size_t files = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(directory_)) files += entry.is_regular_file();
+  for (const auto& entry : std::filesystem::directory_iterator(directory_))
+    files += entry.is_regular_file();
   EXPECT_EQ(files, 1u);
   lmoe::remove_launch_record(path_);
   EXPECT_FALSE(std::filesystem::exists(path_));
@@ -121,7 +141,8 @@ TEST_F(LaunchRecord, ARecordForAnotherWorldSizeIsWaitedPastThenReported) {
 TEST_F(LaunchRecord, NoFileTimesOutWithAHint) {
   EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 50ms); }),
             "waited 50 ms for rank 0 to write '" + path_ +
-                "' (no file there): did rank 0 start, and is the path on a filesystem every node shares?");
+                "' (no file there): did rank 0 start, and is the path on a filesystem every node "
+                "shares?");
 }
 
 TEST_F(LaunchRecord, AForeignFileOrAnotherPayloadSizeFailsAtOnce) {

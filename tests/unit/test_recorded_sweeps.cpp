@@ -161,8 +161,8 @@ BenchSweep crafted_sweep() {
   s.tokens = {1, 4096};
   s.warmup = 5;
   s.iters = 3;
-  s.cold_l2 = true;                  // not the default: the round trip must keep it
-  s.layers = 8;                      // likewise
+  s.cold_l2 = true;  // not the default: the round trip must keep it
+  s.layers = 8;      // likewise
   s.settings = {{"LMOE_FUSED_DECODE", "1"}, {"NCCL_ALGO", "Ring"}};
   s.seed = 18446744073709551557ull;  // above INT64_MAX: read back whole
   s.check_max_tokens = 256;
@@ -181,8 +181,12 @@ BenchSweep crafted_sweep() {
   right.comparison = {10752, 3, 0, 0.5, 1e-3, 1e-2};
   BenchRecord wrong = ran_record("nccl", 1, TailTier::overlap, 40);
   wrong.checked = true;
-  wrong.comparison = {10752, 10752, 7, std::numeric_limits<double>::infinity(),
-                      std::numeric_limits<double>::infinity(), 1e-2};
+  wrong.comparison = {10752,
+                      10752,
+                      7,
+                      std::numeric_limits<double>::infinity(),
+                      std::numeric_limits<double>::infinity(),
+                      1e-2};
   BenchRecord differ = ran_record("nccl", 1, TailTier::fused, 50);
   differ.checked = true;
   differ.comparison = {10752, 0, 0, 0, 1e-3, 1e-2};
@@ -224,9 +228,8 @@ TEST(BenchJson, ACpuSweepReadsBackToTheSameTimes) {
   options.warmup = 0;
   options.iters = 3;
   options.check_max_tokens = 1;
-  const BenchSweep sweep =
-      lmoe::bench_sweep_of(options, "tiny", lmoe::bench_environment(lmoe::Backend::cpu),
-                           lmoe::run_tail_bench(options));
+  const BenchSweep sweep = lmoe::bench_sweep_of(
+      options, "tiny", lmoe::bench_environment(lmoe::Backend::cpu), lmoe::run_tail_bench(options));
   ASSERT_TRUE(sweep.result.ok());
   EXPECT_FALSE(sweep.cold_l2);
   EXPECT_FALSE(lmoe::read_bench_json(lmoe::write_bench_json(sweep), "b.json").cold_l2);
@@ -289,7 +292,9 @@ TEST_F(BenchJsonErrors, AMissingOrGarbledFieldIsNamedWithItsRecord) {
             "b.json: records[1].comm: 'threads' is not one of the sweep's \"comms\"");
   EXPECT_EQ(read_error([](auto& d) { d["records"][1]["tokens"] = 7; }),
             "b.json: records[1].tokens: 7 is not one of the sweep's \"tokens\"");
-  EXPECT_EQ(read_error([](auto& d) { d["tiers"] = {"column", "overlap", "fused"}; }),
+  EXPECT_EQ(read_error([](auto& d) {
+              d["tiers"] = {"column", "overlap", "fused"};
+            }),
             "b.json: records[0].tier: token is not one of the sweep's \"tiers\"");
 }
 
@@ -314,7 +319,9 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
             "b.json: settings.NCCL_ALGO: expected a string, got 1");
   EXPECT_EQ(read_error([](auto& d) { d["command"] = "run"; }),
             "b.json: is the JSON of `lmoe run`, not a recorded sweep of `lmoe bench --json`");
-  EXPECT_EQ(read_error([](auto& d) { d = {{"format", "lmoe-tier-table"}, {"version", 3}}; }),
+  EXPECT_EQ(read_error([](auto& d) {
+              d = {{"format", "lmoe-tier-table"}, {"version", 3}};
+            }),
             "b.json: is a tier table, not a recorded sweep (record one with `lmoe bench --json "
             "FILE`)");
   EXPECT_THAT(error_of([] { lmoe::read_bench_json("{\"records\": [", "b.json"); }),
@@ -357,9 +364,8 @@ lmoe::BenchOptions tiny_options() {
 // A CPU sweep as `lmoe bench --json` would have recorded it.
 BenchSweep cpu_sweep() {
   const lmoe::BenchOptions options = tiny_options();
-  BenchSweep sweep =
-      lmoe::bench_sweep_of(options, "tiny", lmoe::bench_environment(lmoe::Backend::cpu),
-                           lmoe::run_tail_bench(options));
+  BenchSweep sweep = lmoe::bench_sweep_of(
+      options, "tiny", lmoe::bench_environment(lmoe::Backend::cpu), lmoe::run_tail_bench(options));
   EXPECT_TRUE(sweep.result.ok());
   return sweep;
 }
@@ -543,8 +549,7 @@ TEST(TuneFromSweep, SeveralCommsNeedOneNamed) {
   EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(sweep, "p2p", "sweep.json"); }),
             "sweep.json: comm p2p failed in the sweep (peer access is not supported); its records "
             "are not a whole sweep");
-  EXPECT_EQ(lmoe::tune_from_sweep(sweep, "threads", "sweep.json").table.provenance.comm,
-            "threads");
+  EXPECT_EQ(lmoe::tune_from_sweep(sweep, "threads", "sweep.json").table.provenance.comm, "threads");
 }
 
 TEST(TuneFromSweep, EveryTierMustHaveBeenTimedAtEveryT) {
@@ -555,9 +560,8 @@ TEST(TuneFromSweep, EveryTierMustHaveBeenTimedAtEveryT) {
               HasSubstr("sweep.json: tiers: the sweep timed overlap, column; a table is fitted "
                         "over every tier"));
   BenchSweep missing = sweep;
-  std::erase_if(missing.result.records, [](const BenchRecord& r) {
-    return r.tokens == 16 && r.tier == TailTier::fused;
-  });
+  std::erase_if(missing.result.records,
+                [](const BenchRecord& r) { return r.tokens == 16 && r.tier == TailTier::fused; });
   EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(missing, std::nullopt, "sweep.json"); }),
             "sweep.json: no record of comm threads at T=16 for fused (the sweep lists that T and "
             "tier)");
@@ -658,8 +662,8 @@ TEST_F(H200Recordings, ABreakpointTablesRecordedChoicesAndVerdictsAreReproduced)
   const std::string path = kDataDir + "/tiers_k3_tp2.json";
   const lmoe::PolicyConfig policy = policy_of_file(path);
   // Only software versions differ (the kernel driver was not recorded by the sweep): warnings.
-  const std::vector<std::string> warnings =
-      lmoe::match_tier_table(policy.table->provenance, lmoe::running_config_of(check, "nccl"), path);
+  const std::vector<std::string> warnings = lmoe::match_tier_table(
+      policy.table->provenance, lmoe::running_config_of(check, "nccl"), path);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_THAT(warnings[0], HasSubstr("driver_version is '580.159.04' in the table, none here"));
 

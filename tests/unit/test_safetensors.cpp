@@ -229,8 +229,10 @@ TEST(Safetensors, HeaderReadsAcceptEveryFormatDtypeAndReadBytesInPlace) {
   TempDir dir;
   const std::string path = (dir.path() / "raw.safetensors").string();
   // U8 [2, 3] then BF16 [2]: 6 + 4 bytes; whole-file reads reject U8, header reads take it.
-  const std::string header = "{\"a\":" + entry("U8", "[2,3]", "[0,6]") + ",\"b\":" + entry("BF16", "[2]", "[6,10]") + "}";
-  std::ofstream(path, std::ios::binary) << make_file(header, std::string("\x01\x02\x03\x04\x05\x06\x80\x3f\x00\x40", 10));
+  const std::string header =
+      "{\"a\":" + entry("U8", "[2,3]", "[0,6]") + ",\"b\":" + entry("BF16", "[2]", "[6,10]") + "}";
+  std::ofstream(path, std::ios::binary)
+      << make_file(header, std::string("\x01\x02\x03\x04\x05\x06\x80\x3f\x00\x40", 10));
   try {
     read_safetensors(path);
     FAIL() << "expected lmoe::Error";
@@ -251,14 +253,16 @@ TEST(Safetensors, HeaderReadsAcceptEveryFormatDtypeAndReadBytesInPlace) {
   EXPECT_EQ(read.tensors.at("b").bytes, 4u);
 
   // Sizes are still checked, and a name the format does not define is still refused.
-  std::ofstream(path, std::ios::binary) << make_file("{\"a\":" + entry("U16", "[2,3]", "[0,6]") + "}", std::string(6, '\0'));
+  std::ofstream(path, std::ios::binary)
+      << make_file("{\"a\":" + entry("U16", "[2,3]", "[0,6]") + "}", std::string(6, '\0'));
   try {
     read_safetensors_header(path);
     FAIL() << "expected lmoe::Error";
   } catch (const Error& error) {
     EXPECT_THAT(error.message(), HasSubstr("spanning 6 bytes, but U16 [2, 3] needs 12"));
   }
-  std::ofstream(path, std::ios::binary) << make_file("{\"a\":" + entry("Q4", "[2]", "[0,1]") + "}", std::string(1, '\0'));
+  std::ofstream(path, std::ios::binary)
+      << make_file("{\"a\":" + entry("Q4", "[2]", "[0,1]") + "}", std::string(1, '\0'));
   try {
     read_safetensors_header(path);
     FAIL() << "expected lmoe::Error";

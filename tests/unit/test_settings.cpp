@@ -45,8 +45,8 @@ std::vector<std::filesystem::path> source_files() {
   for (const char* dir : {"src", "apps", "benchmarks", "include"}) {
     for (const auto& entry : std::filesystem::recursive_directory_iterator(root / dir)) {
       const std::string ext = entry.path().extension().string();
-      if (!entry.is_regular_file() || (ext != ".cpp" && ext != ".hpp" && ext != ".cu" &&
-                                       ext != ".cuh" && ext != ".h")) {
+      if (!entry.is_regular_file() ||
+          (ext != ".cpp" && ext != ".hpp" && ext != ".cu" && ext != ".cuh" && ext != ".h")) {
         continue;
       }
       const std::string name = entry.path().filename().string();
@@ -161,7 +161,9 @@ TEST(SettingsNumbers, OutOfRangeIsRefusedNamingTheVariableAndTheBound) {
     const lmoe::SettingSpec& spec = lmoe::setting_spec(name);
     EXPECT_EQ(lmoe::setting_int(name, env_of({{name, std::to_string(spec.max)}})), spec.max);
     EXPECT_EQ(lmoe::setting_int(name, env_of({{name, std::to_string(spec.min)}})), spec.min);
-    EXPECT_EQ(error_of([&] { lmoe::setting_int(name, env_of({{name, edge.first}})); }),
+    EXPECT_EQ(error_of([&] {
+                lmoe::setting_int(name, env_of({{name, edge.first}}));
+              }),
               name + ": expected " + edge.second + ", got \"" + edge.first + "\"");
   }
 }
@@ -169,10 +171,9 @@ TEST(SettingsNumbers, OutOfRangeIsRefusedNamingTheVariableAndTheBound) {
 TEST(SettingsNumbers, TokenCountsStopAtTheLargest64BitValue) {
   EXPECT_EQ(lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775807"),
             9223372036854775807LL);
-  EXPECT_EQ(error_of([] {
-              lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775808");
-            }),
-            "LMOE_FUSED_MAX_TOKENS='9223372036854775808': the number is too large");
+  EXPECT_EQ(
+      error_of([] { lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775808"); }),
+      "LMOE_FUSED_MAX_TOKENS='9223372036854775808': the number is too large");
   EXPECT_EQ(error_of([] { lmoe::parse_setting_tokens("LMOE_OVERLAP_MAX_TOKENS", "-1"); }),
             "LMOE_OVERLAP_MAX_TOKENS='-1': expected a non-negative integer number of tokens");
 }
@@ -194,7 +195,9 @@ TEST(SettingsFlags, AcceptTheSameWordsEverywhereAndNameTheVariableOtherwise) {
       EXPECT_EQ(lmoe::setting_flag_if_set(name, env_of({{name, no}})), false) << no;
     }
     for (const char* bad : {"maybe", "2", "y", " 1"}) {
-      EXPECT_EQ(error_of([&] { lmoe::setting_flag(name, env_of({{name, bad}})); }),
+      EXPECT_EQ(error_of([&] {
+                  lmoe::setting_flag(name, env_of({{name, bad}}));
+                }),
                 name + "='" + bad + "': expected 1, 0, true, false, yes, no, on or off");
     }
   }
@@ -208,14 +211,17 @@ TEST(SettingsOthers, PresenceChoiceAndText) {
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({})), std::nullopt);
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({{fault, "1"}})), "1");
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({{fault, "0"}})), "0");
-  EXPECT_EQ(error_of([&] { lmoe::setting_choice(fault, env_of({{fault, "yes"}})); }),
+  EXPECT_EQ(error_of([&] {
+              lmoe::setting_choice(fault, env_of({{fault, "yes"}}));
+            }),
             "LMOE_BENCH_INJECT_FAULT='yes': expected 0 or 1");
-  EXPECT_EQ(error_of([&] { lmoe::setting_choice(fault, env_of({{fault, "or"}})); }),
+  EXPECT_EQ(error_of([&] {
+              lmoe::setting_choice(fault, env_of({{fault, "or"}}));
+            }),
             "LMOE_BENCH_INJECT_FAULT='or': expected 0 or 1");
   EXPECT_EQ(lmoe::setting_text("LMOE_TIER_TABLE", env_of({{"LMOE_TIER_TABLE", "t.json"}})),
             "t.json");
-  EXPECT_EQ(lmoe::setting_text("LMOE_TIER_TABLE", env_of({{"LMOE_TIER_TABLE", ""}})),
-            std::nullopt);
+  EXPECT_EQ(lmoe::setting_text("LMOE_TIER_TABLE", env_of({{"LMOE_TIER_TABLE", ""}})), std::nullopt);
 }
 
 TEST(SettingsWarnings, UnknownNamesAreWarnedOfWithTheClosestKnownName) {
@@ -223,8 +229,8 @@ TEST(SettingsWarnings, UnknownNamesAreWarnedOfWithTheClosestKnownName) {
   EXPECT_EQ(lmoe::closest_setting_name("LMOE_FUSED_DECOD"), "LMOE_FUSED_DECODE");
   EXPECT_EQ(lmoe::closest_setting_name("LMOE_TEIR"), "LMOE_TIER");
   EXPECT_EQ(lmoe::closest_setting_name("LMOE_QQQQQQQQQQQQQQQQ"), std::nullopt);
-  EXPECT_EQ(lmoe::unknown_setting_warnings({"LMOE_TIER", "LMOE_P2P_TIMEOUT", "NCCL_ALGO",
-                                            "LMOE_QQQQQQQQQQQQQQQQ"}),
+  EXPECT_EQ(lmoe::unknown_setting_warnings(
+                {"LMOE_TIER", "LMOE_P2P_TIMEOUT", "NCCL_ALGO", "LMOE_QQQQQQQQQQQQQQQQ"}),
             (std::vector<std::string>{
                 "LMOE_P2P_TIMEOUT is not a setting lmoe reads (did you mean LMOE_P2P_TIMEOUT_MS?)",
                 "LMOE_QQQQQQQQQQQQQQQQ is not a setting lmoe reads"}));

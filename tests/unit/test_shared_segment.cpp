@@ -33,7 +33,8 @@ struct Group {
 
 // Runs body(rank) in `size - 1` forked children and in this process as rank 0; the children's exit
 // codes are returned (0: their checks passed).
-std::vector<int> run_forked(int size, const std::function<int(int rank)>& body, int& parent_result) {
+std::vector<int> run_forked(int size, const std::function<int(int rank)>& body,
+                            int& parent_result) {
   std::vector<pid_t> children;
   for (int rank = 1; rank < size; ++rank) {
     const pid_t pid = ::fork();
@@ -73,22 +74,27 @@ TEST(SharedControl, ProcessesMeetAndGatherRecordsLargerThanASlot) {
   const int size = 3;
   const std::size_t bytes = 2 * SharedControl::kSlotBytes + 123;  // three pieces, the last partial
   int parent = -1;
-  const std::vector<int> children = run_forked(size, [&](int rank) {
-    SharedControl control = group.control(rank, size, 10s);
-    int wrong = 0;
-    for (int repeat = 0; repeat < 20; ++repeat) {
-      std::vector<unsigned char> mine(bytes), all(bytes * size, 0xee);
-      for (std::size_t i = 0; i < bytes; ++i) mine[i] = static_cast<unsigned char>(i * 7 + rank * 31 + repeat);
-      control.all_gather(mine.data(), all.data(), bytes, "test");
-      for (int r = 0; r < size; ++r) {
-        for (std::size_t i = 0; i < bytes; ++i) {
-          if (all[r * bytes + i] != static_cast<unsigned char>(i * 7 + r * 31 + repeat)) ++wrong;
+  const std::vector<int> children = run_forked(
+      size,
+      [&](int rank) {
+        SharedControl control = group.control(rank, size, 10s);
+        int wrong = 0;
+        for (int repeat = 0; repeat < 20; ++repeat) {
+          std::vector<unsigned char> mine(bytes), all(bytes * size, 0xee);
+          for (std::size_t i = 0; i < bytes; ++i)
+            mine[i] = static_cast<unsigned char>(i * 7 + rank * 31 + repeat);
+          control.all_gather(mine.data(), all.data(), bytes, "test");
+          for (int r = 0; r < size; ++r) {
+            for (std::size_t i = 0; i < bytes; ++i) {
+              if (all[r * bytes + i] != static_cast<unsigned char>(i * 7 + r * 31 + repeat))
+                ++wrong;
+            }
+          }
+          control.barrier("test");
         }
-      }
-      control.barrier("test");
-    }
-    return wrong == 0 ? 0 : 1;
-  }, parent);
+        return wrong == 0 ? 0 : 1;
+      },
+      parent);
   EXPECT_EQ(parent, 0);
   EXPECT_EQ(children, (std::vector<int>{0, 0}));
 }
@@ -97,17 +103,21 @@ TEST(SharedControl, AMissingPeerFailsTheBarrierWithinTheTimeoutNamingIt) {
   Group group;
   int parent = -1;
   std::string message;
-  const std::vector<int> children = run_forked(2, [&](int rank) {
-    if (rank == 1) {
-      std::this_thread::sleep_for(1s);  // never arrives; the parent's wait ends first
-      return 0;
-    }
-    SharedControl control = group.control(0, 2, 200ms);
-    message = barrier_failure(control);
-    return message.empty() ? 1 : 0;
-  }, parent);
+  const std::vector<int> children = run_forked(
+      2,
+      [&](int rank) {
+        if (rank == 1) {
+          std::this_thread::sleep_for(1s);  // never arrives; the parent's wait ends first
+          return 0;
+        }
+        SharedControl control = group.control(0, 2, 200ms);
+        message = barrier_failure(control);
+        return message.empty() ? 1 : 0;
+      },
+      parent);
   EXPECT_EQ(parent, 0);
-  EXPECT_EQ(message, "communicator aborted by rank 0: rank 0 waited more than 200 ms for rank 1 in barrier");
+  EXPECT_EQ(message,
+            "communicator aborted by rank 0: rank 0 waited more than 200 ms for rank 1 in barrier");
   EXPECT_EQ(*group.abort_word(), 1);  // the word the GPU rounds read
 }
 
@@ -115,16 +125,20 @@ TEST(SharedControl, AnAbortInOneProcessWakesAWaitingPeerWithItsReason) {
   Group group;
   int parent = -1;
   std::string message;
-  const std::vector<int> children = run_forked(2, [&](int rank) {
-    SharedControl control = group.control(rank, 2, 30s);
-    if (rank == 1) {
-      std::this_thread::sleep_for(200ms);
-      control.abort("bad input");
-      return 0;
-    }
-    message = barrier_failure(control);  // rank 1 never arrives: only its abort can end this wait
-    return message.empty() ? 1 : 0;
-  }, parent);
+  const std::vector<int> children = run_forked(
+      2,
+      [&](int rank) {
+        SharedControl control = group.control(rank, 2, 30s);
+        if (rank == 1) {
+          std::this_thread::sleep_for(200ms);
+          control.abort("bad input");
+          return 0;
+        }
+        message =
+            barrier_failure(control);  // rank 1 never arrives: only its abort can end this wait
+        return message.empty() ? 1 : 0;
+      },
+      parent);
   EXPECT_EQ(parent, 0);
   EXPECT_EQ(children, (std::vector<int>{0}));
   EXPECT_EQ(message, "communicator aborted by rank 1: bad input");
@@ -136,12 +150,15 @@ TEST(SharedControl, AnAbortInOneProcessWakesAWaitingPeerWithItsReason) {
 TEST(SharedControl, TeardownMeetsDespiteAnAbortAndReportsAMissingPeer) {
   Group group;
   int parent = -1;
-  const std::vector<int> children = run_forked(3, [&](int rank) {
-    SharedControl control = group.control(rank, 3, 5s);
-    if (rank == 2) control.abort("failed");
-    const bool met = control.teardown_barrier(1) && control.teardown_barrier(2);
-    return met ? 0 : 1;
-  }, parent);
+  const std::vector<int> children = run_forked(
+      3,
+      [&](int rank) {
+        SharedControl control = group.control(rank, 3, 5s);
+        if (rank == 2) control.abort("failed");
+        const bool met = control.teardown_barrier(1) && control.teardown_barrier(2);
+        return met ? 0 : 1;
+      },
+      parent);
   EXPECT_EQ(parent, 0);
   EXPECT_EQ(children, (std::vector<int>{0, 0}));
 
@@ -157,7 +174,8 @@ TEST(SharedSegment, OpensByNameUntilUnlinkedAndNamesWhatIsMissing) {
     SharedSegment opened = SharedSegment::open(created.name(), 4096);
     EXPECT_STREQ(reinterpret_cast<const char*>(opened.data()), "hello");
     created.unlink();
-    EXPECT_STREQ(reinterpret_cast<const char*>(opened.data()), "hello");  // mappings outlive the name
+    EXPECT_STREQ(reinterpret_cast<const char*>(opened.data()),
+                 "hello");  // mappings outlive the name
   }
   std::string message;
   try {
@@ -165,7 +183,8 @@ TEST(SharedSegment, OpensByNameUntilUnlinkedAndNamesWhatIsMissing) {
   } catch (const lmoe::Error& error) {
     message = error.message();
   }
-  EXPECT_EQ(message.rfind("shm_open '" + created.name() + "': No such file or directory", 0), 0u) << message;
+  EXPECT_EQ(message.rfind("shm_open '" + created.name() + "': No such file or directory", 0), 0u)
+      << message;
 }
 
 }  // namespace

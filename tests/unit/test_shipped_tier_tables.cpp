@@ -125,7 +125,7 @@ TEST(ShippedTierTables, NoTableWhereAnotherConfigurationRuns) {
     elsewhere[3].comm = p.comm + "-other";
     elsewhere[4].comm.reset();  // the comm not known: no table is assumed to hold
     elsewhere[5].backend = lmoe::Backend::cpu;
-    elsewhere[6].gpu.reset();  // no GPU known here: a GPU's table does not hold
+    elsewhere[6].gpu.reset();        // no GPU known here: a GPU's table does not hold
     elsewhere[7].ranks_per_gpu = 2;  // ranks sharing a GPU: measured with one rank per GPU
     if (p.gpu) {
       elsewhere.push_back(running_like(p));

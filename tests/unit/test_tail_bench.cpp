@@ -8,10 +8,10 @@
 #include <set>
 #include <vector>
 
-#include "tools/bench_rank.hpp"
-#include "tools/bench_values.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tools/tail_bench.hpp"
+#include "tools/bench_rank.hpp"
+#include "tools/bench_values.hpp"
 
 namespace {
 

@@ -800,7 +800,8 @@ TEST(ThreadsControlAllGather, GathersOddSizedRecordsInRankOrder) {
   for (int tp : {1, 2, 3}) {
     std::vector<std::vector<unsigned char>> gathered(static_cast<std::size_t>(tp));
     lmoe::run_on_threads(tp, [&](int rank, lmoe::Communicator& comm) {
-      const unsigned char mine[7] = {static_cast<unsigned char>(rank), 1, 2, 3, 4, 5, static_cast<unsigned char>(200 + rank)};
+      const unsigned char mine[7] = {static_cast<unsigned char>(rank),      1, 2, 3, 4, 5,
+                                     static_cast<unsigned char>(200 + rank)};
       gathered[rank].assign(7u * static_cast<std::size_t>(tp), 0xee);
       comm.control_all_gather(mine, gathered[rank].data(), sizeof(mine));
     });

@@ -1082,7 +1082,8 @@ TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   EXPECT_EQ(config.table_path, std::optional<std::string>(path));
 
   config = lmoe::load_policy_config(
-      lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", "5"}, {"LMOE_COLUMN_MAX_TOKENS", "none"}}), path);
+      lmoe_test::fake_env({{"LMOE_FUSED_MAX_TOKENS", "5"}, {"LMOE_COLUMN_MAX_TOKENS", "none"}}),
+      path);
   EXPECT_EQ(config.fused_max_tokens.value, 5);
   EXPECT_EQ(config.fused_max_tokens.source, lmoe::SettingSource::environment);
   EXPECT_EQ(config.overlap_max_tokens.value, 20);
@@ -1094,8 +1095,8 @@ TEST_F(TableFiles, EnvironmentVariablesWinOverAMeasuredTable) {
   // An explicit path wins over LMOE_TIER_TABLE; LMOE_TIER wins over everything.
   const std::string other = write("other.json", R"({"format": "lmoe-tier-table", "version": 1,
       "breakpoints": {"fused_max_tokens": 99}})");
-  config =
-      lmoe::load_policy_config(lmoe_test::fake_env({{"LMOE_TIER_TABLE", other}, {"LMOE_TIER", "token"}}), path);
+  config = lmoe::load_policy_config(
+      lmoe_test::fake_env({{"LMOE_TIER_TABLE", other}, {"LMOE_TIER", "token"}}), path);
   EXPECT_EQ(config.fused_max_tokens.value, 10);
   EXPECT_EQ(lmoe::select(3, config, lmoe::TierSupport{}), TailTier::token);
   // And the version-1 file through the variable alone.
@@ -1244,7 +1245,8 @@ TEST(LatentTailTable, AMismatchedTableIsRefusedOnEveryRank) {
 // between ranks carries whole messages).
 TEST(LatentTailTable, ALongRefusalReachesEveryRankWhole) {
   lmoe::TierTable table = cpu_table(4, {128, 16});
-  table.provenance.comm = "a-communicator-with-a-long-name-that-no-machine-has-to-make-the-message-long";
+  table.provenance.comm =
+      "a-communicator-with-a-long-name-that-no-machine-has-to-make-the-message-long";
   try {
     build_tail(table, 2, nullptr);
     FAIL() << "no error";

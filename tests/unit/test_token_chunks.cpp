@@ -29,7 +29,7 @@ TEST(TokenChunks, OneRankOrTooFewRowsPerRankClampTheCount) {
   EXPECT_EQ(token_chunk_count(5, 2, 8), 2);
   EXPECT_EQ(token_chunk_count(16, 2, 8), 8);
   EXPECT_EQ(token_chunk_count(15, 2, 8), 7);
-  EXPECT_EQ(token_chunk_count(3, 4, 8), 1);  // fewer rows than ranks: one chunk
+  EXPECT_EQ(token_chunk_count(3, 4, 8), 1);     // fewer rows than ranks: one chunk
   EXPECT_EQ(token_chunk_count(4096, 2, 1), 1);  // an explicit 1 turns the pipeline off
   EXPECT_EQ(token_chunk_count(100, 2, 3), 3);   // an explicit count applies below the threshold too
 }
@@ -49,8 +49,9 @@ TEST(TokenChunks, TheVariableIsReadStrictlyAndNamedOnError) {
       lmoe::token_chunks_setting_from_environment();
       ADD_FAILURE() << "LMOE_TOKEN_CHUNKS=" << bad << " was accepted";
     } catch (const lmoe::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("LMOE_TOKEN_CHUNKS: expected a count of chunks in [1, 8]"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(e.what()).find("LMOE_TOKEN_CHUNKS: expected a count of chunks in [1, 8]"),
+          std::string::npos)
           << e.what();
     }
   }

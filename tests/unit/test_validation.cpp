@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "core/validation.hpp"
 #include "core/host_math.hpp"
+#include "core/validation.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"
@@ -463,15 +463,22 @@ TEST(LatentTailValidation, HandBuiltTierRangesAreCheckedLikeATablesOnEveryRank) 
     };
   };
   const auto weights = [](int) { return Weights(); };
-  expect_every_rank(construct_outcome(2, with_ranges({{64, TailTier::overlap}, {16, TailTier::column}, {std::nullopt, TailTier::token}}),
+  expect_every_rank(construct_outcome(2,
+                                      with_ranges({{64, TailTier::overlap},
+                                                   {16, TailTier::column},
+                                                   {std::nullopt, TailTier::token}}),
                                       weights),
-                    "rank 0: policy.ranges[1].max_tokens: expected more than the previous piece's 64 (pieces rise in T), got 16");
+                    "rank 0: policy.ranges[1].max_tokens: expected more than the previous piece's "
+                    "64 (pieces rise in T), got 16");
   expect_every_rank(construct_outcome(2, with_ranges({{64, TailTier::overlap}}), weights),
-                    "rank 0: policy.ranges[0].max_tokens: the last piece must be unbounded (null) so that every T has a tier, got 64");
-  expect_every_rank(
-      construct_outcome(2, with_ranges({{45, TailTier::column}, {512, TailTier::overlap}, {std::nullopt, TailTier::token}}),
-                        weights),
-      kOk);
+                    "rank 0: policy.ranges[0].max_tokens: the last piece must be unbounded (null) "
+                    "so that every T has a tier, got 64");
+  expect_every_rank(construct_outcome(2,
+                                      with_ranges({{45, TailTier::column},
+                                                   {512, TailTier::overlap},
+                                                   {std::nullopt, TailTier::token}}),
+                                      weights),
+                    kOk);
 }
 
 TEST(LatentTailValidation, DLatentMustBePositive) {
@@ -593,11 +600,12 @@ TEST(LatentTailValidation, RanksWithDifferentEpsDisagreeOnTheConfiguration) {
       },
       [](int) { return Weights(); });
   for (const std::string& message : outcome) {
-    EXPECT_THAT(message,
-                StartsWith("ranks disagree on the configuration: rank 0 has d_model=96 d_latent=48 "
-                           "latent_norm=true eps=1e-05 dtype=bf16 backend=cpu max_tokens=0 weights="));
-    EXPECT_THAT(message,
-                HasSubstr("; rank 1 has d_model=96 d_latent=48 latent_norm=true eps=2e-05 dtype=bf16 backend=cpu"));
+    EXPECT_THAT(
+        message,
+        StartsWith("ranks disagree on the configuration: rank 0 has d_model=96 d_latent=48 "
+                   "latent_norm=true eps=1e-05 dtype=bf16 backend=cpu max_tokens=0 weights="));
+    EXPECT_THAT(message, HasSubstr("; rank 1 has d_model=96 d_latent=48 latent_norm=true eps=2e-05 "
+                                   "dtype=bf16 backend=cpu"));
   }
   EXPECT_EQ(outcome[0], outcome[1]);
 }
@@ -859,17 +867,19 @@ TEST(LatentTailValidation, MaxTokensBoundsTheCall) {
   const auto views = [](int, Call& call) { return good_views(call); };
   expect_every_rank(call_outcome(2, 5, views, std::nullopt, 5), kOk);
   expect_every_rank(call_outcome(2, 4, views, std::nullopt, 5), kOk);
-  expect_every_rank(call_outcome(2, 6, views, std::nullopt, 5),
-                    "rank 0: routed: expected at most max_tokens=5 rows (set at construction), got 6 rows");
-  expect_every_rank(construct_outcome(
-                        2,
-                        [](int) {
-                          TailOptions opts = options();
-                          opts.max_tokens = -1;
-                          return opts;
-                        },
-                        [](int) { return Weights(); }),
-                    "rank 0: max_tokens: expected 0 (grow on demand) or a positive token count, got -1");
+  expect_every_rank(
+      call_outcome(2, 6, views, std::nullopt, 5),
+      "rank 0: routed: expected at most max_tokens=5 rows (set at construction), got 6 rows");
+  expect_every_rank(
+      construct_outcome(
+          2,
+          [](int) {
+            TailOptions opts = options();
+            opts.max_tokens = -1;
+            return opts;
+          },
+          [](int) { return Weights(); }),
+      "rank 0: max_tokens: expected 0 (grow on demand) or a positive token count, got -1");
 }
 
 }  // namespace

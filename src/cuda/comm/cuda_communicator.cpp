@@ -36,7 +36,10 @@ constexpr std::size_t kTwoShotBytes = std::size_t{1} << 20;
 class CudaThreadGroup {
  public:
   CudaThreadGroup(int size, int device, std::chrono::milliseconds timeout)
-      : size_(size), device_(device), barrier_(size, timeout), slots_(static_cast<std::size_t>(size)) {}
+      : size_(size),
+        device_(device),
+        barrier_(size, timeout),
+        slots_(static_cast<std::size_t>(size)) {}
 
   int size() const { return size_; }
   int device() const { return device_; }
@@ -98,20 +101,25 @@ class CudaThreadCommunicator final : public Communicator {
     }
     // Blocks are whole 16-byte vectors (8 elements in every dtype) so the vector kernels apply.
     std::vector<std::size_t> counts(static_cast<std::size_t>(size()));
-    const std::size_t vectors = count / 8, base = vectors / counts.size(), extra = vectors % counts.size();
+    const std::size_t vectors = count / 8, base = vectors / counts.size(),
+                      extra = vectors % counts.size();
     for (std::size_t r = 0; r < counts.size(); ++r) counts[r] = 8 * (base + (r < extra ? 1 : 0));
     counts.back() += count - 8 * vectors;
-    const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
-    void* block = staging_for(counts[static_cast<std::size_t>(rank_)] * esize, enter(stream_handle));
-    reduce_block(send, block, first, counts[static_cast<std::size_t>(rank_)], dtype, stream_handle, "all_reduce");
+    const std::size_t first =
+        std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
+    void* block =
+        staging_for(counts[static_cast<std::size_t>(rank_)] * esize, enter(stream_handle));
+    reduce_block(send, block, first, counts[static_cast<std::size_t>(rank_)], dtype, stream_handle,
+                 "all_reduce");
     all_gather(block, recv, counts, dtype, stream_handle);
     LMOE_CUDA_CHECK(cudaEventRecord(staging_.free, enter(stream_handle)));
   }
 
-  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
-                      StreamHandle stream_handle) override {
+  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts,
+                      DType dtype, StreamHandle stream_handle) override {
     check_counts(counts, "reduce_scatter");
-    const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
+    const std::size_t first =
+        std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
     reduce_block(send, recv, first, counts[static_cast<std::size_t>(rank_)], dtype, stream_handle,
                  "reduce_scatter");
   }
@@ -211,10 +219,14 @@ class CudaThreadCommunicator final : public Communicator {
   };
 
   // The reduction's scratch: recv may alias send, which the peers are still reading.
-  void* scratch_for(std::size_t bytes, cudaStream_t stream) { return scratch_.for_stream(bytes, stream); }
+  void* scratch_for(std::size_t bytes, cudaStream_t stream) {
+    return scratch_.for_stream(bytes, stream);
+  }
   // The two-shot all-reduce's block of reduced elements, read by the peers in the all-gather that
   // follows; `staging_.free` is recorded after that all-gather's closing wait.
-  void* staging_for(std::size_t bytes, cudaStream_t stream) { return staging_.for_stream(bytes, stream); }
+  void* staging_for(std::size_t bytes, cudaStream_t stream) {
+    return staging_.for_stream(bytes, stream);
+  }
 
   void publish_and_wait_ready(const void* send, cudaStream_t stream, const char* operation) {
     auto& mine = group_->slot(rank_);
@@ -242,13 +254,15 @@ class CudaThreadCommunicator final : public Communicator {
     for (int peer = 0; peer < size(); ++peer) {
       inputs[peer] = static_cast<const std::byte*>(group_->slot(peer).send) + offset;
     }
-    check(cuda::launch_rank_order_reduce(inputs, size(), scratch, static_cast<std::int64_t>(count), dtype,
-                                         stream),
+    check(cuda::launch_rank_order_reduce(inputs, size(), scratch, static_cast<std::int64_t>(count),
+                                         dtype, stream),
           "launch_rank_order_reduce");
   }
 
-  void finish_from_scratch(const void* scratch, void* recv, std::size_t bytes, cudaStream_t stream) {
-    if (bytes) LMOE_CUDA_CHECK(cudaMemcpyAsync(recv, scratch, bytes, cudaMemcpyDeviceToDevice, stream));
+  void finish_from_scratch(const void* scratch, void* recv, std::size_t bytes,
+                           cudaStream_t stream) {
+    if (bytes)
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(recv, scratch, bytes, cudaMemcpyDeviceToDevice, stream));
     LMOE_CUDA_CHECK(cudaEventRecord(scratch_.free, stream));
   }
 
@@ -263,8 +277,8 @@ class CudaThreadCommunicator final : public Communicator {
 std::vector<std::shared_ptr<Communicator>> make_cuda_thread_communicators(
     int num_ranks, int device, std::chrono::milliseconds timeout) {
   if (num_ranks < 1 || num_ranks > cuda::kMaxReduceInputs) {
-    throw Error("cuda-threads: number of ranks must be in [1, " + std::to_string(cuda::kMaxReduceInputs) +
-                "], got " + std::to_string(num_ranks));
+    throw Error("cuda-threads: number of ranks must be in [1, " +
+                std::to_string(cuda::kMaxReduceInputs) + "], got " + std::to_string(num_ranks));
   }
   auto group = std::make_shared<CudaThreadGroup>(num_ranks, device, timeout);
   std::vector<std::shared_ptr<Communicator>> comms;
@@ -274,7 +288,8 @@ std::vector<std::shared_ptr<Communicator>> make_cuda_thread_communicators(
   return comms;
 }
 
-void run_on_cuda_threads(int num_ranks, int device, const std::function<void(int, Communicator&)>& fn,
+void run_on_cuda_threads(int num_ranks, int device,
+                         const std::function<void(int, Communicator&)>& fn,
                          std::chrono::milliseconds timeout) {
   run_on_rank_threads(make_cuda_thread_communicators(num_ranks, device, timeout),
                       [&](int rank, Communicator& comm) {

@@ -14,8 +14,8 @@
 #include <string>
 #include <thread>
 
-#include "cuda/comm/nccl_group.hpp"
 #include "comm/process_launch.hpp"
+#include "cuda/comm/nccl_group.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/error.hpp"
@@ -36,18 +36,26 @@ using Clock = std::chrono::steady_clock;
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
-    case DType::f32: return ncclFloat32;
-    case DType::f16: return ncclFloat16;
-    case DType::bf16: return ncclBfloat16;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::bf16:
+      return ncclBfloat16;
   }
   throw Error("nccl: unknown dtype");
 }
 
-const std::byte* at(const void* base, std::size_t byte_offset) { return static_cast<const std::byte*>(base) + byte_offset; }
-std::byte* at(void* base, std::size_t byte_offset) { return static_cast<std::byte*>(base) + byte_offset; }
+const std::byte* at(const void* base, std::size_t byte_offset) {
+  return static_cast<const std::byte*>(base) + byte_offset;
+}
+std::byte* at(void* base, std::size_t byte_offset) {
+  return static_cast<std::byte*>(base) + byte_offset;
+}
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
-  const auto a_begin = reinterpret_cast<std::uintptr_t>(a), b_begin = reinterpret_cast<std::uintptr_t>(b);
+  const auto a_begin = reinterpret_cast<std::uintptr_t>(a),
+             b_begin = reinterpret_cast<std::uintptr_t>(b);
   return a_bytes > 0 && b_bytes > 0 && a_begin < b_begin + b_bytes && b_begin < a_begin + a_bytes;
 }
 
@@ -156,7 +164,8 @@ class NcclCommunicator : public Communicator {
   MemorySpace memory_space() const override { return MemorySpace::device; }
   bool graph_capturable() const override { return true; }
 
-  void all_reduce(const void* send, void* recv, std::size_t count, DType dtype, StreamHandle handle) override {
+  void all_reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                  StreamHandle handle) override {
     const cudaStream_t caller = enter(handle);
     const std::size_t bytes = count * dtype_size(dtype);
     if (count == 0) return;
@@ -174,8 +183,8 @@ class NcclCommunicator : public Communicator {
 
   // Equal blocks: ncclReduceScatter. Unequal blocks (the token tier splits rows unevenly): one
   // ncclReduce per block, rooted at its owner.
-  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
-                      StreamHandle handle) override {
+  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts,
+                      DType dtype, StreamHandle handle) override {
     const Blocks blocks = layout(counts, dtype, "reduce_scatter");
     const cudaStream_t caller = enter(handle);
     if (blocks.total_bytes == 0) return;
@@ -191,13 +200,14 @@ class NcclCommunicator : public Communicator {
     } else {
       run_per_block("ncclReduce (reduce_scatter of unequal blocks)", counts, blocks,
                     [&](int root, std::size_t count, std::size_t offset_bytes, ncclComm_t comm) {
-                      return ncclReduce(at(send, offset_bytes), root == rank() ? target : nullptr, count,
-                                        nccl_type(dtype), ncclSum, root, comm, stream);
+                      return ncclReduce(at(send, offset_bytes), root == rank() ? target : nullptr,
+                                        count, nccl_type(dtype), ncclSum, root, comm, stream);
                     });
     }
     if (clash) {
       if (blocks.my_bytes) {
-        LMOE_CUDA_CHECK(cudaMemcpyAsync(recv, target, blocks.my_bytes, cudaMemcpyDeviceToDevice, stream));
+        LMOE_CUDA_CHECK(
+            cudaMemcpyAsync(recv, target, blocks.my_bytes, cudaMemcpyDeviceToDevice, stream));
       }
       scratch_.release(stream);
     }
@@ -223,8 +233,9 @@ class NcclCommunicator : public Communicator {
     } else {
       run_per_block("ncclBroadcast (all_gather of unequal blocks)", counts, blocks,
                     [&](int root, std::size_t count, std::size_t offset_bytes, ncclComm_t comm) {
-                      return ncclBroadcast(root == rank() ? source : nullptr, at(recv, offset_bytes), count,
-                                           nccl_type(dtype), root, comm, stream);
+                      return ncclBroadcast(root == rank() ? source : nullptr,
+                                           at(recv, offset_bytes), count, nccl_type(dtype), root,
+                                           comm, stream);
                     });
     }
     if (clash) scratch_.release(stream);
@@ -273,13 +284,15 @@ class NcclCommunicator : public Communicator {
   // call(root, count, offset_bytes, comm) for every non-empty block, in one NCCL group; every rank
   // makes the same calls (empty blocks are skipped alike).
   template <class Call>
-  void run_per_block(const char* what, std::span<const std::size_t> counts, const Blocks& blocks, const Call& call) {
+  void run_per_block(const char* what, std::span<const std::size_t> counts, const Blocks& blocks,
+                     const Call& call) {
     group_->run(member_, what, [&](ncclComm_t comm) {
       return grouped([&] {
         for (int root = 0; root < size(); ++root) {
           const std::size_t count = counts[static_cast<std::size_t>(root)];
           if (count == 0) continue;
-          const ncclResult_t status = call(root, count, blocks.offset_bytes[static_cast<std::size_t>(root)], comm);
+          const ncclResult_t status =
+              call(root, count, blocks.offset_bytes[static_cast<std::size_t>(root)], comm);
           if (status != ncclSuccess && status != ncclInProgress) return status;
         }
         return ncclSuccess;
@@ -312,7 +325,8 @@ class NcclThreadCommunicator final : public NcclCommunicator {
     group().control_slot(rank()) = send;
     group().host_barrier(rank(), "control_all_gather");
     for (int peer = 0; peer < size() && bytes; ++peer) {
-      std::memcpy(at(recv, static_cast<std::size_t>(peer) * bytes), group().control_slot(peer), bytes);
+      std::memcpy(at(recv, static_cast<std::size_t>(peer) * bytes), group().control_slot(peer),
+                  bytes);
     }
     group().host_barrier(rank(), "control_all_gather");
   }
@@ -330,7 +344,8 @@ class HostChannel {
 class NcclProcessCommunicator final : public NcclCommunicator {
  public:
   // The channel is destroyed before the base class's group (and the NCCL communicator it uses).
-  NcclProcessCommunicator(const std::shared_ptr<NcclGroup>& group, std::unique_ptr<HostChannel> channel)
+  NcclProcessCommunicator(const std::shared_ptr<NcclGroup>& group,
+                          std::unique_ptr<HostChannel> channel)
       : NcclCommunicator(group, group->member(0)), channel_(std::move(channel)) {}
 
   void barrier() override {
@@ -428,10 +443,11 @@ class MpiHostChannel final : public HostChannel {
   }
 
   void all_gather(const void* send, void* recv, std::size_t bytes) override {
-    LMOE_CHECK(bytes <= static_cast<std::size_t>(INT32_MAX), "control_all_gather: too many bytes for MPI");
+    LMOE_CHECK(bytes <= static_cast<std::size_t>(INT32_MAX),
+               "control_all_gather: too many bytes for MPI");
     MPI_Request request = MPI_REQUEST_NULL;
-    check_mpi(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes), MPI_BYTE, comm_,
-                             &request),
+    check_mpi(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes),
+                             MPI_BYTE, comm_, &request),
               "MPI_Iallgather");
     wait(request, "control_all_gather");
   }
@@ -445,8 +461,10 @@ class MpiHostChannel final : public HostChannel {
       check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
       if (done) return;
       if (Clock::now() >= deadline) {
-        group_.fail(rank_, "rank " + std::to_string(rank_) + ": " + what + " over MPI did not complete within " +
-                               std::to_string(group_.timeout().count()) + " ms (a rank missing or stuck?)");
+        group_.fail(rank_, "rank " + std::to_string(rank_) + ": " + what +
+                               " over MPI did not complete within " +
+                               std::to_string(group_.timeout().count()) +
+                               " ms (a rank missing or stuck?)");
       }
       if (round > 64) std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -461,7 +479,8 @@ class MpiHostChannel final : public HostChannel {
 std::string gpus(int count) { return std::to_string(count) + (count == 1 ? " GPU" : " GPUs"); }
 
 std::string many_gpus_message(int ranks, int visible) {
-  return "nccl: " + std::to_string(ranks) + (ranks == 1 ? " rank needs " : " ranks need ") + gpus(ranks) +
+  return "nccl: " + std::to_string(ranks) + (ranks == 1 ? " rank needs " : " ranks need ") +
+         gpus(ranks) +
          " (NCCL cannot put two ranks on one GPU; the cuda-threads communicator can), but " +
          std::to_string(visible) + (visible == 1 ? " is" : " are") + " visible";
 }
@@ -471,9 +490,10 @@ std::string device_problem(int rank, int device, const std::string& chosen_by) {
   const int visible = cuda_device_count();
   if (visible == 0) return "rank " + std::to_string(rank) + ": no CUDA GPU is visible";
   if (device < 0 || device >= visible) {
-    return "rank " + std::to_string(rank) + " would use GPU " + std::to_string(device) + " (" + chosen_by +
-           "), but only " + gpus(visible) + (visible == 1 ? " is" : " are") + " visible: start at most " +
-           std::to_string(visible) + " process(es) per node (NCCL cannot put two ranks on one GPU)";
+    return "rank " + std::to_string(rank) + " would use GPU " + std::to_string(device) + " (" +
+           chosen_by + "), but only " + gpus(visible) + (visible == 1 ? " is" : " are") +
+           " visible: start at most " + std::to_string(visible) +
+           " process(es) per node (NCCL cannot put two ranks on one GPU)";
   }
   return {};
 }
@@ -492,9 +512,10 @@ int nccl_runtime_version() {
   return version;
 }
 
-std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(int num_ranks, std::span<const int> devices,
-                                                                          std::chrono::milliseconds timeout) {
-  LMOE_CHECK(num_ranks >= 1, "nccl: number of ranks must be >= 1, got " + std::to_string(num_ranks));
+std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(
+    int num_ranks, std::span<const int> devices, std::chrono::milliseconds timeout) {
+  LMOE_CHECK(num_ranks >= 1,
+             "nccl: number of ranks must be >= 1, got " + std::to_string(num_ranks));
   const int visible = cuda_device_count();
   std::vector<int> chosen(devices.begin(), devices.end());
   if (chosen.empty()) {
@@ -503,18 +524,19 @@ std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(int nu
     std::iota(chosen.begin(), chosen.end(), 0);
   }
   LMOE_CHECK(chosen.size() == static_cast<std::size_t>(num_ranks),
-             "nccl: devices lists " + std::to_string(chosen.size()) + " GPUs, expected one per rank (" +
-                 std::to_string(num_ranks) + ")");
+             "nccl: devices lists " + std::to_string(chosen.size()) +
+                 " GPUs, expected one per rank (" + std::to_string(num_ranks) + ")");
   std::vector<std::pair<int, int>> rank_devices;
   for (int rank = 0; rank < num_ranks; ++rank) {
     const int device = chosen[static_cast<std::size_t>(rank)];
-    LMOE_CHECK(device >= 0 && device < visible, "nccl: rank " + std::to_string(rank) + " on GPU " +
-                                                    std::to_string(device) + ", but the visible GPUs are 0 to " +
-                                                    std::to_string(visible - 1));
+    LMOE_CHECK(device >= 0 && device < visible,
+               "nccl: rank " + std::to_string(rank) + " on GPU " + std::to_string(device) +
+                   ", but the visible GPUs are 0 to " + std::to_string(visible - 1));
     for (int earlier = 0; earlier < rank; ++earlier) {
       LMOE_CHECK(chosen[static_cast<std::size_t>(earlier)] != device,
-                 "nccl: ranks " + std::to_string(earlier) + " and " + std::to_string(rank) + " are both on GPU " +
-                     std::to_string(device) + " (NCCL cannot put two ranks on one GPU)");
+                 "nccl: ranks " + std::to_string(earlier) + " and " + std::to_string(rank) +
+                     " are both on GPU " + std::to_string(device) +
+                     " (NCCL cannot put two ranks on one GPU)");
     }
     rank_devices.emplace_back(rank, device);
   }
@@ -523,22 +545,25 @@ std::vector<std::shared_ptr<Communicator>> make_nccl_thread_communicators(int nu
   auto group = std::make_shared<NcclGroup>(num_ranks, rank_devices, timeout, /*thread_group=*/true);
   group->init(id);
   std::vector<std::shared_ptr<Communicator>> comms;
-  for (int rank = 0; rank < num_ranks; ++rank) comms.push_back(std::make_shared<NcclThreadCommunicator>(group, rank));
+  for (int rank = 0; rank < num_ranks; ++rank)
+    comms.push_back(std::make_shared<NcclThreadCommunicator>(group, rank));
   return comms;
 }
 
 void run_on_nccl_threads(int num_ranks, std::span<const int> devices,
-                         const std::function<void(int, Communicator&)>& fn, std::chrono::milliseconds timeout) {
+                         const std::function<void(int, Communicator&)>& fn,
+                         std::chrono::milliseconds timeout) {
   std::vector<int> chosen(devices.begin(), devices.end());
   if (chosen.empty()) {
     chosen.resize(static_cast<std::size_t>(std::max(num_ranks, 0)));
     std::iota(chosen.begin(), chosen.end(), 0);
   }
   // `devices` as given: with none, too few GPUs is reported as such, not as a bad device of rank 1.
-  run_on_rank_threads(make_nccl_thread_communicators(num_ranks, devices, timeout), [&](int rank, Communicator& comm) {
-    LMOE_CUDA_CHECK(cudaSetDevice(chosen[static_cast<std::size_t>(rank)]));
-    fn(rank, comm);
-  });
+  run_on_rank_threads(make_nccl_thread_communicators(num_ranks, devices, timeout),
+                      [&](int rank, Communicator& comm) {
+                        LMOE_CUDA_CHECK(cudaSetDevice(chosen[static_cast<std::size_t>(rank)]));
+                        fn(rank, comm);
+                      });
 }
 
 std::shared_ptr<Communicator> make_nccl_mpi_communicator(const NcclProcessOptions& options) {
@@ -558,9 +583,11 @@ std::shared_ptr<Communicator> make_nccl_mpi_communicator(const NcclProcessOption
     check_mpi(status, "MPI_Comm_rank");
   }
   const int device = options.device.value_or(local_rank);
-  const std::string chosen_by = options.device ? "given" : "its index among the processes of its node";
+  const std::string chosen_by =
+      options.device ? "given" : "its index among the processes of its node";
 
-  auto group = std::make_shared<NcclGroup>(size, std::vector<std::pair<int, int>>{{rank, device}}, options.timeout,
+  auto group = std::make_shared<NcclGroup>(size, std::vector<std::pair<int, int>>{{rank, device}},
+                                           options.timeout,
                                            /*thread_group=*/false);
   auto channel = std::make_unique<MpiHostChannel>(*group, rank);
   // Every rank learns every rank's problem before anyone waits for NCCL, and all fail alike.
@@ -571,7 +598,8 @@ std::shared_ptr<Communicator> make_nccl_mpi_communicator(const NcclProcessOption
   channel->all_gather(mine.data(), all.data(), kMessageBytes);
   for (int r = 0; r < size; ++r) {
     const char* message = all.data() + static_cast<std::size_t>(r) * kMessageBytes;
-    if (*message != '\0') throw Error("nccl: " + std::string(message, strnlen(message, kMessageBytes)));
+    if (*message != '\0')
+      throw Error("nccl: " + std::string(message, strnlen(message, kMessageBytes)));
   }
   ncclUniqueId id{};
   if (rank == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -582,8 +610,9 @@ std::shared_ptr<Communicator> make_nccl_mpi_communicator(const NcclProcessOption
   return std::make_shared<NcclProcessCommunicator>(group, std::move(channel));
 #else
   (void)options;
-  throw Error("nccl: this lmoe was built without MPI; start one process per GPU with torchrun "
-              "(make_nccl_env_communicator) or rebuild with MPI");
+  throw Error(
+      "nccl: this lmoe was built without MPI; start one process per GPU with torchrun "
+      "(make_nccl_env_communicator) or rebuild with MPI");
 #endif
 }
 
@@ -591,8 +620,9 @@ std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOption
   const EnvLookup env = process_environment();
   const std::optional<LaunchRank> launch = launch_rank_from_env(env);
   if (!launch) {
-    throw Error("nccl: RANK and WORLD_SIZE are not set: start one process per GPU with torchrun (or under "
-                "mpirun with make_nccl_mpi_communicator)");
+    throw Error(
+        "nccl: RANK and WORLD_SIZE are not set: start one process per GPU with torchrun (or under "
+        "mpirun with make_nccl_mpi_communicator)");
   }
   const int rank = launch->rank, size = launch->world_size;
   std::string chosen_by = "given";
@@ -603,8 +633,9 @@ std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOption
     device = *launch->local_rank;
     chosen_by = "LOCAL_RANK=" + std::to_string(device);
   } else if (size > 1) {
-    throw Error("nccl: LOCAL_RANK is not set: cannot tell which GPU rank " + std::to_string(rank) +
-                " should use (a launcher like torchrun sets it; or pass NcclProcessOptions::device)");
+    throw Error(
+        "nccl: LOCAL_RANK is not set: cannot tell which GPU rank " + std::to_string(rank) +
+        " should use (a launcher like torchrun sets it; or pass NcclProcessOptions::device)");
   }
   if (const std::string problem = device_problem(rank, device, chosen_by); !problem.empty()) {
     throw Error("nccl: " + problem);
@@ -617,9 +648,10 @@ std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOption
   } else {
     id_file = setting_text("LMOE_NCCL_ID_FILE", env);
     if (!id_file || id_file->empty()) {
-      throw Error("nccl: LMOE_NCCL_ID_FILE is not set: with WORLD_SIZE=" + std::to_string(size) +
-                  ", rank 0 hands its NCCL id to the others through a file; set it to a fresh path on a "
-                  "filesystem every rank sees");
+      throw Error(
+          "nccl: LMOE_NCCL_ID_FILE is not set: with WORLD_SIZE=" + std::to_string(size) +
+          ", rank 0 hands its NCCL id to the others through a file; set it to a fresh path on a "
+          "filesystem every rank sees");
     }
     if (rank == 0) {
       check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -629,13 +661,15 @@ std::shared_ptr<Communicator> make_nccl_env_communicator(const NcclProcessOption
         try {
           return await_launch_record(*id_file, size, sizeof(id), options.timeout);
         } catch (const Error& error) {
-          throw Error("nccl: rank " + std::to_string(rank) + ": LMOE_NCCL_ID_FILE: " + error.message());
+          throw Error("nccl: rank " + std::to_string(rank) +
+                      ": LMOE_NCCL_ID_FILE: " + error.message());
         }
       }();
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
   }
-  auto group = std::make_shared<NcclGroup>(size, std::vector<std::pair<int, int>>{{rank, device}}, options.timeout,
+  auto group = std::make_shared<NcclGroup>(size, std::vector<std::pair<int, int>>{{rank, device}},
+                                           options.timeout,
                                            /*thread_group=*/false);
   LMOE_CUDA_CHECK(cudaSetDevice(device));
   group->init(id);

@@ -9,7 +9,8 @@
 #include "lmoe/error.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
-#error "lmoe's nccl communicator needs NCCL 2.18 or newer (nonblocking communicators, ncclCommFinalize)"
+#error \
+    "lmoe's nccl communicator needs NCCL 2.18 or newer (nonblocking communicators, ncclCommFinalize)"
 #endif
 
 namespace lmoe {
@@ -27,7 +28,9 @@ void pause(int round) {
   }
 }
 
-std::string milliseconds(std::chrono::milliseconds timeout) { return std::to_string(timeout.count()) + " ms"; }
+std::string milliseconds(std::chrono::milliseconds timeout) {
+  return std::to_string(timeout.count()) + " ms";
+}
 
 std::mutex g_settings_mutex;
 std::optional<std::string> g_graph_mixing;  // set at the process's first NCCL communicator
@@ -91,15 +94,19 @@ NcclGroup::~NcclGroup() {
       ncclResult_t state = ncclSuccess;
       const ncclResult_t status = ncclCommGetAsyncError(member->comm, &state);
       if (status != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
-        std::fprintf(stderr, "lmoe: nccl: rank %d: %s\n", member->rank,
-                     nccl_failure("ncclCommFinalize", status != ncclSuccess ? status : state, member->comm).c_str());
+        std::fprintf(
+            stderr, "lmoe: nccl: rank %d: %s\n", member->rank,
+            nccl_failure("ncclCommFinalize", status != ncclSuccess ? status : state, member->comm)
+                .c_str());
         clean = false;
       }
       pending = pending || state == ncclInProgress;
     }
     if (!pending) break;
     if (Clock::now() >= deadline) {
-      std::fprintf(stderr, "lmoe: nccl: finalizing the communicators took more than %s (a rank gone?); aborting them\n",
+      std::fprintf(stderr,
+                   "lmoe: nccl: finalizing the communicators took more than %s (a rank gone?); "
+                   "aborting them\n",
                    milliseconds(timeout_).c_str());
       clean = false;
     }
@@ -126,28 +133,35 @@ void NcclGroup::init(const ncclUniqueId& id) {
   config.blocking = 0;
   std::string failure;
   {
-    // One group call, so that NCCL joins this thread's members concurrently (as ncclCommInitAll does).
+    // One group call, so that NCCL joins this thread's members concurrently (as ncclCommInitAll
+    // does).
     const DeviceScope restore_device(members_.front()->device);
     note_nccl_first_init();
     check_nccl(ncclGroupStart(), "ncclGroupStart");
     for (auto& member : members_) {
       const std::lock_guard lock(member->mutex);
       if (cudaSetDevice(member->device) != cudaSuccess) {
-        failure = "cudaSetDevice(" + std::to_string(member->device) + ") failed for rank " + std::to_string(member->rank);
+        failure = "cudaSetDevice(" + std::to_string(member->device) + ") failed for rank " +
+                  std::to_string(member->rank);
         cudaGetLastError();
         break;
       }
-      const ncclResult_t status = ncclCommInitRankConfig(&member->comm, size_, id, member->rank, &config);
+      const ncclResult_t status =
+          ncclCommInitRankConfig(&member->comm, size_, id, member->rank, &config);
       if (status != ncclSuccess && status != ncclInProgress) {
-        failure = "rank " + std::to_string(member->rank) + ": " + nccl_failure("ncclCommInitRankConfig", status, member->comm);
+        failure = "rank " + std::to_string(member->rank) + ": " +
+                  nccl_failure("ncclCommInitRankConfig", status, member->comm);
         break;
       }
     }
     const ncclResult_t end = ncclGroupEnd();
-    if (failure.empty() && end != ncclSuccess && end != ncclInProgress) failure = nccl_failure("ncclGroupEnd", end);
+    if (failure.empty() && end != ncclSuccess && end != ncclInProgress)
+      failure = nccl_failure("ncclGroupEnd", end);
   }
-  if (!failure.empty()) fail(members_.front()->rank, "nccl: creating the communicators: " + failure);
-  for (auto& member : members_) poll(*member, "ncclCommInitRankConfig (creating the communicator)", nullptr);
+  if (!failure.empty())
+    fail(members_.front()->rank, "nccl: creating the communicators: " + failure);
+  for (auto& member : members_)
+    poll(*member, "ncclCommInitRankConfig (creating the communicator)", nullptr);
 }
 
 void NcclGroup::run(NcclMember& member, const std::string& what,
@@ -156,9 +170,12 @@ void NcclGroup::run(NcclMember& member, const std::string& what,
   {
     const std::lock_guard lock(member.mutex);
     throw_if_aborted();
-    if (!member.comm) throw Error("rank " + std::to_string(member.rank) + ": " + what + ": the NCCL communicator is closed");
+    if (!member.comm)
+      throw Error("rank " + std::to_string(member.rank) + ": " + what +
+                  ": the NCCL communicator is closed");
     const ncclResult_t status = call(member.comm);
-    if (status != ncclSuccess && status != ncclInProgress) failure = nccl_failure(what, status, member.comm);
+    if (status != ncclSuccess && status != ncclInProgress)
+      failure = nccl_failure(what, status, member.comm);
   }
   // Even an invalid argument (which NCCL says left the communicator usable) fails the group: the
   // peers have made their matching calls and would wait for this rank's forever.
@@ -172,12 +189,13 @@ void NcclGroup::wait_stream(NcclMember& member, cudaStream_t stream, const std::
     if (status == cudaSuccess) return Progress{true, {}};
     if (status == cudaErrorNotReady) return Progress{false, {}};
     cudaGetLastError();
-    return Progress{false, std::string("cudaStreamQuery failed: ") + cudaGetErrorName(status) + " (" +
-                               cudaGetErrorString(status) + ")"};
+    return Progress{false, std::string("cudaStreamQuery failed: ") + cudaGetErrorName(status) +
+                               " (" + cudaGetErrorString(status) + ")"};
   });
 }
 
-void NcclGroup::poll(NcclMember& member, const std::string& what, const std::function<Progress()>& progress) {
+void NcclGroup::poll(NcclMember& member, const std::string& what,
+                     const std::function<Progress()>& progress) {
   const auto deadline = Clock::now() + timeout_;
   const std::string who = "rank " + std::to_string(member.rank) + ": ";
   for (int round = 0;; ++round) {
@@ -228,7 +246,8 @@ void NcclGroup::abort_member(NcclMember& member) noexcept {
   const DeviceScope scope(member.device);
   const ncclResult_t status = ncclCommAbort(member.comm);
   if (status != ncclSuccess) {
-    std::fprintf(stderr, "lmoe: nccl: rank %d: %s\n", member.rank, nccl_failure("ncclCommAbort", status).c_str());
+    std::fprintf(stderr, "lmoe: nccl: rank %d: %s\n", member.rank,
+                 nccl_failure("ncclCommAbort", status).c_str());
   }
   member.comm = nullptr;
 }

@@ -66,10 +66,11 @@ class NcclGroup {
  public:
   // `size` ranks in all; `members` are the ranks (and their devices) this object drives. A thread
   // group also gets a host barrier and control slots for its ranks.
-  NcclGroup(int size, const std::vector<std::pair<int, int>>& rank_devices, std::chrono::milliseconds timeout,
-            bool thread_group);
+  NcclGroup(int size, const std::vector<std::pair<int, int>>& rank_devices,
+            std::chrono::milliseconds timeout, bool thread_group);
   // Finalizes every member (all first, then waits: they synchronize with each other) and destroys
-  // them; a member that does not finish within the timeout, or an aborted group, is aborted instead.
+  // them; a member that does not finish within the timeout, or an aborted group, is aborted
+  // instead.
   ~NcclGroup();
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
@@ -79,12 +80,14 @@ class NcclGroup {
   NcclMember& member(std::size_t index) { return *members_[index]; }
   std::size_t num_members() const { return members_.size(); }
 
-  // Creates every member's communicator for `id` in one NCCL group call and waits until all are ready.
+  // Creates every member's communicator for `id` in one NCCL group call and waits until all are
+  // ready.
   void init(const ncclUniqueId& id);
 
   // Makes one NCCL call (or a group of them) on the member under its lock and waits until NCCL has
   // taken it (its kernels are on their streams).
-  void run(NcclMember& member, const std::string& what, const std::function<ncclResult_t(ncclComm_t)>& call);
+  void run(NcclMember& member, const std::string& what,
+           const std::function<ncclResult_t(ncclComm_t)>& call);
 
   // Waits until the work on `stream` has finished, watching the member's communicator for errors.
   void wait_stream(NcclMember& member, cudaStream_t stream, const std::string& what);

@@ -10,19 +10,24 @@
 
 namespace lmoe {
 
-// Called by the NCCL group before every communicator it creates; records the settings the first time.
+// Called by the NCCL group before every communicator it creates; records the settings the first
+// time.
 void note_nccl_first_init();
 
 // Why T read on the device cannot run a collective tier over NCCL with tp > 1, given
 // NCCL_GRAPH_MIXING_SUPPORT as NCCL read it (nullopt: not known), or nullopt when it can: unless
 // the variable was 0, NCCL makes every captured collective wait for its previous one through
 // event nodes, and a CUDA graph conditional body cannot hold event nodes.
-inline std::optional<std::string> nccl_device_tokens_refusal(const std::optional<std::string>& mixing_in_effect) {
+inline std::optional<std::string> nccl_device_tokens_refusal(
+    const std::optional<std::string>& mixing_in_effect) {
   if (mixing_in_effect && *mixing_in_effect == "0") return std::nullopt;
-  return "over NCCL with tp > 1, captured collectives carry event-wait nodes (NCCL_GRAPH_MIXING_SUPPORT=" +
+  return "over NCCL with tp > 1, captured collectives carry event-wait nodes "
+         "(NCCL_GRAPH_MIXING_SUPPORT=" +
          (mixing_in_effect ? *mixing_in_effect : std::string("unknown")) +
-         " when this process created its first NCCL communicator), which a CUDA graph conditional body cannot "
-         "hold; set NCCL_GRAPH_MIXING_SUPPORT=0 before the process's first NCCL communicator (NCCL reads it "
+         " when this process created its first NCCL communicator), which a CUDA graph conditional "
+         "body cannot "
+         "hold; set NCCL_GRAPH_MIXING_SUPPORT=0 before the process's first NCCL communicator (NCCL "
+         "reads it "
          "once per process)";
 }
 

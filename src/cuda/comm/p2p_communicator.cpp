@@ -1,6 +1,6 @@
-// Host side of the P2P communicator: a rank's collectives cut into rounds over its group's workspace,
-// the status records that turn a device-side timeout or abort into an lmoe::Error, and the group of
-// ranks that are threads of this process (the group of processes: p2p_process.cpp).
+// Host side of the P2P communicator: a rank's collectives cut into rounds over its group's
+// workspace, the status records that turn a device-side timeout or abort into an lmoe::Error, and
+// the group of ranks that are threads of this process (the group of processes: p2p_process.cpp).
 #include "lmoe/p2p_communicator.hpp"
 
 #include <cuda_runtime_api.h>
@@ -15,10 +15,10 @@
 #include "comm/aborted_error.hpp"
 #include "comm/host_barrier.hpp"
 #include "cuda/comm/p2p_group.hpp"
+#include "cuda/comm/p2p_launch.hpp"
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "cuda/comm/p2p_launch.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/settings.hpp"
 #include "lmoe/threads_communicator.hpp"
@@ -44,7 +44,8 @@ using cuda::P2pStatus;
 // (ours, or a cuBLASLt GEMM's) may wait for the context to go idle, and a spinning peer round never
 // lets it (CUDA programming guide, lazy loading, "concurrent execution").
 const bool kSpinSafeEnvironment = [] {
-  return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0 && setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
+  return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0 &&
+         setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
 }();
 
 // Ranks that are threads of this process: peers' workspaces are plain device pointers (peer
@@ -63,7 +64,8 @@ class P2pThreadGroup final : public P2pGroup {
     enable_peer_access(distinct);
 
     void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pMappedStatus), cudaHostAllocMapped | cudaHostAllocPortable));
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pMappedStatus),
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
     mapped_ = mapped_device_ = static_cast<P2pMappedStatus*>(mapped);
     std::memset(mapped_, 0, sizeof(P2pMappedStatus));
 
@@ -87,7 +89,9 @@ class P2pThreadGroup final : public P2pGroup {
     cudaFreeHost(mapped_);
   }
 
-  void barrier(int rank, const char* operation) override { barrier_->arrive_and_wait(rank, operation); }
+  void barrier(int rank, const char* operation) override {
+    barrier_->arrive_and_wait(rank, operation);
+  }
   void abort_host(int rank, const std::string& why) override { barrier_->abort(rank, why); }
 
   void control_all_gather(int rank, const void* send, void* recv, std::size_t bytes) override {
@@ -130,7 +134,8 @@ class P2pThreadGroup final : public P2pGroup {
         if (from == to) continue;
         int can = 0;
         LMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from, to));
-        LMOE_CHECK(can, "p2p: GPU " + std::to_string(from) + " cannot access the memory of GPU " + std::to_string(to) +
+        LMOE_CHECK(can, "p2p: GPU " + std::to_string(from) + " cannot access the memory of GPU " +
+                            std::to_string(to) +
                             " (no peer access between them); use the nccl communicator");
         LMOE_CUDA_CHECK(cudaSetDevice(from));
         const cudaError_t status = cudaDeviceEnablePeerAccess(to, 0);
@@ -151,7 +156,8 @@ class P2pThreadGroup final : public P2pGroup {
 // The devices of a thread group: as given, or round-robin over the visible GPUs; checked.
 std::vector<int> thread_group_devices(int size, const P2pOptions& options) {
   LMOE_CHECK(size >= 1 && size <= kP2pMaxRanks, "p2p: number of ranks must be in [1, " +
-                                                    std::to_string(kP2pMaxRanks) + "], got " + std::to_string(size));
+                                                    std::to_string(kP2pMaxRanks) + "], got " +
+                                                    std::to_string(size));
   int visible = 0;
   LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
   std::vector<int> devices = options.devices;
@@ -159,11 +165,12 @@ std::vector<int> thread_group_devices(int size, const P2pOptions& options) {
     for (int r = 0; r < size; ++r) devices.push_back(r % visible);
   }
   LMOE_CHECK(static_cast<int>(devices.size()) == size,
-             "p2p: devices has " + std::to_string(devices.size()) + " entries, expected one per rank (" +
-                 std::to_string(size) + ")");
+             "p2p: devices has " + std::to_string(devices.size()) +
+                 " entries, expected one per rank (" + std::to_string(size) + ")");
   for (int device : devices) {
-    LMOE_CHECK(device >= 0 && device < visible, "p2p: device " + std::to_string(device) + " is not visible (" +
-                                                    std::to_string(visible) + " GPUs)");
+    LMOE_CHECK(device >= 0 && device < visible, "p2p: device " + std::to_string(device) +
+                                                    " is not visible (" + std::to_string(visible) +
+                                                    " GPUs)");
   }
   return devices;
 }
@@ -179,13 +186,15 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   MemorySpace memory_space() const override { return MemorySpace::device; }
   bool graph_capturable() const override { return true; }
 
-  void all_reduce(const void* send, void* recv, std::size_t count, DType dtype, StreamHandle stream) override {
+  void all_reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                  StreamHandle stream) override {
     const cudaStream_t s = enter(stream);
     const std::size_t esize = dtype_size(dtype);
     const std::size_t per_round = elements_per_round(esize);
     for (std::size_t start = 0; start < count; start += per_round) {
       const std::size_t n = std::min(per_round, count - start);
-      P2pRound round = make_round(P2pOp::reduce, offset(send, start * esize), offset(recv, start * esize));
+      P2pRound round =
+          make_round(P2pOp::reduce, offset(send, start * esize), offset(recv, start * esize));
       for (int r = 0; r < size(); ++r) round.stage_count[r] = static_cast<std::int64_t>(n);
       round.reduce_first = 0;
       round.reduce_count = static_cast<std::int64_t>(n);
@@ -193,8 +202,8 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     }
   }
 
-  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
-                      StreamHandle stream) override {
+  void reduce_scatter(const void* send, void* recv, std::span<const std::size_t> counts,
+                      DType dtype, StreamHandle stream) override {
     check_counts(counts, "reduce_scatter");
     const cudaStream_t s = enter(stream);
     const std::size_t esize = dtype_size(dtype);
@@ -215,14 +224,16 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
       for (int r = 0; r < size(); ++r) {
         const std::size_t count = counts[static_cast<std::size_t>(r)];
         const std::size_t piece = start < count ? std::min(per_piece, count - start) : 0;
-        round.piece_offset[r] = static_cast<std::int64_t>(block_offset[static_cast<std::size_t>(r)] + start);
+        round.piece_offset[r] =
+            static_cast<std::int64_t>(block_offset[static_cast<std::size_t>(r)] + start);
         round.piece_count[r] = static_cast<std::int64_t>(piece);
         most = std::max(most, piece);
       }
       // A block per ~4096 elements of the largest piece; every block's slice of a piece stays
       // within its slot (g · unit ≥ most, unit ≤ slot, both multiples of 8).
       const std::size_t unit = std::min<std::size_t>(4096, slot);
-      const int grid = static_cast<int>(std::clamp<std::size_t>((most + unit - 1) / unit, 1, blocks));
+      const int grid =
+          static_cast<int>(std::clamp<std::size_t>((most + unit - 1) / unit, 1, blocks));
       cuda::check(cuda::launch_p2p_round(handle_, round, grid, dtype, s), "reduce_scatter");
     }
   }
@@ -230,11 +241,12 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   // reduce_scatter with regions too small for a slot per rank (f32, tp 16, the smallest regions):
   // every rank stages all of its send buffer round by round and keeps the part of each round that
   // falls in its own block.
-  void reduce_scatter_whole(const void* send, void* recv, std::span<const std::size_t> counts, DType dtype,
-                            cudaStream_t s) {
+  void reduce_scatter_whole(const void* send, void* recv, std::span<const std::size_t> counts,
+                            DType dtype, cudaStream_t s) {
     const std::size_t esize = dtype_size(dtype);
     const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
-    const std::size_t first = std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
+    const std::size_t first =
+        std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
     const std::size_t last = first + counts[static_cast<std::size_t>(rank_)];
     const std::size_t per_round = elements_per_round(esize);
     for (std::size_t start = 0; start < total; start += per_round) {
@@ -258,15 +270,18 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     const std::size_t per_round = elements_per_round(esize);
     std::vector<std::size_t> block_offset(counts.size(), 0);
     std::partial_sum(counts.begin(), counts.end() - 1, block_offset.begin() + 1);
-    const bool in_place = offset(recv, block_offset[static_cast<std::size_t>(rank_)] * esize) == send;
+    const bool in_place =
+        offset(recv, block_offset[static_cast<std::size_t>(rank_)] * esize) == send;
     for (std::size_t start = 0; start < longest; start += per_round) {
       const std::size_t n = std::min(per_round, longest - start);
       const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
       P2pRound round = make_round(P2pOp::gather, offset(send, std::min(start, mine) * esize), recv);
       for (int r = 0; r < size(); ++r) {
         const std::size_t count = counts[static_cast<std::size_t>(r)];
-        round.stage_count[r] = static_cast<std::int64_t>(start < count ? std::min(n, count - start) : 0);
-        round.gather_offset[r] = static_cast<std::int64_t>(block_offset[static_cast<std::size_t>(r)] + start);
+        round.stage_count[r] =
+            static_cast<std::int64_t>(start < count ? std::min(n, count - start) : 0);
+        round.gather_offset[r] =
+            static_cast<std::int64_t>(block_offset[static_cast<std::size_t>(r)] + start);
       }
       round.skip_own_gather = in_place;
       launch(round, n, dtype, s, "all_gather");
@@ -304,8 +319,12 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   }
 
  private:
-  static const void* offset(const void* base, std::size_t bytes) { return static_cast<const std::byte*>(base) + bytes; }
-  static void* offset(void* base, std::size_t bytes) { return static_cast<std::byte*>(base) + bytes; }
+  static const void* offset(const void* base, std::size_t bytes) {
+    return static_cast<const std::byte*>(base) + bytes;
+  }
+  static void* offset(void* base, std::size_t bytes) {
+    return static_cast<std::byte*>(base) + bytes;
+  }
 
   // A round stages at most one region per block.
   std::size_t elements_per_round(std::size_t esize) const {
@@ -327,13 +346,14 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   }
 
   // The grid for a round whose largest staged part is n elements: the same on every rank (n is), a
-  // block per ~4096 elements up to the group's limit, and never a slice larger than a block's region
-  // (n ≤ blocks · region elements, and a grid below the limit has slices of at most `unit`).
-  void launch(const P2pRound& round, std::size_t n, DType dtype, cudaStream_t stream, const char* operation) {
+  // block per ~4096 elements up to the group's limit, and never a slice larger than a block's
+  // region (n ≤ blocks · region elements, and a grid below the limit has slices of at most `unit`).
+  void launch(const P2pRound& round, std::size_t n, DType dtype, cudaStream_t stream,
+              const char* operation) {
     const std::size_t region = group_->block_bytes() / dtype_size(dtype);
     const std::size_t unit = std::min<std::size_t>(4096, region);
-    const int blocks = static_cast<int>(
-        std::clamp<std::size_t>((n + unit - 1) / unit, 1, static_cast<std::size_t>(group_->blocks())));
+    const int blocks = static_cast<int>(std::clamp<std::size_t>(
+        (n + unit - 1) / unit, 1, static_cast<std::size_t>(group_->blocks())));
     cuda::check(cuda::launch_p2p_round(handle_, round, blocks, dtype, stream), operation);
   }
 
@@ -374,11 +394,13 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
 
 std::shared_ptr<Communicator> make_p2p_communicator(std::shared_ptr<P2pGroup> group, int rank) {
   (void)kSpinSafeEnvironment;
-  LMOE_CHECK(group && rank >= 0 && rank < group->size(), "p2p: rank " + std::to_string(rank) + " is not in the group");
+  LMOE_CHECK(group && rank >= 0 && rank < group->size(),
+             "p2p: rank " + std::to_string(rank) + " is not in the group");
   return std::make_shared<P2pCommunicator>(std::move(group), rank);
 }
 
-std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num_ranks, const P2pOptions& options) {
+std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(
+    int num_ranks, const P2pOptions& options) {
   int current = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&current));
   std::vector<int> devices = thread_group_devices(num_ranks, options);
@@ -389,12 +411,14 @@ std::vector<std::shared_ptr<Communicator>> make_p2p_thread_communicators(int num
   return comms;
 }
 
-void run_on_p2p_threads(int num_ranks, const std::function<void(int, Communicator&)>& fn, const P2pOptions& options) {
+void run_on_p2p_threads(int num_ranks, const std::function<void(int, Communicator&)>& fn,
+                        const P2pOptions& options) {
   const auto comms = make_p2p_thread_communicators(num_ranks, options);
   int visible = 0;
   LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
   run_on_rank_threads(comms, [&](int rank, Communicator& comm) {
-    const int device = options.devices.empty() ? rank % visible : options.devices[static_cast<std::size_t>(rank)];
+    const int device =
+        options.devices.empty() ? rank % visible : options.devices[static_cast<std::size_t>(rank)];
     LMOE_CUDA_CHECK(cudaSetDevice(device));
     fn(rank, comm);
   });

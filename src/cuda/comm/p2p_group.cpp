@@ -47,7 +47,8 @@ std::size_t p2p_workspace_bytes(const P2pLayout& layout) {
 }
 
 int P2pGroup::ranks_on_gpu_of(int rank) const {
-  return static_cast<int>(std::count(gpu_ids_.begin(), gpu_ids_.end(), gpu_ids_[static_cast<std::size_t>(rank)]));
+  return static_cast<int>(
+      std::count(gpu_ids_.begin(), gpu_ids_.end(), gpu_ids_[static_cast<std::size_t>(rank)]));
 }
 
 cuda::P2pDeviceHandle P2pGroup::handle(int rank) const {
@@ -79,14 +80,16 @@ std::string P2pGroup::block_progress() {
   for (int r = 0; r < size_ && timed_out_block < 0; ++r) {
     if (mapped_->status[r].code == cuda::kP2pTimeout) timed_out_block = mapped_->status[r].block;
   }
-  const auto local = std::find_if(devices_.begin(), devices_.end(), [](int device) { return device >= 0; });
+  const auto local =
+      std::find_if(devices_.begin(), devices_.end(), [](int device) { return device >= 0; });
   if (local == devices_.end()) return "";
   std::vector<cuda::P2pFlags> flags(static_cast<std::size_t>(size_));
   for (int r = 0; r < size_; ++r) {
-    const int device = devices_[static_cast<std::size_t>(r)] >= 0 ? devices_[static_cast<std::size_t>(r)] : *local;
+    const int device =
+        devices_[static_cast<std::size_t>(r)] >= 0 ? devices_[static_cast<std::size_t>(r)] : *local;
     if (cudaSetDevice(device) != cudaSuccess ||
-        cudaMemcpy(&flags[r], flags_[static_cast<std::size_t>(r)], sizeof(cuda::P2pFlags), cudaMemcpyDeviceToHost) !=
-            cudaSuccess) {
+        cudaMemcpy(&flags[r], flags_[static_cast<std::size_t>(r)], sizeof(cuda::P2pFlags),
+                   cudaMemcpyDeviceToHost) != cudaSuccess) {
       cudaGetLastError();
       return "";
     }
@@ -117,17 +120,21 @@ std::string P2pGroup::device_failure() const {
     const volatile cuda::P2pStatus& s = mapped_->status[r];
     switch (s.code) {
       case cuda::kP2pTimeout:
-        return "p2p: rank " + std::to_string(r) + " waited more than " + std::to_string(layout_.timeout.count()) +
-               " ms for rank " + std::to_string(s.peer) + " (round " + std::to_string(s.round) + ", block " +
-               std::to_string(s.block) + "); the peer is stalled or never issued the same collective";
+        return "p2p: rank " + std::to_string(r) + " waited more than " +
+               std::to_string(layout_.timeout.count()) + " ms for rank " + std::to_string(s.peer) +
+               " (round " + std::to_string(s.round) + ", block " + std::to_string(s.block) +
+               "); the peer is stalled or never issued the same collective";
       case cuda::kP2pConcurrentUse:
         return "p2p: rank " + std::to_string(r) +
-               " ran two collectives at the same time on one workspace (issue them in one order, or "
+               " ran two collectives at the same time on one workspace (issue them in one order, "
+               "or "
                "order the streams with events)";
       case cuda::kP2pAborted:
-        if (aborted.empty()) aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
+        if (aborted.empty())
+          aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
         break;
-      default: break;
+      default:
+        break;
     }
   }
   return aborted;

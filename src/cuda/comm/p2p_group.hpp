@@ -70,7 +70,8 @@ class P2pGroup {
   std::string device_failure() const;
   // Where every rank's blocks are, for a failure message (LMOE_P2P_DIAGNOSE).
   std::string block_progress();
-  // Raises the device-visible abort flag: rounds in flight stop spinning, later rounds fail at once.
+  // Raises the device-visible abort flag: rounds in flight stop spinning, later rounds fail at
+  // once.
   void raise_abort();
 
   // The host control path, bounded by timeout(): waits for every rank, or throws
@@ -90,12 +91,13 @@ class P2pGroup {
   const int size_;
   P2pLayout layout_;
   // Filled by the derived group.
-  std::vector<int> devices_;            // per rank: its CUDA device here (-1: a rank of another process)
-  std::vector<std::string> gpu_ids_;    // per rank: its physical GPU (equal strings: the same GPU)
-  P2pMappedStatus* mapped_ = nullptr;         // host address
+  std::vector<int> devices_;  // per rank: its CUDA device here (-1: a rank of another process)
+  std::vector<std::string> gpu_ids_;   // per rank: its physical GPU (equal strings: the same GPU)
+  P2pMappedStatus* mapped_ = nullptr;  // host address
   P2pMappedStatus* mapped_device_ = nullptr;  // the same memory as kernels address it
-  std::vector<std::byte*> data_;              // per rank: its staging regions, as this process's kernels see them
-  std::vector<cuda::P2pFlags*> flags_;        // per rank: its flags, likewise
+  std::vector<std::byte*>
+      data_;  // per rank: its staging regions, as this process's kernels see them
+  std::vector<cuda::P2pFlags*> flags_;  // per rank: its flags, likewise
 };
 
 // A rank's communicator over its group. Throws lmoe::Error for a rank outside the group.

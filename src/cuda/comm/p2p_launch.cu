@@ -29,7 +29,8 @@ bool vector_ok(const P2pDeviceHandle& h, const P2pRound& round) {
 }
 
 template <typename T>
-cudaError_t launch_as(const P2pDeviceHandle& h, const P2pRound& round, int blocks, cudaStream_t stream) {
+cudaError_t launch_as(const P2pDeviceHandle& h, const P2pRound& round, int blocks,
+                      cudaStream_t stream) {
   if (vector_ok<T>(h, round)) {
     p2p_round_kernel<T, true><<<blocks, kP2pThreads, 0, stream>>>(h, round);
   } else {
@@ -48,20 +49,25 @@ cudaError_t preload_p2p_kernels() {
                              reinterpret_cast<const void*>(p2p_round_kernel<__half, false>),
                              reinterpret_cast<const void*>(p2p_round_kernel<float, true>),
                              reinterpret_cast<const void*>(p2p_round_kernel<float, false>)}) {
-    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel); status != cudaSuccess) return status;
+    if (const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
+        status != cudaSuccess)
+      return status;
   }
   return cudaSuccess;
 }
 
-cudaError_t launch_p2p_round(const P2pDeviceHandle& handle, const P2pRound& round, int blocks, DType dtype,
-                             cudaStream_t stream) {
+cudaError_t launch_p2p_round(const P2pDeviceHandle& handle, const P2pRound& round, int blocks,
+                             DType dtype, cudaStream_t stream) {
   if (blocks < 1 || blocks > kP2pMaxBlocks || handle.size < 1 || handle.size > kP2pMaxRanks) {
     return cudaErrorInvalidValue;
   }
   switch (dtype) {
-    case DType::bf16: return launch_as<__nv_bfloat16>(handle, round, blocks, stream);
-    case DType::f16: return launch_as<__half>(handle, round, blocks, stream);
-    case DType::f32: return launch_as<float>(handle, round, blocks, stream);
+    case DType::bf16:
+      return launch_as<__nv_bfloat16>(handle, round, blocks, stream);
+    case DType::f16:
+      return launch_as<__half>(handle, round, blocks, stream);
+    case DType::f32:
+      return launch_as<float>(handle, round, blocks, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -13,7 +13,7 @@ namespace lmoe::cuda {
 cudaError_t preload_p2p_kernels();
 
 // `blocks` must be the same on every rank for the same round (block b pairs with block b).
-cudaError_t launch_p2p_round(const P2pDeviceHandle& handle, const P2pRound& round, int blocks, DType dtype,
-                             cudaStream_t stream);
+cudaError_t launch_p2p_round(const P2pDeviceHandle& handle, const P2pRound& round, int blocks,
+                             DType dtype, cudaStream_t stream);
 
 }  // namespace lmoe::cuda

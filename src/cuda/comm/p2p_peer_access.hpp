@@ -23,10 +23,10 @@ class P2pPeerAccess {
   virtual int device() const = 0;
   // Throws the group's first device-side failure (timeout, abort, concurrent use) as an error.
   virtual void throw_if_device_failed(const char* operation) = 0;
-  // Collective: `bytes` of zeroed device memory on every rank's GPU (sizes may differ between ranks:
-  // a peer reads only what the ranks lay out alike), with every rank's address as this rank's
-  // kernels can use it (a peer's own pointer between
-  // threads, its IPC mapping between processes). Keep it no longer than the communicator.
+  // Collective: `bytes` of zeroed device memory on every rank's GPU (sizes may differ between
+  // ranks: a peer reads only what the ranks lay out alike), with every rank's address as this
+  // rank's kernels can use it (a peer's own pointer between threads, its IPC mapping between
+  // processes). Keep it no longer than the communicator.
   virtual std::unique_ptr<P2pSharedBuffer> share_buffer(std::size_t bytes) = 0;
 };
 

@@ -38,15 +38,15 @@
 #include <vector>
 
 #include "comm/aborted_error.hpp"
-#include "cuda/comm/p2p_group.hpp"
 #include "comm/process_launch.hpp"
 #include "comm/shared_segment.hpp"
-#include "lmoe/settings.hpp"
-#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/comm/p2p_launch.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/mpi_communicator.hpp"
 #include "lmoe/p2p_communicator.hpp"
+#include "lmoe/settings.hpp"
 #include "lmoe/tier_policy.hpp"
 
 namespace lmoe {
@@ -70,7 +70,9 @@ std::chrono::milliseconds p2p_setup_timeout(const P2pLayout& layout) {
   return std::max<std::chrono::milliseconds>(layout.timeout, std::chrono::seconds(120));
 }
 
-std::size_t round_up(std::size_t bytes, std::size_t granule) { return (bytes + granule - 1) / granule * granule; }
+std::size_t round_up(std::size_t bytes, std::size_t granule) {
+  return (bytes + granule - 1) / granule * granule;
+}
 
 template <std::size_t N>
 void put(char (&field)[N], const std::string& text) {
@@ -84,7 +86,8 @@ std::string get(const char (&field)[N]) {
 
 std::string cuda_failure(const char* call, cudaError_t status) {
   cudaGetLastError();
-  return std::string(call) + " failed: " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+  return std::string(call) + " failed: " + cudaGetErrorName(status) + " (" +
+         cudaGetErrorString(status) + ")";
 }
 
 // Every rank learns every rank's problem and all throw the same error, naming the first rank.
@@ -97,7 +100,8 @@ void agree(const std::string& problem, int size, const Gather& gather) {
   for (int r = 0; r < size; ++r) {
     const char* text = all.data() + static_cast<std::size_t>(r) * kProblemBytes;
     if (*text != '\0') {
-      throw Error("p2p: rank " + std::to_string(r) + ": " + std::string(text, strnlen(text, kProblemBytes)));
+      throw Error("p2p: rank " + std::to_string(r) + ": " +
+                  std::string(text, strnlen(text, kProblemBytes)));
     }
   }
 }
@@ -133,16 +137,22 @@ class ProcessBuffer final : public P2pSharedBuffer {
     bases_.assign(static_cast<std::size_t>(size), nullptr);
   }
   ~ProcessBuffer() override;
-  void set_own(void* own) { bases_[static_cast<std::size_t>(rank_)] = static_cast<std::byte*>(own); }
-  void set_peer(int peer, void* mapped) { bases_[static_cast<std::size_t>(peer)] = static_cast<std::byte*>(mapped); }
+  void set_own(void* own) {
+    bases_[static_cast<std::size_t>(rank_)] = static_cast<std::byte*>(own);
+  }
+  void set_peer(int peer, void* mapped) {
+    bases_[static_cast<std::size_t>(peer)] = static_cast<std::byte*>(mapped);
+  }
 
  private:
   std::weak_ptr<P2pProcessGroup> group_;
   int rank_;
-  std::uint64_t id_;  // the group's count of shared buffers before this one (the same on every rank)
+  std::uint64_t
+      id_;  // the group's count of shared buffers before this one (the same on every rank)
 };
 
-class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_this<P2pProcessGroup> {
+class P2pProcessGroup final : public P2pGroup,
+                              public std::enable_shared_from_this<P2pProcessGroup> {
  public:
   // Status records in the segment's first page(s), the control block after them.
   static std::size_t status_bytes() {
@@ -151,14 +161,15 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
   }
   static std::size_t segment_bytes() { return status_bytes() + SharedControl::bytes(); }
 
-  P2pProcessGroup(int rank, int size, P2pLayout layout, int device, std::vector<std::string> gpu_ids,
-                  SharedSegment segment)
+  P2pProcessGroup(int rank, int size, P2pLayout layout, int device,
+                  std::vector<std::string> gpu_ids, SharedSegment segment)
       : P2pGroup(size, layout), rank_(rank), segment_(std::move(segment)) {
     devices_.assign(static_cast<std::size_t>(size), -1);
     devices_[static_cast<std::size_t>(rank)] = device;
     gpu_ids_ = std::move(gpu_ids);
     mapped_ = reinterpret_cast<P2pMappedStatus*>(segment_.data());
-    control_.emplace(segment_.data() + status_bytes(), &mapped_->abort_flag, rank, size, layout.timeout);
+    control_.emplace(segment_.data() + status_bytes(), &mapped_->abort_flag, rank, size,
+                     layout.timeout);
     data_.assign(static_cast<std::size_t>(size), nullptr);
     flags_.assign(static_cast<std::size_t>(size), nullptr);
     imported_.assign(static_cast<std::size_t>(size), nullptr);
@@ -180,10 +191,11 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     } else {
       // Freeing while a live peer may still map it is undefined behaviour; the process's exit
       // returns the memory instead.
-      std::fprintf(stderr,
-                   "lmoe: p2p rank %d: a peer did not reach teardown within %lld ms; this rank's workspace "
-                   "is left allocated until the process exits\n",
-                   rank_, static_cast<long long>(layout_.timeout.count()));
+      std::fprintf(
+          stderr,
+          "lmoe: p2p rank %d: a peer did not reach teardown within %lld ms; this rank's workspace "
+          "is left allocated until the process exits\n",
+          rank_, static_cast<long long>(layout_.timeout.count()));
     }
     if (registered_) cudaHostUnregister(segment_.data());
   }
@@ -208,10 +220,12 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     };
     step("cudaSetDevice", cudaSetDevice(device));
     if (step("cudaHostRegister (the group's status page in shared memory)",
-             cudaHostRegister(segment_.data(), status_bytes(), cudaHostRegisterMapped | cudaHostRegisterPortable))) {
+             cudaHostRegister(segment_.data(), status_bytes(),
+                              cudaHostRegisterMapped | cudaHostRegisterPortable))) {
       registered_ = true;
       void* device_view = nullptr;
-      if (step("cudaHostGetDevicePointer", cudaHostGetDevicePointer(&device_view, segment_.data(), 0))) {
+      if (step("cudaHostGetDevicePointer",
+               cudaHostGetDevicePointer(&device_view, segment_.data(), 0))) {
         mapped_device_ = static_cast<P2pMappedStatus*>(device_view);
       }
     }
@@ -220,8 +234,10 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
       if (step("cudaMalloc (the p2p workspace)", cudaMalloc(&workspace_, bytes)) &&
           step("cudaMemset", cudaMemset(workspace_, 0, p2p_flags_bytes()))) {
         const Identity identity{kIdentityTag, static_cast<std::uint64_t>(rank_)};
-        step("cudaMemcpy", cudaMemcpy(identity_address(workspace_), &identity, sizeof(identity), cudaMemcpyHostToDevice));
-        step("cudaDeviceSynchronize", cudaDeviceSynchronize());  // zeroed flags before any peer can reach them
+        step("cudaMemcpy", cudaMemcpy(identity_address(workspace_), &identity, sizeof(identity),
+                                      cudaMemcpyHostToDevice));
+        step("cudaDeviceSynchronize",
+             cudaDeviceSynchronize());  // zeroed flags before any peer can reach them
         step("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, workspace_));
         step("loading the p2p kernels", cuda::preload_p2p_kernels());
       }
@@ -233,21 +249,24 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
     for (int peer = 0; peer < size_ && problem.empty(); ++peer) {
       void* mapped = workspace_;
       if (peer != rank_) {
-        const cudaError_t status =
-            cudaIpcOpenMemHandle(&mapped, handles[static_cast<std::size_t>(peer)], cudaIpcMemLazyEnablePeerAccess);
+        const cudaError_t status = cudaIpcOpenMemHandle(
+            &mapped, handles[static_cast<std::size_t>(peer)], cudaIpcMemLazyEnablePeerAccess);
         if (status != cudaSuccess) {
           problem = cuda_failure("cudaIpcOpenMemHandle", status) + " for the workspace of rank " +
-                    std::to_string(peer) + " (GPUs without peer access between them cannot use p2p; use nccl)";
+                    std::to_string(peer) +
+                    " (GPUs without peer access between them cannot use p2p; use nccl)";
           break;
         }
         imported_[static_cast<std::size_t>(peer)] = mapped;
         Identity identity{};
         if (!step("cudaMemcpy (reading a peer's workspace)",
-                  cudaMemcpy(&identity, identity_address(mapped), sizeof(identity), cudaMemcpyDeviceToHost))) {
+                  cudaMemcpy(&identity, identity_address(mapped), sizeof(identity),
+                             cudaMemcpyDeviceToHost))) {
           break;
         }
         if (identity.tag != kIdentityTag || identity.rank != static_cast<std::uint64_t>(peer)) {
-          problem = "the mapping of rank " + std::to_string(peer) + "'s workspace does not show its identity record";
+          problem = "the mapping of rank " + std::to_string(peer) +
+                    "'s workspace does not show its identity record";
           break;
         }
       }
@@ -287,17 +306,20 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
       if (problem.empty() && status != cudaSuccess) problem = cuda_failure(call, status);
       return problem.empty();
     };
-    if (step("cudaMalloc (a shared buffer)", cudaMalloc(&own, round_up(std::max<std::size_t>(bytes, 1), kIpcGranule)))) {
+    if (step("cudaMalloc (a shared buffer)",
+             cudaMalloc(&own, round_up(std::max<std::size_t>(bytes, 1), kIpcGranule)))) {
       shared->set_own(own);
       step("cudaMemset", cudaMemset(own, 0, bytes));
-      step("cudaDeviceSynchronize", cudaDeviceSynchronize());  // zeroed before any peer can reach it
+      step("cudaDeviceSynchronize",
+           cudaDeviceSynchronize());  // zeroed before any peer can reach it
       step("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&handle, own));
     }
     agree_all(problem);
     std::vector<Record> records(static_cast<std::size_t>(size_));
     all_gather(&mine, records.data(), sizeof(Record), "share_buffer");
     std::uint64_t closed_everywhere = id;
-    for (const Record& record : records) closed_everywhere = std::min(closed_everywhere, record.lowest_open);
+    for (const Record& record : records)
+      closed_everywhere = std::min(closed_everywhere, record.lowest_open);
     free_retired_below(closed_everywhere);
     for (int peer = 0; peer < size_ && problem.empty(); ++peer) {
       if (peer == rank_) continue;
@@ -326,7 +348,8 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
   static void* identity_address(void* workspace) {
     return static_cast<std::byte*>(workspace) + p2p_flags_bytes() - sizeof(Identity);
   }
-  static_assert(sizeof(cuda::P2pFlags) + sizeof(Identity) <= ((sizeof(cuda::P2pFlags) + 255) / 256 * 256),
+  static_assert(sizeof(cuda::P2pFlags) + sizeof(Identity) <=
+                    ((sizeof(cuda::P2pFlags) + 255) / 256 * 256),
                 "the identity record lies in the padding after the flags");
 
   void all_gather(const void* send, void* recv, std::size_t bytes, const char* operation) {
@@ -352,12 +375,12 @@ class P2pProcessGroup final : public P2pGroup, public std::enable_shared_from_th
   SharedSegment segment_;
   std::optional<SharedControl> control_;
   bool registered_ = false;
-  void* workspace_ = nullptr;          // this rank's flags and regions (exported)
-  std::vector<void*> imported_;        // peers' workspaces as mapped here (null for this rank)
+  void* workspace_ = nullptr;    // this rank's flags and regions (exported)
+  std::vector<void*> imported_;  // peers' workspaces as mapped here (null for this rank)
   std::mutex buffers_mutex_;
   std::uint64_t next_buffer_id_ = 0;
-  std::set<std::uint64_t> open_buffers_;                     // ids of this rank's live shared buffers
-  std::vector<std::pair<std::uint64_t, void*>> retired_;     // released, exported, maybe still mapped
+  std::set<std::uint64_t> open_buffers_;                  // ids of this rank's live shared buffers
+  std::vector<std::pair<std::uint64_t, void*>> retired_;  // released, exported, maybe still mapped
 };
 
 ProcessBuffer::~ProcessBuffer() {
@@ -396,11 +419,12 @@ bool shared_gpu_allowed() { return setting_flag("LMOE_P2P_SHARED_GPU"); }
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootstrap, const P2pOptions& options) {
+std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootstrap,
+                                                            const P2pOptions& options) {
   const int rank = bootstrap.rank(), size = bootstrap.size();
   LMOE_CHECK(size >= 1 && size <= cuda::kP2pMaxRanks, "p2p: number of ranks must be in [1, " +
-                                                          std::to_string(cuda::kP2pMaxRanks) + "], got " +
-                                                          std::to_string(size));
+                                                          std::to_string(cuda::kP2pMaxRanks) +
+                                                          "], got " + std::to_string(size));
   // 1. Rank 0 creates the segment; every rank learns its name and where every rank runs.
   SharedSegment segment;
   JoinRecord mine{};
@@ -423,10 +447,13 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
     const JoinRecord& record = joined[static_cast<std::size_t>(r)];
     allow_sharing = allow_sharing && record.shared_gpu_allowed;
     if (problem.empty() && get(record.host) != get(joined[0].host)) {
-      problem = "rank " + std::to_string(r) + " runs on " + get(record.host) + ", rank 0 on " + get(joined[0].host) +
-                ": p2p joins the processes of one node (CUDA IPC); use the nccl communicator across nodes";
+      problem = "rank " + std::to_string(r) + " runs on " + get(record.host) + ", rank 0 on " +
+                get(joined[0].host) +
+                ": p2p joins the processes of one node (CUDA IPC); use the nccl communicator "
+                "across nodes";
     }
-    if (r < rank && get(record.host) == get(joined[static_cast<std::size_t>(rank)].host)) ++local_index;
+    if (r < rank && get(record.host) == get(joined[static_cast<std::size_t>(rank)].host))
+      ++local_index;
   }
   if (!problem.empty()) throw Error("p2p: " + problem);
 
@@ -436,19 +463,21 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   {
     std::string trouble;
     try {
-      if (rank != 0) segment = SharedSegment::open(get(joined[0].segment), P2pProcessGroup::segment_bytes());
+      if (rank != 0)
+        segment = SharedSegment::open(get(joined[0].segment), P2pProcessGroup::segment_bytes());
       int visible = 0;
       LMOE_CUDA_CHECK(cudaGetDeviceCount(&visible));
       if (!options.devices.empty()) {
         LMOE_CHECK(static_cast<int>(options.devices.size()) == size,
-                   "devices has " + std::to_string(options.devices.size()) + " entries, expected one per rank (" +
-                       std::to_string(size) + ")");
+                   "devices has " + std::to_string(options.devices.size()) +
+                       " entries, expected one per rank (" + std::to_string(size) + ")");
         device = options.devices[static_cast<std::size_t>(rank)];
       } else {
         LMOE_CHECK(visible > 0, "no CUDA GPU is visible");
         device = local_index % visible;
       }
-      LMOE_CHECK(device >= 0 && device < visible, "device " + std::to_string(device) + " is not visible (" +
+      LMOE_CHECK(device >= 0 && device < visible, "device " + std::to_string(device) +
+                                                      " is not visible (" +
                                                       std::to_string(visible) + " GPUs)");
       put(device_record.gpu, gpu_id(device));
       put(device_record.pci, pci_bus_id(device));
@@ -462,7 +491,9 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   std::vector<std::string> gpu_ids;
   bool shared_gpu = false;
   for (const DeviceRecord& record : devices) {
-    if (*record.problem) throw Error("p2p: rank " + std::to_string(&record - devices.data()) + ": " + get(record.problem));
+    if (*record.problem)
+      throw Error("p2p: rank " + std::to_string(&record - devices.data()) + ": " +
+                  get(record.problem));
   }
   for (int r = 0; r < size; ++r) {
     const DeviceRecord& record = devices[static_cast<std::size_t>(r)];
@@ -471,8 +502,9 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
       if (gpu_ids[static_cast<std::size_t>(earlier)] != gpu_ids.back()) continue;
       shared_gpu = true;
       if (!allow_sharing) {
-        throw Error("p2p: ranks " + std::to_string(earlier) + " and " + std::to_string(r) + " share GPU " +
-                    get(record.pci) + ", where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 "
+        throw Error("p2p: ranks " + std::to_string(earlier) + " and " + std::to_string(r) +
+                    " share GPU " + get(record.pci) +
+                    ", where their rounds can stall (docs/p2p.md); set LMOE_P2P_SHARED_GPU=1 "
                     "on every rank to run it anyway");
       }
     }
@@ -482,7 +514,8 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   const P2pLayout layout = p2p_layout(options, shared_gpu);
 
   // 3. Workspaces exported and opened over the segment's control path (bounded from here on).
-  auto group = std::make_shared<P2pProcessGroup>(rank, size, layout, device, std::move(gpu_ids), std::move(segment));
+  auto group = std::make_shared<P2pProcessGroup>(rank, size, layout, device, std::move(gpu_ids),
+                                                 std::move(segment));
   group->join();
   return make_p2p_communicator(group, rank);
 }
@@ -497,8 +530,8 @@ class SegmentBootstrap final : public Communicator {
       : segment_(std::move(segment)),
         rank_(rank),
         size_(size),
-        control_(segment_.data() + kAbortWordBytes, reinterpret_cast<std::int32_t*>(segment_.data()), rank, size,
-                 timeout) {}
+        control_(segment_.data() + kAbortWordBytes,
+                 reinterpret_cast<std::int32_t*>(segment_.data()), rank, size, timeout) {}
   static std::size_t segment_bytes() { return kAbortWordBytes + SharedControl::bytes(); }
   void unlink() { segment_.unlink(); }
 
@@ -506,8 +539,11 @@ class SegmentBootstrap final : public Communicator {
   int size() const override { return size_; }
   std::string_view backend_name() const override { return "p2p-bootstrap"; }
   MemorySpace memory_space() const override { return MemorySpace::host; }
-  void all_reduce(const void*, void*, std::size_t, DType, StreamHandle) override { unsupported("all_reduce"); }
-  void reduce_scatter(const void*, void*, std::span<const std::size_t>, DType, StreamHandle) override {
+  void all_reduce(const void*, void*, std::size_t, DType, StreamHandle) override {
+    unsupported("all_reduce");
+  }
+  void reduce_scatter(const void*, void*, std::span<const std::size_t>, DType,
+                      StreamHandle) override {
     unsupported("reduce_scatter");
   }
   void all_gather(const void*, void*, std::span<const std::size_t>, DType, StreamHandle) override {
@@ -522,7 +558,8 @@ class SegmentBootstrap final : public Communicator {
  private:
   static constexpr std::size_t kAbortWordBytes = 64;
   [[noreturn]] static void unsupported(const char* operation) {
-    throw Error(std::string("p2p setup: ") + operation + " is not available on the bootstrap channel");
+    throw Error(std::string("p2p setup: ") + operation +
+                " is not available on the bootstrap channel");
   }
 
   SharedSegment segment_;
@@ -544,8 +581,9 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
   const EnvLookup env = process_environment();
   const std::optional<LaunchRank> launch = launch_rank_from_env(env);
   if (!launch) {
-    throw Error("p2p: RANK and WORLD_SIZE are not set: start one process per rank with torchrun (or under "
-                "mpirun with make_p2p_mpi_communicator)");
+    throw Error(
+        "p2p: RANK and WORLD_SIZE are not set: start one process per rank with torchrun (or under "
+        "mpirun with make_p2p_mpi_communicator)");
   }
   const int rank = launch->rank, size = launch->world_size;
   // Processes start at their own pace: the wait for the others is setup's, not a round's.
@@ -558,7 +596,8 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
       const std::optional<std::string> path = setting_text("LMOE_P2P_ID_FILE", env);
       if (!path || path->empty()) {
         throw Error("p2p: LMOE_P2P_ID_FILE is not set: with WORLD_SIZE=" + std::to_string(size) +
-                    ", rank 0 hands the others the name of its shared memory through a file; set it to a fresh "
+                    ", rank 0 hands the others the name of its shared memory through a file; set "
+                    "it to a fresh "
                     "path on this node");
       }
       char name[kNameBytes];
@@ -569,7 +608,8 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
   } else {
     const std::optional<std::string> path = setting_text("LMOE_P2P_ID_FILE", env);
     if (!path || path->empty()) {
-      throw Error("p2p: rank " + std::to_string(rank) + ": LMOE_P2P_ID_FILE is not set (it must name the file "
+      throw Error("p2p: rank " + std::to_string(rank) +
+                  ": LMOE_P2P_ID_FILE is not set (it must name the file "
                   "rank 0 writes)");
     }
     std::vector<std::byte> record;

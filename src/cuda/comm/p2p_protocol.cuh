@@ -1,5 +1,5 @@
-// The P2P workspace's synchronization protocol, device side. Host side: src/comm/p2p_communicator.cpp;
-// the protocol is described in docs/p2p.md.
+// The P2P workspace's synchronization protocol, device side. Host side:
+// src/comm/p2p_communicator.cpp; the protocol is described in docs/p2p.md.
 //
 // Every collective is a sequence of *rounds*; a round is one launch of a fixed number of blocks on
 // every rank. Block b of every rank owns the same slice of the round's data, so block b only waits
@@ -11,12 +11,12 @@
 //   2. publishes arrive[b][me] = e into every peer's workspace (release, system scope);
 //   3. waits until every peer's arrive[b][peer] has reached e (acquire, system scope, bounded);
 //   4. reads its peers' slices of the same parity and writes its output.
-// A peer can be at most one round ahead (round e + 1 needs our arrival for e + 1), and it writes the
-// other parity, so the two buffers are enough; `arrive` is compared as a wrapping difference
-// (≥ e, not == e) because a peer one round ahead has already overwritten e with e + 1.
-// Spins are bounded by a wall-clock budget (%globaltimer); a timeout, or a group abort set by the
-// host or by another rank's timeout, makes the round write a status record the host turns into an
-// lmoe::Error, and raises the group abort flag so that every peer stops spinning too.
+// A peer can be at most one round ahead (round e + 1 needs our arrival for e + 1), and it writes
+// the other parity, so the two buffers are enough; `arrive` is compared as a wrapping difference (≥
+// e, not == e) because a peer one round ahead has already overwritten e with e + 1. Spins are
+// bounded by a wall-clock budget (%globaltimer); a timeout, or a group abort set by the host or by
+// another rank's timeout, makes the round write a status record the host turns into an lmoe::Error,
+// and raises the group abort flag so that every peer stops spinning too.
 #pragma once
 
 #include <cstdint>
@@ -61,7 +61,8 @@ struct P2pFailureReport {
 // that failure's record and leaves it alone. (Without the two fences a thread of another block,
 // aborted by the first failure, could still find the code unset and write its own peer, -1, into
 // the record: "waited more than 500 ms for rank -1".)
-__device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t code, int peer, std::uint32_t round) {
+__device__ inline void p2p_fail(const P2pFailureReport& report, std::int32_t code, int peer,
+                                std::uint32_t round) {
   if (report.status->code == kP2pOk) {
     report.status->peer = peer;
     report.status->block = static_cast<std::int32_t>(blockIdx.x);
@@ -111,7 +112,8 @@ __device__ inline P2pFailureReport p2p_report_of(const P2pDeviceHandle& h) {
 
 // Waits until `peer`'s block has arrived at round `round` (see p2p_wait_until).
 __device__ inline bool p2p_wait_arrival(const P2pDeviceHandle& h, int peer, std::uint32_t round) {
-  return p2p_wait_until(p2p_report_of(h), &h.flags[h.rank]->arrive[blockIdx.x][peer], round, peer, round);
+  return p2p_wait_until(p2p_report_of(h), &h.flags[h.rank]->arrive[blockIdx.x][peer], round, peer,
+                        round);
 }
 
 }  // namespace lmoe::cuda

@@ -3,8 +3,8 @@
 
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
 #include "cuda/comm/p2p_protocol.cuh"
+#include "cuda/runtime/dtype.cuh"
 
 namespace lmoe::cuda {
 
@@ -66,18 +66,20 @@ __device__ inline void p2p_copy(const T* src, T* dst, std::int64_t n) {
 #pragma unroll
       for (int u = 0; u < kP2pUnroll; ++u) reinterpret_cast<V*>(dst)[i + u * stride] = v[u];
     }
-    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride) reinterpret_cast<V*>(dst)[i] = load(i);
+    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride)
+      reinterpret_cast<V*>(dst)[i] = load(i);
     done = vectors * V::kSize;
   }
-  for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = kPeerSource ? p2p_load(src + i) : src[i];
+  for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x)
+    dst[i] = kPeerSource ? p2p_load(src + i) : src[i];
 }
 
 // reduce_scatter rounds: block b's slice of piece q is p2p_block_slice(piece_count[q]); the
 // slices of every piece sit one after another in the block's region (each at a whole number of
 // 8-element slots, the same formula on every rank, so a peer finds piece q where it was staged).
 struct P2pPieceSlot {
-  P2pSlice slice;         // within the piece
-  std::int64_t at;        // where the slice starts in the block's region
+  P2pSlice slice;   // within the piece
+  std::int64_t at;  // where the slice starts in the block's region
 };
 __device__ inline P2pPieceSlot p2p_piece_slot(const P2pRound& round, int q) {
   std::int64_t at = 0;
@@ -91,14 +93,15 @@ __device__ inline P2pPieceSlot p2p_piece_slot(const P2pRound& round, int q) {
 // Rank r's staging region of this block for a round of parity `parity`.
 template <typename T>
 __device__ inline T* p2p_region(const P2pDeviceHandle& h, int r, std::uint32_t parity) {
-  return reinterpret_cast<T*>(h.data[r] + (static_cast<std::int64_t>(parity) * h.max_blocks + blockIdx.x) * h.block_bytes);
+  return reinterpret_cast<T*>(
+      h.data[r] + (static_cast<std::int64_t>(parity) * h.max_blocks + blockIdx.x) * h.block_bytes);
 }
 
 // out[i] = round(Σ_r in_r[i]) in rank order, fp32, starting from rank 0's value; in_r is rank r's
 // region from element `first` of the block's slice on.
 template <typename T, bool kVector>
-__device__ inline void p2p_reduce(const P2pDeviceHandle& h, std::uint32_t parity, std::int64_t first, T* out,
-                                  std::int64_t n) {
+__device__ inline void p2p_reduce(const P2pDeviceHandle& h, std::uint32_t parity,
+                                  std::int64_t first, T* out, std::int64_t n) {
   using S = Storage<T>;
   auto input = [&](int r) { return p2p_region<T>(h, r, parity) + first; };
   std::int64_t done = 0;
@@ -136,8 +139,10 @@ __device__ inline void p2p_reduce(const P2pDeviceHandle& h, std::uint32_t parity
     };
     const std::int64_t stride = blockDim.x;
     const std::int64_t unrolled = vectors / (stride * kP2pUnroll) * (stride * kP2pUnroll);
-    for (std::int64_t i = threadIdx.x; i < unrolled; i += stride * kP2pUnroll) reduce_step.template operator()<kP2pUnroll>(i, stride);
-    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride) reduce_step.template operator()<1>(i, stride);
+    for (std::int64_t i = threadIdx.x; i < unrolled; i += stride * kP2pUnroll)
+      reduce_step.template operator()<kP2pUnroll>(i, stride);
+    for (std::int64_t i = unrolled + threadIdx.x; i < vectors; i += stride)
+      reduce_step.template operator()<1>(i, stride);
     done = vectors * V::kSize;
   }
   for (std::int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
@@ -164,7 +169,8 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
       p2p_fail(p2p_report_of(h), kP2pConcurrentUse, -1, epoch);
       failed = 1;
     } else {
-      own->entered[block] = epoch;  // after the abort check: a round that starts after a failure is not counted
+      own->entered[block] =
+          epoch;  // after the abort check: a round that starts after a failure is not counted
     }
   }
   __syncthreads();
@@ -176,13 +182,14 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
   if (round.op == P2pOp::reduce_scatter) {
     for (int q = 0; q < h.size; ++q) {
       const P2pPieceSlot slot = p2p_piece_slot(round, q);
-      p2p_copy<T, kVector, false>(static_cast<const T*>(round.send) + round.piece_offset[q] + slot.slice.first,
-                                  p2p_region<T>(h, h.rank, parity) + slot.at, slot.slice.last - slot.slice.first);
+      p2p_copy<T, kVector, false>(
+          static_cast<const T*>(round.send) + round.piece_offset[q] + slot.slice.first,
+          p2p_region<T>(h, h.rank, parity) + slot.at, slot.slice.last - slot.slice.first);
     }
   } else {
     const P2pSlice s = p2p_block_slice(round.stage_count[h.rank]);
-    p2p_copy<T, kVector, false>(static_cast<const T*>(round.send) + s.first, p2p_region<T>(h, h.rank, parity),
-                                s.last - s.first);
+    p2p_copy<T, kVector, false>(static_cast<const T*>(round.send) + s.first,
+                                p2p_region<T>(h, h.rank, parity), s.last - s.first);
   }
   __syncthreads();  // the block's stores happen before the release below (cumulativity)
   // 2. Publish, 3. wait: thread r talks to rank r.
@@ -197,19 +204,21 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
     if (round.op == P2pOp::reduce_scatter) {
       const P2pPieceSlot slot = p2p_piece_slot(round, h.rank);
       if (slot.slice.first < slot.slice.last) {
-        p2p_reduce<T, kVector>(h, parity, slot.at, out + slot.slice.first, slot.slice.last - slot.slice.first);
+        p2p_reduce<T, kVector>(h, parity, slot.at, out + slot.slice.first,
+                               slot.slice.last - slot.slice.first);
       }
     } else if (round.op == P2pOp::reduce) {
       const P2pSlice s = p2p_block_slice(round.stage_count[h.rank]);
       const std::int64_t lo = max(s.first, round.reduce_first);
       const std::int64_t hi = min(s.last, round.reduce_first + round.reduce_count);
-      if (lo < hi) p2p_reduce<T, kVector>(h, parity, lo - s.first, out + (lo - round.reduce_first), hi - lo);
+      if (lo < hi)
+        p2p_reduce<T, kVector>(h, parity, lo - s.first, out + (lo - round.reduce_first), hi - lo);
     } else {
       for (int r = 0; r < h.size; ++r) {
         if (r == h.rank && round.skip_own_gather) continue;
         const P2pSlice s = p2p_block_slice(round.stage_count[r]);
-        p2p_copy<T, kVector, true>(p2p_region<T>(h, r, parity), out + round.gather_offset[r] + s.first,
-                                   s.last - s.first);
+        p2p_copy<T, kVector, true>(p2p_region<T>(h, r, parity),
+                                   out + round.gather_offset[r] + s.first, s.last - s.first);
       }
     }
   }

@@ -13,14 +13,14 @@ inline constexpr int kP2pMaxBlocks = 32;
 // Status codes a round writes into its rank's status record (host-mapped memory).
 enum P2pStatusCode : std::int32_t {
   kP2pOk = 0,
-  kP2pTimeout = 1,         // a peer did not arrive within the budget
-  kP2pAborted = 2,         // the group was aborted (by the host, or by a peer's failure)
-  kP2pConcurrentUse = 3,   // two rounds of one rank ran at the same time on one workspace
+  kP2pTimeout = 1,        // a peer did not arrive within the budget
+  kP2pAborted = 2,        // the group was aborted (by the host, or by a peer's failure)
+  kP2pConcurrentUse = 3,  // two rounds of one rank ran at the same time on one workspace
 };
 
 struct P2pStatus {
   std::int32_t code;
-  std::int32_t peer;   // the peer waited for (timeout), else -1
+  std::int32_t peer;  // the peer waited for (timeout), else -1
   std::int32_t block;
   std::int32_t round;  // the epoch of the failed round
 };
@@ -30,7 +30,7 @@ struct P2pFlags {
   std::uint32_t arrive[kP2pMaxBlocks][kP2pMaxRanks];  // written by peers
   std::uint32_t epoch[kP2pMaxBlocks];                 // own rounds completed, per block
   std::uint32_t in_use[kP2pMaxBlocks];                // a round of this block is running
-  std::uint32_t entered[kP2pMaxBlocks];               // the last round this block started (diagnostics)
+  std::uint32_t entered[kP2pMaxBlocks];  // the last round this block started (diagnostics)
 };
 
 // Everything a round kernel needs about its group, by value (trivially copyable, kernel parameter).
@@ -38,14 +38,14 @@ struct P2pDeviceHandle {
   int rank;
   int size;
   // A rank's data buffer: two parities, each of max_blocks regions of block_bytes, one per block.
-  // Block b always stages into its own region, so the one-round-ahead argument of the protocol holds
-  // per block whatever the sizes and grids of successive rounds.
+  // Block b always stages into its own region, so the one-round-ahead argument of the protocol
+  // holds per block whatever the sizes and grids of successive rounds.
   std::int64_t block_bytes;
-  int max_blocks;  // no round uses more blocks
-  std::byte* data[kP2pMaxRanks];             // every rank's data buffer (peers' through P2P/same GPU)
-  P2pFlags* flags[kP2pMaxRanks];             // every rank's flags
-  volatile P2pStatus* status;                // this rank's status record (host-mapped)
-  volatile std::int32_t* abort_flag;         // the group's abort flag (host-mapped)
+  int max_blocks;                     // no round uses more blocks
+  std::byte* data[kP2pMaxRanks];      // every rank's data buffer (peers' through P2P/same GPU)
+  P2pFlags* flags[kP2pMaxRanks];      // every rank's flags
+  volatile P2pStatus* status;         // this rank's status record (host-mapped)
+  volatile std::int32_t* abort_flag;  // the group's abort flag (host-mapped)
   std::uint64_t timeout_ns;
 };
 
@@ -69,8 +69,9 @@ struct P2pRound {
   std::int64_t reduce_count;
   std::int64_t gather_offset[kP2pMaxRanks];
   bool skip_own_gather;  // in-place all-gather: this rank's block of out is its send already
-  std::int64_t piece_offset[kP2pMaxRanks];  // reduce_scatter: piece q starts at send + piece_offset[q]
-  std::int64_t piece_count[kP2pMaxRanks];   // reduce_scatter: its elements (the same on every rank)
+  std::int64_t
+      piece_offset[kP2pMaxRanks];  // reduce_scatter: piece q starts at send + piece_offset[q]
+  std::int64_t piece_count[kP2pMaxRanks];  // reduce_scatter: its elements (the same on every rank)
 };
 
 }  // namespace lmoe::cuda

@@ -57,13 +57,13 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
+#include "cuda/comm/p2p_protocol.cuh"
 #include "cuda/fused/fused_chained_launch.hpp"
 #include "cuda/fused/fused_ll.cuh"
-#include "cuda/runtime/hopper_async.cuh"
-#include "cuda/comm/p2p_protocol.cuh"
 #include "cuda/gemm/warp_mma.cuh"
 #include "cuda/gemm/warpgroup_mma.cuh"
+#include "cuda/runtime/dtype.cuh"
+#include "cuda/runtime/hopper_async.cuh"
 
 namespace lmoe::cuda {
 
@@ -84,7 +84,7 @@ struct ChainedShape {
   // 128, or all of a tile of 64), so a block holds one partial sum of each row: with split K the
   // cluster's blocks add theirs, in split order.
   static constexpr int kStepsPerConsumer = kChainedTileK / 16;  // k16 wgmmas a chunk
-  static constexpr int kRowBytes = kChainedTileK * 2;  // 64 elements of 16 bits
+  static constexpr int kRowBytes = kChainedTileK * 2;           // 64 elements of 16 bits
   static constexpr int kWeightBytes = kTileRows * kRowBytes;
   static constexpr int kStageBytes = kWeightBytes + kN * kRowBytes;
   // The block's slice of `shared` (kN tokens × its rows, at most a whole tile's), copied into
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   if (tid == 0) {
     chained_trace(p, kChainedTraceEntry);
     for (int s = 0; s < Shape::kStages; ++s) {
-      mbarrier_init(full_bar(s), 1);       // the producer's arrive.expect_tx
+      mbarrier_init(full_bar(s), 1);                       // the producer's arrive.expect_tx
       mbarrier_init(empty_bar(s), Shape::kConsumers * 4);  // lane 0 of each consumer warp
     }
     mbarrier_init(slice_addr(), kSliceCopiers);  // each copier once its copies have landed

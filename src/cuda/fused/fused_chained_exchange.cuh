@@ -27,10 +27,10 @@
 
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
 #include "cuda/fused/fused_ll.cuh"
 #include "cuda/fused/fused_protocol.cuh"
 #include "cuda/fused/fused_tail_types.hpp"
+#include "cuda/runtime/dtype.cuh"
 #include "cuda/runtime/hopper_async.cuh"
 #include "cuda/tail/rms_norm.cuh"
 

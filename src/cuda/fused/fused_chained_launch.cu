@@ -5,8 +5,8 @@
 #include "cuda/fused/fused_chained.cuh"
 #include "cuda/fused/fused_chained_exchange.cuh"
 #include "cuda/runtime/launch_config.hpp"
-#include "cuda/tail/launchers.hpp"
 #include "cuda/runtime/tensor_map.hpp"
+#include "cuda/tail/launchers.hpp"
 
 namespace lmoe::cuda {
 

@@ -18,8 +18,8 @@
 
 #include <cstdint>
 
-#include "cuda/fused/fused_tail_types.hpp"
 #include "cuda/comm/p2p_types.hpp"
+#include "cuda/fused/fused_tail_types.hpp"
 #include "lmoe/dtype.hpp"
 
 namespace lmoe::cuda {
@@ -75,7 +75,7 @@ struct FusedChainedParams {
   std::byte* workspace[kP2pMaxRanks] = {};
   std::int64_t lines_offset = 0, lines_parity_bytes = 0, lines_slot = 0;
   const std::uint32_t* epoch = nullptr;
-  std::uint32_t* calls = nullptr;               // the calls counted (for tests)
+  std::uint32_t* calls = nullptr;  // the calls counted (for tests)
   // The ring's first round (the weights asked for before N exists) issued by a thread of its own,
   // pace_burst copies at once, then one every pace_cycles SM clocks; 0: all at once by the
   // producer (FusedTail chooses: paced with one rank).

@@ -50,14 +50,14 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
+#include "cuda/comm/p2p_protocol.cuh"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "cuda/fused/fused_ll.cuh"
 #include "cuda/fused/fused_protocol.cuh"
-#include "cuda/runtime/hopper_async.cuh"
-#include "cuda/comm/p2p_protocol.cuh"
-#include "cuda/tail/rms_norm.cuh"
 #include "cuda/gemm/warp_mma.cuh"
+#include "cuda/runtime/dtype.cuh"
+#include "cuda/runtime/hopper_async.cuh"
+#include "cuda/tail/rms_norm.cuh"
 
 namespace lmoe::cuda {
 
@@ -575,8 +575,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
 #pragma unroll 1
   for (int u = warp; u < tokens * groups; u += kDecodeWarps) {
     const int t = u / groups, j = u % groups;
-    float4 v = reinterpret_cast<const float4*>(
-        partials + (j * kMaxTokens + t) * kDecodeWarps * 8)[lane];
+    float4 v =
+        reinterpret_cast<const float4*>(partials + (j * kMaxTokens + t) * kDecodeWarps * 8)[lane];
 #pragma unroll
     for (int m = 2; m < 32; m *= 2) {
       v.x = __fadd_rn(v.x, __shfl_xor_sync(0xffffffffu, v.x, m));

@@ -18,10 +18,10 @@
 
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
+#include "cuda/comm/p2p_protocol.cuh"
 #include "cuda/fused/fused_protocol.cuh"
 #include "cuda/fused/fused_tail_types.hpp"
-#include "cuda/comm/p2p_protocol.cuh"
+#include "cuda/runtime/dtype.cuh"
 
 namespace lmoe::cuda {
 

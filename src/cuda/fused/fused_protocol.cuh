@@ -14,9 +14,9 @@
 
 #include <cstdint>
 
-#include "cuda/runtime/dtype.cuh"
-#include "cuda/fused/fused_tail_types.hpp"
 #include "cuda/comm/p2p_protocol.cuh"
+#include "cuda/fused/fused_tail_types.hpp"
+#include "cuda/runtime/dtype.cuh"
 
 namespace lmoe::cuda {
 
@@ -67,12 +67,12 @@ __device__ inline void fused_copy(const T* src, T* dst, std::int64_t n, bool pee
 
 // One call as every block of this rank sees it (read by thread 0 at entry, kept in shared memory).
 struct FusedCall {
-  std::uint32_t e;          // this call's epoch: the rank's calls so far + 1
-  std::uint32_t parity;     // e & 1: the half of the staged buffers this call writes
-  std::uint32_t target;     // rows_done's and blocks_done's value once every block added 1
+  std::uint32_t e;            // this call's epoch: the rank's calls so far + 1
+  std::uint32_t parity;       // e & 1: the half of the staged buffers this call writes
+  std::uint32_t target;       // rows_done's and blocks_done's value once every block added 1
   std::uint32_t peer_target;  // the same for a peer's inputs_arrived and stripes_arrived
-  std::uint32_t general_e;  // the general kernel's calls so far + 1 (its split counters)
-  int failed;               // a wait of this block failed (reported): leave
+  std::uint32_t general_e;    // the general kernel's calls so far + 1 (its split counters)
+  int failed;                 // a wait of this block failed (reported): leave
 };
 
 // Starts a call: the epoch and targets, and (block 0, with take_workspace) the workspace taken, or

@@ -17,9 +17,9 @@ struct FusedSettings {
   std::optional<std::string> chained_off;
   // LMOE_FUSED_DECODE_PROGRAMMATIC; nullopt: the default (on with one rank, off with several).
   std::optional<bool> decode_programmatic;
-  bool decode_pair = true;           // LMOE_FUSED_DECODE_PAIR
-  int decode_early_items = -1;       // LMOE_FUSED_DECODE_EARLY_ITEMS; < 0: the instance's default
-  int chained_tile_rows = 0;         // LMOE_FUSED_CHAINED_TILE_ROWS: 64 or 128; 0: the plan's
+  bool decode_pair = true;      // LMOE_FUSED_DECODE_PAIR
+  int decode_early_items = -1;  // LMOE_FUSED_DECODE_EARLY_ITEMS; < 0: the instance's default
+  int chained_tile_rows = 0;    // LMOE_FUSED_CHAINED_TILE_ROWS: 64 or 128; 0: the plan's
   // LMOE_FUSED_EXCHANGE_GRID (several ranks); checked against what the GPU holds at construction.
   std::optional<std::int64_t> exchange_grid;
   std::optional<std::int64_t> chained_pace_ns;     // LMOE_FUSED_CHAINED_PACE_NS

@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "cuda/comm/p2p_peer_access.hpp"
-#include "cuda/runtime/alignment.hpp"
-#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "cuda/fused/fused_tail_launch.hpp"
+#include "cuda/runtime/alignment.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/rank_device.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/fused_defaults.hpp"
@@ -21,7 +21,8 @@ namespace {
 std::int64_t align256(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Work items of the stripe product: tiles of kFusedTileCols columns, each split over at most
-// this many ranges of K (at least 4 chunks of kFusedTileK per split keep the cp.async pipeline full).
+// this many ranges of K (at least 4 chunks of kFusedTileK per split keep the cp.async pipeline
+// full).
 std::int64_t max_splits(std::int64_t l) {
   const std::int64_t chunks = (l + kFusedTileK - 1) / kFusedTileK;
   return std::max<std::int64_t>(1, chunks / 4);
@@ -42,14 +43,16 @@ std::optional<std::string> FusedTail::problem_limit(TailDims dims, DType dtype, 
     return "fused runs bf16 and f16 (tensor-core inputs), not " + std::string(dtype_name(dtype));
   }
   if (tp > kP2pMaxRanks) {
-    return "tp=" + std::to_string(tp) + " > " + std::to_string(kP2pMaxRanks) + " (fused's workspace)";
+    return "tp=" + std::to_string(tp) + " > " + std::to_string(kP2pMaxRanks) +
+           " (fused's workspace)";
   }
   if (dims.d_model % (8 * tp) != 0) {
     return "d_model % (8·tp) != 0 (fused needs whole 8-column tiles per rank's stripe): d_model=" +
            std::to_string(dims.d_model) + ", tp=" + std::to_string(tp);
   }
   if (dims.d_latent % 16 != 0) {
-    return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" + std::to_string(dims.d_latent);
+    return "d_latent % 16 != 0 (fused's tensor-core k step): d_latent=" +
+           std::to_string(dims.d_latent);
   }
   return std::nullopt;
 }
@@ -59,19 +62,21 @@ std::optional<std::string> FusedTail::unavailable(Communicator& comm, TailDims d
   if (auto limit = problem_limit(dims, dtype, tp)) return limit;
   if (comm.memory_space() != MemorySpace::device) return "fused needs a device communicator";
   if (tp > 1 && dynamic_cast<P2pPeerAccess*>(&comm) == nullptr) {
-    return "fused with tp > 1 reads the peers' workspaces directly, which needs the p2p communicator (this one is '" +
+    return "fused with tp > 1 reads the peers' workspaces directly, which needs the p2p "
+           "communicator (this one is '" +
            std::string(comm.backend_name()) + "')";
   }
   return std::nullopt;
 }
 
-FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
-                     const float* gamma, std::int64_t max_tokens)
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
+                     const void* w_stripe, const float* gamma, std::int64_t max_tokens)
     : FusedTail(comm, dims, dtype, latent_norm, eps, w_stripe, gamma, max_tokens,
                 fused_settings_from_environment(comm.size())) {}
 
-FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
-                     const float* gamma, std::int64_t max_tokens, FusedSettings settings)
+FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
+                     const void* w_stripe, const float* gamma, std::int64_t max_tokens,
+                     FusedSettings settings)
     : comm_(comm), dtype_(dtype), settings_(std::move(settings)) {
   if (auto reason = unavailable(comm, dims, dtype)) throw Error(*reason);
   const int tp = comm.size();
@@ -106,7 +111,8 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   params_.col_tiles = g.col_tiles;
   params_.splits = g.splits_for(grid);
   if (settings_.trace) {
-    trace_ = DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
+    trace_ =
+        DeviceBuffer(static_cast<std::size_t>(grid) * kFusedTracePoints * sizeof(std::uint64_t));
     LMOE_CUDA_CHECK(cudaMemset(trace_.data(), 0, trace_.bytes()));
     params_.trace = static_cast<std::uint64_t*>(trace_.data());
   }
@@ -169,7 +175,8 @@ std::int64_t FusedTail::lay_out_workspace(TailDims dims, int tp, int device, con
   params_.routed_offset = align256(sizeof(FusedFlags));
   params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
-  params_.parity_bytes = params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
+  params_.parity_bytes =
+      params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
   params_.ll_latent_offset = params_.routed_offset + 2 * params_.parity_bytes;
   if (tp > 1) {
     const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
@@ -256,7 +263,8 @@ int FusedTail::agree_grid(int grid) {
     params_.timeout_ns = h.timeout_ns;
   } else {
     void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
+    LMOE_CUDA_CHECK(
+        cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
     std::memset(mapped, 0, sizeof(P2pStatus) + sizeof(std::int32_t));
     own_status_ = static_cast<P2pStatus*>(mapped);
     own_abort_ = reinterpret_cast<std::int32_t*>(own_status_ + 1);
@@ -488,8 +496,10 @@ FusedTail::~FusedTail() {
   if (own_status_) cudaFreeHost(own_status_);
 }
 
-std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared, const void* out) {
-  for (const auto& [name, pointer] : {std::pair{"routed", routed}, std::pair{"shared", shared}, std::pair{"out", out}}) {
+std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared,
+                                                    const void* out) {
+  for (const auto& [name, pointer] :
+       {std::pair{"routed", routed}, std::pair{"shared", shared}, std::pair{"out", out}}) {
     if (!aligned16(pointer)) {
       return std::string(name) + " must be 16-byte aligned for fused's vector accesses";
     }
@@ -509,18 +519,20 @@ void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
   const volatile P2pStatus& s = *own_status_;
   if (s.code != kP2pOk) {
-    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " + std::to_string(s.block) +
-                ", call " + std::to_string(s.round) + "); the GPU did not run all of the grid's blocks at once");
+    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " +
+                std::to_string(s.block) + ", call " + std::to_string(s.round) +
+                "); the GPU did not run all of the grid's blocks at once");
   }
 }
 
-void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
-                    const std::int32_t* tokens_device) {
+void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens,
+                    cudaStream_t stream, const std::int32_t* tokens_device) {
   throw_if_failed();
   if (peers_)
     LMOE_CUDA_CHECK(cudaSetDevice(peers_->device()));  // the launch goes to the rank's GPU
   LMOE_CHECK(tokens >= 1 && tokens <= capacity_,
-             "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) + "] (the workspace's rows)");
+             "fused: T=" + std::to_string(tokens) + " is outside [1, " + std::to_string(capacity_) +
+                 "] (the workspace's rows)");
   if (auto limit = buffers_limit(routed, shared, out)) throw Error("fused: " + *limit);
   const FusedKernel kernel = kernel_for(tokens);
   if (kernel == FusedKernel::chained) {

@@ -30,18 +30,19 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/runtime/dtype.cuh"
 #include "cuda/fused/fused_protocol.cuh"
 #include "cuda/fused/fused_tail_types.hpp"
-#include "cuda/tail/rms_norm.cuh"
 #include "cuda/gemm/warp_mma.cuh"
+#include "cuda/runtime/dtype.cuh"
+#include "cuda/tail/rms_norm.cuh"
 
 namespace lmoe::cuda {
 
-// Phase 2 for one row t: latent = round(Σ_r routed_r[t]) in rank order, N[t] = round(rmsnorm(latent)).
-// Every thread of the block calls it (the sum of squares holds a barrier).
+// Phase 2 for one row t: latent = round(Σ_r routed_r[t]) in rank order, N[t] =
+// round(rmsnorm(latent)). Every thread of the block calls it (the sum of squares holds a barrier).
 template <typename T>
-__device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::uint32_t parity, float* lane_sums) {
+__device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::uint32_t parity,
+                               float* lane_sums) {
   const int lane = static_cast<int>(threadIdx.x);
   const std::int64_t chunks = p.l / kNormChunk;
   T* normed = fused_at<T>(p, p.rank, p.normed_offset, 0) + t * p.l;
@@ -50,8 +51,9 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
     float acc[kNormChunk];
     const std::int64_t at = t * p.l + c * kNormChunk;
     {
-      const Vec16<T> v0 = p.tp == 1 ? reinterpret_cast<const Vec16<T>*>(static_cast<const T*>(p.routed) + at)[0]
-                                    : fused_load_cg(fused_at<T>(p, 0, p.routed_offset, parity) + at);
+      const Vec16<T> v0 =
+          p.tp == 1 ? reinterpret_cast<const Vec16<T>*>(static_cast<const T*>(p.routed) + at)[0]
+                    : fused_load_cg(fused_at<T>(p, 0, p.routed_offset, parity) + at);
 #pragma unroll
       for (int k = 0; k < kNormChunk; ++k) acc[k] = Storage<T>::load(v0.v[k]);
     }
@@ -66,8 +68,10 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
     if (p.latent_norm) lane_sum = add_chunk_squares(lane_sum, chunk);
     chunk.store(normed + c * kNormChunk);  // the reduced latent; normalized in place below
   }
-  if (!p.latent_norm) return;  // N is the reduced latent (the same for every block: no barrier skipped unevenly)
-  const float rstd = rms_norm_rstd(row_sum_of_squares<8>(lane_sum, lane_sums), static_cast<int>(p.l), p.eps);
+  if (!p.latent_norm)
+    return;  // N is the reduced latent (the same for every block: no barrier skipped unevenly)
+  const float rstd =
+      rms_norm_rstd(row_sum_of_squares<8>(lane_sum, lane_sums), static_cast<int>(p.l), p.eps);
   for (std::int64_t c = lane; c < chunks; c += kNormLanes) {
     NormChunk<T> chunk;
     chunk.load(normed + c * kNormChunk);  // this thread's own stores
@@ -86,29 +90,34 @@ __device__ void fused_norm_row(const FusedTailParams& p, std::int64_t t, std::ui
 // most rows a call may bring; m-tiles past T are neither loaded nor multiplied.
 template <int kRowsMax>
 struct FusedShape {
-  static_assert(kRowsMax == 16 || kRowsMax == 32 || kRowsMax == 64 || kRowsMax == 128 || kRowsMax == 256);
-  static constexpr int kWarpsM = kRowsMax <= 32 ? 1 : kRowsMax <= 128 ? 2 : 4;  // warps along the rows
-  static constexpr int kMTiles = kRowsMax / 16 / kWarpsM;                      // m-tiles per warp
+  static_assert(kRowsMax == 16 || kRowsMax == 32 || kRowsMax == 64 || kRowsMax == 128 ||
+                kRowsMax == 256);
+  static constexpr int kWarpsM = kRowsMax <= 32    ? 1
+                                 : kRowsMax <= 128 ? 2
+                                                   : 4;    // warps along the rows
+  static constexpr int kMTiles = kRowsMax / 16 / kWarpsM;  // m-tiles per warp
   static constexpr int kWarpsN = kFusedWarps / kWarpsM;
-  static constexpr int kNTiles = kFusedTileCols / 8 / kWarpsN;                 // n-tiles of 8 per warp
-  // Deeper for few rows: the weights are then nearly all of a stage, and bytes in flight set the pace.
+  static constexpr int kNTiles = kFusedTileCols / 8 / kWarpsN;  // n-tiles of 8 per warp
+  // Deeper for few rows: the weights are then nearly all of a stage, and bytes in flight set the
+  // pace.
   static constexpr int kStages = kRowsMax <= 32 ? 6 : 4;
   static constexpr int kRowBytes = kFusedTileK * 2;  // one row of a stage: 64 elements of 16 bits
   static constexpr int kStageBytes = (kRowsMax + kFusedTileCols) * kRowBytes;
   static constexpr int kSharedBytes = kStages * kStageBytes;
 };
 
-
 // Y's element (t, col) of this rank's stripe (stripe-local col) from its product u: round(u) plus
 // the rounded rank-order sum of the shared columns (phase 2's shared stripe; with one rank the
 // input itself), rounded; into out and, for the peers, the staged stripe.
 template <typename T>
-__device__ inline void fused_finish_element(const FusedTailParams& p, std::int64_t t, std::int64_t col, float u,
-                                            std::uint32_t parity) {
+__device__ inline void fused_finish_element(const FusedTailParams& p, std::int64_t t,
+                                            std::int64_t col, float u, std::uint32_t parity) {
   const std::int64_t global_col = static_cast<std::int64_t>(p.rank) * p.stripe + col;
   // Through L2 with several ranks: other blocks of this kernel wrote the shared stripe.
-  const float shared_sum = p.tp == 1 ? Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col])
-                                     : fused_load_cg_scalar(fused_at<T>(p, p.rank, p.shared_sum_offset, 0) + t * p.stripe + col);
+  const float shared_sum =
+      p.tp == 1 ? Storage<T>::load(static_cast<const T*>(p.shared)[t * p.d + global_col])
+                : fused_load_cg_scalar(fused_at<T>(p, p.rank, p.shared_sum_offset, 0) +
+                                       t * p.stripe + col);
   const T y = Storage<T>::store(__fadd_rn(Storage<T>::load(Storage<T>::store(u)), shared_sum));
   static_cast<T*>(p.out)[t * p.d + global_col] = y;
   if (p.tp > 1) fused_at<T>(p, p.rank, p.stripe_offset, parity)[t * p.stripe + col] = y;
@@ -117,12 +126,13 @@ __device__ inline void fused_finish_element(const FusedTailParams& p, std::int64
 // Phase 2b (tp > 1): this rank's stripe of round(Σ_r shared_r), rank order, 16-byte vectors over
 // every block (the epilogue then reads it from this rank's own memory).
 template <typename T>
-__device__ void fused_reduce_shared_stripe(const FusedTailParams& p, std::int64_t tokens, std::uint32_t parity) {
+__device__ void fused_reduce_shared_stripe(const FusedTailParams& p, std::int64_t tokens,
+                                           std::uint32_t parity) {
   using V = Vec16<T>;
   const std::int64_t row_vectors = p.stripe / V::kSize;
   T* sums = fused_at<T>(p, p.rank, p.shared_sum_offset, 0);
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * row_vectors;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < tokens * row_vectors; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t t = i / row_vectors, v = i % row_vectors;
     const std::int64_t at = t * p.d + static_cast<std::int64_t>(p.rank) * p.stripe + v * V::kSize;
     float acc[V::kSize];
@@ -142,7 +152,8 @@ __device__ void fused_reduce_shared_stripe(const FusedTailParams& p, std::int64_
 }
 
 // The first and one-past-last K chunk of split s.
-__device__ inline void fused_split_chunks(const FusedTailParams& p, std::int64_t s, std::int64_t& c0, std::int64_t& c1) {
+__device__ inline void fused_split_chunks(const FusedTailParams& p, std::int64_t s,
+                                          std::int64_t& c0, std::int64_t& c1) {
   const std::int64_t chunks = (p.l + kFusedTileK - 1) / kFusedTileK;
   c0 = s * chunks / p.splits;
   c1 = (s + 1) * chunks / p.splits;
@@ -151,8 +162,9 @@ __device__ inline void fused_split_chunks(const FusedTailParams& p, std::int64_t
 // Issues the copies of K chunk c into one stage: rows [0, rows) of N, and the tile's
 // kFusedTileCols rows of weights (separately: the weights do not wait for N).
 template <typename T, int kRowsMax>
-__device__ inline void fused_load_rows(const FusedTailParams& p, const T* normed, std::int64_t tokens, int rows,
-                                       std::int64_t c, std::uint32_t stage) {
+__device__ inline void fused_load_rows(const FusedTailParams& p, const T* normed,
+                                       std::int64_t tokens, int rows, std::int64_t c,
+                                       std::uint32_t stage) {
   const std::int64_t k0 = c * kFusedTileK;
   for (int i = static_cast<int>(threadIdx.x); i < rows * 8; i += kFusedThreads) {
     const int row = i >> 3, chunk = i & 7;
@@ -162,8 +174,8 @@ __device__ inline void fused_load_rows(const FusedTailParams& p, const T* normed
   }
 }
 template <typename T, int kRowsMax>
-__device__ inline void fused_load_weights(const FusedTailParams& p, std::int64_t col0, std::int64_t c,
-                                          std::uint32_t stage) {
+__device__ inline void fused_load_weights(const FusedTailParams& p, std::int64_t col0,
+                                          std::int64_t c, std::uint32_t stage) {
   const std::int64_t k0 = c * kFusedTileK;
   const T* w = static_cast<const T*>(p.w_stripe);
   const std::uint32_t weights = stage + kRowsMax * FusedShape<kRowsMax>::kRowBytes;
@@ -179,13 +191,14 @@ __device__ inline void fused_load_weights(const FusedTailParams& p, std::int64_t
 // the kernel for a block's first item, so that they stream in while the inputs are staged, the
 // peers arrive and the norm runs (fused_stripe_item then skips them).
 template <typename T, int kRowsMax>
-__device__ inline void fused_prologue_weights(const FusedTailParams& p, std::int64_t tile, std::int64_t s,
-                                              std::uint32_t smem) {
+__device__ inline void fused_prologue_weights(const FusedTailParams& p, std::int64_t tile,
+                                              std::int64_t s, std::uint32_t smem) {
   using Shape = FusedShape<kRowsMax>;
   std::int64_t c0, c1;
   fused_split_chunks(p, s, c0, c1);
   for (int i = 0; i < Shape::kStages - 1 && c0 + i < c1; ++i) {
-    fused_load_weights<T, kRowsMax>(p, tile * kFusedTileCols, c0 + i, smem + i * Shape::kStageBytes);
+    fused_load_weights<T, kRowsMax>(p, tile * kFusedTileCols, c0 + i,
+                                    smem + i * Shape::kStageBytes);
   }
   cp_async_commit();
 }
@@ -210,12 +223,13 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
   const int n = static_cast<int>(c1 - c0);
 
   float acc[Shape::kMTiles][Shape::kNTiles][4] = {};
-  // The first kStages - 1 chunks, then all of them landed before the loop; chunk i ≥ kStages - 1 was
-  // committed by iteration i - kStages + 1, and at most kStages - 2 groups came after it.
+  // The first kStages - 1 chunks, then all of them landed before the loop; chunk i ≥ kStages - 1
+  // was committed by iteration i - kStages + 1, and at most kStages - 2 groups came after it.
 #pragma unroll
   for (int i = 0; i < Shape::kStages - 1; ++i) {
     if (i < n) {
-      if (!weights_issued) fused_load_weights<T, kRowsMax>(p, col0, c0 + i, smem + i * Shape::kStageBytes);
+      if (!weights_issued)
+        fused_load_weights<T, kRowsMax>(p, col0, c0 + i, smem + i * Shape::kStageBytes);
       fused_load_rows<T, kRowsMax>(p, normed, tokens, rows, c0 + i, smem + i * Shape::kStageBytes);
     }
   }
@@ -223,7 +237,8 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
   cp_async_wait<0>();
   for (int i = 0; i < n; ++i) {
     cp_async_wait<Shape::kStages - 2>();
-    __syncthreads();  // chunk i is in every thread's view; every warp is done with chunk i - 1's stage
+    __syncthreads();  // chunk i is in every thread's view; every warp is done with chunk i - 1's
+                      // stage
     const int next = i + Shape::kStages - 1;
     if (next < n) {
       const std::uint32_t stage = smem + (next % Shape::kStages) * Shape::kStageBytes;
@@ -267,7 +282,8 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
         for (int j = 0; j < 4; ++j) {
           const std::int64_t t = m_tile * 16 + g + (j >= 2 ? 8 : 0);
           const std::int64_t col = col0 + (wn * Shape::kNTiles + nt) * 8 + 2 * q + (j & 1);
-          if (t < tokens && col < p.stripe) fused_finish_element<T>(p, t, col, acc[mt][nt][j], parity);
+          if (t < tokens && col < p.stripe)
+            fused_finish_element<T>(p, t, col, acc[mt][nt][j], parity);
         }
       }
     }
@@ -297,7 +313,8 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    std::uint32_t* arrived = reinterpret_cast<std::uint32_t*>(p.workspace[p.rank] + p.tile_arrived_offset) + tile;
+    std::uint32_t* arrived =
+        reinterpret_cast<std::uint32_t*>(p.workspace[p.rank] + p.tile_arrived_offset) + tile;
     const std::uint32_t before = atomicAdd(arrived, 1u);
     *s_last = before + 1u == general_e * static_cast<std::uint32_t>(p.splits);
     __threadfence();
@@ -319,7 +336,8 @@ __device__ void fused_stripe_item(const FusedTailParams& p, std::int64_t tokens,
 
 // LMOE_FUSED_TRACE: the time thread 0 of this block reached point i (nothing when not tracing).
 __device__ inline void fused_trace(const FusedTailParams& p, int point) {
-  if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kFusedTracePoints + point] = p2p_clock_ns();
+  if (p.trace != nullptr && threadIdx.x == 0)
+    p.trace[blockIdx.x * kFusedTracePoints + point] = p2p_clock_ns();
 }
 
 template <typename T, int kRowsMax>
@@ -335,14 +353,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
 
   fused_trace(p, kTraceEntry);
   if (!fused_begin(p, &call)) return;
-  // 0. The weights of this block's items, into L2 while the peers arrive (a row of a tile per thread).
+  // 0. The weights of this block's items, into L2 while the peers arrive (a row of a tile per
+  // thread).
   if (p.prefetch_weights && threadIdx.x < kFusedTileCols) {
     for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
       const std::int64_t col = item / p.splits * kFusedTileCols + threadIdx.x;
       if (col >= p.stripe) continue;
       std::int64_t c0, c1;
       fused_split_chunks(p, item % p.splits, c0, c1);
-      const std::int64_t k0 = c0 * kFusedTileK, k1 = c1 * kFusedTileK < p.l ? c1 * kFusedTileK : p.l;
+      const std::int64_t k0 = c0 * kFusedTileK,
+                         k1 = c1 * kFusedTileK < p.l ? c1 * kFusedTileK : p.l;
       const T* address = static_cast<const T*>(p.w_stripe) + col * p.l + k0;
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address),
                    "r"(static_cast<std::uint32_t>((k1 - k0) * static_cast<std::int64_t>(sizeof(T))))
@@ -366,13 +386,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   }
 
   // 2. Rows of N, and this rank's stripe of the shared sum.
-  for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x) fused_norm_row<T>(p, t, parity, lane_sums);
+  for (std::int64_t t = blockIdx.x; t < tokens; t += gridDim.x)
+    fused_norm_row<T>(p, t, parity, lane_sums);
   if (p.tp > 1) fused_reduce_shared_stripe<T>(p, tokens, parity);
   fused_trace(p, kTraceNormed);
   if (!fused_grid_barrier(p, &call)) return cp_async_wait<0>();
   fused_trace(p, kTraceRowsDone);
 
-  // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring blocks).
+  // 3. The stripe's output columns, item by item (tile-major: a tile's splits go to neighbouring
+  // blocks).
   for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     fused_stripe_item<T, kRowsMax>(p, tokens, item / p.splits, item % p.splits, item == blockIdx.x,
                                    call.general_e, parity, smem, &s_last);

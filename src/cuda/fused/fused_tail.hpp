@@ -12,18 +12,18 @@
 #include <optional>
 #include <string>
 
-#include "cuda/runtime/device_buffer.hpp"
 #include "cuda/fused/fused_chained_launch.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "cuda/fused/fused_settings.hpp"
 #include "cuda/fused/fused_tail_types.hpp"
+#include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
 
 namespace lmoe {
 class P2pPeerAccess;
 class P2pSharedBuffer;
-}
+}  // namespace lmoe
 
 namespace lmoe::cuda {
 
@@ -68,17 +68,19 @@ class FusedTail {
   // latent_norm false: N = round(Σ_r routed_r), no RMSNorm (gamma unused).
   // settings: the fused tier's knobs (cuda/fused/fused_settings.hpp); without them, this process's
   // environment's.
-  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
-            const float* gamma, std::int64_t max_tokens, FusedSettings settings);
-  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps, const void* w_stripe,
-            const float* gamma, std::int64_t max_tokens);
+  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
+            const void* w_stripe, const float* gamma, std::int64_t max_tokens,
+            FusedSettings settings);
+  FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
+            const void* w_stripe, const float* gamma, std::int64_t max_tokens);
   ~FusedTail();
   FusedTail(const FusedTail&) = delete;
   FusedTail& operator=(const FusedTail&) = delete;
 
   // Why the kernel cannot use these buffers (its 16-byte vector accesses need aligned starts);
   // nullopt when it can.
-  static std::optional<std::string> buffers_limit(const void* routed, const void* shared, const void* out);
+  static std::optional<std::string> buffers_limit(const void* routed, const void* shared,
+                                                  const void* out);
 
   std::int64_t capacity() const { return capacity_; }
   const FusedSettings& settings() const { return settings_; }
@@ -131,8 +133,8 @@ class FusedTail {
   // buffers must hold `tokens` rows). Throws on a device failure recorded by an earlier call.
   // With one rank a decode call touches no workspace state, so two of them at once (or one beside a
   // general call) are harmless; otherwise the kernels' in_use check catches two calls at once.
-  void run(const void* routed, const void* shared, void* out, std::int64_t tokens, cudaStream_t stream,
-           const std::int32_t* tokens_device = nullptr);
+  void run(const void* routed, const void* shared, void* out, std::int64_t tokens,
+           cudaStream_t stream, const std::int32_t* tokens_device = nullptr);
 
  private:
   // The general kernel's grid on this device, before the ranks agree on it.
@@ -168,11 +170,12 @@ class FusedTail {
   DType dtype_;
   FusedSettings settings_;
   std::int64_t capacity_ = 0;
-  DeviceBuffer workspace_;                              // one rank: its own workspace
-  std::unique_ptr<P2pSharedBuffer> shared_workspace_;   // several: every rank's, from the communicator
-  DeviceBuffer trace_;         // LMOE_FUSED_TRACE only: the general kernel's points
-  DeviceBuffer decode_trace_;  // and the decode kernel's
-  DeviceBuffer chained_trace_;  // and the chained path's up-projection kernel's
+  DeviceBuffer workspace_;  // one rank: its own workspace
+  std::unique_ptr<P2pSharedBuffer>
+      shared_workspace_;         // several: every rank's, from the communicator
+  DeviceBuffer trace_;           // LMOE_FUSED_TRACE only: the general kernel's points
+  DeviceBuffer decode_trace_;    // and the decode kernel's
+  DeviceBuffer chained_trace_;   // and the chained path's up-projection kernel's
   DeviceBuffer exchange_trace_;  // and its exchange and gather kernels' (several ranks)
   FusedTailParams params_;
   // The decode kernel: calls bounded by decode_max_tokens_ rows, as decode_plan_ says.

@@ -26,12 +26,13 @@ inline constexpr int kFusedTileK = 64;
 // decode kernel's calls count in rows_done and blocks_done only (their data carry their own flags:
 // fused_ll.cuh); with one rank they use no workspace and count nowhere.
 struct FusedFlags {
-  std::uint32_t inputs_arrived[kP2pMaxRanks];   // += 1 per block of peer p once it staged the call
-  std::uint32_t stripes_arrived[kP2pMaxRanks];  // += 1 per block of peer p once its stripe rows are out
-  std::uint32_t epoch;                          // calls this rank completed (the staged parity)
-  std::uint32_t in_use;                         // a call of this rank is running on the workspace
-  std::uint32_t rows_done;                      // this rank's blocks past the norm phase
-  std::uint32_t blocks_done;                    // this rank's blocks finished
+  std::uint32_t inputs_arrived[kP2pMaxRanks];  // += 1 per block of peer p once it staged the call
+  std::uint32_t
+      stripes_arrived[kP2pMaxRanks];  // += 1 per block of peer p once its stripe rows are out
+  std::uint32_t epoch;                // calls this rank completed (the staged parity)
+  std::uint32_t in_use;               // a call of this rank is running on the workspace
+  std::uint32_t rows_done;            // this rank's blocks past the norm phase
+  std::uint32_t blocks_done;          // this rank's blocks finished
   std::uint32_t arrivals;       // Σ G over the calls completed: rows_done's and blocks_done's base
   std::uint32_t general_calls;  // calls of the general kernel (its split counters)
   // Σ G over the general kernel's calls: inputs_arrived's and stripes_arrived's base.
@@ -69,37 +70,38 @@ enum ChainedExchangeTracePoint : int {
 struct FusedTailParams {
   int rank = 0;
   int tp = 1;
-  std::int64_t tokens = 0;            // T, when tokens_device is null
+  std::int64_t tokens = 0;                      // T, when tokens_device is null
   const std::int32_t* tokens_device = nullptr;  // T read on the device (graph replays with new T)
-  std::int64_t d = 0, l = 0;          // d_model, d_latent
-  std::int64_t stripe = 0;            // this rank's output columns: [rank·stripe, (rank+1)·stripe)
-  const void* routed = nullptr;       // own input [T, l]
-  const void* shared = nullptr;       // own input [T, d]
-  void* out = nullptr;                // [T, d]
-  const void* w_stripe = nullptr;     // [stripe, l]: w_up's rows of this rank's stripe
-  const float* gamma = nullptr;       // [l], fp32
+  std::int64_t d = 0, l = 0;                    // d_model, d_latent
+  std::int64_t stripe = 0;         // this rank's output columns: [rank·stripe, (rank+1)·stripe)
+  const void* routed = nullptr;    // own input [T, l]
+  const void* shared = nullptr;    // own input [T, d]
+  void* out = nullptr;             // [T, d]
+  const void* w_stripe = nullptr;  // [stripe, l]: w_up's rows of this rank's stripe
+  const float* gamma = nullptr;    // [l], fp32
   float eps = 0;
-  bool latent_norm = true;            // false: N = the reduced latent itself (no RMSNorm)
-  int grid = 1;                       // G, the same on every rank
-  bool prefetch_weights = false;      // issue the stripe's L2 prefetch before waiting for peers
+  bool latent_norm = true;        // false: N = the reduced latent itself (no RMSNorm)
+  int grid = 1;                   // G, the same on every rank
+  bool prefetch_weights = false;  // issue the stripe's L2 prefetch before waiting for peers
   // The stripe product: col_tiles tiles of kFusedTileCols columns, each split over `splits` ranges
-  // of K; with splits > 1 the blocks of one tile leave fp32 partials (own workspace, partials_offset:
-  // [col_tiles][splits][capacity][kFusedTileCols]) and the last to arrive (tile_arrived_offset:
-  // col_tiles counters, += 1 per split per call) sums them in split order.
+  // of K; with splits > 1 the blocks of one tile leave fp32 partials (own workspace,
+  // partials_offset: [col_tiles][splits][capacity][kFusedTileCols]) and the last to arrive
+  // (tile_arrived_offset: col_tiles counters, += 1 per split per call) sums them in split order.
   std::int64_t col_tiles = 0;
   std::int64_t splits = 1;
   std::int64_t tile_arrived_offset = 0, partials_offset = 0;  // bytes into this rank's workspace
   // Diagnostics (LMOE_FUSED_TRACE): per block, %globaltimer at each FusedTracePoint of the last
   // call, [grid][kFusedTracePoints], in host-mapped memory; null normally.
   std::uint64_t* trace = nullptr;
-  std::int64_t shared_sum_offset = 0;  // this rank's own [capacity, stripe]: round(Σ_r shared_r) of its stripe
+  std::int64_t shared_sum_offset =
+      0;  // this rank's own [capacity, stripe]: round(Σ_r shared_r) of its stripe
   // Every rank's workspace (peers' through peer access or the same GPU): FusedFlags, then per
   // parity the staged routed [cap, l], shared [cap, d] and output stripe [cap, stripe] rows; the
   // normalized rows [cap, l] are this rank's own (not read by peers).
   std::byte* workspace[kP2pMaxRanks] = {};
-  std::int64_t capacity = 0;          // rows of every staged buffer
+  std::int64_t capacity = 0;  // rows of every staged buffer
   std::int64_t routed_offset = 0, shared_offset = 0, stripe_offset = 0, normed_offset = 0;  // bytes
-  std::int64_t parity_bytes = 0;      // distance between the two parities of one staged buffer
+  std::int64_t parity_bytes = 0;  // distance between the two parities of one staged buffer
   // The decode kernel's exchange (cuda/fused_ll.cuh): per parity, in every rank's workspace, one
   // slot per sending rank of its latent rows [ll_rows, l], of its columns of the receiver's stripe
   // of `shared` [ll_rows, stripe] and of its output stripe [ll_rows, stripe], as LL lines (4 bytes

@@ -1,5 +1,5 @@
-// The up-projection GEMM through cuBLASLt: D[M, N] (row-major, row stride ldd) = A[M, K] · W[N, K]ᵀ,
-// storage-dtype operands, fp32 accumulation, D in the storage dtype (rounded once) or in fp32.
+// The up-projection GEMM through cuBLASLt: D[M, N] (row-major, row stride ldd) = A[M, K] · W[N,
+// K]ᵀ, storage-dtype operands, fp32 accumulation, D in the storage dtype (rounded once) or in fp32.
 //
 // No beta = 1 epilogue: cuBLASLt's D = A·Wᵀ + C with bf16 or f16 C does not equal
 // round(fp32 acc + C) — outside the contract's bound, and bits differ on exact inputs — so the

@@ -1,8 +1,8 @@
 #include "cuda/gemm/grouped_gemm.cuh"
 #include "cuda/gemm/grouped_gemm.hpp"
-#include "cuda/layer/layer_kernels.hpp"
 #include "cuda/gemm/grouped_gemm_wgmma.cuh"
 #include "cuda/gemm/grouped_gemm_wgmma_ws.cuh"
+#include "cuda/layer/layer_kernels.hpp"
 
 #include <algorithm>
 #include <type_traits>
@@ -338,8 +338,8 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& given, cudaStream_t strea
     // Gathered rows staged for the warp-specialized tile (a_staging); rows past first[groups]
     // are neither copied nor read.
     if (const cudaError_t status =
-            launch_gather_rows(args.a, args.lda, args.a_rows, args.a_staging, args.max_rows,
-                               args.k, args.dtype, stream, args.first + args.groups);
+            launch_gather_rows(args.a, args.lda, args.a_rows, args.a_staging, args.max_rows, args.k,
+                               args.dtype, stream, args.first + args.groups);
         status != cudaSuccess) {
       return status;
     }

@@ -23,9 +23,9 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/warp_mma.cuh"
 #include "cuda/layer/activation.cuh"
 #include "cuda/runtime/dtype.cuh"
-#include "cuda/gemm/warp_mma.cuh"
 
 namespace lmoe::cuda {
 

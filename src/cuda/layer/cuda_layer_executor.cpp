@@ -215,8 +215,8 @@ class CudaLayerExecutor final : public LayerExecutor {
       routed_experts_.run_on_device(tokens, router_, down_projection_.latent(), routed, stream);
       routing_pending_ = !captured_;
     } else {
-      routed_experts_.run_on_host(tokens, router_, router_end_, routing_,
-                                  down_projection_.latent(), routed, *gemm_, stream);
+      routed_experts_.run_on_host(tokens, router_, router_end_, routing_, down_projection_.latent(),
+                                  routed, *gemm_, stream);
     }
     LMOE_CUDA_CHECK(cudaEventRecord(experts_end_, stream));
     if (serial_stages_) fork_shared_experts(experts_end_);

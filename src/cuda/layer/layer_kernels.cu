@@ -1,9 +1,9 @@
 #include <algorithm>
 
-#include "cuda/runtime/alignment.hpp"
-#include "cuda/tail/elementwise_grid.hpp"
 #include "cuda/layer/layer_kernels.cuh"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/runtime/alignment.hpp"
+#include "cuda/tail/elementwise_grid.hpp"
 
 namespace lmoe::cuda {
 

@@ -12,8 +12,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/layer/activation.cuh"
-#include "cuda/runtime/dtype.cuh"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/runtime/dtype.cuh"
 
 namespace lmoe::cuda {
 

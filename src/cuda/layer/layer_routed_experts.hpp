@@ -55,7 +55,7 @@ class RoutedExperts {
 
   LayerConfig config_;
   DType dtype_;
-  std::int64_t inter_;        // this rank's slice of each routed expert's intermediate dim
+  std::int64_t inter_;           // this rank's slice of each routed expert's intermediate dim
   DeviceExpertWeights experts_;  // gate [E, I_r, l] or empty (relu2), up [E, I_r, l],
                                  // down [E, l, I_r]
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten

@@ -31,7 +31,7 @@ class SharedExperts {
 
   LayerConfig config_;
   DType dtype_;
-  std::int64_t shared_width_;  // this rank's slice of the shared experts' intermediate dim
+  std::int64_t shared_width_;    // this rank's slice of the shared experts' intermediate dim
   DeviceExpertWeights weights_;  // gate [S_r, d] or empty, up [S_r, d], down [d, S_r]
   // The side stream runs at the same time as the main one: a GEMM workspace of its own.
   std::unique_ptr<CublasLtGemm> gemm_;

@@ -13,15 +13,15 @@
 #include <utility>
 #include <vector>
 
+#include "core/token_chunks.hpp"
 #include "cuda/comm/nccl_settings.hpp"
 #include "cuda/comm/p2p_peer_access.hpp"
-#include "core/token_chunks.hpp"
+#include "cuda/fused/fused_tail.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "cuda/fused/fused_tail.hpp"
-#include "cuda/tail/launchers.hpp"
 #include "cuda/runtime/rank_device.hpp"
+#include "cuda/tail/launchers.hpp"
 #include "cuda/tail/token_switch.hpp"
 #include "lmoe/error.hpp"
 
@@ -39,10 +39,11 @@ int cuda_device_count() {
 std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem) {
   const std::int64_t d = problem.dims.d_model, l = problem.dims.d_latent;
   if (tier == TailTier::fused) {
-    if (auto limit = cuda::FusedTail::problem_limit(problem.dims, problem.dtype, problem.tp)) return limit;
+    if (auto limit = cuda::FusedTail::problem_limit(problem.dims, problem.dtype, problem.tp))
+      return limit;
     if (problem.num_tokens > cuda::kFusedMaxTokens) {
-      return "T=" + std::to_string(problem.num_tokens) + " > " + std::to_string(cuda::kFusedMaxTokens) +
-             " (fused's workspace rows)";
+      return "T=" + std::to_string(problem.num_tokens) + " > " +
+             std::to_string(cuda::kFusedMaxTokens) + " (fused's workspace rows)";
     }
   }
   if (problem.tp > cuda::kMaxReduceInputs) {
@@ -80,40 +81,52 @@ class CaptureStream {
 class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
  public:
   CudaTailExecutor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm, float eps,
-                   ConstMatrixView norm_weight, ConstMatrixView up_proj_weight, std::int64_t max_tokens)
-      : comm_(comm), dims_(dims), dtype_(dtype), esize_(dtype_size(dtype)), latent_norm_(latent_norm), eps_(eps),
+                   ConstMatrixView norm_weight, ConstMatrixView up_proj_weight,
+                   std::int64_t max_tokens)
+      : comm_(comm),
+        dims_(dims),
+        dtype_(dtype),
+        esize_(dtype_size(dtype)),
+        latent_norm_(latent_norm),
+        eps_(eps),
         fixed_capacity_(max_tokens > 0) {
     if (comm.memory_space() != MemorySpace::device) {
-      throw Error("the cuda backend needs a communicator of device buffers (cuda-threads, p2p, nccl), got '" +
-                  std::string(comm.backend_name()) + "'");
+      throw Error(
+          "the cuda backend needs a communicator of device buffers (cuda-threads, p2p, nccl), got "
+          "'" +
+          std::string(comm.backend_name()) + "'");
     }
     device_ = cuda::make_rank_device_current(comm);
     const std::int64_t d = dims_.d_model, l = dims_.d_latent;
 
     // gamma is kept in fp32: the norm multiplies by the exact fp32 value of the stored weight.
     std::vector<float> gamma(static_cast<std::size_t>(l));
-    for (std::int64_t j = 0; j < l; ++j) gamma[j] = load_as_float(norm_weight.data, static_cast<std::size_t>(j), dtype);
+    for (std::int64_t j = 0; j < l; ++j)
+      gamma[j] = load_as_float(norm_weight.data, static_cast<std::size_t>(j), dtype);
     gamma_ = DeviceBuffer(gamma.size() * sizeof(float));
-    LMOE_CUDA_CHECK(cudaMemcpy(gamma_.data(), gamma.data(), gamma_.bytes(), cudaMemcpyHostToDevice));
+    LMOE_CUDA_CHECK(
+        cudaMemcpy(gamma_.data(), gamma.data(), gamma_.bytes(), cudaMemcpyHostToDevice));
 
     w_up_ = DeviceBuffer(static_cast<std::size_t>(d * l) * esize_);  // [d, l], contiguous
-    LMOE_CUDA_CHECK(cudaMemcpy2D(w_up_.data(), static_cast<std::size_t>(l) * esize_, up_proj_weight.data,
-                                 static_cast<std::size_t>(up_proj_weight.ld) * esize_,
-                                 static_cast<std::size_t>(l) * esize_, static_cast<std::size_t>(d),
-                                 cudaMemcpyHostToDevice));
+    LMOE_CUDA_CHECK(cudaMemcpy2D(
+        w_up_.data(), static_cast<std::size_t>(l) * esize_, up_proj_weight.data,
+        static_cast<std::size_t>(up_proj_weight.ld) * esize_, static_cast<std::size_t>(l) * esize_,
+        static_cast<std::size_t>(d), cudaMemcpyHostToDevice));
 
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     for (auto* events : {&scattered_, &added_}) {
-      for (cudaEvent_t& event : *events) LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+      for (cudaEvent_t& event : *events)
+        LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     }
     token_chunks_ = token_chunks_setting_from_environment();
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
     void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
+    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t),
+                                  cudaHostAllocMapped));
     token_mapped_.reset(mapped);
     std::memset(mapped, 0, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
     token_status_ = static_cast<cuda::TokenSwitchStatus*>(mapped);
@@ -128,9 +141,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     fused_unavailable_ = cuda::FusedTail::unavailable(comm, dims, dtype);
     if (!fused_unavailable_) {
       // The fused tier's settings are read here, once, from the settings table.
-      fused_ = std::make_unique<cuda::FusedTail>(comm, dims, dtype, latent_norm, eps, w_up_rows(comm.rank() * stripe_width()),
-                                                 static_cast<const float*>(gamma_.data()), max_tokens,
-                                                 cuda::fused_settings_from_environment(comm.size()));
+      fused_ = std::make_unique<cuda::FusedTail>(
+          comm, dims, dtype, latent_norm, eps, w_up_rows(comm.rank() * stripe_width()),
+          static_cast<const float*>(gamma_.data()), max_tokens,
+          cuda::fused_settings_from_environment(comm.size()));
     }
   }
 
@@ -148,21 +162,24 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   std::string_view backend_name() const override { return "cuda"; }
   MemorySpace memory_space() const override { return MemorySpace::device; }
 
-  std::optional<std::string> can_implement(TailTier tier, const TailProblem& problem) const override {
+  std::optional<std::string> can_implement(TailTier tier,
+                                           const TailProblem& problem) const override {
     if (auto limit = cuda_tier_limit(tier, problem)) return limit;
     if (tier == TailTier::fused) {
       if (fused_unavailable_) return fused_unavailable_;
       if (problem.num_tokens > fused_->capacity()) {
-        return "T=" + std::to_string(problem.num_tokens) + " > " + std::to_string(fused_->capacity()) +
-               " (fused's workspace rows, from max_tokens)";
+        return "T=" + std::to_string(problem.num_tokens) + " > " +
+               std::to_string(fused_->capacity()) + " (fused's workspace rows, from max_tokens)";
       }
     }
     return std::nullopt;
   }
 
-  std::optional<std::string> call_limit(TailTier tier, ConstMatrixView routed, ConstMatrixView shared,
+  std::optional<std::string> call_limit(TailTier tier, ConstMatrixView routed,
+                                        ConstMatrixView shared,
                                         ConstMatrixView out) const override {
-    if (tier != TailTier::fused) return std::nullopt;  // the other tiers' kernels fall back to scalar access
+    if (tier != TailTier::fused)
+      return std::nullopt;  // the other tiers' kernels fall back to scalar access
     return cuda::FusedTail::buffers_limit(routed.data, shared.data, out.data);
   }
 
@@ -184,9 +201,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
   std::optional<std::string> device_tokens_limit(TailTier tier) const override {
     // NCCL makes every captured collective wait for its previous one through event nodes unless
-    // NCCL_GRAPH_MIXING_SUPPORT=0 (its default is 1); a conditional body cannot hold event nodes, and
-    // instantiation would fail. With one rank no collective is issued.
-    // NCCL reads the variable once per process, at its first communicator: judge what it read.
+    // NCCL_GRAPH_MIXING_SUPPORT=0 (its default is 1); a conditional body cannot hold event nodes,
+    // and instantiation would fail. With one rank no collective is issued. NCCL reads the variable
+    // once per process, at its first communicator: judge what it read.
     if (comm_.backend_name() == "nccl" && comm_.size() > 1 && tier != TailTier::fused) {
 #ifdef LMOE_HAS_NCCL
       return nccl_device_tokens_refusal(nccl_graph_mixing_in_effect());
@@ -201,15 +218,18 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     return capture != cudaStreamCaptureStatusNone;
   }
 
-  std::int64_t read_device_tokens(const std::int32_t* tokens_device, StreamHandle stream_handle) override {
+  std::int64_t read_device_tokens(const std::int32_t* tokens_device,
+                                  StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_read_back_, tokens_device, sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream));
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_read_back_, tokens_device, sizeof(std::int32_t),
+                                    cudaMemcpyDeviceToHost, stream));
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     return *tokens_read_back_;
   }
 
-  void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets, StreamHandle stream_handle) override {
+  void warm_up_buckets(const std::vector<DeviceTokenBucket>& buckets,
+                       StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -218,7 +238,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     for (const DeviceTokenBucket& bucket : buckets) {
       if (!bucket.tier || *bucket.tier == TailTier::fused) continue;
       reserve(bucket.max_tokens, stream);
-      if (warmed_.insert({*bucket.tier, bucket.max_tokens}).second) issue_gemms(*bucket.tier, bucket.max_tokens, stream);
+      if (warmed_.insert({*bucket.tier, bucket.max_tokens}).second)
+        issue_gemms(*bucket.tier, bucket.max_tokens, stream);
     }
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     comm_.barrier();
@@ -232,19 +253,22 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     run_tier(tier, routed, shared, out, stream, side_stream_, tokens_device);
   }
 
-  void capture_buckets(const std::vector<DeviceTokenBucket>& buckets, ConstMatrixView routed, MatrixView shared,
-                       MatrixView out, const std::int32_t* tokens_device, StreamHandle stream_handle) override {
+  void capture_buckets(const std::vector<DeviceTokenBucket>& buckets, ConstMatrixView routed,
+                       MatrixView shared, MatrixView out, const std::int32_t* tokens_device,
+                       StreamHandle stream_handle) override {
     LMOE_CUDA_CHECK(cudaSetDevice(device_));
     const cudaStream_t stream = cuda::stream_or_default(stream_handle);
     check_capturable();
     // A GEMM shape's first launch may load a module, which fails a capture: every bucket's shapes
     // must have run once before (warm_up_buckets, from the first eager call).
     for (const DeviceTokenBucket& bucket : buckets) {
-      if (bucket.tier && *bucket.tier != TailTier::fused && !warmed_.contains({*bucket.tier, bucket.max_tokens})) {
-        throw Error("forward_device_tokens: bucket T in [" + std::to_string(bucket.min_tokens) + ", " +
-                    std::to_string(bucket.max_tokens) + "] (" + std::string(tier_name(*bucket.tier)) +
-                    ") has not run outside capture; call forward_device_tokens once before capturing it "
-                    "(that call runs every bucket's GEMMs once, which a capture cannot)");
+      if (bucket.tier && *bucket.tier != TailTier::fused &&
+          !warmed_.contains({*bucket.tier, bucket.max_tokens})) {
+        throw Error(
+            "forward_device_tokens: bucket T in [" + std::to_string(bucket.min_tokens) + ", " +
+            std::to_string(bucket.max_tokens) + "] (" + std::string(tier_name(*bucket.tier)) +
+            ") has not run outside capture; call forward_device_tokens once before capturing it "
+            "(that call runs every bucket's GEMMs once, which a capture cannot)");
       }
     }
     // The bodies are captured on streams of their own, alive only for the capture: the caller's
@@ -253,13 +277,14 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     // while collectives spin (docs/p2p.md: streams beyond the GPU's queues share one).
     const CaptureStream body_stream, body_side_stream;
     std::vector<cuda::TokenSwitchBucket> switch_buckets;
-    for (const DeviceTokenBucket& bucket : buckets) switch_buckets.push_back({bucket.max_tokens, bucket.tier.has_value()});
+    for (const DeviceTokenBucket& bucket : buckets)
+      switch_buckets.push_back({bucket.max_tokens, bucket.tier.has_value()});
     cuda::capture_token_switch(
         stream, body_stream.get(), tokens_device, routed.rows, switch_buckets, token_status_,
         [&](std::size_t i, cudaStream_t body) {
           const std::int64_t rows = buckets[i].max_tokens;
-          run_tier(*buckets[i].tier, first_rows(routed, rows), first_rows(shared, rows), first_rows(out, rows), body,
-                   body_side_stream.get(), tokens_device);
+          run_tier(*buckets[i].tier, first_rows(routed, rows), first_rows(shared, rows),
+                   first_rows(out, rows), body, body_side_stream.get(), tokens_device);
         });
   }
 
@@ -273,9 +298,15 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
  private:
   std::int64_t stripe_width() const { return dims_.d_model / comm_.size(); }
-  std::size_t bytes(std::int64_t elements) const { return static_cast<std::size_t>(elements) * esize_; }
-  const void* w_up_rows(std::int64_t first_row) const { return w_up_.at(bytes(first_row * dims_.d_latent)); }
-  static void* offset(void* base, std::size_t byte_offset) { return static_cast<std::byte*>(base) + byte_offset; }
+  std::size_t bytes(std::int64_t elements) const {
+    return static_cast<std::size_t>(elements) * esize_;
+  }
+  const void* w_up_rows(std::int64_t first_row) const {
+    return w_up_.at(bytes(first_row * dims_.d_latent));
+  }
+  static void* offset(void* base, std::size_t byte_offset) {
+    return static_cast<std::byte*>(base) + byte_offset;
+  }
   static const void* offset(const void* base, std::size_t byte_offset) {
     return static_cast<const std::byte*>(base) + byte_offset;
   }
@@ -286,22 +317,28 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   }
 
   void check_capturable() const {
-    LMOE_CHECK(fixed_capacity_, "capturing a forward in a CUDA graph needs TailOptions::max_tokens > 0 "
-                                "(workspaces allocated once, at construction)");
-    LMOE_CHECK(comm_.graph_capturable(), "the '" + std::string(comm_.backend_name()) +
-                                             "' communicator synchronizes on the host and cannot be captured in a "
-                                             "CUDA graph; use p2p or nccl");
+    LMOE_CHECK(fixed_capacity_,
+               "capturing a forward in a CUDA graph needs TailOptions::max_tokens > 0 "
+               "(workspaces allocated once, at construction)");
+    LMOE_CHECK(comm_.graph_capturable(),
+               "the '" + std::string(comm_.backend_name()) +
+                   "' communicator synchronizes on the host and cannot be captured in a "
+                   "CUDA graph; use p2p or nccl");
   }
 
   // `side` is the overlap tier's second stream: the executor's own, or inside a conditional body's
   // capture one that takes part in no other capture. tokens_device: T for the fused kernel to read.
-  void run_tier(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
-                cudaStream_t side, const std::int32_t* tokens_device) {
+  void run_tier(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
+                cudaStream_t stream, cudaStream_t side, const std::int32_t* tokens_device) {
     switch (tier) {
-      case TailTier::overlap: return run_overlap(routed, shared, out, stream, side);
-      case TailTier::column: return run_column(routed, shared, out, stream);
-      case TailTier::token: return run_token(routed, shared, out, stream, side);
-      case TailTier::fused: return run_fused(routed, shared, out, stream, tokens_device);
+      case TailTier::overlap:
+        return run_overlap(routed, shared, out, stream, side);
+      case TailTier::column:
+        return run_column(routed, shared, out, stream);
+      case TailTier::token:
+        return run_token(routed, shared, out, stream, side);
+      case TailTier::fused:
+        return run_fused(routed, shared, out, stream, tokens_device);
     }
   }
 
@@ -349,23 +386,26 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     const std::int64_t width = stripe_width();
     switch (tier) {
       case TailTier::overlap:
-        up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+        up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
+                   dtype_, stream);
         break;
       case TailTier::column:
-        up_project(normed_.data(), tokens, w_up_rows(comm_.rank() * width), width, stripe_acc_.data(), width,
-                   DType::f32, stream);
+        up_project(normed_.data(), tokens, w_up_rows(comm_.rank() * width), width,
+                   stripe_acc_.data(), width, DType::f32, stream);
         break;
       case TailTier::token: {
         // Every chunk's row count (chunks of T differ by one row at most: one or two shapes).
         for (const TokenChunk& chunk : token_chunks(tokens)) {
           const std::int64_t rows = chunk.split.rows(comm_.rank());
           if (rows > 0) {
-            up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+            up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
+                       dtype_, stream);
           }
         }
         break;
       }
-      case TailTier::fused: break;
+      case TailTier::fused:
+        break;
     }
   }
 
@@ -388,71 +428,83 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   void norm(const void* latent, std::int64_t rows, cudaStream_t stream) {
     if (!latent_norm_) {
       if (rows > 0) {
-        LMOE_CUDA_CHECK(cudaMemcpyAsync(normed_.data(), latent, bytes(rows * dims_.d_latent), cudaMemcpyDeviceToDevice, stream));
+        LMOE_CUDA_CHECK(cudaMemcpyAsync(normed_.data(), latent, bytes(rows * dims_.d_latent),
+                                        cudaMemcpyDeviceToDevice, stream));
       }
       return;
     }
-    check(cuda::launch_rms_norm(latent, static_cast<const float*>(gamma_.data()), normed_.data(), rows,
-                                dims_.d_latent, eps_, dtype_, stream),
+    check(cuda::launch_rms_norm(latent, static_cast<const float*>(gamma_.data()), normed_.data(),
+                                rows, dims_.d_latent, eps_, dtype_, stream),
           "launch_rms_norm");
   }
 
-  // dst [rows, width] (row stride ld) = N · w[width rows]ᵀ, in the storage dtype or (f32) unrounded.
-  void up_project(const void* normed, std::int64_t rows, const void* w, std::int64_t width, void* dst,
-                  std::int64_t ld, DType out_dtype, cudaStream_t stream) {
-    gemm_->run(normed, w, dims_.d_latent, dst, ld, rows, width, dims_.d_latent, dtype_, out_dtype, stream);
+  // dst [rows, width] (row stride ld) = N · w[width rows]ᵀ, in the storage dtype or (f32)
+  // unrounded.
+  void up_project(const void* normed, std::int64_t rows, const void* w, std::int64_t width,
+                  void* dst, std::int64_t ld, DType out_dtype, cudaStream_t stream) {
+    gemm_->run(normed, w, dims_.d_latent, dst, ld, rows, width, dims_.d_latent, dtype_, out_dtype,
+               stream);
   }
 
   // overlap: Y = round(round(N · w_upᵀ) + round(Σ shared_r)), full width on every rank. The shared
   // all-reduce runs on the side stream while the main stream does the norm and GEMM. It starts only
   // after the latent all-reduce has finished: a communicator runs one collective at a time (the P2P
   // workspace holds one round in flight; NCCL serializes a communicator's operations).
-  void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream, cudaStream_t side) {
+  void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
+                   cudaStream_t side) {
     const std::int64_t tokens = routed.rows;
     const void* latent = reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
     const void* shared_sum = reduced(shared.data, shared_sum_.data(), tokens * dims_.d_model, side);
     norm(latent, tokens, stream);
-    up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model, dtype_, stream);
+    up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
+               dtype_, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(join_, side));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
-    check(cuda::launch_add(up_.data(), shared_sum, out.data, tokens * dims_.d_model, dtype_, stream), "launch_add");
+    check(
+        cuda::launch_add(up_.data(), shared_sum, out.data, tokens * dims_.d_model, dtype_, stream),
+        "launch_add");
   }
 
-  // column: N · w_up[stripe]ᵀ is accumulated into this rank's stripe of its own shared partial in place
-  // (fp32 accumulator + C, rounded once); the all-reduce sums the ranks and stitches the stripes
-  // together. The GEMM writes its fp32 accumulator and a small kernel adds it: cuBLASLt's beta = 1
-  // epilogue on a bf16/f16 C does not round once (see cublaslt_gemm.hpp).
+  // column: N · w_up[stripe]ᵀ is accumulated into this rank's stripe of its own shared partial in
+  // place (fp32 accumulator + C, rounded once); the all-reduce sums the ranks and stitches the
+  // stripes together. The GEMM writes its fp32 accumulator and a small kernel adds it: cuBLASLt's
+  // beta = 1 epilogue on a bf16/f16 C does not round once (see cublaslt_gemm.hpp).
   void run_column(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
     const std::int64_t width = stripe_width();
     const std::int64_t first = comm_.rank() * width;
     all_reduce_and_norm(routed, stream);
-    up_project(normed_.data(), tokens, w_up_rows(first), width, stripe_acc_.data(), width, DType::f32, stream);
+    up_project(normed_.data(), tokens, w_up_rows(first), width, stripe_acc_.data(), width,
+               DType::f32, stream);
     check(cuda::launch_accumulate_stripe(offset(shared.data, bytes(first)), dims_.d_model,
-                                         static_cast<const float*>(stripe_acc_.data()), tokens, width, dtype_, stream),
+                                         static_cast<const float*>(stripe_acc_.data()), tokens,
+                                         width, dtype_, stream),
           "launch_accumulate_stripe");
     if (comm_.size() > 1) {
-      comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model), dtype_, stream);
+      comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model),
+                       dtype_, stream);
     } else if (out.data != shared.data) {
-      LMOE_CUDA_CHECK(cudaMemcpyAsync(out.data, shared.data, bytes(tokens * dims_.d_model), cudaMemcpyDeviceToDevice,
-                                      stream));
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(out.data, shared.data, bytes(tokens * dims_.d_model),
+                                      cudaMemcpyDeviceToDevice, stream));
     }
   }
 
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one), receives
-  // the reduced latent and shared rows, normalizes and up-projects only those; rows are all-gathered.
+  // the reduced latent and shared rows, normalizes and up-projects only those; rows are
+  // all-gathered.
   //
-  // Pipelined over C chunks of rows (C = token_chunks(T): LMOE_TOKEN_CHUNKS, else 2 from T = 4096 up):
-  // each chunk's rows are split over the ranks as a whole T's are, so its reduce-scatters and its
-  // all-gather are ordinary ones over a contiguous slice of the rows, and this rank's rows of every
-  // chunk sit one after another in its workspaces. The collectives run on the side stream in one
-  // order on every rank (a communicator runs one collective at a time):
-  //   RS(0) | RS(1) AG(0) | RS(2) AG(1) | … | AG(C−1)      (RS: the latent's and shared's reduce-scatters)
-  // while the main stream normalizes, up-projects and adds chunk c as soon as RS(c) is done: chunk c's
-  // GEMM overlaps RS(c+1) and AG(c−1). Rows are computed exactly as without chunks (the contract is
-  // per row; only the GEMMs' row counts change).
+  // Pipelined over C chunks of rows (C = token_chunks(T): LMOE_TOKEN_CHUNKS, else 2 from T = 4096
+  // up): each chunk's rows are split over the ranks as a whole T's are, so its reduce-scatters and
+  // its all-gather are ordinary ones over a contiguous slice of the rows, and this rank's rows of
+  // every chunk sit one after another in its workspaces. The collectives run on the side stream in
+  // one order on every rank (a communicator runs one collective at a time):
+  //   RS(0) | RS(1) AG(0) | RS(2) AG(1) | … | AG(C−1)      (RS: the latent's and shared's
+  //   reduce-scatters)
+  // while the main stream normalizes, up-projects and adds chunk c as soon as RS(c) is done: chunk
+  // c's GEMM overlaps RS(c+1) and AG(c−1). Rows are computed exactly as without chunks (the
+  // contract is per row; only the GEMMs' row counts change).
   struct TokenChunk {
     std::int64_t first_row;   // of T
     std::int64_t mine_first;  // this rank's first row of the chunk, in its own workspaces
@@ -475,12 +527,14 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     return chunks;
   }
 
-  void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream, cudaStream_t side) {
+  void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
+                 cudaStream_t side) {
     const std::int64_t l = dims_.d_latent, d = dims_.d_model;
     if (comm_.size() == 1) {  // the scatter and gather are the identity
       norm(routed.data, routed.rows, stream);
       up_project(normed_.data(), routed.rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
-      check(cuda::launch_add(up_.data(), shared.data, out.data, routed.rows * d, dtype_, stream), "launch_add");
+      check(cuda::launch_add(up_.data(), shared.data, out.data, routed.rows * d, dtype_, stream),
+            "launch_add");
       return;
     }
     const std::vector<TokenChunk> chunks = token_chunks(routed.rows);
@@ -492,7 +546,9 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
       comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
       norm(latent_.data(), my_rows, stream);
       up_project(normed_.data(), my_rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
-      check(cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * d, dtype_, stream), "launch_add");
+      check(
+          cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * d, dtype_, stream),
+          "launch_add");
       comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
       return;
     }
@@ -500,17 +556,20 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
     const auto scatter = [&](std::size_t c) {
       const TokenChunk& chunk = chunks[c];
-      comm_.reduce_scatter(offset(routed.data, bytes(chunk.first_row * l)), offset(latent_.data(), bytes(chunk.mine_first * l)),
+      comm_.reduce_scatter(offset(routed.data, bytes(chunk.first_row * l)),
+                           offset(latent_.data(), bytes(chunk.mine_first * l)),
                            chunk.split.latent_counts, dtype_, side);
-      comm_.reduce_scatter(offset(shared.data, bytes(chunk.first_row * d)), offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
+      comm_.reduce_scatter(offset(shared.data, bytes(chunk.first_row * d)),
+                           offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
                            chunk.split.model_counts, dtype_, side);
       LMOE_CUDA_CHECK(cudaEventRecord(scattered_[c], side));
     };
     const auto gather = [&](std::size_t c) {
       const TokenChunk& chunk = chunks[c];
       LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, added_[c], 0));
-      comm_.all_gather(offset(up_.data(), bytes(chunk.mine_first * d)), offset(out.data, bytes(chunk.first_row * d)),
-                       chunk.split.model_counts, dtype_, side);
+      comm_.all_gather(offset(up_.data(), bytes(chunk.mine_first * d)),
+                       offset(out.data, bytes(chunk.first_row * d)), chunk.split.model_counts,
+                       dtype_, side);
     };
     scatter(0);
     for (std::size_t c = 0; c < chunks.size(); ++c) {
@@ -522,21 +581,23 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
       // normed_ is reused from row 0: the main stream's next norm follows this GEMM.
       norm(offset(latent_.data(), bytes(chunk.mine_first * l)), rows, stream);
       up_project(normed_.data(), rows, w_up_.data(), d, up_rows, d, dtype_, stream);
-      check(cuda::launch_add(up_rows, offset(shared_sum_.data(), bytes(chunk.mine_first * d)), up_rows, rows * d, dtype_,
-                             stream),
+      check(cuda::launch_add(up_rows, offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
+                             up_rows, rows * d, dtype_, stream),
             "launch_add");
       LMOE_CUDA_CHECK(cudaEventRecord(added_[c], stream));
-      gather(c);  // on the side stream after RS(c + 1): it waits for this chunk's rows, RS(c + 1) does not
+      gather(c);  // on the side stream after RS(c + 1): it waits for this chunk's rows, RS(c + 1)
+                  // does not
     }
     LMOE_CUDA_CHECK(cudaEventRecord(join_, side));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
   }
 
-  // fused: one kernel per rank (cuda/fused_tail.cuh); can_implement has declined where it cannot run.
-  // With tokens_device the kernel reads T there (≤ the views' rows, which pick its shape).
+  // fused: one kernel per rank (cuda/fused_tail.cuh); can_implement has declined where it cannot
+  // run. With tokens_device the kernel reads T there (≤ the views' rows, which pick its shape).
   void run_fused(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
                  const std::int32_t* tokens_device) {
-    LMOE_CHECK(fused_ != nullptr, "fused cannot run here: " + fused_unavailable_.value_or("(no reason recorded)"));
+    LMOE_CHECK(fused_ != nullptr,
+               "fused cannot run here: " + fused_unavailable_.value_or("(no reason recorded)"));
     fused_->run(routed.data, shared.data, out.data, routed.rows, stream, tokens_device);
   }
 
@@ -548,14 +609,14 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   float eps_;
   int device_ = 0;
   const bool fixed_capacity_;  // max_tokens was given: workspaces never move (capturable)
-  DeviceBuffer gamma_;  // [l] fp32
-  DeviceBuffer w_up_;   // [d, l] storage dtype
+  DeviceBuffer gamma_;         // [l] fp32
+  DeviceBuffer w_up_;          // [d, l] storage dtype
   std::unique_ptr<cuda::CublasLtGemm> gemm_;
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // token, pipelined: chunk c's reduce-scatters done (side stream), its rows added (main stream).
   std::array<cudaEvent_t, kMaxTokenChunks> scattered_{}, added_{};
-  int token_chunks_ = 0;  // LMOE_TOKEN_CHUNKS; 0: the built-in rule
+  int token_chunks_ = 0;       // LMOE_TOKEN_CHUNKS; 0: the built-in rule
   std::int64_t capacity_ = 0;  // rows the workspaces hold
   DeviceBuffer latent_;        // [T, l] reduced latent (rows of this rank for token)
   DeviceBuffer normed_;        // [T, l]
@@ -564,7 +625,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ
   std::unique_ptr<cuda::FusedTail> fused_;
   std::optional<std::string> fused_unavailable_;
-  bool spinning_peers_ = false;                        // p2p peers, which spin on the device
+  bool spinning_peers_ = false;                         // p2p peers, which spin on the device
   std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
   // forward_device_tokens: the replays' failure record (host-mapped) with the eager read-back of T.
   struct PinnedFree {
@@ -577,11 +638,13 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
 
 }  // namespace
 
-std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype, bool latent_norm,
-                                                      float eps, ConstMatrixView norm_weight,
-                                                      ConstMatrixView up_proj_weight, std::int64_t max_tokens) {
-  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight, up_proj_weight,
-                                            max_tokens);
+std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims,
+                                                      DType dtype, bool latent_norm, float eps,
+                                                      ConstMatrixView norm_weight,
+                                                      ConstMatrixView up_proj_weight,
+                                                      std::int64_t max_tokens) {
+  return std::make_unique<CudaTailExecutor>(comm, dims, dtype, latent_norm, eps, norm_weight,
+                                            up_proj_weight, max_tokens);
 }
 
 }  // namespace lmoe

@@ -1,4 +1,5 @@
-// The CUDA executor of the tail tiers, and what LatentTail asks the CUDA backend before building it.
+// The CUDA executor of the tail tiers, and what LatentTail asks the CUDA backend before building
+// it.
 #pragma once
 
 #include <memory>
@@ -18,11 +19,13 @@ int cuda_device_count();
 std::optional<std::string> cuda_tier_limit(TailTier tier, const TailProblem& problem);
 
 // Copies the weights to the current device. `comm` must be a device communicator. max_tokens > 0:
-// every workspace is allocated now, for that many tokens, so forwards can be captured in CUDA graphs
-// (when the communicator's collectives can be); 0: workspaces grow on demand. latent_norm false:
-// N = round(Σ_r routed_r), no RMSNorm (norm_weight unused).
-std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims, DType dtype,
-                                                      bool latent_norm, float eps, ConstMatrixView norm_weight,
-                                                      ConstMatrixView up_proj_weight, std::int64_t max_tokens);
+// every workspace is allocated now, for that many tokens, so forwards can be captured in CUDA
+// graphs (when the communicator's collectives can be); 0: workspaces grow on demand. latent_norm
+// false: N = round(Σ_r routed_r), no RMSNorm (norm_weight unused).
+std::unique_ptr<TailExecutor> make_cuda_tail_executor(Communicator& comm, TailDims dims,
+                                                      DType dtype, bool latent_norm, float eps,
+                                                      ConstMatrixView norm_weight,
+                                                      ConstMatrixView up_proj_weight,
+                                                      std::int64_t max_tokens);
 
 }  // namespace lmoe

@@ -18,8 +18,9 @@ struct PeerInputs {
 };
 
 // out[i] = round(Σ_r in_r[i]): fp32, starting from rank 0's value (so −0 + −0 stays −0) and adding
-// ranks 1 … n−1 in order — the contract's rank sum, bit for bit. `kVector`: every pointer is 16-byte
-// aligned, so a thread moves 16 bytes per input; the tail past the last whole vector is scalar.
+// ranks 1 … n−1 in order — the contract's rank sum, bit for bit. `kVector`: every pointer is
+// 16-byte aligned, so a thread moves 16 bytes per input; the tail past the last whole vector is
+// scalar.
 template <typename T, bool kVector>
 // `out` may alias an input: each element is read by the thread that writes it, before it writes it.
 __global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* out, std::int64_t count) {
@@ -55,9 +56,10 @@ __global__ void rank_order_reduce_kernel(PeerInputs<T> inputs, T* out, std::int6
 }
 
 // stripe[r, c] = round(stripe[r, c] + acc[r, c]): the column tier's "accumulator plus C, rounded
-// once", with the GEMM's unrounded fp32 accumulator acc [rows, cols] (contiguous) and a column stripe
-// of a wider storage-dtype matrix (row stride ld). kVector: cols and ld multiples of four, acc
-// 16-byte aligned and the stripe aligned to four elements, so a thread moves four columns at once.
+// once", with the GEMM's unrounded fp32 accumulator acc [rows, cols] (contiguous) and a column
+// stripe of a wider storage-dtype matrix (row stride ld). kVector: cols and ld multiples of four,
+// acc 16-byte aligned and the stripe aligned to four elements, so a thread moves four columns at
+// once.
 template <typename T, bool kVector>
 __global__ void accumulate_stripe_kernel(T* stripe, std::int64_t ld, const float* __restrict__ acc,
                                          std::int64_t rows, std::int64_t cols) {

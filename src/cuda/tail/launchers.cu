@@ -3,9 +3,9 @@
 #include <type_traits>
 
 #include "cuda/runtime/alignment.hpp"
+#include "cuda/runtime/launch_config.hpp"
 #include "cuda/tail/elementwise.cuh"
 #include "cuda/tail/elementwise_grid.hpp"
-#include "cuda/runtime/launch_config.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "cuda/tail/rms_norm.cuh"
 
@@ -31,11 +31,11 @@ cudaError_t reduce_as(const void* const* inputs, int num_inputs, void* out, std:
   peers.count = num_inputs;
   constexpr int kVec = Vec16<T>::kSize;
   if (vector) {
-    rank_order_reduce_kernel<T, true><<<blocks_for(count / kVec + 1), kThreads, 0, stream>>>(
-        peers, static_cast<T*>(out), count);
+    rank_order_reduce_kernel<T, true>
+        <<<blocks_for(count / kVec + 1), kThreads, 0, stream>>>(peers, static_cast<T*>(out), count);
   } else {
-    rank_order_reduce_kernel<T, false><<<blocks_for(count), kThreads, 0, stream>>>(
-        peers, static_cast<T*>(out), count);
+    rank_order_reduce_kernel<T, false>
+        <<<blocks_for(count), kThreads, 0, stream>>>(peers, static_cast<T*>(out), count);
   }
   return cudaGetLastError();
 }
@@ -63,8 +63,8 @@ cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64
   // when cols is a multiple of the chunk (8 elements: 16 or 32 bytes).
   if (cols % kNormChunk != 0 || !aligned16(x) || !aligned16(out) || !aligned16(gamma)) {
     if (rows_device != nullptr) return cudaErrorInvalidValue;  // the rereading kernel reads rows
-    rms_norm_rereading_kernel<T, false><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
-        tx, gamma, tout, n, eps);
+    rms_norm_rereading_kernel<T, false>
+        <<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(tx, gamma, tout, n, eps);
     return cudaGetLastError();
   }
   // Short rows: as few warps per row as hold every chunk, several rows per block (the lanes beyond
@@ -94,8 +94,8 @@ cudaError_t rms_norm_as(const void* x, const float* gamma, void* out, std::int64
     return launch_register_norm<T, 8, 8>(tx, gamma, tout, rows, rows_device, n, eps, stream,
                                          programmatic);
   if (rows_device != nullptr) return cudaErrorInvalidValue;
-  rms_norm_rereading_kernel<T, true><<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(
-      tx, gamma, tout, n, eps);
+  rms_norm_rereading_kernel<T, true>
+      <<<static_cast<unsigned>(rows), kNormThreads, 0, stream>>>(tx, gamma, tout, n, eps);
   return cudaGetLastError();
 }
 
@@ -106,9 +106,12 @@ cudaError_t launch_rank_order_reduce(const void* const* inputs, int num_inputs, 
   if (num_inputs < 1 || num_inputs > kMaxReduceInputs || count < 0) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   switch (dtype) {
-    case DType::f32: return reduce_as<float>(inputs, num_inputs, out, count, stream);
-    case DType::f16: return reduce_as<__half>(inputs, num_inputs, out, count, stream);
-    case DType::bf16: return reduce_as<__nv_bfloat16>(inputs, num_inputs, out, count, stream);
+    case DType::f32:
+      return reduce_as<float>(inputs, num_inputs, out, count, stream);
+    case DType::f16:
+      return reduce_as<__half>(inputs, num_inputs, out, count, stream);
+    case DType::bf16:
+      return reduce_as<__nv_bfloat16>(inputs, num_inputs, out, count, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -120,8 +123,9 @@ cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t cou
   return launch_rank_order_reduce(inputs, 2, out, count, dtype, stream);
 }
 
-cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
-                                     std::int64_t cols, DType dtype, cudaStream_t stream) {
+cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc,
+                                     std::int64_t rows, std::int64_t cols, DType dtype,
+                                     cudaStream_t stream) {
   if (rows < 0 || cols < 0 || ld < cols) return cudaErrorInvalidValue;
   if (rows == 0 || cols == 0) return cudaSuccess;
   const auto launch = [&](auto* typed) {
@@ -139,9 +143,12 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
     return cudaGetLastError();
   };
   switch (dtype) {
-    case DType::f32: return launch(static_cast<float*>(stripe));
-    case DType::f16: return launch(static_cast<__half*>(stripe));
-    case DType::bf16: return launch(static_cast<__nv_bfloat16*>(stripe));
+    case DType::f32:
+      return launch(static_cast<float*>(stripe));
+    case DType::f16:
+      return launch(static_cast<__half*>(stripe));
+    case DType::bf16:
+      return launch(static_cast<__nv_bfloat16*>(stripe));
   }
   return cudaErrorInvalidValue;
 }
@@ -170,8 +177,8 @@ namespace lmoe::cuda {
 
 namespace {
 
-__global__ void count_differences_kernel(const unsigned char* a, const unsigned char* b, std::int64_t bytes,
-                                         unsigned long long* counter) {
+__global__ void count_differences_kernel(const unsigned char* a, const unsigned char* b,
+                                         std::int64_t bytes, unsigned long long* counter) {
   unsigned long long differing = 0;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -182,11 +189,12 @@ __global__ void count_differences_kernel(const unsigned char* a, const unsigned 
 
 }  // namespace
 
-cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes, unsigned long long* counter,
-                                     cudaStream_t stream) {
+cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes,
+                                     unsigned long long* counter, cudaStream_t stream) {
   if (bytes < 0) return cudaErrorInvalidValue;
   if (bytes == 0) return cudaSuccess;
-  count_differences_kernel<<<std::min<std::int64_t>(1024, (bytes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+  count_differences_kernel<<<std::min<std::int64_t>(1024, (bytes + kThreads - 1) / kThreads),
+                             kThreads, 0, stream>>>(
       static_cast<const unsigned char*>(a), static_cast<const unsigned char*>(b), bytes, counter);
   return cudaGetLastError();
 }

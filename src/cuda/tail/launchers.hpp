@@ -23,8 +23,9 @@ cudaError_t launch_add(const void* a, const void* b, void* out, std::int64_t cou
 
 // stripe[r, c] = round(stripe[r, c] + acc[r, c]) for a [rows, cols] stripe with row stride ld;
 // acc is fp32 [rows, cols], contiguous.
-cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc, std::int64_t rows,
-                                     std::int64_t cols, DType dtype, cudaStream_t stream);
+cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float* acc,
+                                     std::int64_t rows, std::int64_t cols, DType dtype,
+                                     cudaStream_t stream);
 
 // out = round(rmsnorm(x; gamma, eps)) row by row, in the contract's canonical order (bit-identical
 // to cpu::rms_norm); x and out are contiguous [rows, cols], gamma is fp32 [cols]. Any cols ≥ 1; the
@@ -39,9 +40,9 @@ cudaError_t launch_rms_norm(const void* x, const float* gamma, void* out, std::i
                             std::int64_t cols, float eps, DType dtype, cudaStream_t stream,
                             const std::int32_t* rows_device = nullptr, bool programmatic = false);
 
-// *counter += the number of bytes where a and b differ (device-side checks of many results without a
-// host round trip per result, e.g. long graph-replay soaks).
-cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes, unsigned long long* counter,
-                                     cudaStream_t stream);
+// *counter += the number of bytes where a and b differ (device-side checks of many results without
+// a host round trip per result, e.g. long graph-replay soaks).
+cudaError_t launch_count_differences(const void* a, const void* b, std::int64_t bytes,
+                                     unsigned long long* counter, cudaStream_t stream);
 
 }  // namespace lmoe::cuda

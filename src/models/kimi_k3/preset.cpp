@@ -1,13 +1,14 @@
-// Kimi-K3: hidden 7168, latent 3584, RMSNorm eps 1e-5, bf16 (DESIGN.md §1), and its latent MoE layer.
+// Kimi-K3: hidden 7168, latent 3584, RMSNorm eps 1e-5, bf16 (DESIGN.md §1), and its latent MoE
+// layer.
 //
 // Layer values: DESIGN.md gives 896 experts, top-16, shared experts 2 × 3072, sigmoid routing with
 // an fp32 correction bias and scale 1.0. The rest comes from public descriptions of the released
-// config.json (FlashInfer's "Kimi K3-family MegaMoE" page: num_experts 896, routed_expert_hidden_size
-// 3584, moe_intermediate_size 3072, num_experts_per_token 16, hidden_act "situ"; an independent C
-// engine's notes: SiTU-GLU β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin) with activation_situ_beta 4 and
-// activation_situ_linear_beta 25, top-16 over the biased scores without expert groups, weights the
-// renormalized unbiased scores). Not read from the checkpoint itself: check them against its
-// config.json before trusting a loaded layer's numbers.
+// config.json (FlashInfer's "Kimi K3-family MegaMoE" page: num_experts 896,
+// routed_expert_hidden_size 3584, moe_intermediate_size 3072, num_experts_per_token 16, hidden_act
+// "situ"; an independent C engine's notes: SiTU-GLU β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin) with
+// activation_situ_beta 4 and activation_situ_linear_beta 25, top-16 over the biased scores without
+// expert groups, weights the renormalized unbiased scores). Not read from the checkpoint itself:
+// check them against its config.json before trusting a loaded layer's numbers.
 #include "models/model_presets.hpp"
 
 namespace lmoe::models {
@@ -59,8 +60,13 @@ LayerTensorNames kimi_k3_tensor_names() {
 }  // namespace
 
 std::vector<ModelPreset> kimi_k3_presets() {
-  return {{"kimi-k3", "Kimi-K3 latent MoE (d 7168, l 3584, 896 experts, top-16)", {7168, 3584}, 1e-5f,
-           DType::bf16, kimi_k3_layer(), kimi_k3_tensor_names()}};
+  return {{"kimi-k3",
+           "Kimi-K3 latent MoE (d 7168, l 3584, 896 experts, top-16)",
+           {7168, 3584},
+           1e-5f,
+           DType::bf16,
+           kimi_k3_layer(),
+           kimi_k3_tensor_names()}};
 }
 
 }  // namespace lmoe::models

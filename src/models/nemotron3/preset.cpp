@@ -51,9 +51,17 @@ LayerTensorNames nemotron3_tensor_names() {
 
 std::vector<ModelPreset> nemotron3_presets() {
   return {
-      {"nemotron-3-super", "Nemotron 3 Super latent MoE (d 4096, l 1024, 512 experts, top-22)",
-       {4096, 1024}, 1e-5f, DType::bf16, nemotron3_super_layer(), nemotron3_tensor_names()},
-      {"nemotron-3-ultra", "Nemotron 3 Ultra latent MoE tail (d 8192, l 2048)", {8192, 2048}, 1e-5f,
+      {"nemotron-3-super",
+       "Nemotron 3 Super latent MoE (d 4096, l 1024, 512 experts, top-22)",
+       {4096, 1024},
+       1e-5f,
+       DType::bf16,
+       nemotron3_super_layer(),
+       nemotron3_tensor_names()},
+      {"nemotron-3-ultra",
+       "Nemotron 3 Ultra latent MoE tail (d 8192, l 2048)",
+       {8192, 2048},
+       1e-5f,
        DType::bf16},
   };
 }

@@ -1,8 +1,8 @@
 #include <algorithm>
 
+#include "cuda/runtime/dtype.cuh"
 #include "tools/bench_values.hpp"
 #include "tools/cuda/bench_fill.hpp"
-#include "cuda/runtime/dtype.cuh"
 
 namespace lmoe::cuda {
 

@@ -10,12 +10,12 @@
 #include <utility>
 #include <vector>
 
-#include "tools/bench_rank.hpp"
-#include "tools/cuda/bench_fill.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
-#include "tools/cuda/l2_evict.hpp"
 #include "lmoe/error.hpp"
+#include "tools/bench_rank.hpp"
+#include "tools/cuda/bench_fill.hpp"
+#include "tools/cuda/l2_evict.hpp"
 
 namespace lmoe {
 
@@ -89,7 +89,8 @@ class CudaBenchRank final : public BenchRank {
                 "launch_fill_bench_values");
     restore_and_poison();
     const auto value = static_cast<std::int32_t>(num_tokens);
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_device_.data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream()));
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(tokens_device_.data(), &value, sizeof(value),
+                                    cudaMemcpyHostToDevice, stream()));
     quiesce();
   }
 
@@ -98,7 +99,8 @@ class CudaBenchRank final : public BenchRank {
     graph_.reset();
     device_tokens_ = mode == BenchMode::device_tokens;
     if (device_tokens_ && !device_graphs_.contains(tier)) {
-      // Captured once per tier, for every T: one eager call first (it runs every bucket's GEMMs once).
+      // Captured once per tier, for every T: one eager call first (it runs every bucket's GEMMs
+      // once).
       quiesce();
       device_forward();
       quiesce();
@@ -262,7 +264,7 @@ class CudaBenchRank final : public BenchRank {
   std::vector<DeviceBuffer> out_;  // per layer [max T, d]
   UniqueStream stream_;
   std::vector<UniqueEvent> starts_, stops_;
-  UniqueGraphExec graph_;  // graph mode: one forward of tier_ at tokens_
+  UniqueGraphExec graph_;       // graph mode: one forward of tier_ at tokens_
   DeviceBuffer tokens_device_;  // device-tokens mode: T, written by load_inputs
   std::map<TailTier, UniqueGraphExec> device_graphs_;  // device-tokens mode: one per tier, every T
   std::optional<cuda::L2Evictor> evictor_;             // cold L2: read before each timed forward

@@ -19,8 +19,8 @@ namespace {
 class Graph {
  public:
   Graph() = default;
-  // Captures what fn issues on `stream` (thread-local mode: other ranks' threads capture their own).
-  // A failure during capture ends the capture before the error propagates.
+  // Captures what fn issues on `stream` (thread-local mode: other ranks' threads capture their
+  // own). A failure during capture ends the capture before the error propagates.
   template <typename Fn>
   static Graph capture(cudaStream_t stream, Fn&& fn) {
     LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -58,7 +58,8 @@ class Graph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-MatrixView device_view(const cuda::DeviceBuffer& buffer, DType dtype, std::int64_t rows, std::int64_t cols) {
+MatrixView device_view(const cuda::DeviceBuffer& buffer, DType dtype, std::int64_t rows,
+                       std::int64_t cols) {
   return {buffer.data(), dtype, rows, cols, cols, MemorySpace::device};
 }
 
@@ -78,21 +79,23 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
   const cuda::DeviceBuffer y(static_cast<std::size_t>(tokens * d) * esize);
   const cuda::OwnedStream stream;
   if (routed.bytes()) {
-    LMOE_CUDA_CHECK(cudaMemcpy(routed.data(), routed_in.data, routed.bytes(), cudaMemcpyHostToDevice));
+    LMOE_CUDA_CHECK(
+        cudaMemcpy(routed.data(), routed_in.data, routed.bytes(), cudaMemcpyHostToDevice));
   }
 
   RankRun run;
   run.y = HostTensor(c.dtype, {tokens, d});
   const auto forward = [&] {
-    return tail.forward(device_view(routed, c.dtype, tokens, l), device_view(shared, c.dtype, tokens, d),
-                        device_view(y, c.dtype, tokens, d), options.tier, stream.get());
+    return tail.forward(device_view(routed, c.dtype, tokens, l),
+                        device_view(shared, c.dtype, tokens, d), device_view(y, c.dtype, tokens, d),
+                        options.tier, stream.get());
   };
   // The call may overwrite `shared` (column accumulates into it): start from the input each time.
   // All bits set is NaN in every dtype: an element the tail does not write cannot pass.
   const auto refresh = [&] {
     if (!shared.bytes()) return;
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(shared.data(), shared_in.data, shared.bytes(), cudaMemcpyHostToDevice,
-                                    stream.get()));
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(shared.data(), shared_in.data, shared.bytes(),
+                                    cudaMemcpyHostToDevice, stream.get()));
     LMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, y.bytes(), stream.get()));
   };
   // Graph mode makes one eager call first (its output is overwritten below): ranks that share a GPU
@@ -106,8 +109,9 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
     comm.barrier();
   }
-  const Graph graph = options.graph && tokens > 0 ? Graph::capture(stream.get(), [&] { run.tier = forward(); })
-                                                  : Graph();
+  const Graph graph = options.graph && tokens > 0
+                          ? Graph::capture(stream.get(), [&] { run.tier = forward(); })
+                          : Graph();
   if (graph) graph.upload(stream.get());
   // Every rank's setup has finished on the GPU before any rank's collectives start: ranks that
   // share a GPU and spin on each other (p2p) must not wait behind a peer's unfinished setup work.
@@ -126,9 +130,11 @@ RankRun run_case_rank_cuda(const TailCase& c, Communicator& comm, const RunOptio
     }
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
     comm.barrier();
-    run.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    run.seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  if (y.bytes()) LMOE_CUDA_CHECK(cudaMemcpy(run.y.data(), y.data(), y.bytes(), cudaMemcpyDeviceToHost));
+  if (y.bytes())
+    LMOE_CUDA_CHECK(cudaMemcpy(run.y.data(), y.data(), y.bytes(), cudaMemcpyDeviceToHost));
   return run;
 }
 

@@ -3,8 +3,8 @@
 
 #include "cuda/runtime/alignment.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "tools/cuda/l2_evict.hpp"
 #include "lmoe/error.hpp"
+#include "tools/cuda/l2_evict.hpp"
 
 namespace lmoe::cuda {
 
@@ -54,8 +54,8 @@ void L2Evictor::touch(const void* data, std::size_t bytes, cudaStream_t stream) 
   LMOE_CHECK(aligned16(data), "L2Evictor::touch: the buffer must be 16-byte aligned");
   const std::size_t vectors = bytes / sizeof(uint4);
   if (vectors == 0) return;
-  const int blocks = static_cast<int>(
-      std::min<std::size_t>(static_cast<std::size_t>(blocks_), (vectors + kThreads - 1) / kThreads));
+  const int blocks = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(blocks_),
+                                                            (vectors + kThreads - 1) / kThreads));
   read_buffer_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(data), vectors,
                                                       static_cast<unsigned int*>(sink_.data()));
   LMOE_CUDA_CHECK(cudaGetLastError());

@@ -56,9 +56,9 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
 // ---- the sweep ---------------------------------------------------------------------------------
 
 // graph: each (T, tier) captured once into a CUDA graph and timed as graph replays; eager: every
-// iteration calls LatentTail::forward (always so on the cpu backend); device_tokens ("device-tokens"):
-// each tier captured once around LatentTail::forward_device_tokens and replayed for every T, which is
-// written to the device before (docs/graphs.md).
+// iteration calls LatentTail::forward (always so on the cpu backend); device_tokens
+// ("device-tokens"): each tier captured once around LatentTail::forward_device_tokens and replayed
+// for every T, which is written to the device before (docs/graphs.md).
 enum class BenchMode : std::uint8_t { eager, graph, device_tokens };
 std::string_view bench_mode_name(BenchMode mode);
 BenchMode parse_bench_mode(std::string_view name);

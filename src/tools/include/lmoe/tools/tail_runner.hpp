@@ -14,34 +14,35 @@ namespace lmoe {
 
 struct RunOptions {
   Backend backend = Backend::cpu;
-  std::string comm;                     // thread-group communicator (comm_group.hpp); empty: the backend's default
-  PolicyConfig policy;                  // used when `tier` is empty
-  std::optional<TailTier> tier;         // force a tier
-  int repeats = 1;                      // timed forwards; the output of the last one is kept
+  std::string comm;     // thread-group communicator (comm_group.hpp); empty: the backend's default
+  PolicyConfig policy;  // used when `tier` is empty
+  std::optional<TailTier> tier;  // force a tier
+  int repeats = 1;               // timed forwards; the output of the last one is kept
   // cuda: capture one forward in a CUDA graph and replay it for every repeat, with
-  // the inputs copied in again and the output poisoned before each replay. Needs a communicator whose
-  // collectives can be captured (p2p, nccl).
+  // the inputs copied in again and the output poisoned before each replay. Needs a communicator
+  // whose collectives can be captured (p2p, nccl).
   bool graph = false;
 };
 
 struct RankRun {
-  HostTensor y;                         // [T, d], poisoned (all bits set) before each forward
-  std::optional<TailTier> tier;         // what ran (nullopt for T = 0)
-  std::vector<double> seconds;          // one per repeat, between barriers before and after
+  HostTensor y;                  // [T, d], poisoned (all bits set) before each forward
+  std::optional<TailTier> tier;  // what ran (nullopt for T = 0)
+  std::vector<double> seconds;   // one per repeat, between barriers before and after
 };
 
 // The LatentTail options for a case (its dims, eps and dtype) and a run (backend, policy).
 // Throws lmoe::Error when the communicator's size is not the case's tp.
-TailOptions tail_options_for(const TailCase& c, const Communicator& comm, const RunOptions& options);
+TailOptions tail_options_for(const TailCase& c, const Communicator& comm,
+                             const RunOptions& options);
 
 // One rank's part: builds the LatentTail for this rank and runs its slice of the case.
 RankRun run_case_rank(const TailCase& c, Communicator& comm, const RunOptions& options);
 
 struct CaseRun {
-  std::vector<RankRun> ranks;           // one per rank
-  bool ranks_identical = true;          // every rank's y has the same bits
+  std::vector<RankRun> ranks;   // one per rank
+  bool ranks_identical = true;  // every rank's y has the same bits
   std::optional<TailTier> tier;
-  double median_seconds = 0;            // rank 0's median over repeats
+  double median_seconds = 0;  // rank 0's median over repeats
 };
 
 // All ranks on threads of this process, with options.comm's communicators.

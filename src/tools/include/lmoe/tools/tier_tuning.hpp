@@ -25,18 +25,17 @@
 #include <string_view>
 #include <vector>
 
+#include "lmoe/backend_registry.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/dtype.hpp"
-#include "lmoe/backend_registry.hpp"
-#include "lmoe/tools/tail_bench.hpp"
 #include "lmoe/tier.hpp"
 #include "lmoe/tier_policy.hpp"
 #include "lmoe/tier_table.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 
 namespace lmoe {
 
 // ---- the measured grid, from a sweep --------------------------------------------------------
-
 
 // One comm's records of a sweep as a grid, sorted by T (records of other comms are ignored).
 // Throws lmoe::Error when the comm has no records.
