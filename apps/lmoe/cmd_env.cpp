@@ -20,6 +20,7 @@ struct EnvCommand {
     const EnvLookup env = process_environment();
     nlohmann::json doc = nlohmann::json::array();
     Table table({"name", "value", "from", "range", "applies"});
+    table.align_left({true, true, true, true, true});
     for (const SettingSpec& spec : settings_table()) {
       // A presence setting is on even when set to "": show it as set.
       const std::optional<std::string> raw = env(spec.name);

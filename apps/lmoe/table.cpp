@@ -20,8 +20,11 @@ void Table::print(std::ostream& out) const {
         note.empty() ? widths.size() : std::min(cells.size(), widths.size());
     for (std::size_t c = 0; c < columns; ++c) {
       const std::string cell = c < cells.size() ? cells[c] : "";
-      out << (c ? "  " : "") << std::string(widths[c] - std::min(widths[c], cell.size()), ' ')
-          << cell;
+      const std::string pad(widths[c] - std::min(widths[c], cell.size()), ' ');
+      const bool left = c < left_.size() && left_[c];
+      // A left-aligned last column needs no trailing padding.
+      const bool last = c + 1 == columns && note.empty();
+      out << (c ? "  " : "") << (left ? cell + (last ? "" : pad) : pad + cell);
     }
     if (!note.empty()) out << (columns ? "  " : "") << note;
     out << "\n";

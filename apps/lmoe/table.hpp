@@ -1,4 +1,5 @@
-// Plain-text tables for the terminal, in the style of nccl-tests: right-aligned numeric columns.
+// Plain-text tables for the terminal, in the style of nccl-tests: right-aligned numeric columns
+// (text columns may be aligned left).
 #pragma once
 
 #include <ostream>
@@ -16,10 +17,13 @@ class Table {
   void add_row(std::vector<std::string> cells, std::string note) {
     rows_.push_back({std::move(cells), std::move(note)});
   }
+  // Text columns read better aligned left; numbers stay right-aligned.
+  void align_left(std::vector<bool> columns) { left_ = std::move(columns); }
   void print(std::ostream& out) const;
 
  private:
   std::vector<std::string> headers_;
+  std::vector<bool> left_;
   struct Row {
     std::vector<std::string> cells;
     std::string note;
