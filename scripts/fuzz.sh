@@ -4,8 +4,8 @@
 # each target for SECONDS (default 60). A crash (an exception other than lmoe::Error, or a sanitizer
 # report) stops with its reproducer in build/fuzz/findings/<target>/; the corpus grows in
 # build/fuzz/corpus/<target>/ and is reused by the next run.
-# Usage: bash scripts/fuzz.sh [SECONDS] [TARGET ...]   (targets: safetensors tier_table tier_policy
-#        bench_json machine_rates; default all)
+# Usage: bash scripts/fuzz.sh [SECONDS] [TARGET ...]   (targets: safetensors safetensors_header
+#        checkpoint_index tier_table tier_policy bench_json machine_rates; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The targets as tests/CMakeLists.txt lists them (one list).

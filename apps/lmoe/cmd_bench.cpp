@@ -238,6 +238,7 @@ void BenchCommand::execute() {
   }
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
+  check_at_most("--check-max-tokens", check_max_tokens, kMaxTokens, "tokens");
   std::optional<PolicyConfig> shipped_policy;
   const BenchEnvironment environment = bench_environment(chosen_backend);
   // The sweep's p2p ranks are threads placed on GPU rank % GPUs: more ranks than GPUs share them.

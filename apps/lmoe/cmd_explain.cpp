@@ -54,6 +54,8 @@ struct ExplainCommand {
     if (!rates.empty()) parse_machine_rates(rates);  // refused before anything is printed
     const ModelOptions::Resolved resolved = model.resolve();
     LMOE_CHECK(tp >= 1, "--tp: expected at least 1, got " + std::to_string(tp));
+    check_at_most("--tp", tp, kMaxRanks, "ranks");
+    check_at_most("-t/--tokens", tokens, kMaxTokens, "tokens");
     const Backend chosen = resolve_backend(backend);
     const RunningConfig running =
         running_config(chosen, tp, resolved.dims, resolved.dtype,

@@ -123,10 +123,15 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
     throw Error(
         "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
   LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
+  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
   LMOE_CHECK(scale >= 1, "--scale: expected a divisor ≥ 1, got " + std::to_string(scale));
+  check_at_most("--scale", scale, kMaxScale, "");
+  check_at_most("--experts", experts, kMaxExperts, "experts");
   for (std::int64_t t : tokens) {
     LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
+    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
   }
+  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
   const ModelOptions::Resolved& resolved = setup.resolved = model.resolve();
   const ModelPreset& preset = *(setup.preset = &find_preset(model.preset));
   if (!preset.layer) {

@@ -93,6 +93,7 @@ void TuneCommand::measure() {
   options.comms = {chosen_comm};
   LMOE_CHECK(check_max_tokens >= 0,
              "--check-max-tokens: expected >= 0, got " + std::to_string(check_max_tokens));
+  check_at_most("--check-max-tokens", check_max_tokens, kMaxTokens, "tokens");
   options.check_max_tokens = check_max_tokens;
   validate_bench_options(options);
   probe_output(output);

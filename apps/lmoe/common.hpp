@@ -18,6 +18,20 @@ namespace lmoe::cli {
 // The tool's version, as `--version` and the JSON files say it.
 inline constexpr const char* kVersion = lmoe::kVersion;
 
+// Upper bounds of the sizes the command line takes: far above any model or machine lmoe runs, low
+// enough that a typo (a digit too many) is refused before threads or memory are taken for it.
+inline constexpr std::int64_t kMaxRanks = 64;        // -n/--ranks, --tp
+inline constexpr std::int64_t kMaxTokens = 1 << 20;  // -t/--tokens, --check-max-tokens
+inline constexpr std::int64_t kMaxWidth = 1 << 16;   // --d-model, --d-latent
+inline constexpr std::int64_t kMaxRepeats = 100000;  // --repeats, --iters, --warmup
+inline constexpr std::int64_t kMaxExperts = 4096;    // --experts
+inline constexpr std::int64_t kMaxScale = 1024;      // --scale
+inline constexpr std::int64_t kMaxLayers = 64;       // --layers
+
+// lmoe::Error "<flag>: at most <limit> <unit>, got <value>" when value > limit.
+void check_at_most(const std::string& flag, std::int64_t value, std::int64_t limit,
+                   const std::string& unit);
+
 // --preset, --d-model, --d-latent, --dtype, --eps: a preset's dims, each overridable.
 struct ModelOptions {
   std::string preset = "kimi-k3";

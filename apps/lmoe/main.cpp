@@ -26,7 +26,16 @@ void ModelOptions::add_to(CLI::App& app, bool layers_only) {
   app.add_option("--eps", eps, "RMSNorm epsilon (default: the preset's)");
 }
 
+void check_at_most(const std::string& flag, std::int64_t value, std::int64_t limit,
+                   const std::string& unit) {
+  if (value <= limit) return;
+  throw Error(flag + ": at most " + std::to_string(limit) + (unit.empty() ? "" : " ") + unit +
+              ", got " + std::to_string(value));
+}
+
 ModelOptions::Resolved ModelOptions::resolve() const {
+  check_at_most("--d-model", d_model, kMaxWidth, "");
+  check_at_most("--d-latent", d_latent, kMaxWidth, "");
   const ModelPreset& base = find_preset(preset);
   Resolved resolved{base.name, base.dims, base.dtype, base.rms_norm_eps};
   if (d_model > 0) resolved.dims.d_model = d_model;

@@ -61,16 +61,21 @@ SweepOptions::Resolved SweepOptions::resolve(
   options.tp = ranks.value_or(cuda ? 8 : 4);
   LMOE_CHECK(options.tp >= 1,
              ranks_flag_ + ": expected at least 1 rank, got " + std::to_string(options.tp));
+  check_at_most(ranks_flag_, options.tp, kMaxRanks, "ranks");
   options.tokens = tokens.empty() ? default_tokens(options.backend) : tokens;
   for (std::int64_t t : options.tokens) {
     LMOE_CHECK(t >= 1, "-t/--tokens: expected token counts >= 1, got " + std::to_string(t));
+    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
   }
   options.warmup = warmup.value_or(cuda ? 5 : 2);
   LMOE_CHECK(options.warmup >= 0,
              "--warmup: expected >= 0 iterations, got " + std::to_string(options.warmup));
+  check_at_most("--warmup", options.warmup, kMaxRepeats, "iterations");
   options.iters = iters.value_or(cuda ? 50 : 10);
   LMOE_CHECK(options.iters >= 1,
              "--iters: expected at least 1 timed iteration, got " + std::to_string(options.iters));
+  check_at_most("--iters", options.iters, kMaxRepeats, "iterations");
+  check_at_most("--layers", layers, kMaxLayers, "tails");
   if (mode != "auto") {
     try {
       options.mode = parse_bench_mode(mode);

@@ -43,6 +43,9 @@ struct SafetensorsHeader {
 // The header of a file (checked as read_safetensors checks it: sizes, offsets, no holes), without
 // reading the data, for loaders that read only some tensors or some rows of them.
 SafetensorsHeader read_safetensors_header(const std::string& path);
+// The same checks on a whole file held in memory; `source` names it and is the result's path.
+SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file_bytes,
+                                           std::string_view source);
 // Reads out.size() bytes at file offset `offset`.
 void read_safetensors_bytes(const std::string& path, std::uint64_t offset,
                             std::span<std::byte> out);

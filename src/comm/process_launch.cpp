@@ -3,27 +3,36 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <thread>
 
+#include "comm/process_liveness.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
 
 namespace {
 
-// A record: the tag, the world size and the payload's length (little-endian uint32 each), the
-// payload.
+// A record: the tag, the world size, the payload's length and the writer's pid (little-endian
+// uint32 each), its pid namespace (uint64), its host name (NUL-padded), the payload. They let a
+// reader that sees the writer's pids tell a record left by a launch that has exited.
 constexpr std::array<char, 16> kTag = {'l', 'm', 'o', 'e', '-', 'l', 'a',  'u',
-                                       'n', 'c', 'h', '-', 'v', '1', '\n', '\0'};
-constexpr std::size_t kHeaderBytes = kTag.size() + 8;
+                                       'n', 'c', 'h', '-', 'v', '2', '\n', '\0'};
+constexpr std::size_t kHostBytes = 64;
+constexpr std::size_t kPidAt = kTag.size() + 8, kNamespaceAt = kPidAt + 4,
+                      kHostAt = kNamespaceAt + 8, kHeaderBytes = kHostAt + kHostBytes;
+
+std::string host_name() {
+  char name[kHostBytes + 1] = {};
+  if (::gethostname(name, kHostBytes) != 0) return {};
+  return std::string(name, strnlen(name, kHostBytes));
+}
 
 void put_u32(std::vector<std::byte>& out, std::uint32_t value) {
   for (int shift = 0; shift < 32; shift += 8)
@@ -34,6 +43,10 @@ std::uint32_t get_u32(const std::byte* in) {
   std::uint32_t value = 0;
   for (int i = 0; i < 4; ++i) value |= static_cast<std::uint32_t>(in[i]) << (8 * i);
   return value;
+}
+
+std::uint64_t get_u64(const std::byte* in) {
+  return get_u32(in) | (static_cast<std::uint64_t>(get_u32(in + 4)) << 32);
 }
 
 std::optional<int> env_int(const EnvLookup& env, const std::string& name, int lowest) {
@@ -52,14 +65,43 @@ std::string system_error(const std::string& what, const std::string& path) {
   return what + " '" + path + "': " + std::strerror(errno);
 }
 
-// The file's bytes, or nullopt when it does not exist (yet).
+// The file's bytes, or nullopt when it does not exist (yet). A symlink there is refused: the
+// record is read from the plain file rank 0 renamed into place, never from where a link leads.
 std::optional<std::vector<std::byte>> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> bytes(chars.size());
-  if (!chars.empty()) std::memcpy(bytes.data(), chars.data(), chars.size());
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    if (errno == ELOOP) {
+      throw Error("'" + path +
+                  "' is a symbolic link: a launch record is read only from a plain file (point "
+                  "the variable at a path of its own)");
+    }
+    throw Error(system_error("cannot read", path));
+  }
+  std::vector<std::byte> bytes;
+  std::array<std::byte, 4096> buffer{};
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const std::string message = system_error("cannot read", path);
+      ::close(fd);
+      throw Error(message);
+    }
+    if (n == 0) break;
+    bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + n);
+  }
+  ::close(fd);
   return bytes;
+}
+
+// True when the record was written on this node, in this pid namespace, by a process that has
+// since exited.
+bool writer_has_exited(const std::byte* header) {
+  const auto pid = static_cast<pid_t>(get_u32(header + kPidAt));
+  const char* host = reinterpret_cast<const char*>(header + kHostAt);
+  if (std::string(host, strnlen(host, kHostBytes)) != host_name() || pid <= 0) return false;
+  return get_u64(header + kNamespaceAt) == pid_namespace() && process_has_exited(pid);
 }
 
 }  // namespace
@@ -85,11 +127,20 @@ void publish_launch_record(const std::string& path, int world_size,
   for (char c : kTag) record.push_back(static_cast<std::byte>(c));
   put_u32(record, static_cast<std::uint32_t>(world_size));
   put_u32(record, static_cast<std::uint32_t>(payload.size()));
+  put_u32(record, static_cast<std::uint32_t>(::getpid()));
+  put_u32(record, static_cast<std::uint32_t>(pid_namespace() & 0xffffffffu));
+  put_u32(record, static_cast<std::uint32_t>(pid_namespace() >> 32));
+  std::array<char, kHostBytes> host{};
+  const std::string name = host_name();
+  std::memcpy(host.data(), name.data(), std::min(name.size(), host.size()));
+  for (char c : host) record.push_back(static_cast<std::byte>(c));
   record.insert(record.end(), payload.begin(), payload.end());
 
-  // The temporary name is unique per process, so that two writers never share one.
+  // The temporary name is unique per process, so that two writers never share one. It is made
+  // new (O_EXCL, and no symlink followed), so that nothing planted there is written through.
   const std::string temporary = path + ".tmp-" + std::to_string(::getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd =
+      ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw Error(system_error("cannot create", temporary));
   std::size_t written = 0;
   while (written < record.size()) {
@@ -139,11 +190,15 @@ std::vector<std::byte> await_launch_record(const std::string& path, int world_si
                     " bytes, expected " + std::to_string(payload_size) +
                     " (written by another program, or another NCCL version?)");
       }
-      if (size_in_file == static_cast<std::uint32_t>(world_size)) {
+      if (writer_has_exited(bytes->data())) {
+        last_seen = "a record written by pid " + std::to_string(get_u32(bytes->data() + kPidAt)) +
+                    " on this node, which has exited: left by an earlier launch?";
+      } else if (size_in_file == static_cast<std::uint32_t>(world_size)) {
         return {bytes->begin() + static_cast<std::ptrdiff_t>(kHeaderBytes), bytes->end()};
+      } else {
+        last_seen = "a record for WORLD_SIZE=" + std::to_string(size_in_file) +
+                    ", left by an earlier launch?";
       }
-      last_seen = "a record for WORLD_SIZE=" + std::to_string(size_in_file) +
-                  ", left by an earlier launch?";
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       throw Error("waited " + std::to_string(timeout.count()) + " ms for rank 0 to write '" + path +

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "comm/aborted_error.hpp"
+#include "comm/process_liveness.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -25,6 +26,18 @@ using Clock = std::chrono::steady_clock;
 std::string system_error(const std::string& what, const std::string& name) {
   return what + " '" + name + "': " + std::strerror(errno);
 }
+
+// The segment's first page: who made it and for what size, checked by every rank that opens it.
+// The data follow on the next page, so that data() stays page aligned (cudaHostRegister).
+struct SegmentRecord {
+  char tag[16];
+  std::uint64_t bytes;  // what the creator asked for, after this page
+  std::int64_t creator_pid;
+  std::uint64_t creator_pid_namespace;  // 0: unknown
+};
+constexpr char kSegmentTag[16] = "lmoe-segment-v1";
+
+std::size_t record_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
 
 std::byte* map(int fd, std::size_t bytes, const std::string& name) {
   void* address = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -77,13 +90,21 @@ SharedSegment SharedSegment::create(std::size_t bytes) {
   const int fd = ::shm_open(segment.name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) throw Error(system_error("shm_open (create)", segment.name_));
   segment.owns_name_ = true;
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  const std::size_t mapped = record_bytes() + bytes;
+  if (::ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
     const std::string message = system_error("ftruncate of shared memory", segment.name_);
     ::close(fd);
     ::shm_unlink(segment.name_.c_str());
     throw Error(message + " (is /dev/shm large enough?)");
   }
-  segment.data_ = map(fd, bytes, segment.name_);
+  std::byte* base = map(fd, mapped, segment.name_);
+  SegmentRecord record{};
+  std::memcpy(record.tag, kSegmentTag, sizeof(record.tag));
+  record.bytes = bytes;
+  record.creator_pid = ::getpid();
+  record.creator_pid_namespace = pid_namespace();
+  std::memcpy(base, &record, sizeof(record));
+  segment.data_ = base + record_bytes();
   segment.bytes_ = bytes;
   return segment;  // ftruncate zero-fills
 }
@@ -93,19 +114,46 @@ SharedSegment SharedSegment::open(const std::string& name, std::size_t bytes) {
   segment.name_ = name;
   const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) throw Error(system_error("shm_open", name) + " (are all ranks on one node?)");
+  const std::size_t mapped = record_bytes() + bytes;
   struct stat info {};
-  if (::fstat(fd, &info) != 0 || static_cast<std::size_t>(info.st_size) < bytes) {
+  if (::fstat(fd, &info) != 0 || static_cast<std::size_t>(info.st_size) < mapped) {
     ::close(fd);
     throw Error("shared memory '" + name + "' is smaller than " + std::to_string(bytes) + " bytes");
   }
-  segment.data_ = map(fd, bytes, name);
+  // Another user's segment under the name a rank was handed is not ours to trust or write.
+  if (info.st_uid != ::geteuid()) {
+    ::close(fd);
+    throw Error("shared memory '" + name + "' is owned by uid " + std::to_string(info.st_uid) +
+                ", not by this process's uid " + std::to_string(::geteuid()));
+  }
+  std::byte* base = map(fd, mapped, name);
+  SegmentRecord record{};
+  std::memcpy(&record, base, sizeof(record));
+  const auto refuse = [&](const std::string& why) {
+    ::munmap(base, mapped);
+    throw Error("shared memory '" + name + "' " + why);
+  };
+  if (std::memcmp(record.tag, kSegmentTag, sizeof(record.tag)) != 0)
+    refuse("is not an lmoe segment (no record of its creator)");
+  if (record.bytes != bytes) {
+    refuse("was made for " + std::to_string(record.bytes) + " bytes, expected " +
+           std::to_string(bytes) + " (another lmoe version?)");
+  }
+  // A name left by a run that died before unlinking it: its peers are gone too. A creator in
+  // another pid namespace cannot be looked up, so it is trusted.
+  if (record.creator_pid_namespace != 0 && record.creator_pid_namespace == pid_namespace() &&
+      process_has_exited(static_cast<pid_t>(record.creator_pid))) {
+    refuse("was made by pid " + std::to_string(record.creator_pid) +
+           ", which has exited: left by an earlier run");
+  }
+  segment.data_ = base + record_bytes();
   segment.bytes_ = bytes;
   return segment;
 }
 
 SharedSegment::~SharedSegment() {
   if (owns_name_) unlink();
-  if (data_) ::munmap(data_, bytes_);
+  if (data_) ::munmap(data_ - record_bytes(), record_bytes() + bytes_);
 }
 
 SharedSegment::SharedSegment(SharedSegment&& other) noexcept
@@ -117,7 +165,7 @@ SharedSegment::SharedSegment(SharedSegment&& other) noexcept
 SharedSegment& SharedSegment::operator=(SharedSegment&& other) noexcept {
   if (this != &other) {
     if (owns_name_) unlink();
-    if (data_) ::munmap(data_, bytes_);
+    if (data_) ::munmap(data_ - record_bytes(), record_bytes() + bytes_);
     name_ = std::move(other.name_);
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);

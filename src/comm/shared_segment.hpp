@@ -12,7 +12,9 @@ namespace lmoe {
 
 class SharedSegment {
  public:
-  // Creates a segment of `bytes` (zeroed) under a fresh name (creator), or opens `name`.
+  // Creates a segment of `bytes` (zeroed) under a fresh name (creator), or opens `name`. A page
+  // before data() records the creator's pid and `bytes`; open refuses a segment of another owner
+  // (uid), one made for another size, or one whose creator has exited (left by an earlier run).
   static SharedSegment create(std::size_t bytes);
   static SharedSegment open(const std::string& name, std::size_t bytes);
   SharedSegment() = default;

@@ -1,13 +1,17 @@
 // Loading one layer from a checkpoint's safetensors shards, sliced for one rank.
 #include <array>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
+#include <sstream>
+#include <system_error>
 
+#include "core/checkpoint_index.hpp"
+#include "core/quoted_text.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_weights.hpp"
 #include "lmoe/safetensors.hpp"
@@ -33,7 +37,22 @@ std::string substitute(std::string name, std::string_view key, std::int64_t valu
   return name;
 }
 
-std::string quoted(const std::string& name) { return "tensor '" + name + "'"; }
+std::string quoted(const std::string& name) { return "tensor " + quoted_text(name); }
+
+// The index's text; lmoe::Error naming it when it is not a regular file or cannot be read.
+std::string read_index(const std::filesystem::path& index) {
+  const std::string what = index.string() + ": cannot read the checkpoint index: ";
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(index, error))
+    throw Error(what + (error ? error.message() : std::string("not a regular file")));
+  errno = 0;
+  std::ifstream in(index, std::ios::binary);
+  if (!in) throw Error(what + std::error_code(errno, std::generic_category()).message());
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw Error(what + "read failed");
+  return text.str();
+}
 
 // Which file holds each tensor, and those files' headers (read once each).
 class Checkpoint {
@@ -44,26 +63,13 @@ class Checkpoint {
     if (!fs::is_directory(dir_, error))
       throw Error("checkpoint directory " + dir_ + ": not a directory");
     const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
-    if (fs::exists(index, error)) {
-      std::ifstream in(index);
-      nlohmann::json doc;
-      try {
-        doc = nlohmann::json::parse(in);
-      } catch (const nlohmann::json::exception& parse_error) {
-        throw Error(index.string() + ": not valid JSON: " + parse_error.what());
-      }
-      if (!doc.contains("weight_map") || !doc["weight_map"].is_object()) {
-        throw Error(index.string() + ": has no \"weight_map\" object");
-      }
-      for (const auto& [name, file] : doc["weight_map"].items()) {
-        if (!file.is_string())
-          throw Error(index.string() + ": weight_map entry for " + quoted(name) +
-                      " is not a file name");
-        file_of_[name] = (fs::path(dir_) / file.get<std::string>()).string();
-      }
+    if (fs::exists(fs::symlink_status(index, error))) {
+      file_of_ = parse_checkpoint_index(read_index(index), index.string(), dir_);
       return;
     }
-    for (const fs::directory_entry& entry : fs::directory_iterator(dir_)) {
+    fs::directory_iterator entries(dir_, error);
+    if (error) throw Error("checkpoint directory " + dir_ + ": cannot list: " + error.message());
+    for (const fs::directory_entry& entry : entries) {
       if (entry.path().extension() != ".safetensors") continue;
       const SafetensorsHeader& header = header_of(entry.path().string());
       for (const auto& tensor : header.tensors) file_of_[tensor.first] = header.path;
@@ -97,6 +103,13 @@ class Checkpoint {
   std::map<std::string, std::unique_ptr<SafetensorsHeader>> headers_;
 };
 
+// An e2m1 value as text: "-6", "1.5".
+std::string e2m1_text(std::uint8_t nibble) {
+  std::ostringstream text;
+  text << mxfp4_value(nibble, 127);
+  return text.str();
+}
+
 struct Shape2 {
   std::int64_t rows, cols;
 };
@@ -111,9 +124,10 @@ class Reader {
  public:
   explicit Reader(Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
 
+  // `storage` is the dtype the values are kept in: an MXFP4 value it cannot hold is refused.
   std::vector<float> rows(const std::string& name, Shape2 shape, bool vector, bool mxfp4,
-                          std::int64_t first, std::int64_t count) {
-    return mxfp4 ? mxfp4_rows(name, shape, first, count)
+                          std::int64_t first, std::int64_t count, DType storage) {
+    return mxfp4 ? mxfp4_rows(name, shape, first, count, storage)
                  : dense_rows(name, shape, vector, first, count);
   }
 
@@ -147,7 +161,7 @@ class Reader {
   // "<name>_packed": U8 [R, C/2], two e2m1 values a byte, the low nibble the even column;
   // "<name>_scale": U8 [R, C/32], one E8M0 scale per 32 columns.
   std::vector<float> mxfp4_rows(const std::string& name, Shape2 shape, std::int64_t first,
-                                std::int64_t count) {
+                                std::int64_t count, DType storage) {
     if (shape.cols % 32 != 0) {
       throw Error(quoted(name) + ": MXFP4 needs an input dimension divisible by 32, got " +
                   std::to_string(shape.cols));
@@ -161,8 +175,19 @@ class Reader {
       for (std::int64_t c = 0; c < shape.cols; ++c) {
         const std::uint8_t byte = packed[static_cast<std::size_t>(r * packed_shape.cols + c / 2)];
         const std::uint8_t nibble = (c % 2 == 0) ? (byte & 0x0fu) : (byte >> 4);
-        values[static_cast<std::size_t>(r * shape.cols + c)] =
-            mxfp4_value(nibble, scales[static_cast<std::size_t>(r * scale_shape.cols + c / 32)]);
+        const std::uint8_t scale = scales[static_cast<std::size_t>(r * scale_shape.cols + c / 32)];
+        const float value = mxfp4_value(nibble, scale);
+        // A NaN scale or a product the weights' dtype cannot hold would reach the GEMMs as NaN or
+        // inf and spoil every token routed to the expert, so the checkpoint is refused instead.
+        if (scale == 0xff || !std::isfinite(round_to(storage, value))) {
+          const std::string where = quoted(scale_name) + ": row " + std::to_string(first + r) +
+                                    ", block " + std::to_string(c / 32) + " holds E8M0 ";
+          if (scale == 0xff) throw Error(where + "255, which is NaN");
+          throw Error(where + std::to_string(scale) + " (2^" + std::to_string(scale - 127) +
+                      "), whose product with the e2m1 value " + e2m1_text(nibble) +
+                      " is beyond the range of " + std::string(dtype_name(storage)));
+        }
+        values[static_cast<std::size_t>(r * shape.cols + c)] = value;
       }
     }
     return values;
@@ -212,14 +237,16 @@ LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& 
   // Rows [first, first + count) of the checkpoint tensor into `out` starting at element `offset`.
   auto put_rows = [&](HostTensor& out, std::int64_t offset, const std::string& name, Shape2 shape,
                       bool vector, bool mxfp4, std::int64_t first, std::int64_t count) {
-    const std::vector<float> values = reader.rows(name, shape, vector, mxfp4, first, count);
+    const std::vector<float> values =
+        reader.rows(name, shape, vector, mxfp4, first, count, out.dtype());
     for (std::size_t i = 0; i < values.size(); ++i)
       out.set(offset + static_cast<std::int64_t>(i), values[i]);
   };
   // Columns [first, first + count) of every row (the down projections' input-dimension slice).
   auto put_columns = [&](HostTensor& out, std::int64_t offset, const std::string& name,
                          Shape2 shape, bool mxfp4, std::int64_t first, std::int64_t count) {
-    const std::vector<float> values = reader.rows(name, shape, false, mxfp4, 0, shape.rows);
+    const std::vector<float> values =
+        reader.rows(name, shape, false, mxfp4, 0, shape.rows, out.dtype());
     for (std::int64_t r = 0; r < shape.rows; ++r) {
       for (std::int64_t c = 0; c < count; ++c) {
         out.set(offset + r * count + c,

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/quoted_text.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -33,28 +34,7 @@ constexpr std::size_t kMaxRank = 64;
 // zero-size tensors, whose other extents are not bounded by the data section.
 constexpr std::uint64_t kMaxElements =
     static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / 8;
-// Names and parser messages come from the file; keep hostile ones from flooding error text.
-constexpr std::size_t kMaxQuotedChars = 120;
-
-// A file-supplied string, quoted and made safe to print: control bytes escaped, length capped.
-std::string printable(std::string_view text) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out = "'";
-  const std::size_t shown = std::min(text.size(), kMaxQuotedChars);
-  for (std::size_t i = 0; i < shown; ++i) {
-    const auto byte = static_cast<unsigned char>(text[i]);
-    if (byte < 0x20 || byte == 0x7f) {
-      out += "\\x";
-      out += kHex[byte >> 4];
-      out += kHex[byte & 0xf];
-    } else {
-      out += static_cast<char>(byte);
-    }
-  }
-  out += "'";
-  if (shown < text.size()) out += "... (" + std::to_string(text.size()) + " bytes)";
-  return out;
-}
+std::string printable(std::string_view text) { return quoted_text(text); }
 
 std::string byte_range(std::uint64_t begin, std::uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
@@ -624,18 +604,39 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return file;
 }
 
+namespace {
+
+SafetensorsHeader header_info(Header& checked, std::uint64_t data_start, std::string path) {
+  SafetensorsHeader header;
+  header.path = std::move(path);
+  for (const auto& [name, entry] : checked.tensors) {
+    header.tensors.emplace(
+        name, SafetensorsTensorInfo{entry.dtype_name, entry.shape, data_start + entry.begin,
+                                    entry.end - entry.begin});
+  }
+  header.metadata = std::move(checked.metadata);
+  return header;
+}
+
+}  // namespace
+
 SafetensorsHeader read_safetensors_header(const std::string& path) {
   OpenedFile opened;
   open_checked(path, true, opened);
-  SafetensorsHeader header;
-  header.path = path;
-  for (const auto& [name, entry] : opened.header.tensors) {
-    header.tensors.emplace(
-        name, SafetensorsTensorInfo{entry.dtype_name, entry.shape, opened.data_start + entry.begin,
-                                    entry.end - entry.begin});
-  }
-  header.metadata = std::move(opened.header.metadata);
-  return header;
+  return header_info(opened.header, opened.data_start, path);
+}
+
+SafetensorsHeader parse_safetensors_header(std::span<const std::byte> file_bytes,
+                                           std::string_view source) {
+  const std::uint64_t file_size = file_bytes.size();
+  const std::uint64_t header_bytes = check_header_length(
+      file_size >= kLengthPrefixBytes ? load_le64(file_bytes.data()) : 0, file_size, source);
+  const std::string_view text(reinterpret_cast<const char*>(file_bytes.data()) + kLengthPrefixBytes,
+                              header_bytes);
+  Header header = HeaderReader(source, true).take(text);
+  const std::uint64_t data_start = kLengthPrefixBytes + header_bytes;
+  (void)check_layout(header, file_size - data_start, source);
+  return header_info(header, data_start, std::string(source));
 }
 
 void read_safetensors_bytes(const std::string& path, std::uint64_t offset,
@@ -667,7 +668,10 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
   const std::string header_length = store_le64(header.size());
   const std::string temp_path = path + ".tmp-" + std::to_string(::getpid());
 
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A new file (O_EXCL, no symlink followed): nothing planted under the temporary name is written
+  // through.
+  const int fd =
+      ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw Error(path + ": cannot create temporary file " + printable(temp_path) + ": " +
                 system_message(errno));

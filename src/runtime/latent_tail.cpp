@@ -195,6 +195,7 @@ LatentTail::LatentTail(TailOptions options, Communicator& comm, ConstMatrixView 
   } else if (error) {
     throw Error(*error);
   }
+  agree_on_policy(comm, opts.policy);
 
   impl_->executor =
       backend_ops(opts.backend)

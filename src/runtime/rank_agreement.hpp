@@ -10,6 +10,7 @@
 
 #include "lmoe/communicator.hpp"
 #include "lmoe/tensor.hpp"
+#include "lmoe/tier_policy.hpp"
 
 namespace lmoe {
 
@@ -37,5 +38,16 @@ std::vector<RankRecord> exchange(Communicator& comm, const RankRecord& mine);
 // The same error on every rank: the first rank that failed, or the first disagreement (of
 // config_hash: "ranks disagree on the <what>"; of T or tier: "ranks disagree on the call").
 void throw_if_ranks_disagree(const std::vector<RankRecord>& all, const char* what);
+
+// The tier policy's effective values as space-separated "name=value" words ("fused_max_tokens=128
+// ... tier=auto ranges=none"), without where each came from: the same value from a table on one
+// rank and from the environment on another is agreement.
+std::string policy_values(const PolicyConfig& policy);
+
+// Ranks whose policies differ would run different tiers for the same T (and capture different
+// graph bodies), so construction exchanges policy_values and every rank throws, naming the
+// settings that differ: "ranks' tier policies differ: rank 0 fused_max_tokens=128, rank 1
+// fused_max_tokens=64". Returns when every rank's values are the same.
+void agree_on_policy(Communicator& comm, const PolicyConfig& policy);
 
 }  // namespace lmoe

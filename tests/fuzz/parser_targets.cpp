@@ -3,6 +3,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/checkpoint_index.hpp"
 #include "core/text_file.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/safetensors.hpp"
@@ -32,6 +33,14 @@ bool keeping_the_contract(Parse&& parse) {
 bool parse_safetensors_bytes(std::span<const std::byte> input) {
   return keeping_the_contract([&] { (void)lmoe::parse_safetensors(input, "fuzz input"); });
 }
+bool parse_safetensors_header(std::span<const std::byte> input) {
+  return keeping_the_contract([&] { (void)lmoe::parse_safetensors_header(input, "fuzz input"); });
+}
+// The folder need not exist: entries are checked against it as far as it resolves.
+bool parse_checkpoint_index(std::span<const std::byte> input) {
+  return keeping_the_contract(
+      [&] { (void)lmoe::parse_checkpoint_index(as_text(input), "fuzz input", "fuzz-checkpoint"); });
+}
 bool parse_tier_table(std::span<const std::byte> input) {
   return keeping_the_contract([&] { (void)lmoe::read_tier_table(as_text(input), "fuzz input"); });
 }
@@ -50,6 +59,8 @@ bool parse_machine_rates(std::span<const std::byte> input) {
 
 constexpr ParserTarget kTargets[] = {
     {"safetensors", "parse_safetensors", parse_safetensors_bytes, false},
+    {"safetensors_header", "parse_safetensors_header", parse_safetensors_header, false},
+    {"checkpoint_index", "parse_checkpoint_index", parse_checkpoint_index, true},
     {"tier_table", "read_tier_table", parse_tier_table, true},
     {"tier_policy", "apply_tier_table", parse_tier_policy, true},
     {"bench_json", "read_bench_json", parse_bench_json, true},
@@ -71,6 +82,26 @@ std::string small_sweep(const std::filesystem::path& data_dir) {
   }
   sweep["records"] = std::move(kept);
   return sweep.dump(1);
+}
+
+// MXFP4 blocks and scales (U8) and a dtype lmoe does not compute in: what only the header-only
+// reader accepts.
+Bytes raw_dtype_safetensors() {
+  const std::string header = R"({"w_packed":{"dtype":"U8","shape":[2,16],"data_offsets":[0,32]},)"
+                             R"("w_scale":{"dtype":"U8","shape":[2,1],"data_offsets":[32,34]},)"
+                             R"("i":{"dtype":"I64","shape":[1],"data_offsets":[34,42]}})";
+  std::string file(8, '\0');
+  for (std::size_t i = 0; i < 8; ++i)
+    file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return to_bytes(file + header + std::string(42, '\x11'));
+}
+
+// A sharded checkpoint's index, as the Hugging Face tools write it.
+std::string checkpoint_index() {
+  return R"({"metadata": {"total_size": 1024}, "weight_map": {)"
+         R"("layers.0.moe.router.weight": "model-00001-of-00002.safetensors",)"
+         R"("layers.0.moe.latent_up.weight": "model-00002-of-00002.safetensors",)"
+         R"("layers.0.moe.experts.0.up.weight_packed": "shards/../model-00002-of-00002.safetensors"}})";
 }
 
 Bytes small_safetensors() {
@@ -107,6 +138,11 @@ std::vector<Bytes> parser_seeds(const ParserTarget& target, const std::filesyste
   std::vector<Bytes> seeds;
   if (target.name == "safetensors") {
     seeds.push_back(small_safetensors());
+  } else if (target.name == "safetensors_header") {
+    seeds.push_back(small_safetensors());
+    seeds.push_back(raw_dtype_safetensors());
+  } else if (target.name == "checkpoint_index") {
+    seeds.push_back(to_bytes(checkpoint_index()));
   } else if (target.name == "tier_table" || target.name == "tier_policy") {
     for (const lmoe::ShippedTierTable& shipped : lmoe::shipped_tier_tables())
       seeds.push_back(to_bytes(shipped.json));

@@ -24,8 +24,9 @@ struct ParserTarget {
   bool json;  // the input is JSON text (structural mutations apply)
 };
 
-// safetensors (parse_safetensors), tier_table (read_tier_table), tier_policy (apply_tier_table),
-// bench_json (read_bench_json), machine_rates (parse_machine_rates).
+// safetensors (parse_safetensors), safetensors_header (parse_safetensors_header),
+// checkpoint_index (parse_checkpoint_index), tier_table (read_tier_table), tier_policy
+// (apply_tier_table), bench_json (read_bench_json), machine_rates (parse_machine_rates).
 std::span<const ParserTarget> parser_targets();
 const ParserTarget& parser_target(std::string_view name);  // lmoe::Error for an unknown name
 

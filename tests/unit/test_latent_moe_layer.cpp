@@ -287,6 +287,30 @@ std::vector<std::string> construct_errors(
   return messages;
 }
 
+// The layer's tail agrees on the tier policy at construction: ranks whose policies differ are
+// refused on every rank, naming the setting.
+TEST(LayerErrors, RanksWithDifferentTierPoliciesAreRefusedOnEveryRank) {
+  for (int tp : {2, 4}) {
+    std::vector<std::string> messages(static_cast<std::size_t>(tp));
+    lmoe::run_on_threads(tp, [&](int rank, lmoe::Communicator& comm) {
+      const LayerConfig config = small_config();
+      lmoe::LayerOptions options = options_of(config, DType::bf16);
+      if (rank == tp - 1) options.policy.forced_tier.value = lmoe::TailTier::token;
+      try {
+        lmoe::LatentMoELayer layer(
+            options, comm, lmoe::make_random_layer_weights(config, DType::bf16, tp, rank, 1));
+        messages[rank] = "no error";
+      } catch (const lmoe::Error& error) {
+        messages[rank] = error.message();
+      }
+    });
+    for (const std::string& message : messages) {
+      EXPECT_EQ(message, "ranks' tier policies differ: rank 0 tier=auto, rank " +
+                             std::to_string(tp - 1) + " tier=token");
+    }
+  }
+}
+
 TEST(LayerErrors, BadConstructionFailsOnEveryRankNamingTheCause) {
   // One rank's weight has the wrong shape: every rank reports that tensor.
   auto messages = construct_errors(2, [](int rank, LayerConfig&, lmoe::LayerWeights& weights) {

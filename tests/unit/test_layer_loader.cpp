@@ -253,6 +253,91 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   EXPECT_EQ(lmoe::mxfp4_value(0x1, 0), std::ldexp(0.5f, -127));
 }
 
+// Every routed expert as MXFP4 blocks: each packed byte 0x77 (e2m1 6 in both nibbles) and
+// every scale 127 (2^0), so one edited byte decides whether a load passes.
+RawFile mxfp4_checkpoint(const LayerConfig& config, const lmoe::LayerTensorNames& names) {
+  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
+  RawFile tensors =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
+    for (const auto& [pattern, rows, cols] :
+         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
+          std::tuple{names.expert_down, l, inter}}) {
+      const std::string name = name_of(pattern, e);
+      tensors.erase(name);
+      tensors[name + "_packed"] = {
+          "U8", {rows, cols / 2}, std::vector<std::byte>(rows * (cols / 2), std::byte{0x77})};
+      tensors[name + "_scale"] = {
+          "U8", {rows, cols / 32}, std::vector<std::byte>(rows * (cols / 32), std::byte{127})};
+    }
+  }
+  return tensors;
+}
+
+// Each way MXFP4 blocks can be wrong is refused with the tensor, and for a scale its row and
+// block: a NaN scale or an overflowing product would otherwise reach the GEMMs as NaN or inf.
+TEST_F(LayerLoader, BadMxfp4BlocksAndScalesAreNamed) {
+  LayerConfig config = small_config();
+  lmoe::LayerTensorNames names = small_names();
+  names.experts_mxfp4 = true;
+  const int tp = 2, rank = 1;
+  const std::int64_t l = config.d_latent, inter_r = config.expert_intermediate / tp;
+  const std::string gate = name_of(names.expert_gate, 0);
+  const auto load_error_of = [&](const RawFile& tensors, DType dtype = DType::bf16) {
+    write_checkpoint(dir_, tensors);
+    try {
+      lmoe::load_layer_weights(dir_.string(), names, kLayer, config, dtype, tp, rank);
+    } catch (const lmoe::Error& error) {
+      return error.message();
+    }
+    return std::string("no error");
+  };
+  const RawFile good = mxfp4_checkpoint(config, names);
+  EXPECT_EQ(load_error_of(good), "no error");
+
+  RawFile not_u8 = good;
+  not_u8[gate + "_packed"].dtype = "I8";
+  EXPECT_THAT(load_error_of(not_u8),
+              HasSubstr("tensor '" + gate + "_packed': dtype I8, expected U8 (MXFP4)"));
+
+  RawFile scale_shape = good;
+  scale_shape[gate + "_scale"].shape = {config.expert_intermediate / 2, l / 16};
+  EXPECT_THAT(
+      load_error_of(scale_shape),
+      HasSubstr("tensor '" + gate + "_scale': shape [" +
+                std::to_string(config.expert_intermediate / 2) + ", " + std::to_string(l / 16) +
+                "], expected [" + std::to_string(config.expert_intermediate) + ", " +
+                std::to_string(l / 32) + "]"));
+
+  // Row 2 of this rank's slice, block 1 (columns 32 … 63).
+  const std::size_t scale_at = static_cast<std::size_t>((rank * inter_r + 2) * (l / 32) + 1);
+  RawFile nan_scale = good;
+  nan_scale[gate + "_scale"].bytes[scale_at] = std::byte{255};
+  EXPECT_THAT(load_error_of(nan_scale),
+              HasSubstr("tensor '" + gate + "_scale': row " + std::to_string(rank * inter_r + 2) +
+                        ", block 1 holds E8M0 255, which is NaN"));
+
+  // 6 · 2^127 is beyond every storage dtype; 6 · 2^16 only beyond f16's.
+  RawFile huge_scale = good;
+  huge_scale[gate + "_scale"].bytes[scale_at] = std::byte{254};
+  EXPECT_THAT(load_error_of(huge_scale),
+              HasSubstr("tensor '" + gate + "_scale': row " + std::to_string(rank * inter_r + 2) +
+                        ", block 1 holds E8M0 254 (2^127), whose product with the e2m1 value 6 "
+                        "is beyond the range of bf16"));
+  RawFile f16_only = good;
+  f16_only[gate + "_scale"].bytes[scale_at] = std::byte{127 + 16};
+  EXPECT_EQ(load_error_of(f16_only, DType::bf16), "no error");
+  EXPECT_THAT(load_error_of(f16_only, DType::f16),
+              HasSubstr("holds E8M0 143 (2^16), whose product with the e2m1 value 6 is beyond the "
+                        "range of f16"));
+
+  // A latent width that is not a multiple of 32 cannot be MXFP4 (blocks span 32 columns).
+  config.d_latent = 208;
+  EXPECT_THAT(
+      load_error_of(mxfp4_checkpoint(config, names)),
+      HasSubstr("tensor '" + gate + "': MXFP4 needs an input dimension divisible by 32, got 208"));
+}
+
 TEST_F(LayerLoader, BadTensorsAreNamed) {
   const LayerConfig config = small_config();
   const lmoe::LayerTensorNames names = small_names();
@@ -321,6 +406,15 @@ TEST_F(LayerLoader, BadIndexesAndDirectoriesAreNamed) {
       HasSubstr(index.string() +
                 ": weight_map entry for tensor 'layers.5.moe.router.weight' is not a file name"));
 
+  // Text from the file is capped in the message: a megabyte of a bad token, and a tensor name.
+  rewrite_index("{\"weight_map\": " + std::string(1 << 20, 'x') + "}");
+  EXPECT_THAT(load_error_as_written(), HasSubstr(index.string() + ": not valid JSON: '"));
+  EXPECT_LT(load_error_as_written().size(), 500u);
+  rewrite_index("{\"weight_map\": {\"" + std::string(1 << 20, 'n') + "\": 1}}");
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr("tensor '" + std::string(120, 'n') + "'... (1048576 bytes) is not a file"));
+  EXPECT_LT(load_error_as_written().size(), 500u);
+
   // Every tensor mapped to the first shard, which holds only half of them.
   nlohmann::json wrong_shard = {{"weight_map", nlohmann::json::object()}};
   for (const auto& entry : good)
@@ -345,6 +439,115 @@ TEST_F(LayerLoader, BadIndexesAndDirectoriesAreNamed) {
   EXPECT_THAT(
       load_error_as_written(),
       HasSubstr(dir_.string() + ": no *.safetensors files and no model.safetensors.index.json"));
+}
+
+// An index entry may name only a file inside the checkpoint's folder: an absolute path, one that
+// climbs out, or a symlink that leads out would let a checkpoint read any file the process can.
+TEST_F(LayerLoader, IndexEntriesOutsideTheCheckpointAreRefused) {
+  const LayerConfig config = small_config();
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  const fs::path index = dir_ / "model.safetensors.index.json";
+  const std::string router = name_of(small_names().router_weight);
+  const fs::path outside = dir_.string() + "_outside";
+  fs::remove_all(outside);
+  fs::create_directories(outside);
+  write_raw(outside / "x.safetensors", good);
+  const auto error_for = [&](const std::string& file) {
+    write_checkpoint(dir_, good);
+    nlohmann::json doc = nlohmann::json::parse(std::ifstream(index));
+    doc["weight_map"][router] = file;
+    std::ofstream(index, std::ios::trunc) << doc.dump();
+    return load_error_as_written();
+  };
+  const std::string entry =
+      index.string() + ": weight_map entry for tensor '" + router + "' names ";
+  EXPECT_THAT(error_for((outside / "x.safetensors").string()),
+              HasSubstr(entry + "'" + (outside / "x.safetensors").string() +
+                        "', an absolute path (shards must lie in the checkpoint's folder)"));
+  const std::string up = "../" + outside.filename().string() + "/x.safetensors";
+  EXPECT_THAT(error_for(up),
+              HasSubstr(entry + "'" + up + "', which leaves the checkpoint's folder"));
+  const std::string down_and_up = "sub/../../" + outside.filename().string() + "/x.safetensors";
+  EXPECT_THAT(error_for(down_and_up),
+              HasSubstr(entry + "'" + down_and_up + "', which leaves the checkpoint's folder"));
+  EXPECT_THAT(error_for(".."), HasSubstr(entry + "'..', which leaves the checkpoint's folder"));
+  EXPECT_THAT(error_for(""), HasSubstr("tensor '" + router + "' is not a file name"));
+
+  // A link inside the folder that leads out of it, to a file or to a folder.
+  write_checkpoint(dir_, good);
+  fs::create_symlink(outside / "x.safetensors", dir_ / "link.safetensors");
+  fs::create_directory_symlink(outside, dir_ / "linked_dir");
+  EXPECT_THAT(error_for("link.safetensors"),
+              HasSubstr(entry + "'link.safetensors', which resolves to '" +
+                        fs::weakly_canonical(outside / "x.safetensors").string() +
+                        "', outside the checkpoint's folder"));
+  EXPECT_THAT(error_for("linked_dir/x.safetensors"),
+              HasSubstr(entry + "'linked_dir/x.safetensors', which resolves to"));
+
+  // A link that stays inside, and a path through a subfolder that comes back, are fine.
+  fs::create_directories(dir_ / "sub");
+  fs::create_symlink(dir_ / "model-00001-of-00002.safetensors", dir_ / "inside.safetensors");
+  write_checkpoint(dir_, good);
+  nlohmann::json doc = nlohmann::json::parse(std::ifstream(index));
+  for (auto& [name, file] : doc["weight_map"].items()) {
+    if (file == "model-00001-of-00002.safetensors") file = "inside.safetensors";
+    if (file == "model-00002-of-00002.safetensors")
+      file = "sub/../model-00002-of-00002.safetensors";
+  }
+  std::ofstream(index, std::ios::trunc) << doc.dump();
+  EXPECT_EQ(load_error_as_written(), "no error");
+  fs::remove_all(outside);
+}
+
+// A folder where the index or a shard belongs is an error naming its path (this runs as root
+// too, unlike the test of mode 000 below).
+TEST_F(LayerLoader, AFolderWhereAFileBelongsIsNamed) {
+  const LayerConfig config = small_config();
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  const fs::path index = dir_ / "model.safetensors.index.json";
+  const fs::path shard = dir_ / "model-00002-of-00002.safetensors";
+
+  write_checkpoint(dir_, good);
+  fs::remove(index);
+  fs::create_directory(index);
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(index.string() + ": cannot read the checkpoint index: not a regular file"));
+  fs::remove_all(index);
+  write_checkpoint(dir_, good);
+  fs::remove(shard);
+  fs::create_directory(shard);
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(shard.string() + ": cannot read safetensors file: not a regular file"));
+}
+
+// A file or folder that cannot be read for its permissions is an error naming its path. Mode 000
+// does not stop root, so the test skips where the file stays readable.
+TEST_F(LayerLoader, UnreadableFilesAreNamed) {
+  const LayerConfig config = small_config();
+  const RawFile good =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  const fs::path index = dir_ / "model.safetensors.index.json";
+  const fs::path shard = dir_ / "model-00002-of-00002.safetensors";
+  write_checkpoint(dir_, good);
+  fs::permissions(index, fs::perms::none);
+  if (::access(index.c_str(), R_OK) == 0) {
+    fs::permissions(index, fs::perms::owner_read | fs::perms::owner_write);
+    GTEST_SKIP() << "a file of mode 000 is still readable here (running as root)";
+  }
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(index.string() + ": cannot read the checkpoint index: Permission denied"));
+  fs::permissions(index, fs::perms::owner_read | fs::perms::owner_write);
+  fs::permissions(shard, fs::perms::none);
+  EXPECT_THAT(load_error_as_written(),
+              HasSubstr(shard.string() + ": cannot open safetensors file: Permission denied"));
+  fs::permissions(shard, fs::perms::owner_read | fs::perms::owner_write);
+  fs::remove(index);
+  fs::permissions(dir_, fs::perms::none);
+  EXPECT_THAT(load_error_as_written(), HasSubstr("checkpoint directory " + dir_.string() +
+                                                 ": cannot list: Permission denied"));
+  fs::permissions(dir_, fs::perms::owner_all);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -158,6 +160,60 @@ TEST_F(LaunchRecord, AnUnwritableDirectoryIsReported) {
   const std::string missing = (directory_ / "no-such-dir" / "nccl.id").string();
   EXPECT_THAT(error_of([&] { lmoe::publish_launch_record(missing, 2, payload(128, 6)); }),
               HasSubstr("cannot create '" + missing + ".tmp-"));
+}
+
+// Nothing planted where rank 0 writes is written through: a symlink at the temporary name is
+// refused and its target left alone.
+TEST_F(LaunchRecord, ASymlinkPlantedAtTheTemporaryNameIsRefused) {
+  const std::string temporary = path_ + ".tmp-" + std::to_string(::getpid());
+  const std::string victim = (directory_ / "victim").string();
+  std::ofstream(victim) << "keep";
+  std::filesystem::create_symlink(victim, temporary);
+  EXPECT_EQ(error_of([&] { lmoe::publish_launch_record(path_, 2, payload(128, 7)); }),
+            "cannot create '" + temporary + "': File exists");
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "keep");
+  EXPECT_FALSE(std::filesystem::exists(path_));
+}
+
+// A reader takes its record only from a plain file: a symlink at the path fails at once.
+TEST_F(LaunchRecord, ASymlinkAtTheRecordsPathIsRefused) {
+  const std::string elsewhere = (directory_ / "elsewhere").string();
+  lmoe::publish_launch_record(elsewhere, 2, payload(128, 8));
+  std::filesystem::create_symlink(elsewhere, path_);
+  EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
+            "'" + path_ +
+                "' is a symbolic link: a launch record is read only from a plain file (point the "
+                "variable at a path of its own)");
+}
+
+// A record left by a rank 0 of this node that has exited is waited past, then named.
+TEST_F(LaunchRecord, ARecordWhoseWriterHasExitedIsWaitedPastThenReported) {
+  const pid_t writer = ::fork();
+  if (writer == 0) {
+    try {
+      lmoe::publish_launch_record(path_, 2, payload(128, 9));
+    } catch (...) {
+      ::_exit(1);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(writer, &status, 0), writer);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 100ms); }),
+            "waited 100 ms for rank 0 to write '" + path_ + "' (a record written by pid " +
+                std::to_string(writer) +
+                " on this node, which has exited: left by an earlier launch?): did rank 0 start, "
+                "and is the path on a filesystem every node shares?");
+  // A live rank 0 that publishes over it is read.
+  const std::vector<std::byte> id = payload(128, 10);
+  std::vector<std::byte> got;
+  std::thread reader([&] { got = lmoe::await_launch_record(path_, 2, 128, 10s); });
+  std::this_thread::sleep_for(50ms);
+  lmoe::publish_launch_record(path_, 2, id);
+  reader.join();
+  EXPECT_EQ(got, id);
 }
 
 }  // namespace

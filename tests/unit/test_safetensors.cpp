@@ -323,6 +323,29 @@ TEST(Safetensors, WriteIntoMissingDirectoryNamesThePath) {
   }
 }
 
+// The temporary file is made new: a symlink planted under its name is refused, and the file it
+// points at is left as it was.
+TEST(Safetensors, WriteRefusesASymlinkPlantedAtTheTemporaryName) {
+  TempDir dir;
+  const std::string path = (dir.path() / "out.safetensors").string();
+  const std::string victim = (dir.path() / "victim").string();
+  const std::string temporary = path + ".tmp-" + std::to_string(::getpid());
+  std::ofstream(victim) << "keep";
+  std::filesystem::create_symlink(victim, temporary);
+  std::map<std::string, HostTensor> tensors;
+  tensors.emplace("w", HostTensor(DType::f32, {2}));
+  try {
+    write_safetensors(path, tensors);
+    FAIL() << "expected lmoe::Error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr(path + ": cannot create temporary file '" + temporary +
+                                           "': File exists"));
+  }
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "keep");
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(Safetensors, SerializeRejectsReservedNameAndEmptyTensor) {
   std::map<std::string, HostTensor> reserved;
   reserved.emplace("__metadata__", HostTensor(DType::f32, {1}));
@@ -581,6 +604,45 @@ TEST(Safetensors, EscapesAndTruncatesHostileNamesInMessages) {
   EXPECT_THAT(message, HasSubstr("tensor 'evil\\x0a"));
   EXPECT_THAT(message, HasSubstr("(1005 bytes)"));
   EXPECT_LT(message.size(), 400u);
+}
+
+// A megabyte of header that is not JSON: the parser's message quotes the token it stopped at,
+// and the error carries only its first bytes.
+TEST(Safetensors, CapsAHugeBadHeaderInTheMessage) {
+  const std::string header = "{\"a\": " + std::string(1 << 20, 'x') + "}";
+  const std::string message = parse_error(make_file(header));
+  EXPECT_THAT(message, HasSubstr("bad.safetensors: header is not valid JSON: '"));
+  EXPECT_THAT(message, HasSubstr("... ("));
+  EXPECT_LT(message.size(), 400u);
+  const std::string file = make_file(header);
+  try {
+    parse_safetensors_header(std::as_bytes(std::span(file.data(), file.size())), "h");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& error) {
+    EXPECT_LT(error.message().size(), 400u);
+  }
+}
+
+// The header-only reader on bytes in memory (a fuzz target) checks what read_safetensors_header
+// checks and accepts the format's other dtypes.
+TEST(Safetensors, HeaderOnlyParseOfBytesInMemory) {
+  const std::string file =
+      make_file(R"({"p":{"dtype":"U8","shape":[2,3],"data_offsets":[0,6]}})", "abcdef");
+  const std::span<const std::byte> bytes = std::as_bytes(std::span(file.data(), file.size()));
+  const SafetensorsHeader header = parse_safetensors_header(bytes, "mem");
+  ASSERT_EQ(header.tensors.size(), 1u);
+  EXPECT_EQ(header.tensors.at("p").dtype, "U8");
+  EXPECT_EQ(header.tensors.at("p").offset, file.size() - 6);
+  EXPECT_EQ(header.path, "mem");
+  const std::string holey =
+      make_file(R"({"p":{"dtype":"U8","shape":[2,3],"data_offsets":[0,6]}})", "abcdefg");
+  try {
+    parse_safetensors_header(std::as_bytes(std::span(holey.data(), holey.size())), "mem");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), HasSubstr("mem: bytes [6, 7) of the data section belong to no "
+                                           "tensor"));
+  }
 }
 
 TEST(Safetensors, RejectsDeepNestingWithoutRecursing) {

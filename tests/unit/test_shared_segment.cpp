@@ -2,6 +2,7 @@
 // forked processes meet in barriers, all-gather records larger than a slot, and fail with an
 // error instead of hanging when a peer is missing or aborts. No GPU involved.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 
 #include "comm/aborted_error.hpp"
 #include "comm/shared_segment.hpp"
+#include "lmoe/error.hpp"
 
 namespace {
 
@@ -185,6 +187,65 @@ TEST(SharedSegment, OpensByNameUntilUnlinkedAndNamesWhatIsMissing) {
   }
   EXPECT_EQ(message.rfind("shm_open '" + created.name() + "': No such file or directory", 0), 0u)
       << message;
+}
+
+std::string open_error(const std::string& name, std::size_t bytes) {
+  try {
+    SharedSegment::open(name, bytes);
+  } catch (const lmoe::Error& error) {
+    return error.message();
+  }
+  return "(no error)";
+}
+
+// A segment whose creator exited without unlinking it (a run that died) is refused by name, and
+// so is one made for another size.
+TEST(SharedSegment, AStaleOrMismatchedSegmentIsRefused) {
+  int channel[2];
+  ASSERT_EQ(::pipe(channel), 0);
+  const pid_t creator = ::fork();
+  if (creator == 0) {
+    ::close(channel[0]);
+    try {
+      SharedSegment segment = SharedSegment::create(4096);
+      const std::string& name = segment.name();
+      if (::write(channel[1], name.data(), name.size()) != static_cast<ssize_t>(name.size()))
+        ::_exit(2);
+      ::_exit(0);  // no destructors: the name stays, as after a crash
+    } catch (...) {
+      ::_exit(1);
+    }
+  }
+  ::close(channel[1]);
+  char buffer[256] = {};
+  const ssize_t got = ::read(channel[0], buffer, sizeof(buffer) - 1);
+  ::close(channel[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(creator, &status, 0), creator);
+  ASSERT_GT(got, 0);
+  const std::string name(buffer, static_cast<std::size_t>(got));
+  EXPECT_EQ(open_error(name, 4096), "shared memory '" + name + "' was made by pid " +
+                                        std::to_string(creator) +
+                                        ", which has exited: left by an earlier run");
+  ::shm_unlink(name.c_str());
+
+  SharedSegment live = SharedSegment::create(8192);
+  EXPECT_EQ(open_error(live.name(), 4096), "shared memory '" + live.name() +
+                                               "' was made for 8192 bytes, expected 4096 "
+                                               "(another lmoe version?)");
+  EXPECT_EQ(open_error(live.name(), 8192), "(no error)");
+}
+
+// A segment of another owner under the name a rank was handed is refused. Only root can give a
+// segment to another uid, so the test runs as root and skips otherwise.
+TEST(SharedSegment, ASegmentOfAnotherOwnerIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to chown a segment to another uid";
+  SharedSegment segment = SharedSegment::create(4096);
+  const std::string file = "/dev/shm" + segment.name();
+  ASSERT_EQ(::chown(file.c_str(), 65534, 65534), 0) << file;
+  EXPECT_EQ(
+      open_error(segment.name(), 4096),
+      "shared memory '" + segment.name() + "' is owned by uid 65534, not by this process's uid 0");
 }
 
 }  // namespace

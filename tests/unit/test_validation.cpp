@@ -649,6 +649,85 @@ TEST(LatentTailValidation, RanksWithDifferentWeightsDisagreeOnTheConfiguration) 
   }
 }
 
+// Ranks whose tier policies differ would run different tiers for one T (and capture different
+// graph bodies), so construction refuses them on every rank, naming the settings that differ.
+TEST(LatentTailValidation, RanksWithDifferentTierPoliciesAreRefusedOnEveryRank) {
+  const auto weights = [](int) { return Weights(); };
+  const auto on_last_rank = [](int tp, std::function<void(lmoe::PolicyConfig&)> change) {
+    return [tp, change](int rank) {
+      TailOptions opts = options();
+      if (rank == tp - 1) change(opts.policy);
+      return opts;
+    };
+  };
+  for (int tp : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const std::string last = "rank " + std::to_string(tp - 1) + " ";
+    expect_every_rank(construct_outcome(tp,
+                                        on_last_rank(tp,
+                                                     [](lmoe::PolicyConfig& policy) {
+                                                       policy.fused_max_tokens.value = 64;
+                                                     }),
+                                        weights),
+                      "ranks' tier policies differ: rank 0 fused_max_tokens=128, " + last +
+                          "fused_max_tokens=64");
+    expect_every_rank(construct_outcome(tp,
+                                        on_last_rank(tp,
+                                                     [](lmoe::PolicyConfig& policy) {
+                                                       policy.forced_tier.value =
+                                                           lmoe::TailTier::column;
+                                                     }),
+                                        weights),
+                      "ranks' tier policies differ: rank 0 tier=auto, " + last + "tier=column");
+    expect_every_rank(
+        construct_outcome(tp,
+                          on_last_rank(tp,
+                                       [](lmoe::PolicyConfig& policy) {
+                                         policy.overlap_disabled.value = true;
+                                         policy.column_max_tokens.value = 4096;
+                                       }),
+                          weights),
+        "ranks' tier policies differ: rank 0 column_max_tokens=none overlap_disabled=false, " +
+            last + "column_max_tokens=4096 overlap_disabled=true");
+    // A table read on one rank only.
+    expect_every_rank(
+        construct_outcome(
+            tp,
+            on_last_rank(tp,
+                         [](lmoe::PolicyConfig& policy) {
+                           lmoe::apply_tier_table(
+                               policy,
+                               R"({"format": "lmoe-tier-table", "version": 1, "breakpoints": )"
+                               R"({"fused_max_tokens": 16, "overlap_max_tokens": 200, )"
+                               R"("column_max_tokens": null}})",
+                               "table t.json");
+                         }),
+            weights),
+        "ranks' tier policies differ: rank 0 fused_max_tokens=128 overlap_max_tokens=256, " + last +
+            "fused_max_tokens=16 overlap_max_tokens=200");
+    expect_every_rank(
+        construct_outcome(tp,
+                          on_last_rank(tp,
+                                       [](lmoe::PolicyConfig& policy) {
+                                         policy.ranges.value = {
+                                             {45, lmoe::TailTier::column},
+                                             {std::nullopt, lmoe::TailTier::overlap}};
+                                       }),
+                          weights),
+        "ranks' tier policies differ: rank 0 ranges=none, " + last + "ranges=column<=45,overlap");
+    // The same values from another origin are agreement.
+    expect_every_rank(construct_outcome(tp,
+                                        on_last_rank(tp,
+                                                     [](lmoe::PolicyConfig& policy) {
+                                                       policy.fused_max_tokens = {
+                                                           128, lmoe::SettingSource::environment,
+                                                           "LMOE_FUSED_MAX_TOKENS=128"};
+                                                     }),
+                                        weights),
+                      kOk);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One rank differs in its call
 
