@@ -1,6 +1,6 @@
 #include "c10d_communicator.hpp"
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -101,13 +101,13 @@ class C10dCommunicator final : public Communicator {
     check_open();
     std::vector<std::byte> all(bytes * static_cast<std::size_t>(size_));
     if (bytes == 0) return all;
-    const auto options = torch::TensorOptions().dtype(torch::kUInt8);
+    const auto options = at::TensorOptions().dtype(at::kByte);
     const auto length = static_cast<std::int64_t>(bytes);
-    at::Tensor input = torch::from_blob(const_cast<void*>(send), {length}, options);
+    at::Tensor input = at::from_blob(const_cast<void*>(send), {length}, options);
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size_; ++r) {
       outputs[0].push_back(
-          torch::from_blob(all.data() + static_cast<std::size_t>(r) * bytes, {length}, options));
+          at::from_blob(all.data() + static_cast<std::size_t>(r) * bytes, {length}, options));
     }
     std::vector<at::Tensor> inputs{input};
     group_->allgather(outputs, inputs)->wait();

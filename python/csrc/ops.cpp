@@ -2,8 +2,8 @@
 // the tail's forward on the caller's tensors and stream, and the library's reference for tests.
 // Errors of the library leave as std::runtime_error whose text starts with kErrorMarker, which the
 // Python package turns into lmoe.Error.
+#include <ATen/ATen.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <cstdint>
 #include <map>
