@@ -90,7 +90,7 @@ def main():
         y = layer(hidden)
         expected = torch_tail(*layer.partials(hidden), layer.latent_norm, layer.latent_up, layer.eps)
         error = (y - expected).abs().max().item()
-        tier = next(iter(lmoe.torch._TAILS.values())).decide(tokens)
+        tier = next(iter(lmoe.torch._TAILS.values()))[0].decide(tokens)
         if rank == 0:
             print(f"T={tokens:4d} tier={tier:8s} max|lmoe - torch| = {error:.2e}")
         assert error < 1e-3, error

@@ -45,7 +45,7 @@ def test_error_is_a_runtime_error():
     ("row stride", "routed: expected a contiguous tensor (row stride 32), got row stride 64"),
     ("max_tokens", "routed: expected at most max_tokens=64 rows (set at construction), got 65 rows"),
     ("other weights", "up_proj_weight: expected the tensor this tail was built with"),
-    ("tier", "tier: "),
+    ("tier", "tier: unknown tier 'fastest': expected auto, fused, overlap, column or token"),
 ])
 def test_bad_input_is_refused_with_its_message(case, expected):
     tail, gamma, w_up = _tail()

@@ -71,3 +71,29 @@ def test_the_policy_picks_by_tokens(tmp_path):
     assert [tail.decide(t) for t in (1, 128, 129, 256, 257)] == \
         ["fused", "fused", "overlap", "overlap", "column"]
     assert "decision: T=129 → overlap" in tail.explain(129)
+
+
+@pytest.mark.parametrize("tier", ["fused", "overlap", "column", "token"])
+def test_without_the_latent_norm(tier):
+    """latent_norm=False (Nemotron 3): N is the reduced latent itself; norm_weight is None."""
+    routed, shared, _, w_up = make_inputs(1, 33, D_MODEL, D_LATENT, DTYPE)
+    tail = lmoe.torch.LatentTail(D_MODEL, D_LATENT, dtype=DTYPE, tier=tier, latent_norm=False)
+    y = tail(routed[0], shared[0].clone(), None, w_up)
+    contract = reference_tail(routed, shared, None, w_up, EPS, tier, latent_norm=False)
+    assert torch.equal(y, contract)
+    torch_ref = reference_tier(tier, routed, shared, None, w_up, EPS)
+    torch.testing.assert_close(y.float(), torch_ref.float(), atol=8e-2, rtol=3e-2)
+
+
+def test_the_engines_call_shape():
+    """latent_moe_tail(fused_output, shared_output, norm_weight, up_proj_weight, eps): one tail per
+    weights, reused; the policy's tier; the contract's bits."""
+    lmoe.torch.forget_tails()
+    for tokens in (1, 129, 300):
+        routed, shared, gamma, w_up = make_inputs(1, 1, D_MODEL, D_LATENT, DTYPE)
+        routed, shared, _, _ = make_inputs(1, tokens, D_MODEL, D_LATENT, DTYPE)
+        y = lmoe.torch.latent_moe_tail(routed[0], shared[0].clone(), gamma, w_up, EPS)
+        tier = ("fused", "overlap", "column")[(1, 129, 300).index(tokens)]
+        assert torch.equal(y, reference_tail(routed, shared, gamma, w_up, EPS, tier))
+        del gamma, w_up
+    assert len(lmoe.torch._TAILS) == 3  # fresh weights each time: three tails

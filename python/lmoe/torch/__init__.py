@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from .._ops import Error, call, ops
 
-__all__ = ["Error", "LatentTail", "latent_moe_tail"]
+__all__ = ["Error", "LatentTail", "forget_tails", "latent_moe_tail"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _TIERS = ("auto", "fused", "overlap", "column", "token")
@@ -19,12 +19,6 @@ def _group_name(group):
     if group is None:
         return ""
     return group.group_name
-
-
-def _same_tensor(bound, tensor):
-    return (tensor is not None and bound is not None and tensor.data_ptr() == bound[0]
-            and tuple(tensor.shape) == bound[1] and tensor.dtype == bound[2]
-            and tensor.device == bound[3])
 
 
 def _key(tensor):
@@ -59,7 +53,6 @@ class LatentTail(torch.nn.Module):
         self.latent_norm, self.comm = bool(latent_norm), comm
         self.group_name = _group_name(group)
         self._handle = None
-        self._bound = None  # (norm_weight key, up_weight key) of the tensors the tail copied
         self._ones = None   # the norm weight the library is given when latent_norm is False
 
     def load_weights(self, norm_weight, up_weight):
@@ -73,7 +66,6 @@ class LatentTail(torch.nn.Module):
                       self.tier_table, norm_weight, up_weight, self.comm)
         self._release()
         self._handle = handle
-        self._bound = (_key(norm_weight), _key(up_weight))
         return self
 
     def _norm_for(self, norm_weight):
@@ -90,6 +82,7 @@ class LatentTail(torch.nn.Module):
                  up_weight, out, self.tier)
             return out
         # Traced by torch.compile: the tail must have been built (load_weights or an eager call).
+        self._require_built()
         out = torch.empty(shared.shape, dtype=shared.dtype, device=shared.device)
         ops.tail_forward(self._handle, routed, shared, self._norm_for(norm_weight), up_weight, out,
                          self.tier)
@@ -137,7 +130,15 @@ class LatentTail(torch.nn.Module):
             pass
 
 
+# (weights, eps, group, max_tokens, tier) -> (LatentTail, norm_weight, up_proj_weight). Holding the
+# weights keeps their memory from being reused by other tensors under the same key.
 _TAILS = {}
+
+
+def forget_tails():
+    """Drops the tails latent_moe_tail built; the next call builds anew (after weights changed in
+    place, which the tails' copies do not see)."""
+    _TAILS.clear()
 
 
 def latent_moe_tail(fused_output, shared_output, norm_weight, up_proj_weight, eps, *, group=None,
@@ -149,14 +150,16 @@ def latent_moe_tail(fused_output, shared_output, norm_weight, up_proj_weight, ep
 
     One LatentTail per (weights, eps, group, max_tokens, tier) is kept and reused; the first call
     with new weights builds it (collectively), so warm up eagerly before capturing or compiling.
+    Weights changed in place need forget_tails().
     """
     key = (None if norm_weight is None else _key(norm_weight), _key(up_proj_weight), float(eps),
            _group_name(group), int(max_tokens), tier)
-    tail = _TAILS.get(key)
-    if tail is None:
+    entry = _TAILS.get(key)
+    if entry is None:
         d_model, d_latent = up_proj_weight.shape
         tail = LatentTail(d_model, d_latent, dtype=up_proj_weight.dtype, eps=eps, group=group,
                           max_tokens=max_tokens, tier=tier, latent_norm=norm_weight is not None)
         tail.load_weights(norm_weight, up_proj_weight)
-        _TAILS[key] = tail
+        entry = _TAILS[key] = (tail, norm_weight, up_proj_weight)
+    tail = entry[0]
     return tail(fused_output, shared_output, norm_weight, up_proj_weight)
