@@ -8,6 +8,9 @@
 #   --coverage  gcovr (scripts/coverage.sh)
 #   --format    clang-format 14, the version whose output the tree is checked against
 #               (scripts/check-format.sh)
+#   --python    a virtual environment build/python-venv (from the python3 on PATH) with the pinned
+#               torch from PyPI, scikit-build-core, pytest and numpy, for the Python package and its
+#               tests (docs/python.md says why this torch and what it costs); reused when present
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
 
@@ -54,3 +57,18 @@ fi
 if wants --fuzz; then apt_install clang-19 libclang-rt-19-dev; fi
 if wants --coverage; then pip_install python3 gcovr gcovr; fi
 if wants --format; then apt_install clang-format-14; fi
+
+# The torch the Python package is built and tested against. PyPI's Linux wheel is the CUDA build
+# and brings NVIDIA's libraries (about 2.9 GB); the ops run on its CPU side here.
+LMOE_PYTHON_TORCH="${LMOE_PYTHON_TORCH:-torch==2.5.1}"
+if wants --python; then
+  apt_install python3-venv
+  venv="$(cd "$(dirname "$0")/.." && pwd)/build/python-venv"
+  want_torch="${LMOE_PYTHON_TORCH#torch==}"
+  if ! "$venv/bin/python" -c "import torch, pytest, numpy, scikit_build_core, sys
+sys.exit(torch.__version__.split('+')[0] != '$want_torch')" 2>/dev/null; then
+    echo "install-deps: installing $LMOE_PYTHON_TORCH, scikit-build-core, pytest, numpy in $venv" >&2
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q "$LMOE_PYTHON_TORCH" "scikit-build-core>=0.10" pytest numpy
+  fi
+fi
