@@ -7,7 +7,7 @@
 # benchmarks/profile.sh and benchmarks/fused_timeline.sh, on the same frame (scripts/gpu_check_lib.sh).
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 cd "$(dirname "$0")/.."
 check_name=gpu_check
@@ -43,6 +43,24 @@ if wants tests; then
   wants fused && excluded="$excluded:Fused*:*FusedParity*"
   wants graphs && excluded="$excluded:*DeviceToken*"
   gtest cuda_tests 300 build/cuda/tests/lmoe_cuda_tests "-$excluded"
+fi
+
+if wants python; then
+  # The PyTorch package built against this machine's torch with its CUDA ops (python/torch.cmake),
+  # then every test of tests/python, the GPU ones included. Needs scikit-build-core and pytest
+  # importable by python3; the package goes to $logs/site, not into python3's environment.
+  stage "python: pip install . (CUDA ops) and pytest tests/python"
+  rm -rf "$logs/site"
+  LMOE_PYTHON_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 420 python3 -m pip install -q \
+    --no-build-isolation --no-deps --target "$logs/site" . >"$logs/python_build.log" 2>&1
+  rc[python_build]=$?
+  tail -5 "$logs/python_build.log"
+  if [ "${rc[python_build]}" -eq 0 ]; then
+    PYTHONPATH="$logs/site${PYTHONPATH:+:$PYTHONPATH}" timeout 400 python3 -m pytest tests/python -q \
+      -p no:cacheprovider -rs >"$logs/python_tests.log" 2>&1
+    rc[python_tests]=$?
+    tail -25 "$logs/python_tests.log"
+  fi
 fi
 
 if wants p2p; then
