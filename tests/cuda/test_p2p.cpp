@@ -355,6 +355,9 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
         cudaStreamEndCapture(stream.get(), &discarded);
         if (discarded) cudaGraphDestroy(discarded);
         cudaGetLastError();
+        // Freeing `growing` synchronizes the device, which would invalidate a capture a peer still
+        // has open: every rank leaves its capture first.
+        comm.barrier();
       }
       options.max_tokens = tokens;
       lmoe::LatentTail tail(options, comm, cases[0].norm_weight.matrix(),
@@ -384,6 +387,9 @@ TEST(P2pTail, CapturedForwardReplaysNewInputsAndCaptureLimitsAreErrors) {
       cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
       cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
       cuda_ok(cudaGraphUpload(exec, stream.get()));
+      // The staging below allocates and synchronizes the device, which invalidates a capture that
+      // a peer has not finished yet (its collective then fails): every rank ends its capture first.
+      comm.barrier();
       // Every case's inputs reach the GPU before any rank replays: a rank's first copy from
       // pageable memory sets up staging buffers, and a rank doing setup work while its peers
       // already spin in a round can stall them past the timeout (docs/p2p.md).
