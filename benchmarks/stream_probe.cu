@@ -296,18 +296,12 @@ cudaError_t launch_stream(const StreamParams& p, int grid, cudaStream_t stream) 
 
 cudaError_t launch(const Config& c, const StreamParams& p, int grid, cudaStream_t stream) {
   switch (c.stages) {
-    case 3:
-      return launch_stream<3>(p, grid, stream);
-    case 4:
-      return launch_stream<4>(p, grid, stream);
-    case 6:
-      return launch_stream<6>(p, grid, stream);
-    case 8:
-      return launch_stream<8>(p, grid, stream);
-    case 12:
-      return launch_stream<12>(p, grid, stream);
-    default:
-      return cudaErrorInvalidValue;
+    case 3: return launch_stream<3>(p, grid, stream);
+    case 4: return launch_stream<4>(p, grid, stream);
+    case 6: return launch_stream<6>(p, grid, stream);
+    case 8: return launch_stream<8>(p, grid, stream);
+    case 12: return launch_stream<12>(p, grid, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 

@@ -93,15 +93,9 @@ __global__ void __launch_bounds__(64, 1)
       const int chunk = static_cast<int>(unit % p.chunk_groups) * p.chunks_per_box;
       const std::uint32_t dst = stages + static_cast<std::uint32_t>(s) * p.box_bytes;
       switch (p.shape) {
-        case BoxShape::kRows:
-          tma_load_2d(dst, &map, bars.full(s), chunk * 64, row);
-          break;
-        case BoxShape::kRuns:
-          tma_load_3d(dst, &map, bars.full(s), 0, chunk, row);
-          break;
-        case BoxShape::kStack:
-          tma_load_3d(dst, &map, bars.full(s), 0, row, chunk);
-          break;
+        case BoxShape::kRows: tma_load_2d(dst, &map, bars.full(s), chunk * 64, row); break;
+        case BoxShape::kRuns: tma_load_3d(dst, &map, bars.full(s), 0, chunk, row); break;
+        case BoxShape::kStack: tma_load_3d(dst, &map, bars.full(s), 0, row, chunk); break;
         case BoxShape::kBulk:
           bulk_load(dst, p.base + unit * p.box_bytes, p.box_bytes, bars.full(s));
           break;
@@ -143,18 +137,12 @@ void launch(const CUtensorMap& map, const ProbeParams& p, int grid, cudaStream_t
 
 void launch_ring(const CUtensorMap& map, const ProbeParams& p, int grid, cudaStream_t stream) {
   switch (kRingBytes / static_cast<int>(p.box_bytes)) {
-    case 48:
-      return launch<48>(map, p, grid, stream);
-    case 24:
-      return launch<24>(map, p, grid, stream);
-    case 12:
-      return launch<12>(map, p, grid, stream);
-    case 6:
-      return launch<6>(map, p, grid, stream);
-    case 3:
-      return launch<3>(map, p, grid, stream);
-    default:
-      throw std::runtime_error("lmoe_tma_stream_probe: no ring for this box size");
+    case 48: return launch<48>(map, p, grid, stream);
+    case 24: return launch<24>(map, p, grid, stream);
+    case 12: return launch<12>(map, p, grid, stream);
+    case 6: return launch<6>(map, p, grid, stream);
+    case 3: return launch<3>(map, p, grid, stream);
+    default: throw std::runtime_error("lmoe_tma_stream_probe: no ring for this box size");
   }
 }
 

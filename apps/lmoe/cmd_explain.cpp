@@ -97,12 +97,11 @@ void add_explain_command(CLI::App& app) {
       ->required()
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--tp", command->tp, "tensor-parallel ranks")->capture_default_str();
-  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
+  add_backend_option(*sub, command->backend);
   sub->add_option("--comm", command->comm,
                   "the communicator the tail would use, for matching a measured tier table "
                   "and for the tables built into lmoe (default: not compared, none built in used)");
-  sub->add_option("--tier-table", command->tier_table,
-                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  add_tier_table_option(*sub, command->tier_table);
   sub->add_option("--rates", command->rates,
                   "LINK_GBS,MEMORY_GBS,GEMM_TFLOPS: one GPU's rates for the tiers' floors at T "
                   "(default: those lmoe knows for this machine's GPU, e.g. an H200's)");

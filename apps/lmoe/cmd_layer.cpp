@@ -436,8 +436,7 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("--comm", command->comm, "communicator (default: the backend's)");
   sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
       ->capture_default_str();
-  sub->add_option("--tier-table", command->tier_table,
-                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  add_tier_table_option(*sub, command->tier_table);
   sub->add_option("--repeats", command->repeats, "timed forwards per T")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

@@ -206,12 +206,9 @@ void add_run_command(CLI::App& app) {
   sub->add_option("-t,--tokens", command->tokens, "token counts T to run")
       ->delimiter(',')
       ->capture_default_str();
-  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
-  sub->add_option("--comm", command->comm,
-                  "communicator: threads (cpu); cuda-threads, p2p or nccl (cuda; nccl: one GPU per "
-                  "rank) (default: the backend's)");
-  sub->add_option("--tier-table", command->tier_table,
-                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  add_backend_option(*sub, command->backend);
+  add_comm_option(*sub, command->comm);
+  add_tier_table_option(*sub, command->tier_table);
   sub->add_option("--repeats", command->repeats, "timed forwards per tier and T")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

@@ -167,12 +167,9 @@ void add_tail_command(CLI::App& app) {
       ->required();
   sub->add_option("--tier", command->tier, "auto, fused, overlap, column or token")
       ->capture_default_str();
-  sub->add_option("--backend", command->backend, "auto, cpu or cuda")->capture_default_str();
-  sub->add_option("--comm", command->comm,
-                  "communicator: threads (cpu); cuda-threads, p2p or nccl (cuda; nccl: one GPU per "
-                  "rank) (default: the backend's)");
-  sub->add_option("--tier-table", command->tier_table,
-                  "tier table JSON (default: $LMOE_TIER_TABLE)");
+  add_backend_option(*sub, command->backend);
+  add_comm_option(*sub, command->comm);
+  add_tier_table_option(*sub, command->tier_table);
   sub->add_option("--eps", command->eps,
                   "RMSNorm epsilon (default: __metadata__ eps or rms_norm_eps, else 1e-5)");
   sub->add_flag("--check", command->check,

@@ -84,4 +84,17 @@ void add_tune_command(CLI::App& app);
 void add_layer_command(CLI::App& app);
 void add_env_command(CLI::App& app);
 
+// Options several commands take, each worded once.
+inline void add_backend_option(CLI::App& sub, std::string& backend) {
+  sub.add_option("--backend", backend, "auto, cpu or cuda")->capture_default_str();
+}
+inline void add_comm_option(CLI::App& sub, std::string& comm) {
+  sub.add_option("--comm", comm,
+                 "communicator: threads (cpu); cuda-threads, p2p or nccl (cuda; nccl: one GPU per "
+                 "rank) (default: the backend's)");
+}
+inline void add_tier_table_option(CLI::App& sub, std::string& tier_table) {
+  sub.add_option("--tier-table", tier_table, "tier table JSON (default: $LMOE_TIER_TABLE)");
+}
+
 }  // namespace lmoe::cli

@@ -16,7 +16,7 @@ void SweepOptions::add_to(CLI::App& app, const std::string& ranks_names,
   app.get_option("--preset")
       ->default_str("")
       ->description("model dims: " + presets + " (default: kimi-k3 on cuda, small on cpu)");
-  app.add_option("--backend", backend, "auto, cpu or cuda")->capture_default_str();
+  add_backend_option(app, backend);
   app.add_option(ranks_names, ranks, "tensor-parallel ranks (default: 8 on cuda, 4 on cpu)");
   ranks_flag_ = ranks_names;
   std::replace(ranks_flag_.begin(), ranks_flag_.end(), ',', '/');

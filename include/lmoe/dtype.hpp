@@ -69,39 +69,27 @@ inline float f16_bits_to_float(std::uint16_t half_bits) {
 // Element access to a buffer of the given dtype, through fp32.
 inline float load_as_float(const void* data, std::size_t index, DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return static_cast<const float*>(data)[index];
-    case DType::f16:
-      return f16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
-    case DType::bf16:
-      return bf16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
+    case DType::f32: return static_cast<const float*>(data)[index];
+    case DType::f16: return f16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
+    case DType::bf16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(data)[index]);
   }
   return 0.0f;
 }
 
 inline void store_from_float(void* data, std::size_t index, DType dtype, float value) {
   switch (dtype) {
-    case DType::f32:
-      static_cast<float*>(data)[index] = value;
-      return;
-    case DType::f16:
-      static_cast<std::uint16_t*>(data)[index] = float_to_f16_bits(value);
-      return;
-    case DType::bf16:
-      static_cast<std::uint16_t*>(data)[index] = float_to_bf16_bits(value);
-      return;
+    case DType::f32: static_cast<float*>(data)[index] = value; return;
+    case DType::f16: static_cast<std::uint16_t*>(data)[index] = float_to_f16_bits(value); return;
+    case DType::bf16: static_cast<std::uint16_t*>(data)[index] = float_to_bf16_bits(value); return;
   }
 }
 
 // The value a float takes once stored in `dtype` (the "round" of the numerics contract).
 inline float round_to(DType dtype, float value) {
   switch (dtype) {
-    case DType::f32:
-      return value;
-    case DType::f16:
-      return f16_bits_to_float(float_to_f16_bits(value));
-    case DType::bf16:
-      return bf16_bits_to_float(float_to_bf16_bits(value));
+    case DType::f32: return value;
+    case DType::f16: return f16_bits_to_float(float_to_f16_bits(value));
+    case DType::bf16: return bf16_bits_to_float(float_to_bf16_bits(value));
   }
   return value;
 }

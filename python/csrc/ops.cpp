@@ -39,33 +39,22 @@ auto translated(Body&& body) -> decltype(body()) {
 
 std::string torch_dtype_name(at::ScalarType type) {
   switch (type) {
-    case at::kFloat:
-      return "f32";
-    case at::kHalf:
-      return "f16";
-    case at::kBFloat16:
-      return "bf16";
-    case at::kDouble:
-      return "f64";
-    case at::kInt:
-      return "int32";
-    case at::kLong:
-      return "int64";
-    default:
-      return c10::toString(type);
+    case at::kFloat: return "f32";
+    case at::kHalf: return "f16";
+    case at::kBFloat16: return "bf16";
+    case at::kDouble: return "f64";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return c10::toString(type);
   }
 }
 
 std::optional<DType> lmoe_dtype(at::ScalarType type) {
   switch (type) {
-    case at::kFloat:
-      return DType::f32;
-    case at::kHalf:
-      return DType::f16;
-    case at::kBFloat16:
-      return DType::bf16;
-    default:
-      return std::nullopt;
+    case at::kFloat: return DType::f32;
+    case at::kHalf: return DType::f16;
+    case at::kBFloat16: return DType::bf16;
+    default: return std::nullopt;
   }
 }
 

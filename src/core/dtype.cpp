@@ -8,36 +8,27 @@ namespace lmoe {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return 4;
-    case DType::f16:
-      return 2;
-    case DType::bf16:
-      return 2;
+    case DType::f32: return 4;
+    case DType::f16: return 2;
+    case DType::bf16: return 2;
   }
   throw Error("invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return "f32";
-    case DType::f16:
-      return "f16";
-    case DType::bf16:
-      return "bf16";
+    case DType::f32: return "f32";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
   }
   throw Error("invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }
 
 std::string_view safetensors_dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return "F32";
-    case DType::f16:
-      return "F16";
-    case DType::bf16:
-      return "BF16";
+    case DType::f32: return "F32";
+    case DType::f16: return "F16";
+    case DType::bf16: return "BF16";
   }
   throw Error("invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }

@@ -18,8 +18,7 @@ F sigmoid_of(F x) {
 template <typename F>
 F activate(const LayerConfig& config, F gate, F up) {
   switch (config.activation) {
-    case ExpertActivation::silu_glu:
-      return (gate * sigmoid_of(gate)) * up;
+    case ExpertActivation::silu_glu: return (gate * sigmoid_of(gate)) * up;
     case ExpertActivation::situ_glu: {
       const F beta = static_cast<F>(config.activation_beta);
       const F beta_linear = static_cast<F>(config.activation_linear_beta);

@@ -9,12 +9,9 @@ namespace lmoe {
 
 std::string_view activation_name(ExpertActivation activation) {
   switch (activation) {
-    case ExpertActivation::silu_glu:
-      return "silu_glu";
-    case ExpertActivation::situ_glu:
-      return "situ_glu";
-    case ExpertActivation::relu2:
-      return "relu2";
+    case ExpertActivation::silu_glu: return "silu_glu";
+    case ExpertActivation::situ_glu: return "situ_glu";
+    case ExpertActivation::relu2: return "relu2";
   }
   return "?";
 }

@@ -233,24 +233,18 @@ ExactLayer LayerReference::run(ConstMatrixView x, const Routing& routing) const 
 // The tolerances leave a factor of 2 to 6 (docs/numerics.md, "The layer").
 double layer_normwise_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return 1e-2;
-    case DType::f16:
-      return 1.5e-3;
-    case DType::f32:
-      return 3e-6;
+    case DType::bf16: return 1e-2;
+    case DType::f16: return 1.5e-3;
+    case DType::f32: return 3e-6;
   }
   return 0;
 }
 
 double layer_row_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return 0.06;
-    case DType::f16:
-      return 8e-3;
-    case DType::f32:
-      return 1.5e-5;
+    case DType::bf16: return 0.06;
+    case DType::f16: return 8e-3;
+    case DType::f32: return 1.5e-5;
   }
   return 0;
 }

@@ -66,12 +66,9 @@ std::vector<const void*> rank_slices(const HostTensor& stacked) {
 // sums that land among the subnormals, which are exact).
 double unit_roundoff(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return std::ldexp(1.0, -24);
-    case DType::f16:
-      return std::ldexp(1.0, -11);
-    case DType::bf16:
-      return std::ldexp(1.0, -8);
+    case DType::f32: return std::ldexp(1.0, -24);
+    case DType::f16: return std::ldexp(1.0, -11);
+    case DType::bf16: return std::ldexp(1.0, -8);
   }
   return 0;
 }
@@ -337,12 +334,9 @@ std::vector<double> exact_tail(const TailCase& c) {
 
 double fp64_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return 1e-2;
-    case DType::f16:
-      return 2e-3;
-    case DType::f32:
-      return 1e-4;
+    case DType::bf16: return 1e-2;
+    case DType::f16: return 2e-3;
+    case DType::f32: return 1e-4;
   }
   return 0;
 }

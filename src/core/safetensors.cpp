@@ -227,19 +227,14 @@ class HeaderReader {
         key_ = std::move(name);
         state_ = State::metadata_value;
         return true;
-      default:
-        fail("unexpected key in the header");
+      default: fail("unexpected key in the header");
     }
   }
 
   bool end_object() {
     switch (state_) {
-      case State::root:
-        state_ = State::done;
-        return true;
-      case State::metadata:
-        state_ = State::root;
-        return true;
+      case State::root: state_ = State::done; return true;
+      case State::metadata: state_ = State::root; return true;
       case State::entry:
         if (!has_dtype_) fail_tensor("is missing the field 'dtype'");
         if (!has_shape_) fail_tensor("is missing the field 'shape'");
@@ -247,8 +242,7 @@ class HeaderReader {
         header_.tensors.emplace(std::move(key_), std::move(entry_));
         state_ = State::root;
         return true;
-      default:
-        fail("unexpected end of object in the header");
+      default: fail("unexpected end of object in the header");
     }
   }
 
@@ -315,8 +309,7 @@ class HeaderReader {
   [[noreturn]] bool unexpected(const std::string& found) const {
     const std::string suffix = " (found " + found + ")";
     switch (state_) {
-      case State::top:
-        fail("header is not a JSON object" + suffix);
+      case State::top: fail("header is not a JSON object" + suffix);
       case State::root_value:
         if (key_ == kMetadataKey) fail("__metadata__ is not a JSON object" + suffix);
         fail_tensor("is not a JSON object" + suffix);
@@ -324,14 +317,12 @@ class HeaderReader {
         if (field_ == "dtype") fail_tensor("has a dtype that is not a string" + suffix);
         if (field_ == "shape") fail_tensor("has a shape that is not an array" + suffix);
         fail_tensor("has data_offsets that are not an array" + suffix);
-      case State::shape:
-        fail_tensor("has a shape that is not an array of integers" + suffix);
+      case State::shape: fail_tensor("has a shape that is not an array of integers" + suffix);
       case State::offsets:
         fail_tensor("has data_offsets that are not two non-negative integers" + suffix);
       case State::metadata_value:
         fail("__metadata__ value for key " + printable(key_) + " is not a string" + suffix);
-      default:
-        fail("unexpected JSON value in the header" + suffix);
+      default: fail("unexpected JSON value in the header" + suffix);
     }
   }
 

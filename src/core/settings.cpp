@@ -144,24 +144,15 @@ EnvLookup process_environment() {
 
 std::string_view setting_type_name(SettingType type) {
   switch (type) {
-    case T::flag:
-      return "flag";
-    case T::presence:
-      return "presence";
-    case T::integer:
-      return "integer";
-    case T::milliseconds:
-      return "milliseconds";
-    case T::nanoseconds:
-      return "nanoseconds";
-    case T::tokens:
-      return "tokens";
-    case T::choice:
-      return "choice";
-    case T::tier:
-      return "tier";
-    case T::path:
-      return "path";
+    case T::flag: return "flag";
+    case T::presence: return "presence";
+    case T::integer: return "integer";
+    case T::milliseconds: return "milliseconds";
+    case T::nanoseconds: return "nanoseconds";
+    case T::tokens: return "tokens";
+    case T::choice: return "choice";
+    case T::tier: return "tier";
+    case T::path: return "path";
   }
   return "?";
 }
@@ -183,10 +174,8 @@ const SettingSpec& setting_spec(std::string_view name) {
 
 std::string setting_range_text(const SettingSpec& spec) {
   switch (spec.type) {
-    case T::flag:
-      return "1/0, true/false, yes/no, on/off";
-    case T::presence:
-      return "set or unset";
+    case T::flag: return "1/0, true/false, yes/no, on/off";
+    case T::presence: return "set or unset";
     case T::integer:
     case T::milliseconds:
     case T::nanoseconds:
@@ -197,12 +186,9 @@ std::string setting_range_text(const SettingSpec& spec) {
              : spec.name == std::string_view("LMOE_FUSED_CHAINED_TILE_ROWS") ? "64 or 128"
                                                                              : range;
     }
-    case T::choice:
-      return spec.what;
-    case T::tier:
-      return "auto, fused, overlap, column or token";
-    case T::path:
-      return "a path";
+    case T::choice: return spec.what;
+    case T::tier: return "auto, fused, overlap, column or token";
+    case T::path: return "a path";
   }
   return "?";
 }

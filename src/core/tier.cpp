@@ -8,14 +8,10 @@ namespace lmoe {
 
 std::string_view tier_name(TailTier tier) {
   switch (tier) {
-    case TailTier::fused:
-      return "fused";
-    case TailTier::overlap:
-      return "overlap";
-    case TailTier::column:
-      return "column";
-    case TailTier::token:
-      return "token";
+    case TailTier::fused: return "fused";
+    case TailTier::overlap: return "overlap";
+    case TailTier::column: return "column";
+    case TailTier::token: return "token";
   }
   throw Error("invalid TailTier value " + std::to_string(static_cast<int>(tier)));
 }

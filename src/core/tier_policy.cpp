@@ -16,14 +16,10 @@ namespace lmoe {
 
 std::string_view setting_source_name(SettingSource source) {
   switch (source) {
-    case SettingSource::built_in:
-      return "default";
-    case SettingSource::table:
-      return "table";
-    case SettingSource::environment:
-      return "environment";
-    case SettingSource::caller:
-      return "caller";
+    case SettingSource::built_in: return "default";
+    case SettingSource::table: return "table";
+    case SettingSource::environment: return "environment";
+    case SettingSource::caller: return "caller";
   }
   return "?";
 }
@@ -108,14 +104,10 @@ Preference prefer(std::int64_t num_tokens, const PolicyConfig& config) {
 // Where to go when the preferred tier cannot run: the nearest tier in cost model first.
 std::vector<TailTier> fallback_order(TailTier preferred) {
   switch (preferred) {
-    case TailTier::fused:
-      return {TailTier::overlap, TailTier::column, TailTier::token};
-    case TailTier::overlap:
-      return {TailTier::column, TailTier::token, TailTier::fused};
-    case TailTier::column:
-      return {TailTier::token, TailTier::overlap, TailTier::fused};
-    case TailTier::token:
-      return {TailTier::column, TailTier::overlap, TailTier::fused};
+    case TailTier::fused: return {TailTier::overlap, TailTier::column, TailTier::token};
+    case TailTier::overlap: return {TailTier::column, TailTier::token, TailTier::fused};
+    case TailTier::column: return {TailTier::token, TailTier::overlap, TailTier::fused};
+    case TailTier::token: return {TailTier::column, TailTier::overlap, TailTier::fused};
   }
   return {};
 }

@@ -137,8 +137,7 @@ std::optional<std::string> generic_tier_limit(TailTier tier, const TailProblem& 
                " (the tier gives every rank at least one token row)";
       }
       return std::nullopt;
-    case TailTier::overlap:
-      return std::nullopt;
+    case TailTier::overlap: return std::nullopt;
   }
   return std::nullopt;
 }

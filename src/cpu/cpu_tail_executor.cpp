@@ -43,14 +43,10 @@ class CpuTailExecutor final : public TailExecutor {
   void run(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
            StreamHandle) override {
     switch (tier) {
-      case TailTier::overlap:
-        return run_overlap(routed, shared, out);
-      case TailTier::column:
-        return run_column(routed, shared, out);
-      case TailTier::token:
-        return run_token(routed, shared, out);
-      case TailTier::fused:
-        return run_fused(routed, shared, out);
+      case TailTier::overlap: return run_overlap(routed, shared, out);
+      case TailTier::column: return run_column(routed, shared, out);
+      case TailTier::token: return run_token(routed, shared, out);
+      case TailTier::fused: return run_fused(routed, shared, out);
     }
   }
 

@@ -58,10 +58,8 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
   const auto scatter_or_gather = [&](double x) { return share * row * x; };
   switch (tier) {
     case TailTier::overlap:
-    case TailTier::column:
-      return all_reduce(l) + all_reduce(d);
-    case TailTier::token:
-      return scatter_or_gather(l) + 2.0 * scatter_or_gather(d);
+    case TailTier::column: return all_reduce(l) + all_reduce(d);
+    case TailTier::token: return scatter_or_gather(l) + 2.0 * scatter_or_gather(d);
     case TailTier::fused:
       return (fused_two_shot ? all_reduce(l) : static_cast<double>(tp - 1) * row * l) +
              2.0 * scatter_or_gather(d);
@@ -71,12 +69,9 @@ double tier_bus_bytes(TailTier tier, std::int64_t num_tokens, TailDims dims, DTy
 
 std::string_view bench_mode_name(BenchMode mode) {
   switch (mode) {
-    case BenchMode::eager:
-      return "eager";
-    case BenchMode::graph:
-      return "graph";
-    case BenchMode::device_tokens:
-      return "device-tokens";
+    case BenchMode::eager: return "eager";
+    case BenchMode::graph: return "graph";
+    case BenchMode::device_tokens: return "device-tokens";
   }
   return "eager";
 }

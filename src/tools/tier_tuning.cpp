@@ -431,18 +431,12 @@ TuneResult refit_tier_table(const TierTable& table) {
 
 std::string_view verdict_name(ChoiceCheck::Verdict verdict) {
   switch (verdict) {
-    case ChoiceCheck::Verdict::fastest:
-      return "fastest";
-    case ChoiceCheck::Verdict::within_percent:
-      return "within tolerance";
-    case ChoiceCheck::Verdict::within_spread:
-      return "within spread";
-    case ChoiceCheck::Verdict::slower:
-      return "SLOWER";
-    case ChoiceCheck::Verdict::not_timed:
-      return "NOT TIMED";
-    case ChoiceCheck::Verdict::nothing_ran:
-      return "nothing ran";
+    case ChoiceCheck::Verdict::fastest: return "fastest";
+    case ChoiceCheck::Verdict::within_percent: return "within tolerance";
+    case ChoiceCheck::Verdict::within_spread: return "within spread";
+    case ChoiceCheck::Verdict::slower: return "SLOWER";
+    case ChoiceCheck::Verdict::not_timed: return "NOT TIMED";
+    case ChoiceCheck::Verdict::nothing_ran: return "nothing ran";
   }
   return "?";
 }

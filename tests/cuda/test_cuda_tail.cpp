@@ -61,6 +61,17 @@ lmoe::CaseRun run_gpu(const lmoe::TailCase& c, TailTier tier, const std::string&
   return lmoe::run_case_on_threads(c, options);
 }
 
+// `tier` on the GPU, rank 0's output compared with the contract's reference; every rank must return
+// the same bits and run the tier asked for.
+lmoe::Comparison run_and_compare(const lmoe::TailCase& c, TailTier tier, const std::string& comm,
+                                 bool graph) {
+  const lmoe::CaseRun result = run_gpu(c, tier, comm, graph);
+  EXPECT_TRUE(result.ranks_identical);
+  EXPECT_EQ(result.tier, tier);
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+  return lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+}
+
 std::vector<std::int64_t> token_counts(int tp) {
   std::set<std::int64_t> tokens = {1, 7, 129, 257, 300, 1024};
   for (std::int64_t t : {tp - 1, tp}) {
@@ -222,12 +233,7 @@ TEST_P(CudaTailParity, EveryTierMeetsItsContractAndFp64) {
         EXPECT_THROW(run_gpu(c, tier, comm, graph), lmoe::Error);  // declined, with the reason
         continue;
       }
-      const lmoe::CaseRun result = run_gpu(c, tier, comm, graph);
-      EXPECT_TRUE(result.ranks_identical);
-      ASSERT_EQ(result.tier, tier);
-      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp =
-          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp = run_and_compare(c, tier, comm, graph);
       EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
       EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
       elements += cmp.elements;
@@ -255,12 +261,7 @@ TEST_P(CudaTailParity, CraftedExactInputsMatchBitForBit) {
       if (tier == TailTier::token && tokens < tp) continue;  // declined: covered by the random test
       if (tier == TailTier::fused && fused_declines(comm, tp, dtype, tokens)) continue;
       SCOPED_TRACE("tier " + std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
-      const lmoe::CaseRun result = run_gpu(c, tier, comm, graph);
-      EXPECT_TRUE(result.ranks_identical);
-      ASSERT_EQ(result.tier, tier);
-      const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
-      const lmoe::Comparison cmp =
-          lmoe::compare(result.ranks[0].y.matrix(), reference, lmoe::exact_tail(c));
+      const lmoe::Comparison cmp = run_and_compare(c, tier, comm, graph);
       EXPECT_EQ(cmp.bit_mismatches, 0);
     }
   }

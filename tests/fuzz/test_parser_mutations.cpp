@@ -55,9 +55,7 @@ class Edits {
           input.insert(input.begin() + static_cast<std::ptrdiff_t>(at), run.begin(), run.end());
           break;
         }
-        case 4:
-          input.resize(at);
-          break;
+        case 4: input.resize(at); break;
         default:  // a byte of any value
           input.insert(input.begin() + static_cast<std::ptrdiff_t>(at),
                        static_cast<std::byte>(below(256)));

@@ -131,6 +131,14 @@ class LayerLoader : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
+  // The small preset's bf16 tensors of one layer, as a checkpoint names them.
+  static RawFile good_tensors() {
+    const LayerConfig config = small_config();
+    return checkpoint_tensors(config,
+                              lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  }
+  fs::path index_path() const { return dir_ / "model.safetensors.index.json"; }
+
   std::string load_error(const RawFile& tensors, int tp = 2) {
     write_checkpoint(dir_, tensors);
     return load_error_as_written(tp);
@@ -383,10 +391,8 @@ TEST_F(LayerLoader, BadTensorsAreNamed) {
 
 // A checkpoint whose index or directory is wrong is refused with the file named and what is wrong.
 TEST_F(LayerLoader, BadIndexesAndDirectoriesAreNamed) {
-  const LayerConfig config = small_config();
-  const RawFile good =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  const fs::path index = dir_ / "model.safetensors.index.json";
+  const RawFile good = good_tensors();
+  const fs::path index = index_path();
   const auto rewrite_index = [&](const std::string& text) {
     write_checkpoint(dir_, good);
     std::ofstream(index, std::ios::trunc) << text;
@@ -444,10 +450,8 @@ TEST_F(LayerLoader, BadIndexesAndDirectoriesAreNamed) {
 // An index entry may name only a file inside the checkpoint's folder: an absolute path, one that
 // climbs out, or a symlink that leads out would let a checkpoint read any file the process can.
 TEST_F(LayerLoader, IndexEntriesOutsideTheCheckpointAreRefused) {
-  const LayerConfig config = small_config();
-  const RawFile good =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  const fs::path index = dir_ / "model.safetensors.index.json";
+  const RawFile good = good_tensors();
+  const fs::path index = index_path();
   const std::string router = name_of(small_names().router_weight);
   const fs::path outside = dir_.string() + "_outside";
   fs::remove_all(outside);
@@ -503,10 +507,8 @@ TEST_F(LayerLoader, IndexEntriesOutsideTheCheckpointAreRefused) {
 // A folder where the index or a shard belongs is an error naming its path (this runs as root
 // too, unlike the test of mode 000 below).
 TEST_F(LayerLoader, AFolderWhereAFileBelongsIsNamed) {
-  const LayerConfig config = small_config();
-  const RawFile good =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  const fs::path index = dir_ / "model.safetensors.index.json";
+  const RawFile good = good_tensors();
+  const fs::path index = index_path();
   const fs::path shard = dir_ / "model-00002-of-00002.safetensors";
 
   write_checkpoint(dir_, good);
@@ -525,10 +527,8 @@ TEST_F(LayerLoader, AFolderWhereAFileBelongsIsNamed) {
 // A file or folder that cannot be read for its permissions is an error naming its path. Mode 000
 // does not stop root, so the test skips where the file stays readable.
 TEST_F(LayerLoader, UnreadableFilesAreNamed) {
-  const LayerConfig config = small_config();
-  const RawFile good =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  const fs::path index = dir_ / "model.safetensors.index.json";
+  const RawFile good = good_tensors();
+  const fs::path index = index_path();
   const fs::path shard = dir_ / "model-00002-of-00002.safetensors";
   write_checkpoint(dir_, good);
   fs::permissions(index, fs::perms::none);

@@ -330,16 +330,12 @@ TEST(ThreadsAllReduce, ManyCollectivesInARowStayInStep) {
       if (rank == static_cast<int>(round % tp))
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       switch (round % 3) {
-        case 0:
-          comm.all_reduce(in, out, count, DType::bf16);
-          break;
+        case 0: comm.all_reduce(in, out, count, DType::bf16); break;
         case 1: {
           comm.reduce_scatter(in, out, counts, DType::bf16);
           break;
         }
-        case 2:
-          comm.all_gather(in, out, counts, DType::bf16);
-          break;
+        case 2: comm.all_gather(in, out, counts, DType::bf16); break;
       }
     }
   });

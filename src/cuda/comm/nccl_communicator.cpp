@@ -36,12 +36,9 @@ using Clock = std::chrono::steady_clock;
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return ncclFloat32;
-    case DType::f16:
-      return ncclFloat16;
-    case DType::bf16:
-      return ncclBfloat16;
+    case DType::f32: return ncclFloat32;
+    case DType::f16: return ncclFloat16;
+    case DType::bf16: return ncclBfloat16;
   }
   throw Error("nccl: unknown dtype");
 }

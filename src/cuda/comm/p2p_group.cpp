@@ -133,8 +133,7 @@ std::string P2pGroup::device_failure() const {
         if (aborted.empty())
           aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
         break;
-      default:
-        break;
+      default: break;
     }
   }
   return aborted;

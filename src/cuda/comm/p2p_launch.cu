@@ -62,12 +62,9 @@ cudaError_t launch_p2p_round(const P2pDeviceHandle& handle, const P2pRound& roun
     return cudaErrorInvalidValue;
   }
   switch (dtype) {
-    case DType::bf16:
-      return launch_as<__nv_bfloat16>(handle, round, blocks, stream);
-    case DType::f16:
-      return launch_as<__half>(handle, round, blocks, stream);
-    case DType::f32:
-      return launch_as<float>(handle, round, blocks, stream);
+    case DType::bf16: return launch_as<__nv_bfloat16>(handle, round, blocks, stream);
+    case DType::f16: return launch_as<__half>(handle, round, blocks, stream);
+    case DType::f32: return launch_as<float>(handle, round, blocks, stream);
   }
   return cudaErrorInvalidValue;
 }

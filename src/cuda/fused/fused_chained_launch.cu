@@ -20,14 +20,10 @@ int token_class(std::int64_t tokens) {
 template <typename T, int kTileRows>
 const void* up_kernel_of(int token_class) {
   switch (token_class) {
-    case 16:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16, kTileRows>);
-    case 32:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32, kTileRows>);
-    case 64:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64, kTileRows>);
-    default:
-      return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128, kTileRows>);
+    case 16: return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 16, kTileRows>);
+    case 32: return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 32, kTileRows>);
+    case 64: return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 64, kTileRows>);
+    default: return reinterpret_cast<const void*>(fused_chained_up_kernel<T, 128, kTileRows>);
   }
 }
 
@@ -43,14 +39,10 @@ const void* up_kernel(int token_class, int tile_rows, DType dtype) {
 template <int kTileRows>
 int shared_bytes_of(int token_class) {
   switch (token_class) {
-    case 16:
-      return ChainedShape<16, kTileRows>::kSharedBytes;
-    case 32:
-      return ChainedShape<32, kTileRows>::kSharedBytes;
-    case 64:
-      return ChainedShape<64, kTileRows>::kSharedBytes;
-    default:
-      return ChainedShape<128, kTileRows>::kSharedBytes;
+    case 16: return ChainedShape<16, kTileRows>::kSharedBytes;
+    case 32: return ChainedShape<32, kTileRows>::kSharedBytes;
+    case 64: return ChainedShape<64, kTileRows>::kSharedBytes;
+    default: return ChainedShape<128, kTileRows>::kSharedBytes;
   }
 }
 

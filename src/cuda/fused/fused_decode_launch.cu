@@ -35,12 +35,9 @@ const void* decode_kernel_of(const DecodeShape& shape) {
 
 const void* decode_kernel(const DecodeShape& shape, DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return decode_kernel_of<__nv_bfloat16>(shape);
-    case DType::f16:
-      return decode_kernel_of<__half>(shape);
-    case DType::f32:
-      return nullptr;
+    case DType::bf16: return decode_kernel_of<__nv_bfloat16>(shape);
+    case DType::f16: return decode_kernel_of<__half>(shape);
+    case DType::f32: return nullptr;
   }
   return nullptr;
 }

@@ -13,45 +13,31 @@ constexpr int kRowsClasses[] = {16, 32, 64, 128, 256};
 template <typename T>
 const void* kernel_for(int rows_class) {
   switch (rows_class) {
-    case 16:
-      return reinterpret_cast<const void*>(fused_tail_kernel<T, 16>);
-    case 32:
-      return reinterpret_cast<const void*>(fused_tail_kernel<T, 32>);
-    case 64:
-      return reinterpret_cast<const void*>(fused_tail_kernel<T, 64>);
-    case 128:
-      return reinterpret_cast<const void*>(fused_tail_kernel<T, 128>);
-    case 256:
-      return reinterpret_cast<const void*>(fused_tail_kernel<T, 256>);
-    default:
-      return nullptr;
+    case 16: return reinterpret_cast<const void*>(fused_tail_kernel<T, 16>);
+    case 32: return reinterpret_cast<const void*>(fused_tail_kernel<T, 32>);
+    case 64: return reinterpret_cast<const void*>(fused_tail_kernel<T, 64>);
+    case 128: return reinterpret_cast<const void*>(fused_tail_kernel<T, 128>);
+    case 256: return reinterpret_cast<const void*>(fused_tail_kernel<T, 256>);
+    default: return nullptr;
   }
 }
 
 const void* kernel_for(int rows_class, DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return kernel_for<__nv_bfloat16>(rows_class);
-    case DType::f16:
-      return kernel_for<__half>(rows_class);
-    case DType::f32:
-      return nullptr;
+    case DType::bf16: return kernel_for<__nv_bfloat16>(rows_class);
+    case DType::f16: return kernel_for<__half>(rows_class);
+    case DType::f32: return nullptr;
   }
   return nullptr;
 }
 
 std::size_t shared_bytes_of(int rows_class) {
   switch (rows_class) {
-    case 16:
-      return FusedShape<16>::kSharedBytes;
-    case 32:
-      return FusedShape<32>::kSharedBytes;
-    case 64:
-      return FusedShape<64>::kSharedBytes;
-    case 128:
-      return FusedShape<128>::kSharedBytes;
-    default:
-      return FusedShape<256>::kSharedBytes;
+    case 16: return FusedShape<16>::kSharedBytes;
+    case 32: return FusedShape<32>::kSharedBytes;
+    case 64: return FusedShape<64>::kSharedBytes;
+    case 128: return FusedShape<128>::kSharedBytes;
+    default: return FusedShape<256>::kSharedBytes;
   }
 }
 

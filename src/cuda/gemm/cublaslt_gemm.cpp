@@ -11,12 +11,9 @@ namespace {
 
 cudaDataType_t cuda_type(DType dtype) {
   switch (dtype) {
-    case DType::f32:
-      return CUDA_R_32F;
-    case DType::f16:
-      return CUDA_R_16F;
-    case DType::bf16:
-      return CUDA_R_16BF;
+    case DType::f32: return CUDA_R_32F;
+    case DType::f16: return CUDA_R_16F;
+    case DType::bf16: return CUDA_R_16BF;
   }
   return CUDA_R_32F;
 }

@@ -204,22 +204,14 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
 
 const char* grouped_tile_name(GroupedTile tile) {
   switch (tile) {
-    case GroupedTile::automatic:
-      return "automatic";
-    case GroupedTile::m16:
-      return "m16";
-    case GroupedTile::m64:
-      return "m64";
-    case GroupedTile::m128:
-      return "m128";
-    case GroupedTile::m128_wide:
-      return "m128_wide";
-    case GroupedTile::wgmma:
-      return "wgmma";
-    case GroupedTile::wgmma_m256:
-      return "wgmma_m256";
-    case GroupedTile::wgmma_ws:
-      return "wgmma_ws";
+    case GroupedTile::automatic: return "automatic";
+    case GroupedTile::m16: return "m16";
+    case GroupedTile::m64: return "m64";
+    case GroupedTile::m128: return "m128";
+    case GroupedTile::m128_wide: return "m128_wide";
+    case GroupedTile::wgmma: return "wgmma";
+    case GroupedTile::wgmma_m256: return "wgmma_m256";
+    case GroupedTile::wgmma_ws: return "wgmma_ws";
   }
   return "?";
 }
@@ -320,12 +312,9 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
 
 cudaError_t prepare_grouped_gemm(DType dtype) {
   switch (dtype) {
-    case DType::bf16:
-      return prepare_typed<__nv_bfloat16>();
-    case DType::f16:
-      return prepare_typed<__half>();
-    default:
-      return cudaErrorInvalidValue;
+    case DType::bf16: return prepare_typed<__nv_bfloat16>();
+    case DType::f16: return prepare_typed<__half>();
+    default: return cudaErrorInvalidValue;
   }
 }
 

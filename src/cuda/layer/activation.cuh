@@ -21,15 +21,9 @@ struct ActivationParams {
 inline ActivationParams activation_params_of(const LayerConfig& config) {
   ActivationParams params{};
   switch (config.activation) {
-    case ExpertActivation::silu_glu:
-      params.kind = 0;
-      break;
-    case ExpertActivation::situ_glu:
-      params.kind = 1;
-      break;
-    case ExpertActivation::relu2:
-      params.kind = 2;
-      break;
+    case ExpertActivation::silu_glu: params.kind = 0; break;
+    case ExpertActivation::situ_glu: params.kind = 1; break;
+    case ExpertActivation::relu2: params.kind = 2; break;
   }
   params.beta = config.activation_beta;
   params.linear_beta = config.activation_linear_beta;
@@ -38,8 +32,7 @@ inline ActivationParams activation_params_of(const LayerConfig& config) {
 
 __device__ inline float activate(const ActivationParams& p, float gate, float up) {
   switch (p.kind) {
-    case 0:
-      return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
+    case 0: return __fmul_rn(__fmul_rn(gate, sigmoid_rn(gate)), up);
     case 1: {
       const float gated =
           __fmul_rn(__fmul_rn(p.beta, tanhf(__fdiv_rn(gate, p.beta))), sigmoid_rn(gate));

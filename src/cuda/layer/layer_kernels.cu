@@ -17,17 +17,10 @@ int blocks_for(std::int64_t work_items) { return elementwise_blocks(work_items);
 template <typename Fn>
 cudaError_t with_storage(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::f32:
-      fn(float{});
-      break;
-    case DType::f16:
-      fn(__half{});
-      break;
-    case DType::bf16:
-      fn(__nv_bfloat16{});
-      break;
-    default:
-      return cudaErrorInvalidValue;
+    case DType::f32: fn(float{}); break;
+    case DType::f16: fn(__half{}); break;
+    case DType::bf16: fn(__nv_bfloat16{}); break;
+    default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

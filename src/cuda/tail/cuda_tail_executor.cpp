@@ -331,14 +331,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   void run_tier(TailTier tier, ConstMatrixView routed, MatrixView shared, MatrixView out,
                 cudaStream_t stream, cudaStream_t side, const std::int32_t* tokens_device) {
     switch (tier) {
-      case TailTier::overlap:
-        return run_overlap(routed, shared, out, stream, side);
-      case TailTier::column:
-        return run_column(routed, shared, out, stream);
-      case TailTier::token:
-        return run_token(routed, shared, out, stream, side);
-      case TailTier::fused:
-        return run_fused(routed, shared, out, stream, tokens_device);
+      case TailTier::overlap: return run_overlap(routed, shared, out, stream, side);
+      case TailTier::column: return run_column(routed, shared, out, stream);
+      case TailTier::token: return run_token(routed, shared, out, stream, side);
+      case TailTier::fused: return run_fused(routed, shared, out, stream, tokens_device);
     }
   }
 
@@ -404,8 +400,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
         }
         break;
       }
-      case TailTier::fused:
-        break;
+      case TailTier::fused: break;
     }
   }
 

@@ -106,12 +106,9 @@ cudaError_t launch_rank_order_reduce(const void* const* inputs, int num_inputs, 
   if (num_inputs < 1 || num_inputs > kMaxReduceInputs || count < 0) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   switch (dtype) {
-    case DType::f32:
-      return reduce_as<float>(inputs, num_inputs, out, count, stream);
-    case DType::f16:
-      return reduce_as<__half>(inputs, num_inputs, out, count, stream);
-    case DType::bf16:
-      return reduce_as<__nv_bfloat16>(inputs, num_inputs, out, count, stream);
+    case DType::f32: return reduce_as<float>(inputs, num_inputs, out, count, stream);
+    case DType::f16: return reduce_as<__half>(inputs, num_inputs, out, count, stream);
+    case DType::bf16: return reduce_as<__nv_bfloat16>(inputs, num_inputs, out, count, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -143,12 +140,9 @@ cudaError_t launch_accumulate_stripe(void* stripe, std::int64_t ld, const float*
     return cudaGetLastError();
   };
   switch (dtype) {
-    case DType::f32:
-      return launch(static_cast<float*>(stripe));
-    case DType::f16:
-      return launch(static_cast<__half*>(stripe));
-    case DType::bf16:
-      return launch(static_cast<__nv_bfloat16*>(stripe));
+    case DType::f32: return launch(static_cast<float*>(stripe));
+    case DType::f16: return launch(static_cast<__half*>(stripe));
+    case DType::bf16: return launch(static_cast<__nv_bfloat16*>(stripe));
   }
   return cudaErrorInvalidValue;
 }

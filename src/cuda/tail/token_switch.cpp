@@ -22,24 +22,15 @@ std::optional<std::string> unfit_kind(cudaGraphNodeType type) {
     case cudaGraphNodeTypeMemset:
     case cudaGraphNodeTypeGraph:
     case cudaGraphNodeTypeEmpty:
-    case cudaGraphNodeTypeConditional:
-      return std::nullopt;
-    case cudaGraphNodeTypeHost:
-      return "a host-function node";
-    case cudaGraphNodeTypeWaitEvent:
-      return "an event-wait node";
-    case cudaGraphNodeTypeEventRecord:
-      return "an event-record node";
-    case cudaGraphNodeTypeExtSemaphoreSignal:
-      return "an external-semaphore signal node";
-    case cudaGraphNodeTypeExtSemaphoreWait:
-      return "an external-semaphore wait node";
-    case cudaGraphNodeTypeMemAlloc:
-      return "a memory-allocation node";
-    case cudaGraphNodeTypeMemFree:
-      return "a memory-free node";
-    default:
-      return "a node of type " + std::to_string(static_cast<int>(type));
+    case cudaGraphNodeTypeConditional: return std::nullopt;
+    case cudaGraphNodeTypeHost: return "a host-function node";
+    case cudaGraphNodeTypeWaitEvent: return "an event-wait node";
+    case cudaGraphNodeTypeEventRecord: return "an event-record node";
+    case cudaGraphNodeTypeExtSemaphoreSignal: return "an external-semaphore signal node";
+    case cudaGraphNodeTypeExtSemaphoreWait: return "an external-semaphore wait node";
+    case cudaGraphNodeTypeMemAlloc: return "a memory-allocation node";
+    case cudaGraphNodeTypeMemFree: return "a memory-free node";
+    default: return "a node of type " + std::to_string(static_cast<int>(type));
   }
 }
 

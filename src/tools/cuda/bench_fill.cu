@@ -35,12 +35,9 @@ cudaError_t launch_fill_bench_values(void* dst, std::int64_t count, DType dtype,
   if (count < 0) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   switch (dtype) {
-    case DType::f32:
-      return fill_as<float>(dst, count, seed, stream);
-    case DType::f16:
-      return fill_as<__half>(dst, count, seed, stream);
-    case DType::bf16:
-      return fill_as<__nv_bfloat16>(dst, count, seed, stream);
+    case DType::f32: return fill_as<float>(dst, count, seed, stream);
+    case DType::f16: return fill_as<__half>(dst, count, seed, stream);
+    case DType::bf16: return fill_as<__nv_bfloat16>(dst, count, seed, stream);
   }
   return cudaErrorInvalidValue;
 }
