@@ -20,6 +20,17 @@
 namespace lmoe {
 namespace {
 
+// `call` throws an lmoe::Error whose message contains `expected`.
+template <typename Call>
+void expect_error(Call call, const std::string& expected) {
+  try {
+    call();
+    ADD_FAILURE() << "expected lmoe::Error containing: " << expected;
+  } catch (const Error& error) {
+    EXPECT_THAT(error.message(), ::testing::HasSubstr(expected));
+  }
+}
+
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -233,12 +244,7 @@ TEST(Safetensors, HeaderReadsAcceptEveryFormatDtypeAndReadBytesInPlace) {
       "{\"a\":" + entry("U8", "[2,3]", "[0,6]") + ",\"b\":" + entry("BF16", "[2]", "[6,10]") + "}";
   std::ofstream(path, std::ios::binary)
       << make_file(header, std::string("\x01\x02\x03\x04\x05\x06\x80\x3f\x00\x40", 10));
-  try {
-    read_safetensors(path);
-    FAIL() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("has dtype 'U8', which lmoe does not support"));
-  }
+  expect_error([&] { read_safetensors(path); }, "has dtype 'U8', which lmoe does not support");
   const SafetensorsHeader read = read_safetensors_header(path);
   ASSERT_EQ(read.tensors.size(), 2u);
   const SafetensorsTensorInfo& a = read.tensors.at("a");
@@ -255,20 +261,11 @@ TEST(Safetensors, HeaderReadsAcceptEveryFormatDtypeAndReadBytesInPlace) {
   // Sizes are still checked, and a name the format does not define is still refused.
   std::ofstream(path, std::ios::binary)
       << make_file("{\"a\":" + entry("U16", "[2,3]", "[0,6]") + "}", std::string(6, '\0'));
-  try {
-    read_safetensors_header(path);
-    FAIL() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("spanning 6 bytes, but U16 [2, 3] needs 12"));
-  }
+  expect_error([&] { read_safetensors_header(path); }, "spanning 6 bytes, but U16 [2, 3] needs 12");
   std::ofstream(path, std::ios::binary)
       << make_file("{\"a\":" + entry("Q4", "[2]", "[0,1]") + "}", std::string(1, '\0'));
-  try {
-    read_safetensors_header(path);
-    FAIL() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("has dtype 'Q4', which is not a safetensors dtype"));
-  }
+  expect_error([&] { read_safetensors_header(path); },
+               "has dtype 'Q4', which is not a safetensors dtype");
 }
 
 // ---- Files and I/O errors ----
@@ -334,13 +331,8 @@ TEST(Safetensors, WriteRefusesASymlinkPlantedAtTheTemporaryName) {
   std::filesystem::create_symlink(victim, temporary);
   std::map<std::string, HostTensor> tensors;
   tensors.emplace("w", HostTensor(DType::f32, {2}));
-  try {
-    write_safetensors(path, tensors);
-    FAIL() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr(path + ": cannot create temporary file '" + temporary +
-                                           "': File exists"));
-  }
+  expect_error([&] { write_safetensors(path, tensors); },
+               path + ": cannot create temporary file '" + temporary + "': File exists");
   std::ifstream in(victim);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "keep");
   EXPECT_FALSE(std::filesystem::exists(path));
@@ -349,31 +341,16 @@ TEST(Safetensors, WriteRefusesASymlinkPlantedAtTheTemporaryName) {
 TEST(Safetensors, SerializeRejectsReservedNameAndEmptyTensor) {
   std::map<std::string, HostTensor> reserved;
   reserved.emplace("__metadata__", HostTensor(DType::f32, {1}));
-  try {
-    serialize_safetensors(reserved);
-    ADD_FAILURE() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("named __metadata__"));
-  }
+  expect_error([&] { serialize_safetensors(reserved); }, "named __metadata__");
   std::map<std::string, HostTensor> hollow;
   hollow.emplace("hollow", HostTensor());  // shape [] means one element, but it has no bytes
-  try {
-    serialize_safetensors(hollow);
-    ADD_FAILURE() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("tensor 'hollow': it holds 0 bytes"));
-  }
+  expect_error([&] { serialize_safetensors(hollow); }, "tensor 'hollow': it holds 0 bytes");
 }
 
 TEST(Safetensors, SerializeRejectsInvalidUtf8) {
   std::map<std::string, HostTensor> tensors;
   tensors.emplace("bad\xff", HostTensor(DType::f32, {1}));
-  try {
-    serialize_safetensors(tensors);
-    ADD_FAILURE() << "expected lmoe::Error";
-  } catch (const Error& error) {
-    EXPECT_THAT(error.message(), HasSubstr("cannot serialize safetensors header"));
-  }
+  expect_error([&] { serialize_safetensors(tensors); }, "cannot serialize safetensors header");
 }
 
 // ---- Malformed prefix and header ----
