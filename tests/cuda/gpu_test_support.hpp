@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/dtype.hpp"
+#include "lmoe/reference.hpp"
 
 // Skips the test (with the reason) where no CUDA GPU is visible, as on the CI machine.
 #define SKIP_WITHOUT_GPU()                                             \
@@ -68,3 +70,17 @@ class ScopedEnv {
   const char* name_;
   std::optional<std::string> previous_;
 };
+
+// Every rank's output of `tier` on case `c` (one per rank) holds the same bits, and rank 0's meets
+// the tier's contract against the reference.
+inline void expect_ranks_alike_within_contract(const std::vector<lmoe::HostTensor>& outputs,
+                                               const lmoe::TailCase& c, lmoe::TailTier tier) {
+  for (std::size_t r = 1; r < outputs.size(); ++r) {
+    EXPECT_EQ(0, std::memcmp(outputs[r].data(), outputs[0].data(), outputs[0].nbytes()))
+        << "rank " << r;
+  }
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(tier));
+  const lmoe::Comparison cmp = lmoe::compare(outputs[0].matrix(), reference, lmoe::exact_tail(c));
+  EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+  EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+}
