@@ -7,7 +7,7 @@
 # benchmarks/profile.sh and benchmarks/fused_timeline.sh, on the same frame (scripts/gpu_check_lib.sh).
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python opbench p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 cd "$(dirname "$0")/.."
 check_name=gpu_check
@@ -52,7 +52,9 @@ if wants python; then
   stage "python: pip install . (CUDA ops) and pytest tests/python"
   rm -rf "$logs/site"
   LMOE_PYTHON_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 420 python3 -m pip install -q \
-    --no-build-isolation --no-deps --target "$logs/site" . >"$logs/python_build.log" 2>&1
+    --no-build-isolation --no-deps --target "$logs/site" \
+    ${LMOE_CUDA_ARCHITECTURES:+-Ccmake.define.CMAKE_CUDA_ARCHITECTURES=$LMOE_CUDA_ARCHITECTURES} . \
+    >"$logs/python_build.log" 2>&1
   rc[python_build]=$?
   tail -5 "$logs/python_build.log"
   if [ "${rc[python_build]}" -eq 0 ]; then
@@ -61,6 +63,17 @@ if wants python; then
     rc[python_tests]=$?
     tail -25 "$logs/python_tests.log"
   fi
+fi
+
+if wants opbench; then
+  # The tail as a torch op against `lmoe bench` and plain PyTorch, per tail in graphs of 8 (tp 1,
+  # K3 dims): the package from the python stage, the lmoe binary from the build stage.
+  stage "torch op vs lmoe bench vs PyTorch: K3, tp 1, graphs of 8 tails"
+  PYTHONPATH="$logs/site${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 benchmarks/torch_op_bench.py \
+    --lmoe build/cuda/lmoe -t 1,16,128,1024,8192 --json "$logs/torch_op_k3_tp1.json" \
+    >"$logs/opbench.log" 2>&1
+  rc[opbench]=$?
+  tail -12 "$logs/opbench.log"
 fi
 
 if wants p2p; then
