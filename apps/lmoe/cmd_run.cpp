@@ -113,13 +113,11 @@ void RunCommand::execute() const {
         if (!reference)
           reference =
               std::make_unique<ContractReference>(reference_tail(c, contract_of(tier), reductions));
-        RunOptions options;
-        options.backend = chosen_backend;
-        options.comm = chosen_comm;
-        options.policy = policy;
-        options.tier = tier;
-        options.repeats = repeats;
-        const CaseRun run = run_case_on_threads(c, options);
+        const CaseRun run = run_case_on_threads(c, {.backend = chosen_backend,
+                                                    .comm = chosen_comm,
+                                                    .policy = policy,
+                                                    .tier = tier,
+                                                    .repeats = repeats});
         result.median_us = run.median_seconds * 1e6;
         result.ranks_identical = run.ranks_identical;
         result.comparison = compare(run.ranks.front().y.matrix(), *reference, exact);

@@ -18,17 +18,15 @@ namespace {
 TailCase empty_case(TailDims dims, float eps, DType dtype, int tp, std::int64_t tokens) {
   LMOE_CHECK(tp >= 1 && tokens >= 0 && dims.d_model > 0 && dims.d_latent > 0,
              "invalid case: tp, T or dims out of range");
-  TailCase c;
-  c.dims = dims;
-  c.eps = eps;
-  c.dtype = dtype;
-  c.tp = tp;
-  c.num_tokens = tokens;
-  c.routed = HostTensor(dtype, {tp, tokens, dims.d_latent});
-  c.shared = HostTensor(dtype, {tp, tokens, dims.d_model});
-  c.norm_weight = HostTensor(dtype, {dims.d_latent});
-  c.up_proj_weight = HostTensor(dtype, {dims.d_model, dims.d_latent});
-  return c;
+  return {.dims = dims,
+          .eps = eps,
+          .dtype = dtype,
+          .tp = tp,
+          .num_tokens = tokens,
+          .routed = HostTensor(dtype, {tp, tokens, dims.d_latent}),
+          .shared = HostTensor(dtype, {tp, tokens, dims.d_model}),
+          .norm_weight = HostTensor(dtype, {dims.d_latent}),
+          .up_proj_weight = HostTensor(dtype, {dims.d_model, dims.d_latent})};
 }
 
 // Spacing of the storage dtype's values near magnitude x (its ulp there).

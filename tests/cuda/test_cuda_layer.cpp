@@ -128,16 +128,14 @@ void PrintTo(const RouterCase& c, std::ostream* os) { *os << c.name; }
 RouterConfig router_of(std::int64_t experts, std::int64_t k, std::int64_t groups,
                        std::int64_t topk_group, lmoe::RouterScore score, bool bias, bool renorm,
                        float scale) {
-  RouterConfig config;
-  config.num_experts = experts;
-  config.top_k = k;
-  config.n_group = groups;
-  config.topk_group = topk_group;
-  config.score = score;
-  config.correction_bias = bias;
-  config.renormalize = renorm;
-  config.routed_scaling_factor = scale;
-  return config;
+  return {.num_experts = experts,
+          .top_k = k,
+          .n_group = groups,
+          .topk_group = topk_group,
+          .score = score,
+          .correction_bias = bias,
+          .renormalize = renorm,
+          .routed_scaling_factor = scale};
 }
 
 class CudaRouterSameLogits : public ::testing::TestWithParam<RouterCase> {};

@@ -23,13 +23,11 @@ using ::testing::HasSubstr;
 
 RouterConfig config_of(std::int64_t experts, std::int64_t top_k, std::int64_t groups = 1,
                        std::int64_t topk_group = 1, float scale = 1.0f) {
-  RouterConfig config;
-  config.num_experts = experts;
-  config.top_k = top_k;
-  config.n_group = groups;
-  config.topk_group = topk_group;
-  config.routed_scaling_factor = scale;
-  return config;
+  return {.num_experts = experts,
+          .top_k = top_k,
+          .n_group = groups,
+          .topk_group = topk_group,
+          .routed_scaling_factor = scale};
 }
 
 struct RandomCase {
