@@ -35,6 +35,24 @@ void expect_buckets(const std::vector<DeviceTokenBucket>& got,
   }
 }
 
+// The power-of-two buckets [1, 1], [2, 2], [3, 4], ... [max_tokens / 2 + 1, max_tokens] for a
+// power of two max_tokens <= 128, all of one tier.
+std::vector<Expected> power_of_two_buckets(std::int64_t max_tokens, TailTier tier) {
+  constexpr std::int64_t kBounds[][2] = {{1, 1},  {2, 2},   {3, 4},   {5, 8},
+                                         {9, 16}, {17, 32}, {33, 64}, {65, 128}};
+  std::vector<Expected> buckets;
+  for (const auto& [first, last] : kBounds) {
+    if (last <= max_tokens) buckets.push_back({first, last, tier});
+  }
+  return buckets;
+}
+
+// `head` followed by `tail`.
+std::vector<Expected> joined(std::vector<Expected> head, const std::vector<Expected>& tail) {
+  head.insert(head.end(), tail.begin(), tail.end());
+  return head;
+}
+
 // A breakpoint policy: fused up to fused_max, overlap up to overlap_max, column above.
 auto breakpoints(std::int64_t fused_max, std::int64_t overlap_max) {
   return [=](std::int64_t t) -> DeviceTokenChoice {
@@ -45,29 +63,16 @@ auto breakpoints(std::int64_t fused_max, std::int64_t overlap_max) {
 }
 
 TEST(DeviceTokenBuckets, PowersOfTwoAndTheTiersBoundariesSplitThem) {
-  expect_buckets(lmoe::make_device_token_buckets(200, breakpoints(128, 256)),
-                 {{1, 1, TailTier::fused},
-                  {2, 2, TailTier::fused},
-                  {3, 4, TailTier::fused},
-                  {5, 8, TailTier::fused},
-                  {9, 16, TailTier::fused},
-                  {17, 32, TailTier::fused},
-                  {33, 64, TailTier::fused},
-                  {65, 128, TailTier::fused},
-                  {129, 200, TailTier::overlap}});
+  expect_buckets(
+      lmoe::make_device_token_buckets(200, breakpoints(128, 256)),
+      joined(power_of_two_buckets(128, TailTier::fused), {{129, 200, TailTier::overlap}}));
   // A boundary inside a power-of-two range splits it; the bucket ends (45, 64) get the tier chosen
   // there.
   expect_buckets(lmoe::make_device_token_buckets(70, breakpoints(45, 65)),
-                 {{1, 1, TailTier::fused},
-                  {2, 2, TailTier::fused},
-                  {3, 4, TailTier::fused},
-                  {5, 8, TailTier::fused},
-                  {9, 16, TailTier::fused},
-                  {17, 32, TailTier::fused},
-                  {33, 45, TailTier::fused},
-                  {46, 64, TailTier::overlap},
-                  {65, 65, TailTier::overlap},
-                  {66, 70, TailTier::column}});
+                 joined(power_of_two_buckets(32, TailTier::fused), {{33, 45, TailTier::fused},
+                                                                    {46, 64, TailTier::overlap},
+                                                                    {65, 65, TailTier::overlap},
+                                                                    {66, 70, TailTier::column}}));
   expect_buckets(lmoe::make_device_token_buckets(1, breakpoints(0, 0)), {{1, 1, TailTier::column}});
   // Every T asked once, in order.
   std::vector<std::int64_t> asked;
