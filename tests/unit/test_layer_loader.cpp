@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -189,6 +191,36 @@ TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
   EXPECT_EQ(as_f32.latent_up.get(77), full.latent_up.get(77));
 }
 
+// One MXFP4 matrix [rows, cols]: packed e2m1 values, two a byte (low nibble first), and E8M0
+// scales, one per 32 values along a row.
+struct Mxfp4Blocks {
+  std::vector<std::byte> packed;  // [rows, cols / 2]
+  std::vector<std::byte> scales;  // [rows, cols / 32]
+};
+using Mxfp4BlocksOf =
+    std::function<Mxfp4Blocks(const std::string& name, std::int64_t rows, std::int64_t cols)>;
+
+// The full (tp = 1) weights as checkpoint tensors with every routed expert's matrices as MXFP4
+// blocks from `blocks_of` (asked for each expert in order: gate, up, down).
+RawFile mxfp4_checkpoint(const LayerConfig& config, const lmoe::LayerTensorNames& names,
+                         const Mxfp4BlocksOf& blocks_of) {
+  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
+  RawFile tensors =
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
+  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
+    for (const auto& [pattern, rows, cols] :
+         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
+          std::tuple{names.expert_down, l, inter}}) {
+      const std::string name = name_of(pattern, e);
+      Mxfp4Blocks blocks = blocks_of(name, rows, cols);
+      tensors.erase(name);
+      tensors[name + "_packed"] = {"U8", {rows, cols / 2}, std::move(blocks.packed)};
+      tensors[name + "_scale"] = {"U8", {rows, cols / 32}, std::move(blocks.scales)};
+    }
+  }
+  return tensors;
+}
+
 // e2m1 by its definition: sign, 2-bit exponent (bias 1), 1-bit mantissa; exponent 0 is subnormal.
 double e2m1(unsigned nibble) {
   const unsigned exponent = (nibble >> 1) & 3u, mantissa = nibble & 1u;
@@ -203,33 +235,20 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
   lmoe::LayerTensorNames names = small_names();
   names.experts_mxfp4 = true;
-  RawFile tensors =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
   std::mt19937 generator(5);
   // Per expert and matrix: packed bytes and scales, kept to compute the expected values.
-  std::map<std::string, std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>>> blocks;
-  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
-    for (const auto& [pattern, rows, cols] :
-         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
-          std::tuple{names.expert_down, l, inter}}) {
-      const std::string name = name_of(pattern, e);
-      tensors.erase(name);
-      std::vector<std::uint8_t> packed(static_cast<std::size_t>(rows * cols / 2)),
-          scales(static_cast<std::size_t>(rows * cols / 32));
-      for (auto& byte : packed) byte = static_cast<std::uint8_t>(generator());
-      for (auto& scale : scales) scale = static_cast<std::uint8_t>(120 + generator() % 12);
-      tensors[name + "_packed"] = {"U8",
-                                   {rows, cols / 2},
-                                   {reinterpret_cast<std::byte*>(packed.data()),
-                                    reinterpret_cast<std::byte*>(packed.data()) + packed.size()}};
-      tensors[name + "_scale"] = {"U8",
-                                  {rows, cols / 32},
-                                  {reinterpret_cast<std::byte*>(scales.data()),
-                                   reinterpret_cast<std::byte*>(scales.data()) + scales.size()}};
-      blocks[name] = {packed, scales};
-    }
-  }
-  write_checkpoint(dir_, tensors);
+  std::map<std::string, Mxfp4Blocks> blocks;
+  write_checkpoint(
+      dir_, mxfp4_checkpoint(config, names,
+                             [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
+                               Mxfp4Blocks& b = blocks[name];
+                               b.packed.resize(static_cast<std::size_t>(rows * (cols / 2)));
+                               b.scales.resize(static_cast<std::size_t>(rows * (cols / 32)));
+                               for (auto& byte : b.packed) byte = std::byte(generator());
+                               for (auto& scale : b.scales)
+                                 scale = std::byte(120 + generator() % 12);
+                               return b;
+                             }));
   const int tp = 2, rank = 1;
   const std::int64_t inter_r = inter / tp;
   const lmoe::LayerWeights loaded =
@@ -237,12 +256,12 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   auto expected = [&](const std::string& name, std::int64_t cols, std::int64_t row,
                       std::int64_t col) {
     const auto& [packed, scales] = blocks.at(name);
-    const std::uint8_t byte = packed[static_cast<std::size_t>((row * cols + col) / 2)];
+    const auto byte =
+        std::to_integer<unsigned>(packed[static_cast<std::size_t>((row * cols + col) / 2)]);
     const unsigned nibble = col % 2 == 0 ? byte & 0xfu : byte >> 4;
-    return e2m1(nibble) *
-           std::ldexp(
-               1.0, static_cast<int>(scales[static_cast<std::size_t>(row * cols / 32 + col / 32)]) -
-                        127);
+    const auto scale =
+        std::to_integer<int>(scales[static_cast<std::size_t>(row * cols / 32 + col / 32)]);
+    return e2m1(nibble) * std::ldexp(1.0, scale - 127);
   };
   for (std::int64_t e = 0; e < config.router.num_experts; e += 3) {
     for (std::int64_t i = 0; i < inter_r; ++i) {
@@ -264,22 +283,11 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
 // Every routed expert as MXFP4 blocks: each packed byte 0x77 (e2m1 6 in both nibbles) and
 // every scale 127 (2^0), so one edited byte decides whether a load passes.
 RawFile mxfp4_checkpoint(const LayerConfig& config, const lmoe::LayerTensorNames& names) {
-  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
-  RawFile tensors =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
-    for (const auto& [pattern, rows, cols] :
-         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
-          std::tuple{names.expert_down, l, inter}}) {
-      const std::string name = name_of(pattern, e);
-      tensors.erase(name);
-      tensors[name + "_packed"] = {
-          "U8", {rows, cols / 2}, std::vector<std::byte>(rows * (cols / 2), std::byte{0x77})};
-      tensors[name + "_scale"] = {
-          "U8", {rows, cols / 32}, std::vector<std::byte>(rows * (cols / 32), std::byte{127})};
-    }
-  }
-  return tensors;
+  return mxfp4_checkpoint(
+      config, names, [](const std::string&, std::int64_t rows, std::int64_t cols) {
+        return Mxfp4Blocks{std::vector<std::byte>(rows * (cols / 2), std::byte{0x77}),
+                           std::vector<std::byte>(rows * (cols / 32), std::byte{127})};
+      });
 }
 
 // Each way MXFP4 blocks can be wrong is refused with the tensor, and for a scale its row and
