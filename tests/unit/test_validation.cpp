@@ -219,57 +219,33 @@ TEST(LatentTailValidation, WrongDtypeOfEachTensor) {
 
 TEST(LatentTailValidation, WrongShapesOfRoutedSharedAndOut) {
   const std::int64_t t = 3;
+  // The good views with one of them given another (still contiguous) shape.
+  const auto reshaped = [](auto CallViews::*which, std::int64_t rows, std::int64_t cols) {
+    return [=](Call& c) {
+      CallViews v = good_views(c);
+      (v.*which).rows = rows;
+      (v.*which).cols = cols;
+      (v.*which).ld = cols;
+      return v;
+    };
+  };
   struct Case {
     const char* what;
     std::function<CallViews(Call&)> views;
     std::string message;
   };
   const std::vector<Case> cases = {
-      {"routed one column short",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.routed.cols = kDLatent - 1;
-         v.routed.ld = kDLatent - 1;
-         return v;
-       },
+      {"routed one column short", reshaped(&CallViews::routed, t, kDLatent - 1),
        "rank 0: routed: expected shape [3, 48], got [3, 47]"},
-      {"shared one column short",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.shared.cols = kDModel - 1;
-         v.shared.ld = kDModel - 1;
-         return v;
-       },
+      {"shared one column short", reshaped(&CallViews::shared, t, kDModel - 1),
        "rank 0: shared: expected shape [3, 96], got [3, 95]"},
-      {"shared one row short",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.shared.rows = t - 1;
-         return v;
-       },
+      {"shared one row short", reshaped(&CallViews::shared, t - 1, kDModel),
        "rank 0: shared: expected shape [3, 96], got [2, 96]"},
-      {"out one row short",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.out.rows = t - 1;
-         return v;
-       },
+      {"out one row short", reshaped(&CallViews::out, t - 1, kDModel),
        "rank 0: out: expected shape [3, 96], got [2, 96]"},
-      {"out one column short",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.out.cols = kDModel - 1;
-         v.out.ld = kDModel - 1;
-         return v;
-       },
+      {"out one column short", reshaped(&CallViews::out, t, kDModel - 1),
        "rank 0: out: expected shape [3, 96], got [3, 95]"},
-      {"out given the latent width",
-       [](Call& c) {
-         auto v = good_views(c);
-         v.out.cols = kDLatent;
-         v.out.ld = kDLatent;
-         return v;
-       },
+      {"out given the latent width", reshaped(&CallViews::out, t, kDLatent),
        "rank 0: out: expected shape [3, 96], got [3, 48]"},
   };
   for (const Case& c : cases) {
@@ -365,23 +341,28 @@ struct SharedStorage {
   }
 };
 
+// call_outcome on two ranks, each placing views in its own SharedStorage.
+std::vector<std::string> storage_outcome(
+    std::int64_t tokens, const std::function<CallViews(SharedStorage&, Call&)>& make_views) {
+  std::vector<SharedStorage> storages(2);
+  return call_outcome(2, tokens,
+                      [&](int rank, Call& call) { return make_views(storages[rank], call); });
+}
+
 TEST(LatentTailValidation, OutMustNotOverlapRouted) {
   const std::int64_t t = 3;
-  std::vector<SharedStorage> storages(2);
   // out starts one element before routed ends: overlap. (At routed's end exactly: see below.)
   expect_every_rank(
-      call_outcome(
-          2, t,
-          [&](int rank, Call& call) {
-            SharedStorage& s = storages[rank];
+      storage_outcome(
+          t,
+          [&](SharedStorage& s, Call& call) {
             return CallViews{s.routed(t), call.shared.matrix(), s.model_at(t * kDLatent - 1, t)};
           }),
       "rank 0: out: must not overlap routed");
   expect_every_rank(
-      call_outcome(
-          2, t,
-          [&](int rank, Call& call) {
-            SharedStorage& s = storages[rank];
+      storage_outcome(
+          t,
+          [&](SharedStorage& s, Call& call) {
             return CallViews{s.routed(t), call.shared.matrix(), s.model_at(t * kDLatent, t)};
           }),
       kOk);
@@ -389,12 +370,10 @@ TEST(LatentTailValidation, OutMustNotOverlapRouted) {
 
 TEST(LatentTailValidation, RoutedMustNotOverlapShared) {
   const std::int64_t t = 3;
-  std::vector<SharedStorage> storages(2);
   expect_every_rank(
-      call_outcome(
-          2, t,
-          [&](int rank, Call& call) {
-            SharedStorage& s = storages[rank];
+      storage_outcome(
+          t,
+          [&](SharedStorage& s, Call& call) {
             return CallViews{s.routed(t), s.model_at(t * kDLatent - 1, t), call.out.matrix()};
           }),
       "rank 0: routed: must not overlap shared");
@@ -402,13 +381,11 @@ TEST(LatentTailValidation, RoutedMustNotOverlapShared) {
 
 TEST(LatentTailValidation, OutIsEitherSharedItselfOrApartFromIt) {
   const std::int64_t t = 3;
-  std::vector<SharedStorage> storages(2);
   expect_every_rank(
-      call_outcome(2, t,
-                   [&](int rank, Call& call) {
-                     SharedStorage& s = storages[rank];
-                     return CallViews{call.routed.matrix(), s.model_at(0, t), s.model_at(1, t)};
-                   }),
+      storage_outcome(t,
+                      [&](SharedStorage& s, Call& call) {
+                        return CallViews{call.routed.matrix(), s.model_at(0, t), s.model_at(1, t)};
+                      }),
       "rank 0: out: must be either the shared buffer itself or not overlap it");
   // out == shared is the documented in-place form.
   expect_every_rank(
@@ -758,39 +735,44 @@ TEST(LatentTailValidation, TheLowestBadRankIsReported) {
   expect_every_rank(outcome, "rank 1: shared: expected shape [3, 96], got [1, 96]");
 }
 
-TEST(LatentTailValidation, RanksWithDifferentTokenCountsDisagreeOnTheCall) {
+// One rank's call: its T and the tier it forces (none: the policy's).
+struct RankCall {
+  std::int64_t tokens;
+  std::optional<TailTier> tier = std::nullopt;
+};
+
+// Good tensors on every rank, each rank calling with what `call_of(rank)` says.
+std::vector<std::string> calls_outcome(int tp, const std::function<RankCall(int rank)>& call_of) {
   const Weights weights;
-  const auto outcome = per_rank_outcome(2, [&](int rank, Communicator& comm) {
+  return per_rank_outcome(tp, [&](int rank, Communicator& comm) {
     LatentTail tail(options(), comm, weights.norm.matrix(), weights.up.matrix());
-    Call call(rank == 0 ? 3 : 4, rank);
-    tail.forward(call.routed.matrix(), call.shared.matrix(), call.out.matrix());
+    const RankCall rank_call = call_of(rank);
+    Call call(rank_call.tokens, rank);
+    tail.forward(call.routed.matrix(), call.shared.matrix(), call.out.matrix(), rank_call.tier);
   });
+}
+
+TEST(LatentTailValidation, RanksWithDifferentTokenCountsDisagreeOnTheCall) {
   expect_every_rank(
-      outcome, "ranks disagree on the call: rank 0 has T=3 tier=fused, rank 1 has T=4 tier=fused");
+      calls_outcome(2, [](int rank) { return RankCall{rank == 0 ? 3 : 4}; }),
+      "ranks disagree on the call: rank 0 has T=3 tier=fused, rank 1 has T=4 tier=fused");
 }
 
 TEST(LatentTailValidation, ZeroTokensOnOneRankOnlyIsADisagreementNotNoWork) {
   // The rank with T = 0 must not return early while its peers wait for it in a collective.
-  const Weights weights;
-  const auto outcome = per_rank_outcome(3, [&](int rank, Communicator& comm) {
-    LatentTail tail(options(), comm, weights.norm.matrix(), weights.up.matrix());
-    Call call(rank == 1 ? 0 : 3, rank);
-    tail.forward(call.routed.matrix(), call.shared.matrix(), call.out.matrix());
-  });
   expect_every_rank(
-      outcome, "ranks disagree on the call: rank 0 has T=3 tier=fused, rank 1 has T=0 tier=none");
+      calls_outcome(3, [](int rank) { return RankCall{rank == 1 ? 0 : 3}; }),
+      "ranks disagree on the call: rank 0 has T=3 tier=fused, rank 1 has T=0 tier=none");
 }
 
 TEST(LatentTailValidation, RanksForcingDifferentTiersDisagreeOnTheCall) {
-  const Weights weights;
-  const auto outcome = per_rank_outcome(2, [&](int rank, Communicator& comm) {
-    LatentTail tail(options(), comm, weights.norm.matrix(), weights.up.matrix());
-    Call call(3, rank);
-    tail.forward(call.routed.matrix(), call.shared.matrix(), call.out.matrix(),
-                 rank == 0 ? std::optional(TailTier::column) : std::nullopt);
-  });
   expect_every_rank(
-      outcome, "ranks disagree on the call: rank 0 has T=3 tier=column, rank 1 has T=3 tier=fused");
+      calls_outcome(
+          2,
+          [](int rank) {
+            return RankCall{3, rank == 0 ? std::optional(TailTier::column) : std::nullopt};
+          }),
+      "ranks disagree on the call: rank 0 has T=3 tier=column, rank 1 has T=3 tier=fused");
 }
 
 TEST(LatentTailValidation, AFailedCallLeavesTheRanksInStep) {
