@@ -34,18 +34,17 @@ std::vector<ModelPreset> small_presets() {
   // (d = 384 = 2^7·3 and l = 192 = 2^6·3), so every tier and the fused stripe alignment apply.
   // Its layer exercises grouped top-k (4 groups of 4, the best 2 eligible) and a scale ≠ 1; the
   // intermediate sizes split over tp ∈ {1, 2, 4, 8}.
-  LayerConfig layer;
-  layer.d_model = 384;
-  layer.d_latent = 192;
-  layer.router.num_experts = 16;
-  layer.router.top_k = 4;
-  layer.router.n_group = 4;
-  layer.router.topk_group = 2;
-  layer.router.routed_scaling_factor = 2.5f;
-  layer.expert_intermediate = 64;
-  layer.num_shared_experts = 2;
-  layer.shared_intermediate = 48;
-  layer.activation = ExpertActivation::silu_glu;
+  const LayerConfig layer{.d_model = 384,
+                          .d_latent = 192,
+                          .router = {.num_experts = 16,
+                                     .top_k = 4,
+                                     .n_group = 4,
+                                     .topk_group = 2,
+                                     .routed_scaling_factor = 2.5f},
+                          .expert_intermediate = 64,
+                          .num_shared_experts = 2,
+                          .shared_intermediate = 48,
+                          .activation = ExpertActivation::silu_glu};
   // A plain naming of its own, so that loading can be tried on small checkpoints.
   const std::string moe = "layers.{layer}.moe.";
   LayerTensorNames names;

@@ -16,25 +16,23 @@ namespace lmoe::models {
 namespace {
 
 LayerConfig kimi_k3_layer() {
-  LayerConfig layer;
-  layer.d_model = 7168;
-  layer.d_latent = 3584;
-  layer.router.num_experts = 896;
-  layer.router.top_k = 16;
-  layer.router.n_group = 1;
-  layer.router.topk_group = 1;
-  layer.router.score = RouterScore::sigmoid;
-  layer.router.correction_bias = true;
-  layer.router.renormalize = true;
-  layer.router.routed_scaling_factor = 1.0f;
-  layer.expert_intermediate = 3072;
-  layer.num_shared_experts = 2;
-  layer.shared_intermediate = 3072;
-  layer.activation = ExpertActivation::situ_glu;
-  layer.activation_beta = 4.0f;
-  layer.activation_linear_beta = 25.0f;
-  layer.latent_norm = true;
-  return layer;
+  return {.d_model = 7168,
+          .d_latent = 3584,
+          .router = {.num_experts = 896,
+                     .top_k = 16,
+                     .n_group = 1,
+                     .topk_group = 1,
+                     .score = RouterScore::sigmoid,
+                     .correction_bias = true,
+                     .renormalize = true,
+                     .routed_scaling_factor = 1.0f},
+          .expert_intermediate = 3072,
+          .num_shared_experts = 2,
+          .shared_intermediate = 3072,
+          .activation = ExpertActivation::situ_glu,
+          .activation_beta = 4.0f,
+          .activation_linear_beta = 25.0f,
+          .latent_norm = true};
 }
 
 // The checkpoint's names (language-model tensors of the multimodal release carry the

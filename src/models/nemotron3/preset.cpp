@@ -13,23 +13,21 @@ namespace lmoe::models {
 namespace {
 
 LayerConfig nemotron3_super_layer() {
-  LayerConfig layer;
-  layer.d_model = 4096;
-  layer.d_latent = 1024;
-  layer.router.num_experts = 512;
-  layer.router.top_k = 22;
-  layer.router.n_group = 1;
-  layer.router.topk_group = 1;
-  layer.router.score = RouterScore::sigmoid;
-  layer.router.correction_bias = true;
-  layer.router.renormalize = true;
-  layer.router.routed_scaling_factor = 5.0f;
-  layer.expert_intermediate = 2688;
-  layer.num_shared_experts = 1;
-  layer.shared_intermediate = 5376;
-  layer.activation = ExpertActivation::relu2;
-  layer.latent_norm = false;
-  return layer;
+  return {.d_model = 4096,
+          .d_latent = 1024,
+          .router = {.num_experts = 512,
+                     .top_k = 22,
+                     .n_group = 1,
+                     .topk_group = 1,
+                     .score = RouterScore::sigmoid,
+                     .correction_bias = true,
+                     .renormalize = true,
+                     .routed_scaling_factor = 5.0f},
+          .expert_intermediate = 2688,
+          .num_shared_experts = 1,
+          .shared_intermediate = 5376,
+          .activation = ExpertActivation::relu2,
+          .latent_norm = false};
 }
 
 // nemotron_h checkpoint names: the MoE block is layer {layer}'s "mixer"; experts are not gated.
