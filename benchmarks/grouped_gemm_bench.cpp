@@ -25,12 +25,11 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "core/fast_random.hpp"
+#include "core/random_routing.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
@@ -85,13 +84,7 @@ struct Grouping {
 
 Grouping draw_grouping(std::int64_t tokens, std::int64_t experts, std::int64_t top_k,
                        std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> all(static_cast<std::size_t>(experts)), ids;
-  std::iota(all.begin(), all.end(), 0);
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    std::shuffle(all.begin(), all.end(), rng);
-    ids.insert(ids.end(), all.begin(), all.begin() + top_k);
-  }
+  const std::vector<std::int32_t> ids = lmoe::random_routing(tokens, experts, top_k, seed);
   Grouping g;
   std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
   for (const std::int32_t e : ids) ++counts[e];

@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/random_routing.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 #include "cuda/runtime/cuda_device_info.hpp"
@@ -139,19 +140,6 @@ void expect_same_order(const std::vector<std::int32_t>& ids, std::int64_t expert
     ASSERT_EQ(got.token_of_row[r], kPoison) << r;
 }
 
-// Router-like ids: k distinct experts per token, uniformly.
-std::vector<std::int32_t> random_routing(std::int64_t tokens, std::int64_t experts,
-                                         std::int64_t top_k, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::int32_t> all(static_cast<std::size_t>(experts)), ids;
-  std::iota(all.begin(), all.end(), 0);
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    std::shuffle(all.begin(), all.end(), rng);
-    ids.insert(ids.end(), all.begin(), all.begin() + top_k);
-  }
-  return ids;
-}
-
 TEST(DeviceSlotSort, MatchesTheHostSortOnCraftedRoutings) {
   SKIP_WITHOUT_GPU();
   {
@@ -190,9 +178,9 @@ TEST(DeviceSlotSort, MatchesTheHostSortOnRandomRoutings) {
          {std::pair<std::int64_t, std::int64_t>{896, 16}, {64, 22}, {1024, 32}, {40, 3}}) {
       SCOPED_TRACE("T=" + std::to_string(tokens) + " E=" + std::to_string(experts) +
                    " k=" + std::to_string(top_k));
-      expect_same_order(
-          random_routing(tokens, experts, top_k, static_cast<std::uint32_t>(tokens * 31 + experts)),
-          experts, top_k);
+      expect_same_order(lmoe::random_routing(tokens, experts, top_k,
+                                             static_cast<std::uint32_t>(tokens * 31 + experts)),
+                        experts, top_k);
     }
   }
 }
