@@ -13,10 +13,12 @@
 #include <map>
 #include <thread>
 
+#include "error_message.hpp"
 #include "lmoe/error.hpp"
 
 namespace {
 
+using lmoe::testing::error_message_of;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
@@ -26,15 +28,6 @@ lmoe::EnvLookup env_of(std::map<std::string, std::string> values) {
     if (found == values.end()) return std::nullopt;
     return found->second;
   };
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const lmoe::Error& error) {
-    return error.message();
-  }
-  return "(no error)";
 }
 
 TEST(LaunchRank, ReadsWhatTorchrunSets) {
@@ -52,32 +45,32 @@ TEST(LaunchRank, ReadsWhatTorchrunSets) {
 }
 
 TEST(LaunchRank, BadValuesNameTheVariable) {
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"RANK", "1"}}));
             }),
             "WORLD_SIZE is not set but RANK is: a launcher sets both (torchrun does)");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"WORLD_SIZE", "2"}}));
             }),
             "RANK is not set but WORLD_SIZE is: a launcher sets both (torchrun does)");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
             }),
             "RANK=2: expected less than WORLD_SIZE=2");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}));
             }),
             "RANK='x': expected an integer >= 0");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}));
             }),
             "WORLD_SIZE='0': expected an integer >= 1");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(
                   env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "-1"}}));
             }),
             "LOCAL_RANK='-1': expected an integer >= 0");
-  EXPECT_EQ(error_of([] {
+  EXPECT_EQ(error_message_of([] {
               lmoe::launch_rank_from_env(env_of({{"RANK", "1 "}, {"WORLD_SIZE", "2"}}));
             }),
             "RANK='1 ': expected an integer >= 0");
@@ -135,13 +128,14 @@ TEST_F(LaunchRecord, ARecordForAnotherWorldSizeIsWaitedPastThenReported) {
   EXPECT_EQ(read_while_published(id), id);
 
   lmoe::publish_launch_record(path_, 2, payload(128, 4));
-  const std::string message = error_of([&] { lmoe::await_launch_record(path_, 4, 128, 100ms); });
+  const std::string message =
+      error_message_of([&] { lmoe::await_launch_record(path_, 4, 128, 100ms); });
   EXPECT_THAT(message, HasSubstr("waited 100 ms for rank 0 to write '" + path_ + "'"));
   EXPECT_THAT(message, HasSubstr("a record for WORLD_SIZE=2, left by an earlier launch?"));
 }
 
 TEST_F(LaunchRecord, NoFileTimesOutWithAHint) {
-  EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 50ms); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::await_launch_record(path_, 2, 128, 50ms); }),
             "waited 50 ms for rank 0 to write '" + path_ +
                 "' (no file there): did rank 0 start, and is the path on a filesystem every node "
                 "shares?");
@@ -149,16 +143,16 @@ TEST_F(LaunchRecord, NoFileTimesOutWithAHint) {
 
 TEST_F(LaunchRecord, AForeignFileOrAnotherPayloadSizeFailsAtOnce) {
   std::ofstream(path_) << "not a record";
-  EXPECT_THAT(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
+  EXPECT_THAT(error_message_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
               HasSubstr("is not an lmoe launch record (12 bytes without its tag)"));
   lmoe::publish_launch_record(path_, 2, payload(64, 5));
-  EXPECT_THAT(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
+  EXPECT_THAT(error_message_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
               HasSubstr("holds a payload of 64 bytes, expected 128"));
 }
 
 TEST_F(LaunchRecord, AnUnwritableDirectoryIsReported) {
   const std::string missing = (directory_ / "no-such-dir" / "nccl.id").string();
-  EXPECT_THAT(error_of([&] { lmoe::publish_launch_record(missing, 2, payload(128, 6)); }),
+  EXPECT_THAT(error_message_of([&] { lmoe::publish_launch_record(missing, 2, payload(128, 6)); }),
               HasSubstr("cannot create '" + missing + ".tmp-"));
 }
 
@@ -169,7 +163,7 @@ TEST_F(LaunchRecord, ASymlinkPlantedAtTheTemporaryNameIsRefused) {
   const std::string victim = (directory_ / "victim").string();
   std::ofstream(victim) << "keep";
   std::filesystem::create_symlink(victim, temporary);
-  EXPECT_EQ(error_of([&] { lmoe::publish_launch_record(path_, 2, payload(128, 7)); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::publish_launch_record(path_, 2, payload(128, 7)); }),
             "cannot create '" + temporary + "': File exists");
   std::ifstream in(victim);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "keep");
@@ -181,7 +175,7 @@ TEST_F(LaunchRecord, ASymlinkAtTheRecordsPathIsRefused) {
   const std::string elsewhere = (directory_ / "elsewhere").string();
   lmoe::publish_launch_record(elsewhere, 2, payload(128, 8));
   std::filesystem::create_symlink(elsewhere, path_);
-  EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::await_launch_record(path_, 2, 128, 10s); }),
             "'" + path_ +
                 "' is a symbolic link: a launch record is read only from a plain file (point the "
                 "variable at a path of its own)");
@@ -201,7 +195,7 @@ TEST_F(LaunchRecord, ARecordWhoseWriterHasExitedIsWaitedPastThenReported) {
   int status = 0;
   ASSERT_EQ(::waitpid(writer, &status, 0), writer);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  EXPECT_EQ(error_of([&] { lmoe::await_launch_record(path_, 2, 128, 100ms); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::await_launch_record(path_, 2, 128, 100ms); }),
             "waited 100 ms for rank 0 to write '" + path_ + "' (a record written by pid " +
                 std::to_string(writer) +
                 " on this node, which has exited: left by an earlier launch?): did rank 0 start, "

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "error_message.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tools/tail_bench.hpp"
 #include "lmoe/tools/tier_tuning.hpp"
@@ -25,19 +26,10 @@ using lmoe::BenchRecord;
 using lmoe::BenchSweep;
 using lmoe::TailTier;
 using lmoe::TierRange;
+using lmoe::testing::error_message_of;
 using ::testing::HasSubstr;
 
 const std::string kDataDir = LMOE_TEST_DATA_DIR;
-
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const lmoe::Error& error) {
-    return error.message();
-  }
-  ADD_FAILURE() << "no lmoe::Error";
-  return "<no error>";
-}
 
 // Every field, compared exactly.
 void expect_same_record(const BenchRecord& a, const BenchRecord& b, std::size_t index) {
@@ -259,7 +251,7 @@ class BenchJsonErrors : public ::testing::Test {
   std::string read_error(const std::function<void(nlohmann::json&)>& edit) {
     nlohmann::json doc = nlohmann::json::parse(lmoe::write_bench_json(crafted_sweep()));
     edit(doc);
-    return error_of([&] { lmoe::read_bench_json(doc.dump(), "b.json"); });
+    return error_message_of([&] { lmoe::read_bench_json(doc.dump(), "b.json"); });
   }
 };
 
@@ -324,9 +316,9 @@ TEST_F(BenchJsonErrors, TheTopLevelIsNamedToo) {
             }),
             "b.json: is a tier table, not a recorded sweep (record one with `lmoe bench --json "
             "FILE`)");
-  EXPECT_THAT(error_of([] { lmoe::read_bench_json("{\"records\": [", "b.json"); }),
+  EXPECT_THAT(error_message_of([] { lmoe::read_bench_json("{\"records\": [", "b.json"); }),
               HasSubstr("b.json: not valid JSON"));
-  EXPECT_EQ(error_of([] { lmoe::read_bench_file("/nonexistent/b.json"); }),
+  EXPECT_EQ(error_message_of([] { lmoe::read_bench_file("/nonexistent/b.json"); }),
             "cannot read the sweep file '/nonexistent/b.json'");
   // Files from before the kernel driver, the elements, cold_l2 and layers were recorded still read
   // (cold_l2 as false: those sweeps were warm; layers as 1).
@@ -438,7 +430,7 @@ TEST(TuneFromSweep, FitsTheRecordsAsTuneFitsItsOwn) {
                                                           lmoe::DType::bf16, "threads"),
                                      "t.json")
                   .empty());
-  EXPECT_THAT(error_of([&] {
+  EXPECT_THAT(error_message_of([&] {
                 lmoe::match_tier_table(read.provenance,
                                        lmoe::running_config(lmoe::Backend::cpu, 4, {64, 32},
                                                             lmoe::DType::bf16, "threads"),
@@ -518,14 +510,14 @@ TEST(TuneFromSweep, AWrongRowIsRefusedByName) {
   ASSERT_LT(index, sweep.result.records.size());
   sweep.result.records[index].comparison.beyond_bound = 3;
   const std::string message =
-      error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); });
+      error_message_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); });
   EXPECT_THAT(message, HasSubstr("sweep.json: comm threads: records[" + std::to_string(index) +
                                  "] (T=4 column): 3 element(s) beyond the numerics contract"));
   EXPECT_THAT(message, HasSubstr("no table is derived from a sweep with a wrong output"));
   // Ranks that differ are wrong too.
   sweep.result.records[index].comparison.beyond_bound = 0;
   sweep.result.records[index].ranks_identical = false;
-  EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); }),
+  EXPECT_THAT(error_message_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); }),
               HasSubstr("(T=4 column): ranks' outputs differ;"));
 }
 
@@ -538,15 +530,15 @@ TEST(TuneFromSweep, SeveralCommsNeedOneNamed) {
     record.stats.median *= 2;
     sweep.result.records.push_back(record);
   }
-  EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "sweep.json"); }),
             "sweep.json: the sweep has records of several comms (threads, p2p); say which with "
             "--comm");
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "p2p", "sweep.json").table.provenance.comm, "p2p");
-  EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(sweep, "nccl", "sweep.json"); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::tune_from_sweep(sweep, "nccl", "sweep.json"); }),
             "sweep.json: no records of comm 'nccl' (the sweep has threads, p2p)");
   // A comm that failed in the sweep gives no table; the other one still does.
   sweep.result.comm_errors = {{"p2p", "peer access is not supported"}};
-  EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(sweep, "p2p", "sweep.json"); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::tune_from_sweep(sweep, "p2p", "sweep.json"); }),
             "sweep.json: comm p2p failed in the sweep (peer access is not supported); its records "
             "are not a whole sweep");
   EXPECT_EQ(lmoe::tune_from_sweep(sweep, "threads", "sweep.json").table.provenance.comm, "threads");
@@ -556,19 +548,20 @@ TEST(TuneFromSweep, EveryTierMustHaveBeenTimedAtEveryT) {
   BenchSweep sweep = recorded_cpu_sweep();
   BenchSweep fewer = sweep;
   fewer.tiers = {TailTier::overlap, TailTier::column};
-  EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(fewer, std::nullopt, "sweep.json"); }),
+  EXPECT_THAT(error_message_of([&] { lmoe::tune_from_sweep(fewer, std::nullopt, "sweep.json"); }),
               HasSubstr("sweep.json: tiers: the sweep timed overlap, column; a table is fitted "
                         "over every tier"));
   BenchSweep missing = sweep;
   std::erase_if(missing.result.records,
                 [](const BenchRecord& r) { return r.tokens == 16 && r.tier == TailTier::fused; });
-  EXPECT_EQ(error_of([&] { lmoe::tune_from_sweep(missing, std::nullopt, "sweep.json"); }),
+  EXPECT_EQ(error_message_of([&] { lmoe::tune_from_sweep(missing, std::nullopt, "sweep.json"); }),
             "sweep.json: no record of comm threads at T=16 for fused (the sweep lists that T and "
             "tier)");
   BenchSweep repeated = sweep;
   repeated.result.records.push_back(repeated.result.records.front());
-  EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(repeated, std::nullopt, "sweep.json"); }),
-              HasSubstr("repeats records[0] of comm threads"));
+  EXPECT_THAT(
+      error_message_of([&] { lmoe::tune_from_sweep(repeated, std::nullopt, "sweep.json"); }),
+      HasSubstr("repeats records[0] of comm threads"));
 }
 
 // ---- judging a policy against a recording -------------------------------------------------------
@@ -612,8 +605,9 @@ TEST_F(H200Recordings, TheNcclSweepGivesColumnOverlapToken) {
   const BenchSweep sweep = h200_sweep("bench_k3_tp2.json");
   EXPECT_EQ(sweep.comms, (std::vector<std::string>{"nccl", "p2p", "cuda-threads"}));
   EXPECT_FALSE(sweep.cold_l2);  // recorded before cold_l2 was: measured warm
-  EXPECT_THAT(error_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "bench_k3_tp2.json"); }),
-              HasSubstr("several comms (nccl, p2p, cuda-threads); say which with --comm"));
+  EXPECT_THAT(
+      error_message_of([&] { lmoe::tune_from_sweep(sweep, std::nullopt, "bench_k3_tp2.json"); }),
+      HasSubstr("several comms (nccl, p2p, cuda-threads); say which with --comm"));
   const lmoe::TuneResult result = lmoe::tune_from_sweep(sweep, "nccl", "bench_k3_tp2.json");
   // Column at 1 and 16, overlap at 128 and 256, token from 1024: boundaries where the medians
   // cross between 16 and 128 (76) and between 256 and 1024 (648), interpolated linearly in T.
@@ -693,19 +687,19 @@ TEST(H200RecordingsMismatch, ASweepOfAnotherConfigurationIsRefusedByField) {
   BenchSweep other = h200_sweep("check_k3_tp2.json");
   other.tp = 4;
   other.dims.d_model = 4096;
-  const std::string message = error_of([&] {
+  const std::string message = error_message_of([&] {
     lmoe::match_tier_table(table.provenance, lmoe::running_config_of(other, "nccl"), "t.json");
   });
   EXPECT_THAT(message, HasSubstr("tp is 2 in the table, 4 here"));
   EXPECT_THAT(message, HasSubstr("d_model is 7168 in the table, 4096 here"));
   other = h200_sweep("check_k3_tp2.json");
   other.gpu->name = "NVIDIA B200";
-  EXPECT_THAT(error_of([&] {
+  EXPECT_THAT(error_message_of([&] {
                 lmoe::match_tier_table(table.provenance, lmoe::running_config_of(other, "nccl"),
                                        "t.json");
               }),
               HasSubstr("gpu.name is 'NVIDIA H200' in the table, 'NVIDIA B200' here"));
-  EXPECT_THAT(error_of([&] {
+  EXPECT_THAT(error_message_of([&] {
                 lmoe::match_tier_table(table.provenance, lmoe::running_config_of(bench, "p2p"),
                                        "t.json");
               }),

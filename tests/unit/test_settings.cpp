@@ -13,12 +13,14 @@
 #include <sstream>
 #include <string>
 
+#include "error_message.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/settings.hpp"
 
 namespace {
 
 using lmoe::SettingType;
+using lmoe::testing::error_message_of;
 
 lmoe::EnvLookup env_of(std::map<std::string, std::string> values) {
   return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
@@ -26,16 +28,6 @@ lmoe::EnvLookup env_of(std::map<std::string, std::string> values) {
     if (found == values.end()) return std::nullopt;
     return found->second;
   };
-}
-
-template <typename Read>
-std::string error_of(Read read) {
-  try {
-    read();
-  } catch (const lmoe::Error& error) {
-    return error.message();
-  }
-  return "(no error)";
 }
 
 // Every source file of the library, the tool and the benchmarks, but the table itself.
@@ -118,13 +110,13 @@ TEST(SettingsTable, IsSortedWithEveryFieldAndEveryNumberBounded) {
 }
 
 TEST(SettingsTable, ReadingANameOutsideTheTableOrAsAnotherTypeThrows) {
-  EXPECT_EQ(error_of([] { lmoe::setting_text("LMOE_NOT_A_SETTING", env_of({})); }),
+  EXPECT_EQ(error_message_of([] { lmoe::setting_text("LMOE_NOT_A_SETTING", env_of({})); }),
             "LMOE_NOT_A_SETTING is not in the settings table (lmoe/settings.hpp): add it there "
             "before reading it");
-  EXPECT_EQ(error_of([] { lmoe::setting_flag("LMOE_NOT_A_SETTING", env_of({})); }),
+  EXPECT_EQ(error_message_of([] { lmoe::setting_flag("LMOE_NOT_A_SETTING", env_of({})); }),
             "LMOE_NOT_A_SETTING is not in the settings table (lmoe/settings.hpp): add it there "
             "before reading it");
-  EXPECT_EQ(error_of([] { lmoe::setting_int("LMOE_P2P_SHARED_GPU", env_of({})); }),
+  EXPECT_EQ(error_message_of([] { lmoe::setting_int("LMOE_P2P_SHARED_GPU", env_of({})); }),
             "LMOE_P2P_SHARED_GPU is a flag setting, read here as another type (a programming "
             "error)");
   EXPECT_EQ(lmoe::find_setting("LMOE_NOT_A_SETTING"), nullptr);
@@ -142,7 +134,7 @@ TEST(SettingsNumbers, OutOfRangeIsRefusedNamingTheVariableAndTheBound) {
             std::nullopt);
   for (const char* bad : {"1000000000000000000", "86400001", "99999999999999999999", "0", "-5",
                           "+5", " 5", "5ms", "ten"}) {
-    EXPECT_EQ(error_of([&] {
+    EXPECT_EQ(error_message_of([&] {
                 lmoe::setting_int("LMOE_P2P_TIMEOUT_MS", env_of({{"LMOE_P2P_TIMEOUT_MS", bad}}));
               }),
               std::string("LMOE_P2P_TIMEOUT_MS: expected a positive number of milliseconds in [1, "
@@ -161,7 +153,7 @@ TEST(SettingsNumbers, OutOfRangeIsRefusedNamingTheVariableAndTheBound) {
     const lmoe::SettingSpec& spec = lmoe::setting_spec(name);
     EXPECT_EQ(lmoe::setting_int(name, env_of({{name, std::to_string(spec.max)}})), spec.max);
     EXPECT_EQ(lmoe::setting_int(name, env_of({{name, std::to_string(spec.min)}})), spec.min);
-    EXPECT_EQ(error_of([&] {
+    EXPECT_EQ(error_message_of([&] {
                 lmoe::setting_int(name, env_of({{name, edge.first}}));
               }),
               name + ": expected " + edge.second + ", got \"" + edge.first + "\"");
@@ -171,10 +163,10 @@ TEST(SettingsNumbers, OutOfRangeIsRefusedNamingTheVariableAndTheBound) {
 TEST(SettingsNumbers, TokenCountsStopAtTheLargest64BitValue) {
   EXPECT_EQ(lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775807"),
             9223372036854775807LL);
-  EXPECT_EQ(
-      error_of([] { lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775808"); }),
-      "LMOE_FUSED_MAX_TOKENS='9223372036854775808': the number is too large");
-  EXPECT_EQ(error_of([] { lmoe::parse_setting_tokens("LMOE_OVERLAP_MAX_TOKENS", "-1"); }),
+  EXPECT_EQ(error_message_of(
+                [] { lmoe::parse_setting_tokens("LMOE_FUSED_MAX_TOKENS", "9223372036854775808"); }),
+            "LMOE_FUSED_MAX_TOKENS='9223372036854775808': the number is too large");
+  EXPECT_EQ(error_message_of([] { lmoe::parse_setting_tokens("LMOE_OVERLAP_MAX_TOKENS", "-1"); }),
             "LMOE_OVERLAP_MAX_TOKENS='-1': expected a non-negative integer number of tokens");
 }
 
@@ -195,7 +187,7 @@ TEST(SettingsFlags, AcceptTheSameWordsEverywhereAndNameTheVariableOtherwise) {
       EXPECT_EQ(lmoe::setting_flag_if_set(name, env_of({{name, no}})), false) << no;
     }
     for (const char* bad : {"maybe", "2", "y", " 1"}) {
-      EXPECT_EQ(error_of([&] {
+      EXPECT_EQ(error_message_of([&] {
                   lmoe::setting_flag(name, env_of({{name, bad}}));
                 }),
                 name + "='" + bad + "': expected 1, 0, true, false, yes, no, on or off");
@@ -211,11 +203,11 @@ TEST(SettingsOthers, PresenceChoiceAndText) {
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({})), std::nullopt);
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({{fault, "1"}})), "1");
   EXPECT_EQ(lmoe::setting_choice(fault, env_of({{fault, "0"}})), "0");
-  EXPECT_EQ(error_of([&] {
+  EXPECT_EQ(error_message_of([&] {
               lmoe::setting_choice(fault, env_of({{fault, "yes"}}));
             }),
             "LMOE_BENCH_INJECT_FAULT='yes': expected 0 or 1");
-  EXPECT_EQ(error_of([&] {
+  EXPECT_EQ(error_message_of([&] {
               lmoe::setting_choice(fault, env_of({{fault, "or"}}));
             }),
             "LMOE_BENCH_INJECT_FAULT='or': expected 0 or 1");

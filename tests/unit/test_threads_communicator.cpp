@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/rank_order_reduce.hpp"
+#include "error_message.hpp"
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 
@@ -27,6 +28,7 @@ namespace {
 
 using lmoe::Communicator;
 using lmoe::DType;
+using lmoe::testing::error_message_of;
 using ::testing::HasSubstr;
 
 constexpr int kTpSizes[] = {1, 2, 3, 4, 8};
@@ -547,16 +549,6 @@ TEST(ThreadsAllGather, InPlaceFromOwnBlock) {
 
 // ---------------------------------------------------------------------------------------------
 // Bad arguments and failures
-
-std::string error_message_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const lmoe::Error& error) {
-    return error.message();
-  }
-  ADD_FAILURE() << "no lmoe::Error thrown";
-  return "<no error>";
-}
 
 TEST(ThreadsCommunicatorErrors, CountsOfTheWrongLengthThrowBeforeWaiting) {
   // Checked before the rank joins the collective, so a lone caller fails at once (no peers needed).
