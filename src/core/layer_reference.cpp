@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "core/expert_activation.hpp"
+#include "core/host_math.hpp"
 #include "lmoe/error.hpp"
 
 namespace lmoe {
@@ -22,14 +23,8 @@ std::vector<double> to_double(const HostTensor& tensor) {
 }
 
 std::vector<double> to_double(ConstMatrixView view) {
-  std::vector<double> values(static_cast<std::size_t>(view.rows * view.cols));
-  for (std::int64_t r = 0; r < view.rows; ++r) {
-    for (std::int64_t c = 0; c < view.cols; ++c) {
-      values[static_cast<std::size_t>(r * view.cols + c)] =
-          load_as_float(view.data, view.offset(r, c), view.dtype);
-    }
-  }
-  return values;
+  const std::vector<float> values = cpu::to_float(view);  // exact: every storage dtype fits fp32
+  return {values.begin(), values.end()};
 }
 
 // c [m, n] = a [m, k] · w [n, k]ᵀ in fp64.
