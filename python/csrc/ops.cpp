@@ -15,6 +15,7 @@
 
 #include "c10d_communicator.hpp"
 #include "device_support.hpp"
+#include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/latent_tail.hpp"
 #include "lmoe/reference.hpp"
@@ -282,42 +283,79 @@ void tail_forward(std::int64_t handle, const at::Tensor& routed, const at::Tenso
   });
 }
 
-// The library's reference (lmoe/reference.hpp) from every rank's inputs: routed [tp, T, l],
-// shared [tp, T, d]; contract "reduce_then_add" (fused, overlap, token) or "column".
+// Every rank's inputs as one TailCase: routed [tp, T, l], shared [tp, T, d], host tensors of
+// one dtype; `op` names the caller in errors.
+TailCase tail_case_of(const char* op, const at::Tensor& routed, const at::Tensor& shared,
+                      const at::Tensor& norm_weight, const at::Tensor& up_proj_weight, double eps,
+                      bool latent_norm, const at::Tensor& out) {
+  const std::string name = op;
+  LMOE_CHECK(routed.dim() == 3 && shared.dim() == 3 && out.dim() == 2,
+             name + ": expected routed [tp, T, l], shared [tp, T, d] and out [T, d]");
+  const auto dtype = lmoe_dtype(routed.scalar_type());
+  LMOE_CHECK(dtype, name + ": expected f32, f16 or bf16 tensors");
+  LMOE_CHECK(out.is_cpu() && out.is_contiguous() && out.scalar_type() == routed.scalar_type() &&
+                 out.size(0) == routed.size(1) && out.size(1) == shared.size(2),
+             name + ": out must be a contiguous cpu tensor [T, d] of routed's dtype");
+  TailCase c;
+  c.dims = {shared.size(2), routed.size(2)};
+  c.eps = static_cast<float>(eps);
+  c.latent_norm = latent_norm;
+  c.dtype = *dtype;
+  c.tp = static_cast<int>(routed.size(0));
+  c.num_tokens = routed.size(1);
+  const auto fill = [&](HostTensor& target, const at::Tensor& source) {
+    const at::Tensor host = source.to(at::kCPU).contiguous();
+    LMOE_CHECK(host.scalar_type() == routed.scalar_type(),
+               name + ": every tensor must have routed's dtype");
+    target = HostTensor(*dtype, host.sizes().vec());
+    LMOE_CHECK(target.nbytes() == host.nbytes(), name + ": sizes disagree");
+    std::memcpy(target.data(), host.data_ptr(), target.nbytes());
+  };
+  fill(c.routed, routed);
+  fill(c.shared, shared);
+  fill(c.norm_weight, norm_weight.reshape({-1}));
+  fill(c.up_proj_weight, up_proj_weight);
+  return c;
+}
+
+// The library's reference (lmoe/reference.hpp) from every rank's inputs; contract
+// "reduce_then_add" (fused, overlap, token) or "column".
 void reference_tail_op(const at::Tensor& routed, const at::Tensor& shared,
                        const at::Tensor& norm_weight, const at::Tensor& up_proj_weight, double eps,
                        bool latent_norm, const std::string& contract, const at::Tensor& out) {
   translated([&] {
-    LMOE_CHECK(routed.dim() == 3 && shared.dim() == 3 && out.dim() == 2,
-               "reference_tail: expected routed [tp, T, l], shared [tp, T, d] and out [T, d]");
-    const auto dtype = lmoe_dtype(routed.scalar_type());
-    LMOE_CHECK(dtype, "reference_tail: expected f32, f16 or bf16 tensors");
-    TailCase c;
-    c.dims = {shared.size(2), routed.size(2)};
-    c.eps = static_cast<float>(eps);
-    c.latent_norm = latent_norm;
-    c.dtype = *dtype;
-    c.tp = static_cast<int>(routed.size(0));
-    c.num_tokens = routed.size(1);
-    const auto fill = [&](HostTensor& target, const at::Tensor& source) {
-      const at::Tensor host = source.to(at::kCPU).contiguous();
-      LMOE_CHECK(host.scalar_type() == routed.scalar_type(),
-                 "reference_tail: every tensor must have routed's dtype");
-      std::vector<std::int64_t> shape = host.sizes().vec();
-      target = HostTensor(*dtype, shape);
-      LMOE_CHECK(target.nbytes() == host.nbytes(), "reference_tail: sizes disagree");
-      std::memcpy(target.data(), host.data_ptr(), target.nbytes());
-    };
-    fill(c.routed, routed);
-    fill(c.shared, shared);
-    fill(c.norm_weight, norm_weight.reshape({-1}));
-    fill(c.up_proj_weight, up_proj_weight);
+    const TailCase c = tail_case_of("reference_tail", routed, shared, norm_weight, up_proj_weight,
+                                    eps, latent_norm, out);
     const Contract which = contract == "column" ? Contract::column : Contract::reduce_then_add;
     const ContractReference reference = reference_tail(c, which);
-    LMOE_CHECK(out.is_cpu() && out.is_contiguous() && out.nbytes() == reference.y.nbytes() &&
-                   out.scalar_type() == routed.scalar_type(),
-               "reference_tail: out must be a contiguous cpu tensor [T, d] of routed's dtype");
     std::memcpy(out.data_ptr(), reference.y.data(), reference.y.nbytes());
+  });
+}
+
+// The C++ library's own result for `tier` from every rank's inputs: its cpu backend on tp threads
+// (the `threads` communicator), rank 0's output. What the ops must equal bit for bit over any
+// exact communicator, whatever the host GEMM's summation order.
+void library_tail_op(const at::Tensor& routed, const at::Tensor& shared,
+                     const at::Tensor& norm_weight, const at::Tensor& up_proj_weight, double eps,
+                     bool latent_norm, const std::string& tier_text, const at::Tensor& out) {
+  translated([&] {
+    // The column tier accumulates into each rank's shared slice: c is this call's own copy.
+    TailCase c = tail_case_of("library_tail", routed, shared, norm_weight, up_proj_weight, eps,
+                              latent_norm, out);
+    const std::optional<TailTier> tier = parse_tier_or_auto(tier_text);
+    TailOptions options;
+    options.dims = c.dims;
+    options.rms_norm_eps = c.eps;
+    options.latent_norm = c.latent_norm;
+    options.dtype = c.dtype;
+    std::vector<HostTensor> outs(static_cast<std::size_t>(c.tp));
+    run_comm_group("threads", c.tp, [&](int rank, Communicator& comm) {
+      LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      HostTensor& mine = outs[static_cast<std::size_t>(rank)];
+      mine = HostTensor(c.dtype, {c.num_tokens, c.dims.d_model});
+      tail.forward(c.routed.slice_matrix(rank), c.shared.slice_matrix(rank), mine.matrix(), tier);
+    });
+    std::memcpy(out.data_ptr(), outs[0].data(), outs[0].nbytes());
   });
 }
 
@@ -342,11 +380,15 @@ TORCH_LIBRARY(lmoe, m) {
   m.def(
       "reference_tail(Tensor routed, Tensor shared, Tensor norm_weight, Tensor up_proj_weight, "
       "float eps, bool latent_norm, str contract, Tensor(a!) out) -> ()");
+  m.def(
+      "library_tail(Tensor routed, Tensor shared, Tensor norm_weight, Tensor up_proj_weight, "
+      "float eps, bool latent_norm, str tier, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmoe, CPU, m) {
   m.impl("tail_forward", &lmoe::python::tail_forward);
   m.impl("reference_tail", &lmoe::python::reference_tail_op);
+  m.impl("library_tail", &lmoe::python::library_tail_op);
 }
 
 TORCH_LIBRARY_IMPL(lmoe, CUDA, m) { m.impl("tail_forward", &lmoe::python::tail_forward); }

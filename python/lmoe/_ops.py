@@ -51,3 +51,8 @@ def _tail_forward_fake(tail, routed, shared, norm_weight, up_proj_weight, out, t
 @torch.library.register_fake("lmoe::reference_tail")
 def _reference_tail_fake(routed, shared, norm_weight, up_proj_weight, eps, latent_norm, contract, out):
     return None
+
+
+@torch.library.register_fake("lmoe::library_tail")
+def _library_tail_fake(routed, shared, norm_weight, up_proj_weight, eps, latent_norm, tier, out):
+    return None

@@ -1,13 +1,16 @@
 """Every tier through the torch ops on 1–4 gloo ranks (the c10d communicator), T = 1 … 300:
-every rank returns the same bits, those bits are the library's reference (lmoe.testing, the
-numerics contract on the CPU) exactly, and they are within atol 8e-2, rtol 3e-2 of the reference
-system's tiers transcribed in PyTorch."""
+every rank returns the same bits, those bits are the C++ library's own for the same tier and inputs
+(lmoe.testing.library_tail: its cpu backend on threads) exactly, and they are within atol 8e-2,
+rtol 3e-2 of the reference system's tiers transcribed in PyTorch. (The contract's reference is not
+a bit-for-bit target for every tier: the token tier's GEMM covers a rank's own rows, and the host
+GEMM's order depends on the shape of the call, docs/numerics.md; the C++ tests judge the library
+against the reference with the contract's bound.)"""
 import pytest
 import torch
 
 import lmoe
 import lmoe.torch
-from lmoe.testing import reference_tail
+from lmoe.testing import library_tail, reference_tail
 from ranks import run_ranks
 from reference_tiers import make_inputs, reference_tier
 
@@ -55,9 +58,9 @@ def test_every_tier_against_references(tp, tmp_path):
             y = outcomes[0][0]
             ran = tier if tier != "auto" else outcomes[0][1]
             routed, shared, gamma, w_up = make_inputs(tp, tokens, D_MODEL, D_LATENT, DTYPE)
-            contract = reference_tail(routed, shared, gamma, w_up, EPS, ran)
-            assert torch.equal(y.view(torch.int16), contract.view(torch.int16)), \
-                f"{tier} T={tokens} tp={tp}: not the library's reference bit for bit"
+            library = library_tail(routed, shared, gamma, w_up, EPS, ran)
+            assert torch.equal(y.view(torch.int16), library.view(torch.int16)), \
+                f"{tier} T={tokens} tp={tp}: not the C++ library's output bit for bit"
             torch_ref = reference_tier(ran, routed, shared, gamma, w_up, EPS)
             torch.testing.assert_close(y.float(), torch_ref.float(), atol=8e-2, rtol=3e-2)
             checked += 1
