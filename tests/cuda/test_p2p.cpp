@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "gpu_test_support.hpp"
@@ -232,6 +233,31 @@ TEST(P2p, TwoCollectivesAtOnceOnOneWorkspaceAreAnError) {
     message = error.message();
   }
   EXPECT_NE(message.find("two collectives at the same time"), std::string::npos) << message;
+}
+
+// Ranks of processes compute their layouts apart; what they disagree on is named with every rank's
+// value (p2p_process.cpp compares them before sizing any workspace). No GPU needed.
+TEST(P2pLayoutAgreement, ADisagreementNamesEachFieldAndEveryRanksValue) {
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  const lmoe::P2pLayout defaults = lmoe::p2p_layout(options, false);
+  EXPECT_EQ(defaults.blocks, 32);
+  EXPECT_EQ(defaults.block_bytes, std::size_t{1} << 20);
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, defaults, defaults}), "");
+
+  const lmoe::P2pLayout shared_gpu = lmoe::p2p_layout(options, true);  // 16 blocks of 2 MiB
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, shared_gpu}),
+            "p2p: ranks disagree on the group's layout: blocks is 32 on rank 0 and 16 on rank 1 "
+            "(set P2pOptions::blocks alike on every rank); block_bytes is 1048576 on rank 0 and "
+            "2097152 on rank 1 (round_bytes / blocks: set P2pOptions::round_bytes and blocks alike "
+            "on every rank)");
+
+  options.timeout = std::chrono::milliseconds(500);
+  const lmoe::P2pLayout short_timeout = lmoe::p2p_layout(options, false);
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, defaults, short_timeout}),
+            "p2p: ranks disagree on the group's layout: timeout is 10000 ms on rank 0, 10000 ms on "
+            "rank 1 and 500 ms on rank 2 (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike "
+            "on every rank)");
 }
 
 // The host aborts the group while a peer's round is spinning: the round stops and reports it.

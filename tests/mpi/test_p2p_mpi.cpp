@@ -312,6 +312,56 @@ TEST_P(P2pProcessesBootstrap, ABadDeviceOnOneRankFailsSetupOnEveryRank) {
                          std::to_string(visible) + " GPUs)");
 }
 
+// Ranks whose options give different layouts (grids, regions, timeouts) are refused before any
+// workspace is sized, on every rank alike, naming each field and every rank's value.
+TEST_P(P2pProcessesBootstrap, RanksWithDifferentLayoutsFailSetupOnEveryRankAlike) {
+  const int size = world_size();
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const bool last = rank == size - 1;
+  // The values of rank r in the message: "a on rank 0, a on rank 1 and b on rank 2".
+  const auto every_rank = [&](const std::string& others, const std::string& last_rank) {
+    std::string text;
+    for (int r = 0; r < size; ++r) {
+      text += r == 0 ? " " : (r + 1 == size ? " and " : ", ");
+      text += (r == size - 1 ? last_rank : others) + " on rank " + std::to_string(r);
+    }
+    return text;
+  };
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  options.round_bytes = std::size_t{1} << 20;
+  options.blocks = last ? 8 : 4;
+  std::string message;
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message, "p2p: ranks disagree on the group's layout: blocks is" + every_rank("4", "8") +
+                         " (set P2pOptions::blocks alike on every rank); block_bytes is" +
+                         every_rank("262144", "131072") +
+                         " (round_bytes / blocks: set P2pOptions::round_bytes and blocks alike "
+                         "on every rank)");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+
+  options.blocks = 4;
+  options.timeout = std::chrono::milliseconds(last ? 2000 : 10000);
+  message.clear();
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message, "p2p: ranks disagree on the group's layout: timeout is" +
+                         every_rank("10000 ms", "2000 ms") +
+                         " (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike on every rank)");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's setup has ended
+  EXPECT_EQ(leftovers(), std::vector<std::string>{});
+}
+
 INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesBootstrap,
                          ::testing::Values(Bootstrap::mpi, Bootstrap::env), [](const auto& info) {
                            return info.param == Bootstrap::mpi ? "mpi" : "env";

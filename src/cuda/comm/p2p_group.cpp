@@ -40,6 +40,34 @@ P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu) {
   return layout;
 }
 
+std::string p2p_layout_disagreement(std::span<const P2pLayout> layouts) {
+  std::string differences;
+  // One field: "blocks is 32 on rank 0 and 16 on rank 1 (hint)", when its values differ.
+  const auto compare = [&](const char* field, const auto& value_of, const char* unit,
+                           const char* hint) {
+    const bool alike = std::all_of(layouts.begin(), layouts.end(), [&](const P2pLayout& layout) {
+      return value_of(layout) == value_of(layouts.front());
+    });
+    if (alike) return;
+    std::string text = std::string(field) + " is";
+    for (std::size_t r = 0; r < layouts.size(); ++r) {
+      text += r == 0 ? " " : (r + 1 == layouts.size() ? " and " : ", ");
+      text += std::to_string(value_of(layouts[r])) + unit + " on rank " + std::to_string(r);
+    }
+    differences += (differences.empty() ? "" : "; ") + text + " (" + hint + ")";
+  };
+  compare(
+      "blocks", [](const P2pLayout& layout) { return layout.blocks; }, "",
+      "set P2pOptions::blocks alike on every rank");
+  compare(
+      "block_bytes", [](const P2pLayout& layout) { return layout.block_bytes; }, "",
+      "round_bytes / blocks: set P2pOptions::round_bytes and blocks alike on every rank");
+  compare(
+      "timeout", [](const P2pLayout& layout) { return layout.timeout.count(); }, " ms",
+      "set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike on every rank");
+  return differences.empty() ? "" : "p2p: ranks disagree on the group's layout: " + differences;
+}
+
 std::size_t p2p_flags_bytes() { return round_up_256(sizeof(cuda::P2pFlags)); }
 
 std::size_t p2p_workspace_bytes(const P2pLayout& layout) {

@@ -35,6 +35,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "comm/aborted_error.hpp"
@@ -511,9 +512,17 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   }
   // Every rank has opened the segment: its name can go (nothing is left in /dev/shm after a crash).
   if (rank == 0) segment.unlink();
+  // 3. The layouts compared.
   const P2pLayout layout = p2p_layout(options, shared_gpu);
+  // Every rank computed its layout from its own options and environment: the workspaces are sized
+  // from it and blocks pair by index, so the ranks compare them before anything is allocated.
+  static_assert(std::is_trivially_copyable_v<P2pLayout>);
+  std::vector<P2pLayout> layouts(static_cast<std::size_t>(size));
+  bootstrap.control_all_gather(&layout, layouts.data(), sizeof(P2pLayout));
+  if (const std::string disagreement = p2p_layout_disagreement(layouts); !disagreement.empty())
+    throw Error(disagreement);
 
-  // 3. Workspaces exported and opened over the segment's control path (bounded from here on).
+  // 4. Workspaces exported and opened over the segment's control path (bounded from here on).
   auto group = std::make_shared<P2pProcessGroup>(rank, size, layout, device, std::move(gpu_ids),
                                                  std::move(segment));
   group->join();
