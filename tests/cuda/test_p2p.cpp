@@ -1,7 +1,7 @@
 // The P2P communicator's protocol: collectives cut into many rounds, signed zeros and subnormals,
-// CUDA-graph replays back to back with changing inputs, and failure (a stalled rank, two
-// collectives at once, an abort) turning into errors instead of hangs. Tail parity over p2p is in
-// test_cuda_tail.cpp.
+// CUDA-graph replays back to back with changing inputs, ranks that disagree (on the layout, or on
+// the collective a round belongs to), and failure (a stalled rank, two collectives at once, an
+// abort) turning into errors instead of hangs. Tail parity over p2p is in test_cuda_tail.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -32,6 +32,7 @@ using lmoe::cuda::DeviceBuffer;
 using p2p_test::Collective;
 using p2p_test::host_sum;
 using p2p_test::Op;
+using p2p_test::RankCollective;
 using p2p_test::Stream;
 
 // Tiny rounds (1 KiB) cut every collective into many rounds, with uneven blocks and odd counts
@@ -235,6 +236,64 @@ TEST(P2p, TwoCollectivesAtOnceOnOneWorkspaceAreAnError) {
   EXPECT_NE(message.find("two collectives at the same time"), std::string::npos) << message;
 }
 
+// Two ranks that issue different collectives, or the same one with another size or dtype, pair
+// their rounds no more: the round's tag (published with the arrival) differs, and every rank gets
+// an error naming both ranks' collectives instead of a result mixed from two collectives.
+TEST(P2p, RanksRunningDifferentCollectivesFailNamingBoth) {
+  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_P2P_CAN_RUN(2);
+  struct Case {
+    const char* what;
+    std::vector<Collective> rank0, rank1;  // issued in this order
+  };
+  const std::vector<std::size_t> halves{4096, 4096};
+  const std::vector<Case> cases = {
+      {"another order",
+       {{Op::all_reduce, DType::bf16, halves}, {Op::all_gather, DType::bf16, halves}},
+       {{Op::all_gather, DType::bf16, halves}, {Op::all_reduce, DType::bf16, halves}}},
+      {"another size",
+       {{Op::all_reduce, DType::f32, halves}},
+       {{Op::all_reduce, DType::f32, {4096, 4104}}}},
+      {"another dtype",
+       {{Op::reduce_scatter, DType::bf16, halves}},
+       {{Op::reduce_scatter, DType::f16, halves}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::string> messages(2);
+    lmoe::run_on_p2p_threads(2, [&](int rank, lmoe::Communicator& comm) {
+      const Stream stream;
+      std::vector<RankCollective> runs;
+      for (const Collective& collective : rank == 0 ? c.rank0 : c.rank1)
+        runs.emplace_back(collective, rank);
+      cuda_ok(
+          cudaMemsetAsync(runs.front().recv(), 0, 16, stream.get()));  // the stream's first work
+      cuda_ok(cudaDeviceSynchronize());
+      comm.barrier();
+      try {
+        for (const RankCollective& run : runs) run.issue(comm, stream.get());
+        cuda_ok(cudaStreamSynchronize(stream.get()));
+        comm.barrier();
+      } catch (const lmoe::Error& error) {
+        messages[rank] = error.message();
+      }
+    });
+    // Either rank's record may be the one reported: each names itself first.
+    const std::string first = c.rank0.front().name(), second = c.rank1.front().name();
+    const std::string from_rank0 = "rank 0 ran " + first + " while rank 1 ran " + second,
+                      from_rank1 = "rank 1 ran " + second + " while rank 0 ran " + first;
+    for (int r = 0; r < 2; ++r) {
+      const std::string& message = messages[r];
+      EXPECT_TRUE(message.find(from_rank0) != std::string::npos ||
+                  message.find(from_rank1) != std::string::npos)
+          << "rank " << r << ": " << message;
+      // Round 1: the group's first; the block is any that paired the two collectives.
+      EXPECT_NE(message.find(" in the same round (round 1, block "), std::string::npos)
+          << "rank " << r << ": " << message;
+    }
+  }
+}
+
 // Ranks of processes compute their layouts apart; what they disagree on is named with every rank's
 // value (p2p_process.cpp compares them before sizing any workspace). No GPU needed.
 TEST(P2pLayoutAgreement, ADisagreementNamesEachFieldAndEveryRanksValue) {
@@ -258,6 +317,29 @@ TEST(P2pLayoutAgreement, ADisagreementNamesEachFieldAndEveryRanksValue) {
             "p2p: ranks disagree on the group's layout: timeout is 10000 ms on rank 0, 10000 ms on "
             "rank 1 and 500 ms on rank 2 (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike "
             "on every rank)");
+}
+
+// What a mismatch's message says a rank ran, from the round's tag: exact counts below 2^27, and
+// a hash of larger ones that still tells two sizes apart. No GPU needed.
+TEST(P2pLayoutAgreement, ARoundTagNamesItsCollective) {
+  using lmoe::cuda::p2p_round_tag;
+  using lmoe::cuda::P2pCollective;
+  const auto f16 = static_cast<std::uint32_t>(DType::f16);
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::reduce_scatter, f16, 12345)),
+            "reduce_scatter of 12345 f16 elements");
+  const std::uint64_t exact = lmoe::cuda::kP2pTagExactCounts;
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::all_gather, f16, exact - 1)),
+            "all_gather of " + std::to_string(exact - 1) + " f16 elements");
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::all_reduce, f16, exact)),
+            "all_reduce of at least 134217728 f16 elements");
+  EXPECT_NE(p2p_round_tag(P2pCollective::all_reduce, f16, exact),
+            p2p_round_tag(P2pCollective::all_reduce, f16, exact + 8));
+  EXPECT_NE(p2p_round_tag(P2pCollective::all_reduce, f16, 4096),
+            p2p_round_tag(P2pCollective::all_gather, f16, 4096));
+  EXPECT_NE(
+      p2p_round_tag(P2pCollective::all_reduce, f16, 4096),
+      p2p_round_tag(P2pCollective::all_reduce, static_cast<std::uint32_t>(DType::bf16), 4096));
+  EXPECT_EQ(lmoe::describe_p2p_collective(0), "no collective");
 }
 
 // The host aborts the group while a peer's round is spinning: the round stops and reports it.

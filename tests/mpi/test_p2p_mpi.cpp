@@ -4,9 +4,10 @@
 // bit for bit against the rank-order sum (one round and many rounds, unequal blocks, in place);
 // every tier against the contract, crafted exact inputs bit for bit, results identical on every
 // rank, eager and as a captured graph replayed; a stalled rank making every other rank fail within
-// the timeout, an abort ending a peer's wait, a bad input failing every rank alike, and setup
-// refusing what it cannot do. Skips (every rank) without a GPU, and when the processes of a node
-// outnumber its GPUs unless LMOE_P2P_SHARED_GPU=1.
+// the timeout, an abort ending a peer's wait within a bound, ranks issuing different collectives
+// failing alike, a bad input failing every rank alike, and setup refusing what it cannot do
+// (ranks whose layouts differ, a device not visible). Skips (every rank) without a GPU, and when
+// the processes of a node outnumber its GPUs unless LMOE_P2P_SHARED_GPU=1.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -287,6 +288,45 @@ TEST_F(P2pProcesses, AnAbortEndsAPeersWait) {
     ok = message.find("aborted") != std::string::npos;
   }
   EXPECT_TRUE(on_every_rank(ok)) << "rank " << comm->rank() << ": " << message;
+}
+
+// Ranks that issue different collectives (another order here) fail, every one of them, with an
+// error naming both ranks' collectives, instead of pairing rounds of two collectives.
+TEST_F(P2pProcesses, RanksRunningDifferentCollectivesFailNamingBoth) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto comm = lmoe::make_p2p_mpi_communicator();
+  const int tp = comm->size();
+  const std::vector<std::size_t> counts(static_cast<std::size_t>(tp), 4096);
+  const std::size_t total = 4096 * static_cast<std::size_t>(tp);
+  const DeviceBuffer send(total * 2), recv(total * 2);
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda_ok(cudaMemsetAsync(recv.data(), 0, total * 2, stream));  // the stream's first work
+  cuda_ok(cudaDeviceSynchronize());
+  comm->barrier();
+  std::string message;
+  try {
+    // Rank 0: all_reduce, then all_gather; every other rank the reverse.
+    for (int call = 0; call < 2; ++call) {
+      if ((call == 0) == (comm->rank() == 0)) {
+        comm->all_reduce(send.data(), recv.data(), total, DType::bf16, stream);
+      } else {
+        comm->all_gather(send.data(), recv.data(), counts, DType::bf16, stream);
+      }
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm->barrier();
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  cuda_ok(cudaStreamDestroy(stream));
+  const std::string all_reduce = "ran all_reduce of " + std::to_string(total) + " bf16 elements",
+                    all_gather = "ran all_gather of " + std::to_string(total) + " bf16 elements";
+  EXPECT_TRUE(
+      on_every_rank(message.find(all_reduce) != std::string::npos &&
+                    message.find(all_gather) != std::string::npos &&
+                    message.find(" in the same round (round 1, block ") != std::string::npos))
+      << "rank " << comm->rank() << ": " << message;
 }
 
 TEST_F(P2pProcesses, BadInputOnOneRankFailsEveryRankAlike) {

@@ -52,6 +52,10 @@ P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu);
 // peers' would read past their regions or pair blocks that stage other slices.
 std::string p2p_layout_disagreement(std::span<const P2pLayout> layouts);
 
+// "all_reduce of 4096 bf16 elements": what a round's tag (p2p_round_tag) says its rank ran, for
+// failure messages.
+std::string describe_p2p_collective(std::uint32_t tag);
+
 // Bytes of one rank's workspace: its flags, then its [parity][block] staging regions.
 std::size_t p2p_flags_bytes();
 std::size_t p2p_workspace_bytes(const P2pLayout& layout);
