@@ -1,7 +1,8 @@
 // The P2P communicator's protocol: collectives cut into many rounds, signed zeros and subnormals,
 // CUDA-graph replays back to back with changing inputs, ranks that disagree (on the layout, or on
 // the collective a round belongs to), and failure (a stalled rank, two collectives at once, an
-// abort) turning into errors instead of hangs. Tail parity over p2p is in test_cuda_tail.cpp.
+// abort) turning into errors instead of hangs. The collectives at the production layout are in
+// test_p2p_collectives.cpp; tail parity over p2p is in test_cuda_tail.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
