@@ -353,7 +353,8 @@ TEST_P(P2pProcessesBootstrap, ABadDeviceOnOneRankFailsSetupOnEveryRank) {
 }
 
 // Ranks whose options give different layouts (grids, regions, timeouts) are refused before any
-// workspace is sized, on every rank alike, naming each field and every rank's value.
+// workspace is sized, on every rank alike, naming each field and every rank's value; so are options
+// that give no layout on one rank.
 TEST_P(P2pProcessesBootstrap, RanksWithDifferentLayoutsFailSetupOnEveryRankAlike) {
   const int size = world_size();
   if (size < 2) GTEST_SKIP() << "needs 2 ranks";
@@ -397,6 +398,19 @@ TEST_P(P2pProcessesBootstrap, RanksWithDifferentLayoutsFailSetupOnEveryRankAlike
   EXPECT_EQ(message, "p2p: ranks disagree on the group's layout: timeout is" +
                          every_rank("10000 ms", "2000 ms") +
                          " (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike on every rank)");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+
+  // Options that give no layout on one rank: every rank fails alike rather than waiting for it.
+  options.timeout = std::chrono::milliseconds(10000);
+  options.blocks = last ? 40 : 4;
+  message.clear();
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message,
+            "p2p: rank " + std::to_string(size - 1) + ": blocks must be in [1, 32], got 40");
   EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's setup has ended
   EXPECT_EQ(leftovers(), std::vector<std::string>{});
