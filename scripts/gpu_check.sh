@@ -374,7 +374,7 @@ fi
 if wants kernels && [ "$gpus" -ge 2 ] && [ -x build/cuda/benchmarks/lmoe_comm_bench ]; then
   # The communicators' collectives alone, one rank per GPU (docs/p2p.md, "Bandwidth at large T").
   stage "comm benchmark (p2p and NCCL, $gpus ranks)"
-  timeout 90 build/cuda/benchmarks/lmoe_comm_bench --comm p2p,nccl --bytes 1048576,8388608,67108864,268435456 \
+  timeout 180 build/cuda/benchmarks/lmoe_comm_bench --comm p2p,nccl --bytes 1048576,8388608,67108864,268435456 \
     --json "$logs/comm.json" 2>&1 | tee "$logs/comm.log"
 fi
 

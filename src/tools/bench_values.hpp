@@ -32,6 +32,17 @@ LMOE_BENCH_HOST_DEVICE inline float value(std::uint64_t seed, std::uint64_t inde
   return static_cast<float>(k) * 0.015625f;
 }
 
+// Element `index` of the collectives' check stream `seed`: an integer in [−8, 7]. A sum over up to
+// 16 ranks, and every partial sum of it in any order, is then an integer of magnitude at most 128,
+// which bf16, f16 and f32 all hold exactly: any correct reduction gives the same bits whatever its
+// order and intermediate roundings (NCCL's too), so a collective's output is checked exactly, as
+// nccl-tests does. One multiply a value (a Weyl sequence's top bits): the host checks every element
+// of buffers of hundreds of megabytes.
+LMOE_BENCH_HOST_DEVICE inline float collective_value(std::uint64_t seed, std::uint64_t index) {
+  const std::uint64_t bits = (seed + index) * 0x9e3779b97f4a7c15ull;
+  return static_cast<float>(static_cast<int>(bits >> 60) - 8);
+}
+
 // The stream of one rank's tensor (0: routed, 1: shared) for one (T, tier): a fresh stream per
 // job, so an output left over from another job cannot match.
 inline std::uint64_t input_seed(std::uint64_t seed, std::int64_t num_tokens, int tier, int rank,

@@ -1,6 +1,8 @@
 // The P2P communicator's protocol: collectives cut into many rounds, signed zeros and subnormals,
-// CUDA-graph replay with changing inputs, and failure (a stalled rank, two collectives at once, an
-// abort) turning into errors instead of hangs. Tail parity over p2p is in test_cuda_tail.cpp.
+// CUDA-graph replays back to back with changing inputs, ranks that disagree (on the layout, or on
+// the collective a round belongs to), and failure (a stalled rank, two collectives at once, an
+// abort) turning into errors instead of hangs. The collectives at the production layout are in
+// test_p2p_collectives.cpp; tail parity over p2p is in test_cuda_tail.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -12,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/rank_order_reduce.hpp"
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "gpu_test_support.hpp"
@@ -22,41 +24,17 @@
 #include "lmoe/p2p_communicator.hpp"
 #include "lmoe/reference.hpp"
 #include "lmoe/tools/tail_runner.hpp"
+#include "p2p_test_support.hpp"
 
 namespace {
 
 using lmoe::DType;
 using lmoe::cuda::DeviceBuffer;
-
-// Ranks sharing a GPU can stall in p2p (docs/p2p.md): such tests run only where every rank has its
-// own GPU or with LMOE_P2P_SHARED_GPU=1. The failure-path tests below (a stalled rank, two
-// collectives at once, an abort) run everywhere: they must end in an error, which they do.
-#define SKIP_UNLESS_P2P_CAN_RUN(tp)                                             \
-  do {                                                                          \
-    if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit; \
-  } while (0)
-
-class Stream {
- public:
-  Stream() { cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
-  ~Stream() {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-std::vector<std::byte> host_sum(const std::vector<std::vector<std::byte>>& inputs,
-                                std::size_t count, DType dtype) {
-  std::vector<const void*> pointers;
-  for (const auto& input : inputs) pointers.push_back(input.data());
-  std::vector<std::byte> sum(count * lmoe::dtype_size(dtype));
-  lmoe::reduce_in_rank_order(pointers, sum.data(), count, dtype);
-  return sum;
-}
+using p2p_test::Collective;
+using p2p_test::host_sum;
+using p2p_test::Op;
+using p2p_test::RankCollective;
+using p2p_test::Stream;
 
 // Tiny rounds (1 KiB) cut every collective into many rounds, with uneven blocks and odd counts
 // that leave partial vectors at the ends of rounds and blocks.
@@ -168,81 +146,63 @@ TEST(P2p, KeepsNegativeZeroAndSubnormals) {
     EXPECT_EQ(0, std::memcmp(got[r].data(), expected.data(), expected.size())) << r;
 }
 
-// One capture, many replays: new inputs each time, and the workspace's rounds keep their parity
-// and epochs straight across replays.
+// One capture, many replays back to back: every replay's inputs are staged on the device ahead of
+// time and copied in on the stream, and every output copied out there, with no host work between
+// replays, so that rounds of consecutive replays run one right after the other and the workspace's
+// parities and epochs must stay straight across them. Four blocks, the last slice ending in a
+// partial vector; every replay's output on every rank checked.
 TEST(P2p, GraphReplaysWithNewInputsMatchTheHost) {
   SKIP_WITHOUT_GPU();
   const int tp = std::max(2, std::min(4, lmoe::cuda_device_count()));
   SKIP_UNLESS_P2P_CAN_RUN(tp);
-  const std::size_t count = 3000;
-  const int replays = 200;
-  std::vector<int> wrong(tp, 0);
-  std::vector<std::vector<std::vector<std::byte>>> inputs(replays,
-                                                          std::vector<std::vector<std::byte>>(tp));
-  std::vector<std::vector<std::byte>> expected(replays);
-  for (int i = 0; i < replays; ++i) {
-    for (int r = 0; r < tp; ++r) inputs[i][r] = random_values(count, DType::bf16, 1000u * i + r);
-    expected[i] = host_sum(inputs[i], count, DType::bf16);
-  }
-  lmoe::run_on_p2p_threads(tp, [&](int rank, lmoe::Communicator& comm) {
-    ASSERT_TRUE(comm.graph_capturable());
-    const Stream stream;
-    const DeviceBuffer send(count * 2), recv(count * 2);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    comm.all_reduce(send.data(), recv.data(), count, DType::bf16, stream.get());
-    cuda_ok(cudaStreamEndCapture(stream.get(), &graph));
-    cuda_ok(cudaGraphInstantiate(&exec, graph, 0));
-    cuda_ok(cudaGraphUpload(exec, stream.get()));
-    std::vector<std::byte> got(count * 2);
-    cuda_ok(cudaDeviceSynchronize());
-    comm.barrier();
-    for (int i = 0; i < replays; ++i) {
-      cuda_ok(cudaMemcpyAsync(send.data(), inputs[i][rank].data(), count * 2,
-                              cudaMemcpyHostToDevice, stream.get()));
-      cuda_ok(cudaMemsetAsync(recv.data(), 0xff, count * 2, stream.get()));
-      cuda_ok(cudaGraphLaunch(exec, stream.get()));
-      cuda_ok(cudaMemcpyAsync(got.data(), recv.data(), count * 2, cudaMemcpyDeviceToHost,
-                              stream.get()));
-      cuda_ok(cudaStreamSynchronize(stream.get()));
-      if (std::memcmp(got.data(), expected[i].data(), got.size()) != 0) ++wrong[rank];
-      comm.barrier();  // peers must not stage the next inputs before every rank has read this round
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-  });
-  for (int r = 0; r < tp; ++r) EXPECT_EQ(wrong[r], 0) << "rank " << r;
+  const Collective c{Op::all_reduce, DType::bf16, p2p_test::split_evenly(3 * 4096 + 1003, tp)};
+  p2p_test::expect_runs_match_the_host(tp, {c}, true, 24, 1000u, {});
 }
 
-// A rank that never issues the collective: its peers' rounds time out on the device, and every
-// rank gets an error naming the stalled rank instead of hanging.
+// A rank that never issues the collective and stays away from every host wait past the timeout
+// (busy elsewhere): its peers' rounds time out on the device, and every rank, the stalled one
+// included once it returns, gets the stall's error naming it. (Were the stalled rank to wait in a
+// host barrier at once instead, that barrier would time out at the same bound and abort the group,
+// and the peers could report the abort instead of the stall.)
 TEST(P2p, AStalledRankFailsItsPeersWithAnError) {
   SKIP_WITHOUT_GPU();
   lmoe::P2pOptions options;
   options.timeout = std::chrono::milliseconds(500);
   const int tp = 4, stalled = 3;
-  const auto start = std::chrono::steady_clock::now();
-  std::string message;
-  try {
-    lmoe::run_on_p2p_threads(
-        tp,
-        [&](int rank, lmoe::Communicator& comm) {
-          const DeviceBuffer buffer(4096 * 2);
-          comm.barrier();
-          if (rank != stalled)
+  std::vector<std::string> messages(tp);
+  std::vector<double> seconds(tp, 0.0);
+  lmoe::run_on_p2p_threads(
+      tp,
+      [&](int rank, lmoe::Communicator& comm) {
+        const DeviceBuffer buffer(4096 * 2);
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (rank != stalled) {
             comm.all_reduce(buffer.data(), buffer.data(), 4096, DType::bf16, cudaStreamPerThread);
-          cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+            cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+          } else {
+            std::this_thread::sleep_for(3 * options.timeout);
+          }
           comm.barrier();
-        },
-        options);
-  } catch (const lmoe::Error& error) {
-    message = error.message();
+        } catch (const lmoe::Error& error) {
+          messages[rank] = error.message();
+        }
+        seconds[rank] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      },
+      options);
+  for (int r = 0; r < tp; ++r) {
+    std::printf("[ p2p    ] rank %d failed after %.2f s: %s\n", r, seconds[r], messages[r].c_str());
+    // 4096 elements are one block's work; the group's first round.
+    EXPECT_NE(messages[r].find("waited more than 500 ms for rank 3 (round 1, block 0)"),
+              std::string::npos)
+        << "rank " << r << ": " << messages[r];
+    if (r != stalled) {
+      EXPECT_LT(seconds[r], 5.0) << "rank " << r << " was not failed in time";
+    }
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("[ p2p    ] stalled rank detected after %.2f s: %s\n", seconds, message.c_str());
-  EXPECT_NE(message.find("for rank 3"), std::string::npos) << message;
 }
 
 // Two collectives of one rank on unordered streams at once: an error, not a corrupted result.
@@ -275,6 +235,112 @@ TEST(P2p, TwoCollectivesAtOnceOnOneWorkspaceAreAnError) {
     message = error.message();
   }
   EXPECT_NE(message.find("two collectives at the same time"), std::string::npos) << message;
+}
+
+// Two ranks that issue different collectives, or the same one with another size or dtype, pair
+// their rounds no more: the round's tag (published with the arrival) differs, and every rank gets
+// an error naming both ranks' collectives instead of a result mixed from two collectives.
+TEST(P2p, RanksRunningDifferentCollectivesFailNamingBoth) {
+  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_P2P_CAN_RUN(2);
+  struct Case {
+    const char* what;
+    std::vector<Collective> rank0, rank1;  // issued in this order
+  };
+  const std::vector<std::size_t> halves{4096, 4096};
+  const std::vector<Case> cases = {
+      {"another order",
+       {{Op::all_reduce, DType::bf16, halves}, {Op::all_gather, DType::bf16, halves}},
+       {{Op::all_gather, DType::bf16, halves}, {Op::all_reduce, DType::bf16, halves}}},
+      {"another size",
+       {{Op::all_reduce, DType::f32, halves}},
+       {{Op::all_reduce, DType::f32, {4096, 4104}}}},
+      {"another dtype",
+       {{Op::reduce_scatter, DType::bf16, halves}},
+       {{Op::reduce_scatter, DType::f16, halves}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::string> messages(2);
+    lmoe::run_on_p2p_threads(2, [&](int rank, lmoe::Communicator& comm) {
+      const Stream stream;
+      std::vector<RankCollective> runs;
+      for (const Collective& collective : rank == 0 ? c.rank0 : c.rank1)
+        runs.emplace_back(collective, rank);
+      cuda_ok(
+          cudaMemsetAsync(runs.front().recv(), 0, 16, stream.get()));  // the stream's first work
+      cuda_ok(cudaDeviceSynchronize());
+      comm.barrier();
+      try {
+        for (const RankCollective& run : runs) run.issue(comm, stream.get());
+        cuda_ok(cudaStreamSynchronize(stream.get()));
+        comm.barrier();
+      } catch (const lmoe::Error& error) {
+        messages[rank] = error.message();
+      }
+    });
+    // Either rank's record may be the one reported: each names itself first.
+    const std::string first = c.rank0.front().name(), second = c.rank1.front().name();
+    const std::string from_rank0 = "rank 0 ran " + first + " while rank 1 ran " + second,
+                      from_rank1 = "rank 1 ran " + second + " while rank 0 ran " + first;
+    for (int r = 0; r < 2; ++r) {
+      const std::string& message = messages[r];
+      EXPECT_TRUE(message.find(from_rank0) != std::string::npos ||
+                  message.find(from_rank1) != std::string::npos)
+          << "rank " << r << ": " << message;
+      // Round 1: the group's first; the block is any that paired the two collectives.
+      EXPECT_NE(message.find(" in the same round (round 1, block "), std::string::npos)
+          << "rank " << r << ": " << message;
+    }
+  }
+}
+
+// Ranks of processes compute their layouts apart; what they disagree on is named with every rank's
+// value (p2p_process.cpp compares them before sizing any workspace). No GPU needed.
+TEST(P2pLayoutAgreement, ADisagreementNamesEachFieldAndEveryRanksValue) {
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  const lmoe::P2pLayout defaults = lmoe::p2p_layout(options, false);
+  EXPECT_EQ(defaults.blocks, 32);
+  EXPECT_EQ(defaults.block_bytes, std::size_t{1} << 20);
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, defaults, defaults}), "");
+
+  const lmoe::P2pLayout shared_gpu = lmoe::p2p_layout(options, true);  // 16 blocks of 2 MiB
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, shared_gpu}),
+            "p2p: ranks disagree on the group's layout: blocks is 32 on rank 0 and 16 on rank 1 "
+            "(set P2pOptions::blocks alike on every rank); block_bytes is 1048576 on rank 0 and "
+            "2097152 on rank 1 (round_bytes / blocks: set P2pOptions::round_bytes and blocks alike "
+            "on every rank)");
+
+  options.timeout = std::chrono::milliseconds(500);
+  const lmoe::P2pLayout short_timeout = lmoe::p2p_layout(options, false);
+  EXPECT_EQ(lmoe::p2p_layout_disagreement(std::vector{defaults, defaults, short_timeout}),
+            "p2p: ranks disagree on the group's layout: timeout is 10000 ms on rank 0, 10000 ms on "
+            "rank 1 and 500 ms on rank 2 (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike "
+            "on every rank)");
+}
+
+// What a mismatch's message says a rank ran, from the round's tag: exact counts below 2^27, and
+// a hash of larger ones that still tells two sizes apart. No GPU needed.
+TEST(P2pLayoutAgreement, ARoundTagNamesItsCollective) {
+  using lmoe::cuda::p2p_round_tag;
+  using lmoe::cuda::P2pCollective;
+  const auto f16 = static_cast<std::uint32_t>(DType::f16);
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::reduce_scatter, f16, 12345)),
+            "reduce_scatter of 12345 f16 elements");
+  const std::uint64_t exact = lmoe::cuda::kP2pTagExactCounts;
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::all_gather, f16, exact - 1)),
+            "all_gather of " + std::to_string(exact - 1) + " f16 elements");
+  EXPECT_EQ(lmoe::describe_p2p_collective(p2p_round_tag(P2pCollective::all_reduce, f16, exact)),
+            "all_reduce of at least 134217728 f16 elements");
+  EXPECT_NE(p2p_round_tag(P2pCollective::all_reduce, f16, exact),
+            p2p_round_tag(P2pCollective::all_reduce, f16, exact + 8));
+  EXPECT_NE(p2p_round_tag(P2pCollective::all_reduce, f16, 4096),
+            p2p_round_tag(P2pCollective::all_gather, f16, 4096));
+  EXPECT_NE(
+      p2p_round_tag(P2pCollective::all_reduce, f16, 4096),
+      p2p_round_tag(P2pCollective::all_reduce, static_cast<std::uint32_t>(DType::bf16), 4096));
+  EXPECT_EQ(lmoe::describe_p2p_collective(0), "no collective");
 }
 
 // The host aborts the group while a peer's round is spinning: the round stops and reports it.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -24,6 +25,20 @@ inline bool on_every_rank(bool ok) {
   int mine = ok ? 1 : 0, all = 0;
   MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   return all == 1;
+}
+
+// True on every rank when every rank's `text` is the same (its first 511 bytes).
+inline bool alike_on_every_rank(const std::string& text) {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::vector<char> mine(512, '\0'), all(512 * static_cast<std::size_t>(size));
+  std::memcpy(mine.data(), text.data(), std::min<std::size_t>(text.size(), 511));
+  MPI_Allgather(mine.data(), 512, MPI_CHAR, all.data(), 512, MPI_CHAR, MPI_COMM_WORLD);
+  bool alike = true;
+  for (int r = 1; r < size; ++r)
+    alike =
+        alike && std::memcmp(all.data(), all.data() + 512 * static_cast<std::size_t>(r), 512) == 0;
+  return alike;
 }
 
 // How many processes of the job run on this node.

@@ -4,9 +4,10 @@
 // bit for bit against the rank-order sum (one round and many rounds, unequal blocks, in place);
 // every tier against the contract, crafted exact inputs bit for bit, results identical on every
 // rank, eager and as a captured graph replayed; a stalled rank making every other rank fail within
-// the timeout, an abort ending a peer's wait, a bad input failing every rank alike, and setup
-// refusing what it cannot do. Skips (every rank) without a GPU, and when the processes of a node
-// outnumber its GPUs unless LMOE_P2P_SHARED_GPU=1.
+// the timeout, an abort ending a peer's wait within a bound, ranks issuing different collectives
+// failing alike, a bad input failing every rank alike, and setup refusing what it cannot do
+// (ranks whose layouts differ, a device not visible). Skips (every rank) without a GPU, and when
+// the processes of a node outnumber its GPUs unless LMOE_P2P_SHARED_GPU=1.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -248,16 +249,20 @@ TEST_F(P2pProcesses, AStalledRankFailsEveryRankWithinTheTimeout) {
 }
 
 // A rank aborts while its peer's round spins with a long timeout: the abort, not the timeout, ends
-// the wait, and the peer's error says so.
+// the wait, well within the timeout, and the peer's error says that the group was aborted while it
+// waited; the aborting rank's next call fails too.
 TEST_F(P2pProcesses, AnAbortEndsAPeersWait) {
   if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
   lmoe::P2pOptions options;
-  options.timeout = std::chrono::seconds(60);
+  options.timeout = std::chrono::seconds(30);
+  constexpr double kBoundSeconds = 10.0;  // the abort comes after 0.3 s; the timeout after 30
   auto comm = lmoe::make_p2p_mpi_communicator(options);
   const DeviceBuffer buffer(256 * 4);
   cuda_ok(cudaDeviceSynchronize());
   comm->barrier();
+  const auto start = std::chrono::steady_clock::now();
   std::string message;
+  bool ok = false;
   if (comm->rank() == 0) {
     try {
       comm->all_reduce(buffer.data(), buffer.data(), 256, DType::f32, cudaStreamPerThread);
@@ -266,12 +271,62 @@ TEST_F(P2pProcesses, AnAbortEndsAPeersWait) {
     } catch (const lmoe::Error& error) {
       message = error.message();
     }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // (LMOE_P2P_DIAGNOSE appends every rank's progress.)
+    ok = message.rfind("barrier: p2p: the group was aborted while rank 0 was waiting", 0) == 0 &&
+         seconds < kBoundSeconds;
+    std::printf("[ p2p    ] rank 0: the wait ended after %.2f s: %s\n", seconds, message.c_str());
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     comm->abort("test abort");
-    message = "aborted here";
+    try {
+      comm->barrier();
+    } catch (const lmoe::Error& error) {
+      message = error.message();
+    }
+    ok = message.find("aborted") != std::string::npos;
   }
-  EXPECT_TRUE(on_every_rank(message.find("aborted") != std::string::npos)) << message;
+  EXPECT_TRUE(on_every_rank(ok)) << "rank " << comm->rank() << ": " << message;
+}
+
+// Ranks that issue different collectives (another order here) fail, every one of them, with an
+// error naming both ranks' collectives, instead of pairing rounds of two collectives.
+TEST_F(P2pProcesses, RanksRunningDifferentCollectivesFailNamingBoth) {
+  if (world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  auto comm = lmoe::make_p2p_mpi_communicator();
+  const int tp = comm->size();
+  const std::vector<std::size_t> counts(static_cast<std::size_t>(tp), 4096);
+  const std::size_t total = 4096 * static_cast<std::size_t>(tp);
+  const DeviceBuffer send(total * 2), recv(total * 2);
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda_ok(cudaMemsetAsync(recv.data(), 0, total * 2, stream));  // the stream's first work
+  cuda_ok(cudaDeviceSynchronize());
+  comm->barrier();
+  std::string message;
+  try {
+    // Rank 0: all_reduce, then all_gather; every other rank the reverse.
+    for (int call = 0; call < 2; ++call) {
+      if ((call == 0) == (comm->rank() == 0)) {
+        comm->all_reduce(send.data(), recv.data(), total, DType::bf16, stream);
+      } else {
+        comm->all_gather(send.data(), recv.data(), counts, DType::bf16, stream);
+      }
+    }
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm->barrier();
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  cuda_ok(cudaStreamDestroy(stream));
+  const std::string all_reduce = "ran all_reduce of " + std::to_string(total) + " bf16 elements",
+                    all_gather = "ran all_gather of " + std::to_string(total) + " bf16 elements";
+  EXPECT_TRUE(
+      on_every_rank(message.find(all_reduce) != std::string::npos &&
+                    message.find(all_gather) != std::string::npos &&
+                    message.find(" in the same round (round 1, block ") != std::string::npos))
+      << "rank " << comm->rank() << ": " << message;
 }
 
 TEST_F(P2pProcesses, BadInputOnOneRankFailsEveryRankAlike) {
@@ -297,6 +352,70 @@ TEST_P(P2pProcessesBootstrap, ABadDeviceOnOneRankFailsSetupOnEveryRank) {
                          std::to_string(visible) + " GPUs)");
 }
 
+// Ranks whose options give different layouts (grids, regions, timeouts) are refused before any
+// workspace is sized, on every rank alike, naming each field and every rank's value; so are options
+// that give no layout on one rank.
+TEST_P(P2pProcessesBootstrap, RanksWithDifferentLayoutsFailSetupOnEveryRankAlike) {
+  const int size = world_size();
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const bool last = rank == size - 1;
+  // The values of rank r in the message: "a on rank 0, a on rank 1 and b on rank 2".
+  const auto every_rank = [&](const std::string& others, const std::string& last_rank) {
+    std::string text;
+    for (int r = 0; r < size; ++r) {
+      text += r == 0 ? " " : (r + 1 == size ? " and " : ", ");
+      text += (r == size - 1 ? last_rank : others) + " on rank " + std::to_string(r);
+    }
+    return text;
+  };
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  options.round_bytes = std::size_t{1} << 20;
+  options.blocks = last ? 8 : 4;
+  std::string message;
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message, "p2p: ranks disagree on the group's layout: blocks is" + every_rank("4", "8") +
+                         " (set P2pOptions::blocks alike on every rank); block_bytes is" +
+                         every_rank("262144", "131072") +
+                         " (round_bytes / blocks: set P2pOptions::round_bytes and blocks alike "
+                         "on every rank)");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+
+  options.blocks = 4;
+  options.timeout = std::chrono::milliseconds(last ? 2000 : 10000);
+  message.clear();
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message, "p2p: ranks disagree on the group's layout: timeout is" +
+                         every_rank("10000 ms", "2000 ms") +
+                         " (set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike on every rank)");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+
+  // Options that give no layout on one rank: every rank fails alike rather than waiting for it.
+  options.timeout = std::chrono::milliseconds(10000);
+  options.blocks = last ? 40 : 4;
+  message.clear();
+  try {
+    make(GetParam(), options);
+  } catch (const lmoe::Error& error) {
+    message = error.message();
+  }
+  EXPECT_EQ(message,
+            "p2p: rank " + std::to_string(size - 1) + ": blocks must be in [1, 32], got 40");
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's setup has ended
+  EXPECT_EQ(leftovers(), std::vector<std::string>{});
+}
+
 INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesBootstrap,
                          ::testing::Values(Bootstrap::mpi, Bootstrap::env), [](const auto& info) {
                            return info.param == Bootstrap::mpi ? "mpi" : "env";
@@ -318,11 +437,7 @@ TEST_P(P2pProcessesWithoutGpu, SetupFailsOnEveryRankAlike) {
   EXPECT_EQ(message.rfind("p2p: rank 0: ", 0), 0u) << message;
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's setup has ended
   EXPECT_EQ(leftovers(), std::vector<std::string>{});
-  std::vector<char> mine(512, '\0'), all(512 * static_cast<std::size_t>(world_size()));
-  std::memcpy(mine.data(), message.data(), std::min<std::size_t>(message.size(), 511));
-  MPI_Allgather(mine.data(), 512, MPI_CHAR, all.data(), 512, MPI_CHAR, MPI_COMM_WORLD);
-  for (int r = 1; r < world_size(); ++r)
-    EXPECT_EQ(std::memcmp(all.data(), all.data() + 512 * r, 512), 0) << "rank " << r;
+  EXPECT_TRUE(mpi_test::alike_on_every_rank(message)) << message;
 }
 
 INSTANTIATE_TEST_SUITE_P(Bootstrap, P2pProcessesWithoutGpu,

@@ -29,6 +29,7 @@ namespace {
 
 using cuda::kP2pMaxBlocks;
 using cuda::kP2pMaxRanks;
+using cuda::P2pCollective;
 using cuda::P2pDeviceHandle;
 using cuda::P2pOp;
 using cuda::P2pRound;
@@ -191,10 +192,11 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     const cudaStream_t s = enter(stream);
     const std::size_t esize = dtype_size(dtype);
     const std::size_t per_round = elements_per_round(esize);
+    const std::uint32_t tag = tag_of(P2pCollective::all_reduce, dtype, count);
     for (std::size_t start = 0; start < count; start += per_round) {
       const std::size_t n = std::min(per_round, count - start);
       P2pRound round =
-          make_round(P2pOp::reduce, offset(send, start * esize), offset(recv, start * esize));
+          make_round(tag, P2pOp::reduce, offset(send, start * esize), offset(recv, start * esize));
       for (int r = 0; r < size(); ++r) round.stage_count[r] = static_cast<std::int64_t>(n);
       round.reduce_first = 0;
       round.reduce_count = static_cast<std::int64_t>(n);
@@ -207,19 +209,20 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     check_counts(counts, "reduce_scatter");
     const cudaStream_t s = enter(stream);
     const std::size_t esize = dtype_size(dtype);
+    const std::uint32_t tag = tag_of(P2pCollective::reduce_scatter, dtype, total_of(counts));
     const std::size_t region = group_->block_bytes() / esize;
     // Each round carries a piece of every rank's block, and every rank reduces its own piece in the
     // same round (all blocks of all ranks reading at once). A block's region holds its slice of
     // every piece: up to `slot` elements each, a whole number of 8-element slots.
     const std::size_t slot = region / static_cast<std::size_t>(size()) / 8 * 8;
-    if (slot == 0) return reduce_scatter_whole(send, recv, counts, dtype, s);
+    if (slot == 0) return reduce_scatter_whole(tag, send, recv, counts, dtype, s);
     const std::size_t blocks = static_cast<std::size_t>(group_->blocks());
     const std::size_t per_piece = blocks * slot;
     const std::size_t longest = *std::max_element(counts.begin(), counts.end());
     std::vector<std::size_t> block_offset(counts.size(), 0);
     std::partial_sum(counts.begin(), counts.end() - 1, block_offset.begin() + 1);
     for (std::size_t start = 0; start < longest; start += per_piece) {
-      P2pRound round = make_round(P2pOp::reduce_scatter, send, offset(recv, start * esize));
+      P2pRound round = make_round(tag, P2pOp::reduce_scatter, send, offset(recv, start * esize));
       std::size_t most = 0;
       for (int r = 0; r < size(); ++r) {
         const std::size_t count = counts[static_cast<std::size_t>(r)];
@@ -241,10 +244,10 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
   // reduce_scatter with regions too small for a slot per rank (f32, tp 16, the smallest regions):
   // every rank stages all of its send buffer round by round and keeps the part of each round that
   // falls in its own block.
-  void reduce_scatter_whole(const void* send, void* recv, std::span<const std::size_t> counts,
-                            DType dtype, cudaStream_t s) {
+  void reduce_scatter_whole(std::uint32_t tag, const void* send, void* recv,
+                            std::span<const std::size_t> counts, DType dtype, cudaStream_t s) {
     const std::size_t esize = dtype_size(dtype);
-    const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+    const std::size_t total = total_of(counts);
     const std::size_t first =
         std::accumulate(counts.begin(), counts.begin() + rank_, std::size_t{0});
     const std::size_t last = first + counts[static_cast<std::size_t>(rank_)];
@@ -252,7 +255,7 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     for (std::size_t start = 0; start < total; start += per_round) {
       const std::size_t n = std::min(per_round, total - start);
       const std::size_t lo = std::max(first, start), hi = std::min(last, start + n);
-      P2pRound round = make_round(P2pOp::reduce, offset(send, start * esize),
+      P2pRound round = make_round(tag, P2pOp::reduce, offset(send, start * esize),
                                   offset(recv, (lo < hi ? lo - first : 0) * esize));
       for (int r = 0; r < size(); ++r) round.stage_count[r] = static_cast<std::int64_t>(n);
       round.reduce_first = lo < hi ? static_cast<std::int64_t>(lo - start) : 0;
@@ -268,6 +271,7 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     const std::size_t esize = dtype_size(dtype);
     const std::size_t longest = *std::max_element(counts.begin(), counts.end());
     const std::size_t per_round = elements_per_round(esize);
+    const std::uint32_t tag = tag_of(P2pCollective::all_gather, dtype, total_of(counts));
     std::vector<std::size_t> block_offset(counts.size(), 0);
     std::partial_sum(counts.begin(), counts.end() - 1, block_offset.begin() + 1);
     const bool in_place =
@@ -275,7 +279,8 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     for (std::size_t start = 0; start < longest; start += per_round) {
       const std::size_t n = std::min(per_round, longest - start);
       const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
-      P2pRound round = make_round(P2pOp::gather, offset(send, std::min(start, mine) * esize), recv);
+      P2pRound round =
+          make_round(tag, P2pOp::gather, offset(send, std::min(start, mine) * esize), recv);
       for (int r = 0; r < size(); ++r) {
         const std::size_t count = counts[static_cast<std::size_t>(r)];
         round.stage_count[r] =
@@ -337,8 +342,17 @@ class P2pCommunicator final : public Communicator, public P2pPeerAccess {
     return cuda::stream_or_default(stream);
   }
 
-  P2pRound make_round(P2pOp op, const void* send, void* out) const {
+  static std::size_t total_of(std::span<const std::size_t> counts) {
+    return std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  }
+
+  static std::uint32_t tag_of(P2pCollective collective, DType dtype, std::size_t count) {
+    return cuda::p2p_round_tag(collective, static_cast<std::uint32_t>(dtype), count);
+  }
+
+  static P2pRound make_round(std::uint32_t tag, P2pOp op, const void* send, void* out) {
     P2pRound round{};
+    round.tag = tag;
     round.op = op;
     round.send = send;
     round.out = out;

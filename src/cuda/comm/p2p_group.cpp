@@ -40,6 +40,51 @@ P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu) {
   return layout;
 }
 
+std::string p2p_layout_disagreement(std::span<const P2pLayout> layouts) {
+  std::string differences;
+  // One field: "blocks is 32 on rank 0 and 16 on rank 1 (hint)", when its values differ.
+  const auto compare = [&](const char* field, const auto& value_of, const char* unit,
+                           const char* hint) {
+    const bool alike = std::all_of(layouts.begin(), layouts.end(), [&](const P2pLayout& layout) {
+      return value_of(layout) == value_of(layouts.front());
+    });
+    if (alike) return;
+    std::string text = std::string(field) + " is";
+    for (std::size_t r = 0; r < layouts.size(); ++r) {
+      text += r == 0 ? " " : (r + 1 == layouts.size() ? " and " : ", ");
+      text += std::to_string(value_of(layouts[r])) + unit + " on rank " + std::to_string(r);
+    }
+    differences += (differences.empty() ? "" : "; ") + text + " (" + hint + ")";
+  };
+  compare(
+      "blocks", [](const P2pLayout& layout) { return layout.blocks; }, "",
+      "set P2pOptions::blocks alike on every rank");
+  compare(
+      "block_bytes", [](const P2pLayout& layout) { return layout.block_bytes; }, "",
+      "round_bytes / blocks: set P2pOptions::round_bytes and blocks alike on every rank");
+  compare(
+      "timeout", [](const P2pLayout& layout) { return layout.timeout.count(); }, " ms",
+      "set P2pOptions::timeout, or LMOE_P2P_TIMEOUT_MS, alike on every rank");
+  return differences.empty() ? "" : "p2p: ranks disagree on the group's layout: " + differences;
+}
+
+std::string describe_p2p_collective(std::uint32_t tag) {
+  std::string operation;
+  switch (static_cast<cuda::P2pCollective>(tag & 3u)) {
+    case cuda::P2pCollective::all_reduce: operation = "all_reduce"; break;
+    case cuda::P2pCollective::reduce_scatter: operation = "reduce_scatter"; break;
+    case cuda::P2pCollective::all_gather: operation = "all_gather"; break;
+    case cuda::P2pCollective::none: return "no collective";
+  }
+  const std::uint32_t dtype = tag >> 2 & 3u;
+  const std::string dtype_text = dtype <= static_cast<std::uint32_t>(DType::bf16)
+                                     ? std::string(dtype_name(static_cast<DType>(dtype)))
+                                     : "dtype-" + std::to_string(dtype);
+  const std::string count =
+      tag & 16u ? "at least " + std::to_string(cuda::kP2pTagExactCounts) : std::to_string(tag >> 5);
+  return operation + " of " + count + " " + dtype_text + " elements";
+}
+
 std::size_t p2p_flags_bytes() { return round_up_256(sizeof(cuda::P2pFlags)); }
 
 std::size_t p2p_workspace_bytes(const P2pLayout& layout) {
@@ -104,7 +149,8 @@ std::string P2pGroup::block_progress() {
     for (int r = 0; r < size_; ++r) {
       text += " rank " + std::to_string(r) + " [";
       for (int peer = 0; peer < size_; ++peer) {
-        text += (peer ? " " : "") + std::to_string(flags[r].arrive[timed_out_block][peer]);
+        text += (peer ? " " : "") +
+                std::to_string(static_cast<std::uint32_t>(flags[r].arrive[timed_out_block][peer]));
       }
       text += "]";
     }
@@ -124,6 +170,13 @@ std::string P2pGroup::device_failure() const {
                std::to_string(layout_.timeout.count()) + " ms for rank " + std::to_string(s.peer) +
                " (round " + std::to_string(s.round) + ", block " + std::to_string(s.block) +
                "); the peer is stalled or never issued the same collective";
+      case cuda::kP2pMismatch:
+        return "p2p: rank " + std::to_string(r) + " ran " + describe_p2p_collective(s.own_tag) +
+               " while rank " + std::to_string(s.peer) + " ran " +
+               describe_p2p_collective(s.peer_tag) + " in the same round (round " +
+               std::to_string(s.round) + ", block " + std::to_string(s.block) +
+               "); every rank must issue the same collectives, with the same sizes and dtypes, in "
+               "the same order";
       case cuda::kP2pConcurrentUse:
         return "p2p: rank " + std::to_string(r) +
                " ran two collectives at the same time on one workspace (issue them in one order, "

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,15 @@ struct P2pLayout {
 };
 // From the options (defaults resolved): blocks 32, or 16 when ranks share a GPU.
 P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu);
+// Empty when every rank's layout (layouts[r] is rank r's) is the same; else an error message naming
+// each field that differs and every rank's value of it. Ranks of processes compute their layouts
+// apart, from their own options and environment, and a rank whose regions or grid differ from its
+// peers' would read past their regions or pair blocks that stage other slices.
+std::string p2p_layout_disagreement(std::span<const P2pLayout> layouts);
+
+// "all_reduce of 4096 bf16 elements": what a round's tag (p2p_round_tag) says its rank ran, for
+// failure messages.
+std::string describe_p2p_collective(std::uint32_t tag);
 
 // Bytes of one rank's workspace: its flags, then its [parity][block] staging regions.
 std::size_t p2p_flags_bytes();

@@ -35,6 +35,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "comm/aborted_error.hpp"
@@ -395,8 +396,8 @@ ProcessBuffer::~ProcessBuffer() {
   }
 }
 
-// The record every rank sends through the bootstrap, twice: first where it runs (and, from rank
-// 0, the segment's name), then its GPU.
+// The records every rank sends through the bootstrap: first where it runs (and, from rank 0, the
+// segment's name), then its GPU.
 struct JoinRecord {
   char host[kNameBytes];
   char segment[kNameBytes];
@@ -408,6 +409,13 @@ struct DeviceRecord {
   char pci[kNameBytes];
   char problem[kProblemBytes];
 };
+
+// The third: the group's layout as this rank computes it, or why its options give none.
+struct LayoutRecord {
+  P2pLayout layout;
+  char problem[kProblemBytes];
+};
+static_assert(std::is_trivially_copyable_v<LayoutRecord>);
 
 std::string host_name() {
   char name[kNameBytes] = {};
@@ -511,9 +519,31 @@ std::shared_ptr<Communicator> make_p2p_process_communicator(Communicator& bootst
   }
   // Every rank has opened the segment: its name can go (nothing is left in /dev/shm after a crash).
   if (rank == 0) segment.unlink();
-  const P2pLayout layout = p2p_layout(options, shared_gpu);
+  // 3. The layouts compared. Every rank computed its own from its options and environment: the
+  // workspaces are sized from it and blocks pair by index, so the ranks compare them before
+  // anything is allocated. A rank whose options give no layout says why in the same exchange, so
+  // that no rank is left waiting in it.
+  LayoutRecord layout_record{};
+  try {
+    layout_record.layout = p2p_layout(options, shared_gpu);
+  } catch (const Error& error) {
+    put(layout_record.problem, error.message());
+  }
+  std::vector<LayoutRecord> layout_records(static_cast<std::size_t>(size));
+  bootstrap.control_all_gather(&layout_record, layout_records.data(), sizeof(LayoutRecord));
+  std::vector<P2pLayout> layouts;
+  for (const LayoutRecord& record : layout_records) {
+    std::string why = get(record.problem);
+    if (why.rfind("p2p: ", 0) == 0) why.erase(0, 5);
+    if (!why.empty())
+      throw Error("p2p: rank " + std::to_string(&record - layout_records.data()) + ": " + why);
+    layouts.push_back(record.layout);
+  }
+  if (const std::string disagreement = p2p_layout_disagreement(layouts); !disagreement.empty())
+    throw Error(disagreement);
+  const P2pLayout layout = layouts[static_cast<std::size_t>(rank)];
 
-  // 3. Workspaces exported and opened over the segment's control path (bounded from here on).
+  // 4. Workspaces exported and opened over the segment's control path (bounded from here on).
   auto group = std::make_shared<P2pProcessGroup>(rank, size, layout, device, std::move(gpu_ids),
                                                  std::move(segment));
   group->join();
@@ -586,8 +616,11 @@ std::shared_ptr<Communicator> make_p2p_env_communicator(const P2pOptions& option
         "mpirun with make_p2p_mpi_communicator)");
   }
   const int rank = launch->rank, size = launch->world_size;
-  // Processes start at their own pace: the wait for the others is setup's, not a round's.
-  const std::chrono::milliseconds startup = p2p_setup_timeout(p2p_layout(options, false));
+  // Processes start at their own pace: the wait for the others is setup's, not a round's. Only the
+  // timeout matters here: bad blocks are refused in setup, on every rank alike.
+  P2pOptions timing = options;
+  timing.blocks = 0;
+  const std::chrono::milliseconds startup = p2p_setup_timeout(p2p_layout(timing, false));
   SharedSegment segment;
   RecordRemover remover;
   if (rank == 0) {

@@ -192,10 +192,11 @@ __global__ void __launch_bounds__(kP2pThreads) p2p_round_kernel(P2pDeviceHandle 
                                 p2p_region<T>(h, h.rank, parity), s.last - s.first);
   }
   __syncthreads();  // the block's stores happen before the release below (cumulativity)
-  // 2. Publish, 3. wait: thread r talks to rank r.
+  // 2. Publish, 3. wait (and compare tags): thread r talks to rank r.
   if (threadIdx.x < h.size) {
-    p2p_store_release(&h.flags[threadIdx.x]->arrive[block][h.rank], e);
-    if (!p2p_wait_arrival(h, static_cast<int>(threadIdx.x), e)) failed = 1;
+    const int peer = static_cast<int>(threadIdx.x);
+    p2p_publish_arrival(h, peer, e, round.tag);
+    if (!p2p_wait_arrival(h, peer, e, round.tag)) failed = 1;
   }
   __syncthreads();
   if (!failed) {

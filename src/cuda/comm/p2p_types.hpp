@@ -16,20 +16,42 @@ enum P2pStatusCode : std::int32_t {
   kP2pTimeout = 1,        // a peer did not arrive within the budget
   kP2pAborted = 2,        // the group was aborted (by the host, or by a peer's failure)
   kP2pConcurrentUse = 3,  // two rounds of one rank ran at the same time on one workspace
+  kP2pMismatch = 4,       // a peer's round belongs to another collective (its tag differs)
 };
+
+// Which collective a round belongs to, as every rank must issue it alike, in the 32 bits beside
+// the round's epoch in its arrival word (P2pFlags::arrive), so that peers compare it as they pair
+// up and collectives issued in another order, size or dtype on different ranks fail instead of
+// mixing their data. Bits 0-1: the operation; 2-3: the dtype (lmoe::DType's value); 5-31: the
+// collective's element count (the whole collective's, so that every round of it carries the same
+// tag), or with bit 4 set, for counts of 2^27 and more, a hash of it.
+enum class P2pCollective : std::uint32_t { none, all_reduce, reduce_scatter, all_gather };
+inline constexpr std::uint64_t kP2pTagExactCounts = std::uint64_t{1} << 27;
+constexpr std::uint32_t p2p_round_tag(P2pCollective collective, std::uint32_t dtype,
+                                      std::uint64_t count) {
+  const std::uint32_t counted =
+      count < kP2pTagExactCounts
+          ? static_cast<std::uint32_t>(count) << 5
+          : 16u | static_cast<std::uint32_t>((count * 0x9e3779b97f4a7c15ull) >> 37) << 5;
+  return static_cast<std::uint32_t>(collective) | (dtype & 3u) << 2 | counted;
+}
 
 struct P2pStatus {
   std::int32_t code;
-  std::int32_t peer;  // the peer waited for (timeout), else -1
+  std::int32_t peer;  // the peer waited for (timeout) or paired with (mismatch), else -1
   std::int32_t block;
-  std::int32_t round;  // the epoch of the failed round
+  std::int32_t round;     // the epoch of the failed round
+  std::uint32_t own_tag;  // kP2pMismatch: this rank's round tag (p2p_round_tag) and the peer's
+  std::uint32_t peer_tag;
 };
 
 // Per rank, in its device's memory (zeroed at creation).
 struct P2pFlags {
-  std::uint32_t arrive[kP2pMaxBlocks][kP2pMaxRanks];  // written by peers
-  std::uint32_t epoch[kP2pMaxBlocks];                 // own rounds completed, per block
-  std::uint32_t in_use[kP2pMaxBlocks];                // a round of this block is running
+  // Written by peers: the latest round each peer's block has staged (low 32 bits) and that round's
+  // tag (high 32 bits), in one store.
+  std::uint64_t arrive[kP2pMaxBlocks][kP2pMaxRanks];
+  std::uint32_t epoch[kP2pMaxBlocks];    // own rounds completed, per block
+  std::uint32_t in_use[kP2pMaxBlocks];   // a round of this block is running
   std::uint32_t entered[kP2pMaxBlocks];  // the last round this block started (diagnostics)
 };
 
@@ -61,6 +83,7 @@ struct P2pDeviceHandle {
 enum class P2pOp : std::int32_t { reduce, gather, reduce_scatter };
 
 struct P2pRound {
+  std::uint32_t tag;  // the collective this round belongs to (p2p_round_tag)
   P2pOp op;
   const void* send;
   void* out;
