@@ -473,6 +473,27 @@ TEST_F(Fused, RanksWithDifferentGridsLayOutWhatThePeersWriteAlike) {
   std::printf("[ fused  ] tp=3 on two GPUs (grids differ), T 1/8/40 max_err/bound=%.3f\n", worst);
 }
 
+// A FusedTail whose workspace no GPU holds (d_model = 2^34: terabytes of staged rows) fails at the
+// workspace's allocation, after its own failure record (one rank: page-locked, mapped) was
+// allocated: 1000 such constructions leak neither host nor device memory.
+TEST_F(Fused, FailedConstructionsLeakNoMemory) {
+  SKIP_WITHOUT_GPU();
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  const lmoe::TailDims too_large{std::int64_t{1} << 34, 16};
+  const auto construct = [&] {
+    lmoe::cuda::FusedTail fused(*comms[0], too_large, DType::bf16, true, 1e-5f, nullptr, nullptr,
+                                16);
+  };
+  try {
+    construct();
+    ADD_FAILURE() << "a FusedTail with d_model = 2^34 was built";
+  } catch (const lmoe::Error& error) {
+    EXPECT_NE(std::string(error.message()).find("cudaMalloc"), std::string::npos)
+        << "the failure must come after the record's allocation: " << error.message();
+  }
+  expect_failed_attempts_leak_nothing("FusedTail on one rank, d_model = 2^34", 1000, construct);
+}
+
 // Ranks built for different numbers of rows (max_tokens) would address each other's workspaces at
 // different offsets: an error on every rank at construction, naming the setting.
 TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {

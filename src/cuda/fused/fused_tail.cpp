@@ -1,10 +1,10 @@
 #include "cuda/fused/fused_tail.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "cuda/fused/fused_tail_launch.hpp"
@@ -102,6 +102,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   // GPU, whatever the calling thread had current.
   const int device = make_rank_device_current(comm);
   check_weights_device(device, w_stripe, gamma);
+  use_status_record();
   const FusedGrid g = choose_grid(device, dims, tp);
   const std::int64_t bytes = lay_out_workspace(dims, tp, device, g);
   allocate_workspace(bytes);
@@ -238,39 +239,41 @@ void FusedTail::allocate_workspace(std::int64_t bytes) {
   }
 }
 
-// Ranks take the smallest grid; the status record is the p2p group's, or this rank's own.
-int FusedTail::agree_grid(int grid) {
-  const int tp = params_.tp;
+// Where the kernels report a failure: the p2p group's record and abort flag with several ranks;
+// with one rank (no group) a record of this rank's own.
+void FusedTail::use_status_record() {
   if (peers_) {
-    // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
-    // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
-    const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
-    comm_.control_all_gather(mine, all.data(), sizeof(mine));
-    for (int r = 0; r < tp; ++r) {
-      const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
-      if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
-        throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
-                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm_.rank()) +
-                    "'s " + std::to_string(capacity_) +
-                    " (max_tokens must be the same on every rank)");
-      }
-      grid = std::min(grid, static_cast<int>(theirs[0]));
-    }
     const P2pDeviceHandle h = peers_->device_handle();
     params_.status = h.status;
     params_.abort_flag = h.abort_flag;
     params_.timeout_ns = h.timeout_ns;
-  } else {
-    void* mapped = nullptr;
-    LMOE_CUDA_CHECK(
-        cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
-    std::memset(mapped, 0, sizeof(P2pStatus) + sizeof(std::int32_t));
-    own_status_ = static_cast<P2pStatus*>(mapped);
-    own_abort_ = reinterpret_cast<std::int32_t*>(own_status_ + 1);
-    params_.status = own_status_;
-    params_.abort_flag = own_abort_;
-    params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+    return;
+  }
+  own_record_ = MappedHostBuffer(sizeof(P2pMappedStatus));
+  auto* record = static_cast<P2pMappedStatus*>(own_record_.data());
+  params_.status = &record->status[0];
+  params_.abort_flag = &record->abort_flag;
+  params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+}
+
+// Ranks take the smallest grid.
+int FusedTail::agree_grid(int grid) {
+  if (!peers_) return grid;
+  const int tp = params_.tp;
+  // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
+  // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
+  const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
+  comm_.control_all_gather(mine, all.data(), sizeof(mine));
+  for (int r = 0; r < tp; ++r) {
+    const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
+    if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
+      throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
+                  std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm_.rank()) +
+                  "'s " + std::to_string(capacity_) +
+                  " (max_tokens must be the same on every rank)");
+    }
+    grid = std::min(grid, static_cast<int>(theirs[0]));
   }
   return grid;
 }
@@ -493,7 +496,6 @@ std::uint32_t FusedTail::chained_calls() const {
 
 FusedTail::~FusedTail() {
   if (trace_.bytes() || decode_trace_.bytes() || chained_trace_.bytes()) print_trace();
-  if (own_status_) cudaFreeHost(own_status_);
 }
 
 std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared,
@@ -517,7 +519,7 @@ std::uint32_t FusedTail::general_calls() const {
 
 void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
-  const volatile P2pStatus& s = *own_status_;
+  const volatile P2pStatus& s = *params_.status;
   if (s.code != kP2pOk) {
     throw Error("fused: a block waited more than 10 s for the others of its own grid (block " +
                 std::to_string(s.block) + ", call " + std::to_string(s.round) +

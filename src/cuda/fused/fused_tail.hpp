@@ -17,6 +17,7 @@
 #include "cuda/fused/fused_settings.hpp"
 #include "cuda/fused/fused_tail_types.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
 
@@ -154,7 +155,8 @@ class FusedTail {
   // Sets the workspace's offsets in params_ and returns its bytes.
   std::int64_t lay_out_workspace(TailDims dims, int tp, int device, const FusedGrid& g);
   void allocate_workspace(std::int64_t bytes);
-  // Collective with several ranks: the smallest grid of any rank; sets the status record.
+  void use_status_record();
+  // Collective with several ranks: the smallest grid of any rank.
   int agree_grid(int grid);
   void choose_decode(int sms, int sharing);
   void choose_chained(int sms, int sharing);
@@ -195,9 +197,9 @@ class FusedTail {
   FusedChainedParams chained_params_;
   DeviceBuffer chained_workspace_;
   int chained_exchange_grid_ = 0;  // several ranks: blocks of the exchange and gather kernels
-  // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
-  P2pStatus* own_status_ = nullptr;
-  std::int32_t* own_abort_ = nullptr;
+  // With one rank there is no p2p group: the kernels report into this rank's own record
+  // (P2pMappedStatus: its first record and the abort flag).
+  MappedHostBuffer own_record_;
 };
 
 }  // namespace lmoe::cuda
