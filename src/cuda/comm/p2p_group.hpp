@@ -45,6 +45,13 @@ struct P2pLayout {
 };
 // From the options (defaults resolved): blocks 32, or 16 when ranks share a GPU.
 P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu);
+// How long a wait for a peer lasts where the options set no timeout: LMOE_P2P_TIMEOUT_MS, or 10 s.
+std::chrono::milliseconds p2p_default_timeout();
+
+// The failure rank `rank`'s status record holds, as an error's text (timeout: the bound its waits
+// had); "" for none and for an abort, the consequence of a failure that has a record of its own.
+std::string p2p_failure_text(int rank, const volatile cuda::P2pStatus& status,
+                             std::chrono::milliseconds timeout);
 
 // Bytes of one rank's workspace: its flags, then its [parity][block] staging regions.
 std::size_t p2p_flags_bytes();

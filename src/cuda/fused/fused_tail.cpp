@@ -253,28 +253,55 @@ void FusedTail::use_status_record() {
   auto* record = static_cast<P2pMappedStatus*>(own_record_.data());
   params_.status = &record->status[0];
   params_.abort_flag = &record->abort_flag;
-  params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+  // The timeout a p2p communicator of one rank was given, else the settings'.
+  const auto* p2p = dynamic_cast<const P2pPeerAccess*>(&comm_);
+  params_.timeout_ns =
+      p2p ? p2p->device_handle().timeout_ns
+          : static_cast<std::uint64_t>(settings_.wait_timeout.count()) * 1000 * 1000;
 }
 
-// Ranks take the smallest grid.
+// Ranks take the smallest grid, and must lay out alike what the peers address: a rank built with
+// other rows (another max_tokens) or other regions (other dims, the chained path's lines on one
+// rank only) would have the peers' stores land elsewhere. Every rank raises the same error, with
+// every rank's value of what differs.
 int FusedTail::agree_grid(int grid) {
   if (!peers_) return grid;
   const int tp = params_.tp;
-  // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
-  // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
-  const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
+  enum Field { kGrid, kRows, kLayoutEnd, kFields };
+  const std::int64_t mine[kFields] = {grid, capacity_, params_.normed_offset};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(kFields * tp));
   comm_.control_all_gather(mine, all.data(), sizeof(mine));
-  for (int r = 0; r < tp; ++r) {
-    const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
-    if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
-      throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
-                  std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm_.rank()) +
-                  "'s " + std::to_string(capacity_) +
-                  " (max_tokens must be the same on every rank)");
+  const auto value = [&](int rank, Field field) {
+    return all[static_cast<std::size_t>(kFields * rank + field)];
+  };
+  const auto differs = [&](Field field) {
+    for (int r = 1; r < tp; ++r) {
+      if (value(r, field) != value(0, field)) return true;
     }
-    grid = std::min(grid, static_cast<int>(theirs[0]));
+    return false;
+  };
+  // "rank 0: 16, rank 1: 32".
+  const auto each_rank = [&](Field field, const char* unit) {
+    std::string text;
+    for (int r = 0; r < tp; ++r) {
+      text += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + unit +
+              std::to_string(value(r, field));
+    }
+    return text;
+  };
+  if (differs(kRows)) {
+    throw Error("fused: the ranks' workspaces hold different rows (" + each_rank(kRows, "") +
+                "): max_tokens must be the same on every rank");
   }
+  if (differs(kLayoutEnd)) {
+    throw Error(
+        "fused: the ranks lay out the part of their workspaces that peers write "
+        "differently (it ends at " +
+        each_rank(kLayoutEnd, "byte ") +
+        "): every rank needs the same d_model, d_latent, dtype and LMOE_FUSED_CHAINED, "
+        "and GPUs of one compute capability");
+  }
+  for (int r = 0; r < tp; ++r) grid = std::min(grid, static_cast<int>(value(r, kGrid)));
   return grid;
 }
 
@@ -517,14 +544,16 @@ std::uint32_t FusedTail::general_calls() const {
   return flags.general_calls;
 }
 
+std::chrono::milliseconds FusedTail::wait_timeout() const {
+  return std::chrono::milliseconds(params_.timeout_ns / 1000000);
+}
+
 void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
-  const volatile P2pStatus& s = *params_.status;
-  if (s.code != kP2pOk) {
-    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " +
-                std::to_string(s.block) + ", call " + std::to_string(s.round) +
-                "); the GPU did not run all of the grid's blocks at once");
-  }
+  const volatile P2pStatus& record = *params_.status;
+  if (record.code == kP2pOk) return;
+  const std::string text = p2p_failure_text(params_.rank, record, wait_timeout());
+  throw Error("fused: " + (text.empty() ? "a kernel of this rank was aborted" : text));
 }
 
 void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens,

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -127,6 +128,9 @@ class FusedTail {
   // Calls of this rank the general kernel completed (counted in its workspace; the decode kernel
   // does not count there), for tests that prove which kernel ran. Synchronizes the device.
   std::uint32_t general_calls() const;
+  // How long a kernel's wait lasts before the call fails: the p2p group's timeout, with one rank
+  // that of a p2p communicator, else the settings' (LMOE_P2P_TIMEOUT_MS, or 10 s).
+  std::chrono::milliseconds wait_timeout() const;
 
   // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
   // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
