@@ -484,17 +484,36 @@ TEST(FusedFailureText, NamesTheTimeoutAndWhatTheWaitWasFor) {
   const auto text = [](int rank, const P2pStatus& record, int ms) {
     return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(ms));
   };
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 3, 7}, 250),
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 3, 7, 0, 0}, 250),
             "rank 0's block 3 waited more than 250 ms for the other blocks of its grid (fused call "
             "7); the GPU did not run all of the grid's blocks at once");
-  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 4, 2}, 500),
+  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 4, 2, 0, 0}, 500),
             "p2p: rank 1 waited more than 500 ms for rank 0 (round 2, block 4); the peer is "
             "stalled or never issued the same collective");
-  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kP2pConcurrentUse, -1, 0, 1}, 250)
+  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kP2pConcurrentUse, -1, 0, 1, 0, 0}, 250)
                 .find("rank 0 ran two collectives at the same time"),
             std::string::npos);
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pOk, 0, 0, 0}, 250), "");
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pAborted, -1, 0, 3}, 250), "");
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pOk, 0, 0, 0, 0, 0}, 250), "");
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pAborted, -1, 0, 3, 0, 0}, 250), "");
+}
+
+// A fused call's T in a status record: two ranks' different T name both ranks and both values; a
+// T read on the device past the bound names T and the bound. No GPU needed; CI runs it.
+TEST(FusedFailureText, NamesBothRanksTOrTheTReadAndTheBound) {
+  using lmoe::cuda::P2pStatus;
+  const auto text = [](int rank, const P2pStatus& record) {
+    return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(500));
+  };
+  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kFusedTokensMismatch, 0, 2, 9, 5, 7}),
+            "rank 1 ran T = 5 and rank 0 T = 7 in the same fused call (call 9); every rank must "
+            "run a call with the same T (a graph replayed with T on the device: the same T "
+            "written on every rank)");
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, 300, 256}),
+            "rank 0 read T = 300 from tokens_device, outside [0, 256] (the rows its fused call "
+            "was launched for); its call wrote no output");
+  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, -1, 16})
+                .find("read T = -1 from tokens_device, outside [0, 16]"),
+            std::string::npos);
 }
 
 // A FusedTail whose workspace no GPU holds (d_model = 2^34: terabytes of staged rows) fails at the
@@ -650,6 +669,52 @@ TEST_F(Fused, ALatentTailOnP2pRanksPlacesItsWeightsOnTheRanksGpu) {
   for (int slot = 0; slot < 2; ++slot) {
     const lmoe::Comparison cmp = lmoe::compare(outputs.slice_matrix(slot), reference, exact);
     EXPECT_EQ(cmp.bit_mismatches, 0) << (slot == 0 ? "fused" : "overlap");
+  }
+}
+
+// Each fused kernel with the environment that makes a bound choose it: the decode kernel (the
+// chained path off; with one rank at 4 rows its pair instance), the general kernel (both off, and
+// at 129 rows where neither runs) and, on compute 9.0, the chained path.
+struct KernelAtBound {
+  lmoe::cuda::FusedKernel kernel;
+  std::int64_t bound;
+  const char* decode;   // LMOE_FUSED_DECODE (null: unset)
+  const char* chained;  // LMOE_FUSED_CHAINED
+};
+std::vector<KernelAtBound> kernels_at_bounds() {
+  using lmoe::cuda::FusedKernel;
+  std::vector<KernelAtBound> cases = {{FusedKernel::decode, 4, "1", "0"},
+                                      {FusedKernel::decode, 12, "1", "0"},
+                                      {FusedKernel::general, 40, "0", "0"},
+                                      {FusedKernel::general, 129, nullptr, nullptr}};
+  if (compute_capability() == 90) cases.push_back({FusedKernel::chained, 64, nullptr, nullptr});
+  return cases;
+}
+
+// A graph replayed with T on the device past its call's bound, for each kernel: no output written
+// anywhere, and the next call fails naming T and the bound on every rank, with one rank and two
+// (expect_device_tokens_past_the_bound_fail).
+TEST_F(Fused, DeviceTPastTheBoundWritesNothingAndFailsEveryRank) {
+  SKIP_WITHOUT_GPU();
+  for (const KernelAtBound& at : kernels_at_bounds()) {
+    const ScopedEnv decode("LMOE_FUSED_DECODE", at.decode);
+    const ScopedEnv chained("LMOE_FUSED_CHAINED", at.chained);
+    expect_device_tokens_past_the_bound_fail(at.kernel, at.bound);
+  }
+}
+
+// Two ranks replaying a graph with different T on the device, for each kernel (T one apart at the
+// bound, and 0 on rank 0: a call of no rows still sends its T): every rank fails naming both T,
+// instead of summing rows its peer never staged (the general kernel) or waiting for rows the peer
+// never sends until the timeout (the decode kernel, the chained path).
+TEST_F(Fused, RanksReplayingDifferentTFailEveryRankNamingBoth) {
+  SKIP_WITHOUT_GPU();
+  for (const KernelAtBound& at : kernels_at_bounds()) {
+    const ScopedEnv decode("LMOE_FUSED_DECODE", at.decode);
+    const ScopedEnv chained("LMOE_FUSED_CHAINED", at.chained);
+    const auto bound = static_cast<std::int32_t>(at.bound);
+    expect_different_device_tokens_fail_every_rank(at.kernel, at.bound, bound - 1, bound);
+    expect_different_device_tokens_fail_every_rank(at.kernel, at.bound, 0, bound / 2 + 1);
   }
 }
 

@@ -133,6 +133,17 @@ std::string p2p_failure_text(int rank, const volatile cuda::P2pStatus& status,
       return "p2p: rank " + std::to_string(rank) +
              " ran two collectives at the same time on one workspace (issue them in one order, or "
              "order the streams with events)";
+    case cuda::kFusedTokensMismatch:
+      return "rank " + std::to_string(rank) + " ran T = " + std::to_string(status.tokens) +
+             " and rank " + std::to_string(peer) +
+             " T = " + std::to_string(status.compared_tokens) + " in the same fused call (call " +
+             std::to_string(round) +
+             "); every rank must run a call with the same T (a graph replayed with T on the "
+             "device: the same T written on every rank)";
+    case cuda::kFusedTokensOutOfRange:
+      return "rank " + std::to_string(rank) + " read T = " + std::to_string(status.tokens) +
+             " from tokens_device, outside [0, " + std::to_string(status.compared_tokens) +
+             "] (the rows its fused call was launched for); its call wrote no output";
     default: return "";
   }
 }

@@ -16,13 +16,20 @@ enum P2pStatusCode : std::int32_t {
   kP2pTimeout = 1,        // a peer did not arrive within the budget
   kP2pAborted = 2,        // the group was aborted (by the host, or by a peer's failure)
   kP2pConcurrentUse = 3,  // two rounds of one rank ran at the same time on one workspace
+  // The fused tier's kernels (cuda/fused/), which report into the same records: a call's T.
+  kFusedTokensMismatch = 4,    // a peer ran the call with another T
+  kFusedTokensOutOfRange = 5,  // T read on the device outside [0, the call's bound]
 };
 
 struct P2pStatus {
   std::int32_t code;
-  std::int32_t peer;  // the peer waited for (timeout), else -1
+  std::int32_t peer;  // the peer waited for (timeout) or whose T differs, else -1
   std::int32_t block;
   std::int32_t round;  // the epoch of the failed round
+  // A fused call's check of T: this rank's T, and what it was compared with: the peer's T
+  // (kFusedTokensMismatch) or the call's bound (kFusedTokensOutOfRange). Written before the code.
+  std::int32_t tokens;
+  std::int32_t compared_tokens;
 };
 
 // Per rank, in its device's memory (zeroed at creation).

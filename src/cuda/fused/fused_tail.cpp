@@ -168,28 +168,32 @@ std::int64_t FusedTail::lay_out_workspace(TailDims dims, int tp, int device, con
   const std::int64_t col_tiles = g.col_tiles;
   // Workspace: flags; the regions the peers read or write, laid out alike on every rank (from
   // capacity, d, l, tp and the dtype only: a peer addresses them with this rank's offsets): per
-  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity the decode kernel's
-  // exchange, a slot per sending rank of its latent rows, its columns of this rank's stripe of
-  // `shared` and its output stripe as LL lines (4 bytes per element, cuda/fused_ll.cuh; K3 at tp 2:
-  // 2.8 MB, at tp 16: 9.2 MB); then this rank's own: N, its stripe of the shared sum (tp > 1), the
-  // tiles' split counters and fp32 partials (sized by this rank's grid, so they come last).
+  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity a line per sending
+  // rank with its call's T, and the decode kernel's exchange, a slot per sending rank of its latent
+  // rows, its columns of this rank's stripe of `shared` and its output stripe as LL lines (4 bytes
+  // per element, cuda/fused_ll.cuh; K3 at tp 2: 2.8 MB, at tp 16: 9.2 MB); then this rank's own:
+  // N, its stripe of the shared sum (tp > 1), the tiles' split counters and fp32 partials (sized by
+  // this rank's grid, so they come last).
   params_.routed_offset = align256(sizeof(FusedFlags));
   params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
   params_.parity_bytes =
       params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
-  params_.ll_latent_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  params_.ll_tokens_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  params_.ll_latent_offset = params_.ll_tokens_offset;
   if (tp > 1) {
     const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
     params_.ll_rows = rows;
+    // One line (4 elements) per sender with its call's T, then the decode kernel's slots.
+    params_.ll_latent_offset = params_.ll_tokens_offset + align256(tp * 4 * line_bytes);
     params_.ll_shared_offset = params_.ll_latent_offset + align256(tp * rows * l * line_bytes);
     params_.ll_stripe_offset = params_.ll_shared_offset + align256(tp * rows * stripe * line_bytes);
     params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
-                              params_.ll_latent_offset;
+                              params_.ll_tokens_offset;
   }
   // Then (tp > 1, where the chained path may run: compute 9.0, not turned off) per parity the
   // chained path's exchange as LL lines (cuda/fused_chained_exchange.cuh; K3 at 128 rows: ~11 MB).
-  params_.cx_latent_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  params_.cx_latent_offset = params_.ll_tokens_offset + 2 * params_.ll_parity_bytes;
   if (tp > 1 && !settings_.chained_off && device_is_compute_90(device)) {
     const std::int64_t rows = std::min(kFusedChainedMaxTokens, capacity_), line_bytes = 4;
     params_.cx_rows = rows;
@@ -226,7 +230,7 @@ void FusedTail::allocate_workspace(std::int64_t bytes) {
     // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
     // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
     // which its odd epochs never are). Before the collective below, so before any peer's call.
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_latent_offset, 0x01,
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_tokens_offset, 0x01,
                                static_cast<std::size_t>(params_.ll_parity_bytes)));
     LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.cx_latent_offset, 0x01,
                                static_cast<std::size_t>(params_.cx_parity_bytes)));
@@ -438,6 +442,8 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   p.out_pitch = params_.d;
   if (tp == 1) {
     p.shared_pitch = params_.d;  // the caller's `shared`, set per call
+    p.status = params_.status;
+    p.abort_flag = params_.abort_flag;
   } else {
     // The stripe's shared sum in this rank's workspace, and the output's lines to every peer.
     p.shared = params_.workspace[params_.rank] + params_.shared_sum_offset;
@@ -606,11 +612,10 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
     p.programmatic = decode_programmatic_;
     p.early_items = decode_early_items_;
-    if (params_.tp > 1) {
-      p.protocol = call_params(routed, shared, out, tokens, tokens_device);
-      p.protocol.trace = nullptr;
-      p.local_norm_rows = decode_local_norm_rows_;
-    }
+    // With one rank only its record is used (a T read on the device past the bound).
+    p.protocol = call_params(routed, shared, out, tokens, tokens_device);
+    p.protocol.trace = nullptr;
+    if (params_.tp > 1) p.local_norm_rows = decode_local_norm_rows_;
     check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
     return;
   }
