@@ -1,7 +1,8 @@
 // Shared by the fused tier's GPU tests (test_fused_tail.cpp, test_fused_decode.cpp,
 // test_fused_chained.cpp): the dims they use, the fixture that lets p2p ranks share one GPU, a
 // call through the runner checked against the CPU contract, one rank's FusedTail driven directly
-// (FusedRank), and the soak of graph replays with T and inputs changing on the device.
+// (FusedRank), the soak of graph replays with T and inputs changing on the device, and replays
+// whose T on the device is past the bound or differs between the ranks.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -248,6 +249,160 @@ inline void capture_fused_call(FusedRank& state, std::int64_t max_tokens, const 
   cuda_ok(cudaGraphInstantiate(exec, *graph, 0));
 }
 
+inline const char* kernel_name(lmoe::cuda::FusedKernel kernel) {
+  return kernel == lmoe::cuda::FusedKernel::decode    ? "decode"
+         : kernel == lmoe::cuda::FusedKernel::chained ? "chained"
+                                                      : "general";
+}
+
+// What one graph replay per rank did where T on the device is bad: each rank's error and output.
+struct BadTokensReplay {
+  std::vector<std::string> errors;  // by rank; "" where the rank raised none
+  std::vector<std::vector<std::byte>>
+      outputs;         // by rank: every row of its buffer, after the replay
+  double seconds = 0;  // from rank 0's replay to its error: the failure's detection, not a timeout
+};
+
+// On tp p2p ranks (a 5 s timeout): one fused call of up to `bound` rows with T read on the device,
+// captured into a graph over buffers of `rows` > bound rows (a case of `rows` tokens, so that the
+// rows past the bound hold real inputs), replayed once with T = tokens[rank] written on each rank
+// and the whole output poisoned (0xff, NaN); then every rank's next call, which raises what the
+// replay recorded, before it launches anything. `kernel`: the kernel the bound must choose.
+inline BadTokensReplay replay_with_bad_device_tokens(int tp, std::int64_t bound, std::int64_t rows,
+                                                     const std::vector<std::int32_t>& tokens,
+                                                     lmoe::cuda::FusedKernel kernel) {
+  BadTokensReplay result;
+  result.errors.resize(static_cast<std::size_t>(tp));
+  result.outputs.resize(static_cast<std::size_t>(tp));
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, rows,
+                                                  700u + static_cast<std::uint64_t>(bound));
+  const std::size_t out_bytes = static_cast<std::size_t>(rows * kSmall.d_model) * 2;
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(5000);
+  const auto comms = lmoe::make_p2p_thread_communicators(tp, options);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    FusedRank state(comm, c, rows);
+    lmoe::cuda::FusedTail& fused = *state.fused;
+    EXPECT_EQ(fused.kernel_for(bound), kernel)
+        << fused.decode_limit().value_or("") << fused.chained_limit().value_or("");
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceBuffer tokens_now(sizeof(std::int32_t));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    capture_fused_call(state, bound, tokens_now.data(), stream, &graph, &exec);
+    cuda_ok(cudaGraphUpload(exec, stream));
+    const std::int32_t mine = tokens[static_cast<std::size_t>(rank)];
+    cuda_ok(cudaMemcpy(tokens_now.data(), &mine, sizeof(mine), cudaMemcpyHostToDevice));
+    cuda_ok(cudaMemset(state.out.data(), 0xff, out_bytes));
+    cuda_ok(cudaDeviceSynchronize());
+    comm.barrier();  // every rank's graph is ready before any replays
+    const auto start = std::chrono::steady_clock::now();
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    cuda_ok(cudaStreamSynchronize(stream));
+    try {
+      fused.run(state.routed.data(), state.shared.data(), state.out.data(), bound, stream);
+      cuda_ok(cudaStreamSynchronize(stream));
+    } catch (const lmoe::Error& error) {
+      result.errors[static_cast<std::size_t>(rank)] = error.message();
+    }
+    if (rank == 0) {
+      result.seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    cuda_ok(cudaDeviceSynchronize());  // every kernel on this GPU has stopped (aborted or done)
+    std::vector<std::byte>& out = result.outputs[static_cast<std::size_t>(rank)];
+    out.resize(out_bytes);
+    cuda_ok(cudaMemcpy(out.data(), state.out.data(), out_bytes, cudaMemcpyDeviceToHost));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  });
+  return result;
+}
+
+// Bytes of `out` from byte `from` on that are not the poison (0xff): written where nothing may be.
+inline std::size_t written_from(const std::vector<std::byte>& out, std::size_t from) {
+  return static_cast<std::size_t>(
+      std::count_if(out.begin() + static_cast<std::ptrdiff_t>(std::min(from, out.size())),
+                    out.end(), [](std::byte b) { return b != std::byte{0xff}; }));
+}
+
+// A T on the device past the bound of the graph's call (bound + 1, and −1), read by `kernel`: the
+// call writes no output anywhere (the rows past the bound hold real inputs a kernel that read
+// them would compute), and the next call fails naming T and the bound, within the time an abort
+// takes (a few ms), not the 5 s timeout: with one rank, with two both reading it, and with two
+// where only rank 1 does (rank 0's call stops on the abort; only rows up to the bound may hold
+// its writes).
+inline void expect_device_tokens_past_the_bound_fail(lmoe::cuda::FusedKernel kernel,
+                                                     std::int64_t bound) {
+  const std::int64_t rows = bound + 16;
+  const auto tokens_text = [](std::int32_t t) { return "T = " + std::to_string(t); };
+  const std::string range = " from tokens_device, outside [0, " + std::to_string(bound) + "]";
+  for (const std::int32_t bad : {static_cast<std::int32_t>(bound + 1), std::int32_t{-1}}) {
+    for (const int tp : {1, 2}) {
+      if (tp > 1 && lmoe::comm_group_limit("p2p", tp)) continue;
+      SCOPED_TRACE(std::string(kernel_name(kernel)) + " tp=" + std::to_string(tp) +
+                   " bound=" + std::to_string(bound) + " " + tokens_text(bad) + " on every rank");
+      const BadTokensReplay every = replay_with_bad_device_tokens(
+          tp, bound, rows, std::vector<std::int32_t>(tp, bad), kernel);
+      expect_every_rank_error(every.errors, "rank 0 read " + tokens_text(bad) + range);
+      for (int r = 0; r < tp; ++r) {
+        EXPECT_EQ(written_from(every.outputs[static_cast<std::size_t>(r)], 0), 0u)
+            << "bytes of rank " << r << "'s output written by a call that must run no rows";
+      }
+      EXPECT_LT(every.seconds, 2.5);
+    }
+    if (lmoe::comm_group_limit("p2p", 2)) continue;
+    SCOPED_TRACE(std::string(kernel_name(kernel)) + " tp=2 bound=" + std::to_string(bound) + " " +
+                 tokens_text(bad) + " on rank 1 only");
+    const BadTokensReplay one = replay_with_bad_device_tokens(
+        2, bound, rows, {static_cast<std::int32_t>(bound), bad}, kernel);
+    expect_every_rank_error(one.errors, "rank 1 read " + tokens_text(bad) + range);
+    const std::size_t row_bytes = static_cast<std::size_t>(kSmall.d_model) * 2;
+    EXPECT_EQ(written_from(one.outputs[0], static_cast<std::size_t>(bound) * row_bytes), 0u)
+        << "bytes of rank 0's output written past the bound";
+    EXPECT_EQ(written_from(one.outputs[1], 0), 0u) << "bytes of rank 1's output written";
+    EXPECT_LT(one.seconds, 2.5);
+  }
+}
+
+// Two ranks whose graph replays read different T (tokens[0] on rank 0, tokens[1] on rank 1, both
+// within the bound) in one call of `kernel`: every rank fails, naming both ranks' T, within the
+// time an abort takes, not the 5 s timeout; nothing is written past the bound.
+inline void expect_different_device_tokens_fail_every_rank(lmoe::cuda::FusedKernel kernel,
+                                                           std::int64_t bound,
+                                                           std::int32_t rank0_tokens,
+                                                           std::int32_t rank1_tokens) {
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
+  SCOPED_TRACE(std::string(kernel_name(kernel)) + " bound=" + std::to_string(bound) +
+               ": T = " + std::to_string(rank0_tokens) + " on rank 0, " +
+               std::to_string(rank1_tokens) + " on rank 1");
+  const BadTokensReplay replay =
+      replay_with_bad_device_tokens(2, bound, bound + 16, {rank0_tokens, rank1_tokens}, kernel);
+  // Each rank records the difference itself; the message is the first rank's record.
+  const std::string from_rank0 = "rank 0 ran T = " + std::to_string(rank0_tokens) +
+                                 " and rank 1 T = " + std::to_string(rank1_tokens) +
+                                 " in the same fused call";
+  const std::string from_rank1 = "rank 1 ran T = " + std::to_string(rank1_tokens) +
+                                 " and rank 0 T = " + std::to_string(rank0_tokens) +
+                                 " in the same fused call";
+  for (std::size_t r = 0; r < replay.errors.size(); ++r) {
+    const std::string& error = replay.errors[r];
+    EXPECT_TRUE(error.find(from_rank0) != std::string::npos ||
+                error.find(from_rank1) != std::string::npos)
+        << "rank " << r << ": \"" << error << "\"";
+    EXPECT_NE(error.find("every rank must run a call with the same T"), std::string::npos)
+        << "rank " << r << ": " << error;
+  }
+  const std::size_t row_bytes = static_cast<std::size_t>(kSmall.d_model) * 2;
+  for (std::size_t r = 0; r < replay.outputs.size(); ++r) {
+    EXPECT_EQ(written_from(replay.outputs[r], static_cast<std::size_t>(bound) * row_bytes), 0u)
+        << "bytes of rank " << r << "'s output written past the bound";
+  }
+  EXPECT_LT(replay.seconds, 2.5);
+}
+
 // Graph replays with T and inputs changing between replays and no host work in the call: the
 // kernel reads T on the device. Each replay's output is compared on the device with the eager
 // result of the same inputs (itself checked against the contract), so a stale parity, a row left
@@ -370,11 +525,7 @@ inline void soak_graph_replays(int tp, std::int64_t max_tokens,
   std::printf(
       "[ fused  ] soak: %ld graph replays per rank, tp=%d (%s kernel), T in {%s}: %llu mismatched "
       "bytes\n",
-      replays, tp,
-      kernel == lmoe::cuda::FusedKernel::decode    ? "decode"
-      : kernel == lmoe::cuda::FusedKernel::chained ? "chained"
-                                                   : "general",
-      tokens_list.c_str(), total);
+      replays, tp, kernel_name(kernel), tokens_list.c_str(), total);
 }
 
 }  // namespace lmoe_fused_test

@@ -1,5 +1,6 @@
 // What every GPU test file needs: a clean skip where no GPU is visible, CUDA calls checked, and
-// random inputs for the collectives, and scoped environment variables.
+// random inputs for the collectives, scoped environment variables, and a check that failed
+// constructions leak no memory.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,6 +10,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -16,6 +19,7 @@
 
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "lmoe/dtype.hpp"
+#include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
 
 // Skips the test (with the reason) where no CUDA GPU is visible, as on the CI machine.
@@ -83,4 +87,54 @@ inline void expect_ranks_alike_within_contract(const std::vector<lmoe::HostTenso
   const lmoe::Comparison cmp = lmoe::compare(outputs[0].matrix(), reference, lmoe::exact_tail(c));
   EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
   EXPECT_LE(cmp.normwise_error, cmp.normwise_tolerance);
+}
+
+// The process's resident memory in KiB (VmRSS of /proc/self/status): page-locked host memory the
+// CUDA driver allocates is resident and counts there.
+inline std::int64_t resident_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  ADD_FAILURE() << "no VmRSS line in /proc/self/status";
+  return 0;
+}
+
+// Bytes of the current GPU's memory in use (by any process: the bound below allows for others).
+inline std::int64_t device_bytes_in_use() {
+  std::size_t free = 0, total = 0;
+  EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  return static_cast<std::int64_t>(total - free);
+}
+
+// `attempt` must throw lmoe::Error after it allocated something (a constructor with bad
+// arguments); run `times` times, it must leave the device's memory in use and the process's
+// resident memory where they were after a few warm-up attempts (which fill the runtime's and the
+// allocator's caches). A leaked page-locked allocation holds at least a page (4 KiB), so `times`
+// leaks would add at least times · 4 KiB: the bound allows a quarter of that for the heap's noise.
+// The device may gain one page of its allocator (2 MiB), for the runtime's own bookkeeping.
+inline void expect_failed_attempts_leak_nothing(const std::string& what, int times,
+                                                const std::function<void()>& attempt) {
+  SCOPED_TRACE(what);
+  int failures = 0;
+  const auto attempt_once = [&] {
+    try {
+      attempt();
+    } catch (const lmoe::Error&) {
+      ++failures;
+    }
+    (void)cudaGetLastError();  // an allocation refused by the device leaves its error behind
+  };
+  for (int i = 0; i < 8; ++i) attempt_once();
+  const std::int64_t resident_before = resident_kib(), device_before = device_bytes_in_use();
+  for (int i = 0; i < times; ++i) attempt_once();
+  const std::int64_t resident_growth = resident_kib() - resident_before;
+  const std::int64_t device_growth = device_bytes_in_use() - device_before;
+  EXPECT_EQ(failures, times + 8) << "every attempt must fail with an lmoe::Error";
+  EXPECT_LT(resident_growth, std::int64_t{times}) << "KiB of resident memory gained over " << times
+                                                  << " failed attempts (a leaked page-locked "
+                                                     "allocation each would be at least "
+                                                  << 4 * times << " KiB)";
+  EXPECT_LE(device_growth, std::int64_t{2} << 20)
+      << "bytes of device memory gained over " << times << " failed attempts";
 }

@@ -6,7 +6,9 @@
 // kernel each call runs, the kernels taking turns on one workspace, and what it declines. The
 // decode kernel's own tests: test_fused_decode.cpp; the chained path's: test_fused_chained.cpp.
 
+#include "cuda/comm/p2p_group.hpp"
 #include "fused_test_support.hpp"
+#include "lmoe/cuda_communicator.hpp"
 
 namespace {
 
@@ -473,6 +475,68 @@ TEST_F(Fused, RanksWithDifferentGridsLayOutWhatThePeersWriteAlike) {
   std::printf("[ fused  ] tp=3 on two GPUs (grids differ), T 1/8/40 max_err/bound=%.3f\n", worst);
 }
 
+// The error a status record becomes (p2p_failure_text): a wait for a peer names the peer, a fused
+// kernel's wait for its own grid (the peer is the rank itself) says so; both name the timeout the
+// waits had; no failure and an abort (a consequence of another record's failure) give no text. No
+// GPU needed; CI runs it.
+TEST(FusedFailureText, NamesTheTimeoutAndWhatTheWaitWasFor) {
+  using lmoe::cuda::P2pStatus;
+  const auto text = [](int rank, const P2pStatus& record, int ms) {
+    return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(ms));
+  };
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 3, 7, 0, 0}, 250),
+            "rank 0's block 3 waited more than 250 ms for the other blocks of its grid (fused call "
+            "7); the GPU did not run all of the grid's blocks at once");
+  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 4, 2, 0, 0}, 500),
+            "p2p: rank 1 waited more than 500 ms for rank 0 (round 2, block 4); the peer is "
+            "stalled or never issued the same collective");
+  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kP2pConcurrentUse, -1, 0, 1, 0, 0}, 250)
+                .find("rank 0 ran two collectives at the same time"),
+            std::string::npos);
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pOk, 0, 0, 0, 0, 0}, 250), "");
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pAborted, -1, 0, 3, 0, 0}, 250), "");
+}
+
+// A fused call's T in a status record: two ranks' different T name both ranks and both values; a
+// T read on the device past the bound names T and the bound. No GPU needed; CI runs it.
+TEST(FusedFailureText, NamesBothRanksTOrTheTReadAndTheBound) {
+  using lmoe::cuda::P2pStatus;
+  const auto text = [](int rank, const P2pStatus& record) {
+    return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(500));
+  };
+  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kFusedTokensMismatch, 0, 2, 9, 5, 7}),
+            "rank 1 ran T = 5 and rank 0 T = 7 in the same fused call (call 9); every rank must "
+            "run a call with the same T (a graph replayed with T on the device: the same T "
+            "written on every rank)");
+  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, 300, 256}),
+            "rank 0 read T = 300 from tokens_device, outside [0, 256] (the rows its fused call "
+            "was launched for); its call wrote no output");
+  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, -1, 16})
+                .find("read T = -1 from tokens_device, outside [0, 16]"),
+            std::string::npos);
+}
+
+// A FusedTail whose workspace no GPU holds (d_model = 2^34: terabytes of staged rows) fails at the
+// workspace's allocation, after its own failure record (one rank: page-locked, mapped) was
+// allocated: 1000 such constructions leak neither host nor device memory.
+TEST_F(Fused, FailedConstructionsLeakNoMemory) {
+  SKIP_WITHOUT_GPU();
+  const auto comms = lmoe::make_p2p_thread_communicators(1, {});
+  const lmoe::TailDims too_large{std::int64_t{1} << 34, 16};
+  const auto construct = [&] {
+    lmoe::cuda::FusedTail fused(*comms[0], too_large, DType::bf16, true, 1e-5f, nullptr, nullptr,
+                                16);
+  };
+  try {
+    construct();
+    ADD_FAILURE() << "a FusedTail with d_model = 2^34 was built";
+  } catch (const lmoe::Error& error) {
+    EXPECT_NE(std::string(error.message()).find("cudaMalloc"), std::string::npos)
+        << "the failure must come after the record's allocation: " << error.message();
+  }
+  expect_failed_attempts_leak_nothing("FusedTail on one rank, d_model = 2^34", 1000, construct);
+}
+
 // Ranks built for different numbers of rows (max_tokens) would address each other's workspaces at
 // different offsets: an error on every rank at construction, naming the setting.
 TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {
@@ -488,7 +552,59 @@ TEST_F(Fused, DifferentMaxTokensOnTheRanksAreAnErrorOnEveryRank) {
       errors[static_cast<std::size_t>(rank)] = error.message();
     }
   });
-  expect_every_rank_error(errors, "max_tokens must be the same on every rank");
+  expect_every_rank_error(errors,
+                          "fused: the ranks' workspaces hold different rows (rank 0: 16, "
+                          "rank 1: 32): max_tokens must be the same on every rank");
+}
+
+// Ranks whose workspaces hold the same rows but lay out the regions their peers write differently
+// (here another d_latent on rank 1: the staged rows and lines are longer) would write into each
+// other at the wrong offsets: an error on every rank at construction, naming what differs with
+// every rank's value.
+TEST_F(Fused, RanksThatLayOutTheirWorkspacesDifferentlyAreAnErrorOnEveryRank) {
+  SKIP_WITHOUT_GPU();
+  if (auto limit = lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *limit;
+  const lmoe::TailCase narrow = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, 4, 92u);
+  const lmoe::TailCase wide =
+      lmoe::make_random_case({kSmall.d_model, kSmall.d_latent + 16}, 1e-5f, DType::bf16, 2, 4, 93u);
+  std::vector<std::string> errors(2);
+  const auto comms = lmoe::make_p2p_thread_communicators(2);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    try {
+      FusedRank state(comm, rank == 0 ? narrow : wide, 16);
+    } catch (const lmoe::Error& error) {
+      errors[static_cast<std::size_t>(rank)] = error.message();
+    }
+  });
+  expect_every_rank_error(errors,
+                          "fused: the ranks lay out the part of their workspaces that "
+                          "peers write differently (it ends at rank 0: byte ");
+  expect_every_rank_error(errors, ", rank 1: byte ");
+  expect_every_rank_error(errors, "every rank needs the same d_model, d_latent, dtype");
+  EXPECT_EQ(errors[0], errors[1]);
+  // The values named differ (rank 1's latent rows are longer).
+  const std::size_t at0 = errors[0].find("rank 0: byte "), at1 = errors[0].find("rank 1: byte ");
+  ASSERT_NE(at0, std::string::npos);
+  ASSERT_NE(at1, std::string::npos);
+  EXPECT_LT(std::stoll(errors[0].substr(at0 + 13)), std::stoll(errors[0].substr(at1 + 13)))
+      << errors[0];
+}
+
+// How long a wait of one rank's kernels lasts (their grid barrier: one rank has no peers) is the
+// configured timeout: LMOE_P2P_TIMEOUT_MS over any communicator but p2p, whose own timeout (its
+// options', else the same variable's) serves there.
+TEST_F(Fused, OneRanksWaitsLastTheConfiguredTimeout) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv timeout("LMOE_P2P_TIMEOUT_MS", "250");
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 4, 94u);
+  const auto wait_timeout = [&](lmoe::Communicator& comm) {
+    return FusedRank(comm, c, 16).fused->wait_timeout().count();
+  };
+  EXPECT_EQ(wait_timeout(*lmoe::make_cuda_thread_communicators(1, 0)[0]), 250);
+  EXPECT_EQ(wait_timeout(*lmoe::make_p2p_thread_communicators(1)[0]), 250);
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(300);
+  EXPECT_EQ(wait_timeout(*lmoe::make_p2p_thread_communicators(1, options)[0]), 300);
 }
 
 // A LatentTail on p2p ranks whose threads all have GPU 0 current: each rank's weights, workspaces
@@ -553,6 +669,52 @@ TEST_F(Fused, ALatentTailOnP2pRanksPlacesItsWeightsOnTheRanksGpu) {
   for (int slot = 0; slot < 2; ++slot) {
     const lmoe::Comparison cmp = lmoe::compare(outputs.slice_matrix(slot), reference, exact);
     EXPECT_EQ(cmp.bit_mismatches, 0) << (slot == 0 ? "fused" : "overlap");
+  }
+}
+
+// Each fused kernel with the environment that makes a bound choose it: the decode kernel (the
+// chained path off; with one rank at 4 rows its pair instance), the general kernel (both off, and
+// at 129 rows where neither runs) and, on compute 9.0, the chained path.
+struct KernelAtBound {
+  lmoe::cuda::FusedKernel kernel;
+  std::int64_t bound;
+  const char* decode;   // LMOE_FUSED_DECODE (null: unset)
+  const char* chained;  // LMOE_FUSED_CHAINED
+};
+std::vector<KernelAtBound> kernels_at_bounds() {
+  using lmoe::cuda::FusedKernel;
+  std::vector<KernelAtBound> cases = {{FusedKernel::decode, 4, "1", "0"},
+                                      {FusedKernel::decode, 12, "1", "0"},
+                                      {FusedKernel::general, 40, "0", "0"},
+                                      {FusedKernel::general, 129, nullptr, nullptr}};
+  if (compute_capability() == 90) cases.push_back({FusedKernel::chained, 64, nullptr, nullptr});
+  return cases;
+}
+
+// A graph replayed with T on the device past its call's bound, for each kernel: no output written
+// anywhere, and the next call fails naming T and the bound on every rank, with one rank and two
+// (expect_device_tokens_past_the_bound_fail).
+TEST_F(Fused, DeviceTPastTheBoundWritesNothingAndFailsEveryRank) {
+  SKIP_WITHOUT_GPU();
+  for (const KernelAtBound& at : kernels_at_bounds()) {
+    const ScopedEnv decode("LMOE_FUSED_DECODE", at.decode);
+    const ScopedEnv chained("LMOE_FUSED_CHAINED", at.chained);
+    expect_device_tokens_past_the_bound_fail(at.kernel, at.bound);
+  }
+}
+
+// Two ranks replaying a graph with different T on the device, for each kernel (T one apart at the
+// bound, and 0 on rank 0: a call of no rows still sends its T): every rank fails naming both T,
+// instead of summing rows its peer never staged (the general kernel) or waiting for rows the peer
+// never sends until the timeout (the decode kernel, the chained path).
+TEST_F(Fused, RanksReplayingDifferentTFailEveryRankNamingBoth) {
+  SKIP_WITHOUT_GPU();
+  for (const KernelAtBound& at : kernels_at_bounds()) {
+    const ScopedEnv decode("LMOE_FUSED_DECODE", at.decode);
+    const ScopedEnv chained("LMOE_FUSED_CHAINED", at.chained);
+    const auto bound = static_cast<std::int32_t>(at.bound);
+    expect_different_device_tokens_fail_every_rank(at.kernel, at.bound, bound - 1, bound);
+    expect_different_device_tokens_fail_every_rank(at.kernel, at.bound, 0, bound / 2 + 1);
   }
 }
 

@@ -514,4 +514,22 @@ TEST(P2pTail, CaptureOverAHostSynchronizedCommunicatorIsRefused) {
   }
 }
 
+// A p2p group whose staging no GPU holds (4 TiB a round) fails at its workspace's allocation, after
+// its status records and abort flag (page-locked, mapped) were allocated: 1000 such groups leak
+// neither host nor device memory.
+TEST(P2p, FailedGroupConstructionsLeakNoMemory) {
+  SKIP_WITHOUT_GPU();
+  lmoe::P2pOptions options;
+  options.round_bytes = std::size_t{1} << 42;
+  try {
+    lmoe::make_p2p_thread_communicators(1, options);
+    ADD_FAILURE() << "a group of 4 TiB rounds was built";
+  } catch (const lmoe::Error& error) {
+    EXPECT_NE(std::string(error.message()).find("cudaMalloc"), std::string::npos)
+        << "the failure must come after the status records' allocation: " << error.message();
+  }
+  expect_failed_attempts_leak_nothing("a p2p thread group of one rank, 4 TiB rounds", 1000,
+                                      [&] { lmoe::make_p2p_thread_communicators(1, options); });
+}
+
 }  // namespace

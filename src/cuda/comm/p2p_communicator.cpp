@@ -19,6 +19,7 @@
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/settings.hpp"
 #include "lmoe/threads_communicator.hpp"
@@ -64,11 +65,8 @@ class P2pThreadGroup final : public P2pGroup {
     barrier_ = std::make_unique<HostBarrier>(size, layout_.timeout);
     enable_peer_access(distinct);
 
-    void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(P2pMappedStatus),
-                                  cudaHostAllocMapped | cudaHostAllocPortable));
-    mapped_ = mapped_device_ = static_cast<P2pMappedStatus*>(mapped);
-    std::memset(mapped_, 0, sizeof(P2pMappedStatus));
+    status_memory_ = cuda::MappedHostBuffer(sizeof(P2pMappedStatus));
+    mapped_ = mapped_device_ = static_cast<P2pMappedStatus*>(status_memory_.data());
 
     for (int r = 0; r < size; ++r) {
       LMOE_CUDA_CHECK(cudaSetDevice(devices_[r]));
@@ -83,11 +81,6 @@ class P2pThreadGroup final : public P2pGroup {
       LMOE_CUDA_CHECK(cuda::preload_p2p_kernels());
     }
     slots_.resize(static_cast<std::size_t>(size));
-  }
-
-  ~P2pThreadGroup() override {
-    workspaces_.clear();
-    cudaFreeHost(mapped_);
   }
 
   void barrier(int rank, const char* operation) override {
@@ -150,6 +143,7 @@ class P2pThreadGroup final : public P2pGroup {
   }
 
   std::unique_ptr<HostBarrier> barrier_;
+  cuda::MappedHostBuffer status_memory_;        // mapped_: the status records and the abort flag
   std::vector<cuda::DeviceBuffer> workspaces_;  // per rank: flags, then [parity][block] regions
   std::vector<const void*> slots_;              // control_all_gather's host records
 };

@@ -15,15 +15,15 @@ namespace {
 
 constexpr std::size_t kDefaultRoundBytes = std::size_t{32} << 20;
 
-std::chrono::milliseconds default_timeout() {
+std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
+
+std::chrono::milliseconds p2p_default_timeout() {
   // The table bounds it (a day), so that ms · 10^6 ns fits the device's 64-bit timeout.
   if (const auto ms = setting_int("LMOE_P2P_TIMEOUT_MS")) return std::chrono::milliseconds(*ms);
   return std::chrono::seconds(10);
 }
-
-std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-}  // namespace
 
 P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu) {
   P2pLayout layout;
@@ -36,7 +36,7 @@ P2pLayout p2p_layout(const P2pOptions& options, bool shared_gpu) {
   const std::size_t round_bytes = options.round_bytes ? options.round_bytes : kDefaultRoundBytes;
   layout.block_bytes =
       std::max<std::size_t>(256, round_bytes / static_cast<std::size_t>(layout.blocks) / 256 * 256);
-  layout.timeout = options.timeout.count() > 0 ? options.timeout : default_timeout();
+  layout.timeout = options.timeout.count() > 0 ? options.timeout : p2p_default_timeout();
   return layout;
 }
 
@@ -160,34 +160,54 @@ std::string P2pGroup::block_progress() {
 
 void P2pGroup::raise_abort() { reinterpret_cast<volatile std::int32_t&>(mapped_->abort_flag) = 1; }
 
+std::string p2p_failure_text(int rank, const volatile cuda::P2pStatus& status,
+                             std::chrono::milliseconds timeout) {
+  const std::int32_t peer = status.peer, block = status.block, round = status.round;
+  const std::string waited = " waited more than " + std::to_string(timeout.count()) + " ms";
+  switch (status.code) {
+    case cuda::kP2pTimeout:
+      // A fused kernel's grid barrier names the rank itself: its own blocks were not all running.
+      if (peer == rank) {
+        return "rank " + std::to_string(rank) + "'s block " + std::to_string(block) + waited +
+               " for the other blocks of its grid (fused call " + std::to_string(round) +
+               "); the GPU did not run all of the grid's blocks at once";
+      }
+      return "p2p: rank " + std::to_string(rank) + waited + " for rank " + std::to_string(peer) +
+             " (round " + std::to_string(round) + ", block " + std::to_string(block) +
+             "); the peer is stalled or never issued the same collective";
+    case cuda::kP2pMismatch:
+      return "p2p: rank " + std::to_string(rank) + " ran " +
+             describe_p2p_collective(status.own_tag) + " while rank " + std::to_string(peer) +
+             " ran " + describe_p2p_collective(status.peer_tag) + " in the same round (round " +
+             std::to_string(round) + ", block " + std::to_string(block) +
+             "); every rank must issue the same collectives, with the same sizes and dtypes, in "
+             "the same order";
+    case cuda::kP2pConcurrentUse:
+      return "p2p: rank " + std::to_string(rank) +
+             " ran two collectives at the same time on one workspace (issue them in one order, or "
+             "order the streams with events)";
+    case cuda::kFusedTokensMismatch:
+      return "rank " + std::to_string(rank) + " ran T = " + std::to_string(status.tokens) +
+             " and rank " + std::to_string(peer) +
+             " T = " + std::to_string(status.compared_tokens) + " in the same fused call (call " +
+             std::to_string(round) +
+             "); every rank must run a call with the same T (a graph replayed with T on the "
+             "device: the same T written on every rank)";
+    case cuda::kFusedTokensOutOfRange:
+      return "rank " + std::to_string(rank) + " read T = " + std::to_string(status.tokens) +
+             " from tokens_device, outside [0, " + std::to_string(status.compared_tokens) +
+             "] (the rows its fused call was launched for); its call wrote no output";
+    default: return "";
+  }
+}
+
 std::string P2pGroup::device_failure() const {
   std::string aborted;
   for (int r = 0; r < size_; ++r) {
     const volatile cuda::P2pStatus& s = mapped_->status[r];
-    switch (s.code) {
-      case cuda::kP2pTimeout:
-        return "p2p: rank " + std::to_string(r) + " waited more than " +
-               std::to_string(layout_.timeout.count()) + " ms for rank " + std::to_string(s.peer) +
-               " (round " + std::to_string(s.round) + ", block " + std::to_string(s.block) +
-               "); the peer is stalled or never issued the same collective";
-      case cuda::kP2pMismatch:
-        return "p2p: rank " + std::to_string(r) + " ran " + describe_p2p_collective(s.own_tag) +
-               " while rank " + std::to_string(s.peer) + " ran " +
-               describe_p2p_collective(s.peer_tag) + " in the same round (round " +
-               std::to_string(s.round) + ", block " + std::to_string(s.block) +
-               "); every rank must issue the same collectives, with the same sizes and dtypes, in "
-               "the same order";
-      case cuda::kP2pConcurrentUse:
-        return "p2p: rank " + std::to_string(r) +
-               " ran two collectives at the same time on one workspace (issue them in one order, "
-               "or "
-               "order the streams with events)";
-      case cuda::kP2pAborted:
-        if (aborted.empty())
-          aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
-        break;
-      default: break;
-    }
+    if (std::string text = p2p_failure_text(r, s, layout_.timeout); !text.empty()) return text;
+    if (s.code == cuda::kP2pAborted && aborted.empty())
+      aborted = "p2p: the group was aborted while rank " + std::to_string(r) + " was waiting";
   }
   return aborted;
 }

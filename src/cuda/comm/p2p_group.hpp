@@ -56,6 +56,14 @@ std::string p2p_layout_disagreement(std::span<const P2pLayout> layouts);
 // failure messages.
 std::string describe_p2p_collective(std::uint32_t tag);
 
+// How long a wait for a peer lasts where the options set no timeout: LMOE_P2P_TIMEOUT_MS, or 10 s.
+std::chrono::milliseconds p2p_default_timeout();
+
+// The failure rank `rank`'s status record holds, as an error's text (timeout: the bound its waits
+// had); "" for none and for an abort, the consequence of a failure that has a record of its own.
+std::string p2p_failure_text(int rank, const volatile cuda::P2pStatus& status,
+                             std::chrono::milliseconds timeout);
+
 // Bytes of one rank's workspace: its flags, then its [parity][block] staging regions.
 std::size_t p2p_flags_bytes();
 std::size_t p2p_workspace_bytes(const P2pLayout& layout);

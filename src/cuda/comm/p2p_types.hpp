@@ -17,6 +17,9 @@ enum P2pStatusCode : std::int32_t {
   kP2pAborted = 2,        // the group was aborted (by the host, or by a peer's failure)
   kP2pConcurrentUse = 3,  // two rounds of one rank ran at the same time on one workspace
   kP2pMismatch = 4,       // a peer's round belongs to another collective (its tag differs)
+  // The fused tier's kernels (cuda/fused/), which report into the same records: a call's T.
+  kFusedTokensMismatch = 5,    // a peer ran the call with another T
+  kFusedTokensOutOfRange = 6,  // T read on the device outside [0, the call's bound]
 };
 
 // Which collective a round belongs to, as every rank must issue it alike, in the 32 bits beside
@@ -38,11 +41,16 @@ constexpr std::uint32_t p2p_round_tag(P2pCollective collective, std::uint32_t dt
 
 struct P2pStatus {
   std::int32_t code;
-  std::int32_t peer;  // the peer waited for (timeout) or paired with (mismatch), else -1
+  // The peer waited for (timeout), paired with (mismatch) or whose T differs, else -1.
+  std::int32_t peer;
   std::int32_t block;
   std::int32_t round;     // the epoch of the failed round
   std::uint32_t own_tag;  // kP2pMismatch: this rank's round tag (p2p_round_tag) and the peer's
   std::uint32_t peer_tag;
+  // A fused call's check of T: this rank's T, and what it was compared with: the peer's T
+  // (kFusedTokensMismatch) or the call's bound (kFusedTokensOutOfRange). Written before the code.
+  std::int32_t tokens;
+  std::int32_t compared_tokens;
 };
 
 // Per rank, in its device's memory (zeroed at creation).

@@ -60,6 +60,7 @@
 #include "cuda/comm/p2p_protocol.cuh"
 #include "cuda/fused/fused_chained_launch.hpp"
 #include "cuda/fused/fused_ll.cuh"
+#include "cuda/fused/fused_protocol.cuh"
 #include "cuda/gemm/warp_mma.cuh"
 #include "cuda/gemm/warpgroup_mma.cuh"
 #include "cuda/runtime/dtype.cuh"
@@ -155,11 +156,14 @@ __global__ void __launch_bounds__(kChainedThreads, 1)
   const int c0 = split * chunks / p.splits;
   const int n = (split + 1) * chunks / p.splits - c0;
   // T, read once the kernels before this one have ended (griddepcontrol.wait: with one rank the
-  // norm kernel may itself have started before the kernel that wrote T ended). The bound is the
-  // host's contract; the clamp keeps a wrong T inside the stages.
+  // norm kernel may itself have started before the kernel that wrote T ended), within the launch's
+  // bound (the caller's rows) and the instance's; a T past them runs no rows, recorded here with
+  // one rank (with several the exchange kernel records it).
   const auto read_tokens = [&] {
-    const std::int64_t t = p.tokens_device ? *p.tokens_device : p.tokens;
-    return static_cast<int>(t < 0 ? 0 : t > kN ? kN : t);
+    const std::int64_t bound = p.tokens < kN ? p.tokens : kN;
+    const int t = fused_call_tokens(p.tokens_device, p.tokens, bound, {p.status, p.abort_flag, 0},
+                                    blockIdx.x == 0 && tid == 64);
+    return t < 0 ? 0 : t;
   };
 
   // The finish's vectors: a token's slice is `vectors` of 16 bytes.

@@ -7,7 +7,8 @@
 //      rank (rank order, rounded once), normalizes it (the canonical order of cuda/rms_norm.cuh)
 //      and sends N's row to every rank — and the reduce-scatter of `shared` by stripes (each rank
 //      sums its stripe's columns over the ranks). It leaves N [T, l] and the stripe's shared sum
-//      [T, stripe] in this rank's workspace, where the up-projection reads them.
+//      [T, stripe] in this rank's workspace, where the up-projection reads them. T goes to every
+//      peer first, and a peer's other T fails the call (fused_compare_tokens).
 //   2. (the up-projection: Y's columns of this rank's stripe, and each vector to every peer.)
 //   3. fused_chained_gather_kernel, after it: every peer's stripe from its lines into Y, then the
 //      call is closed (epoch, counters' bases, the workspace freed).
@@ -36,10 +37,11 @@
 
 namespace lmoe::cuda {
 
-// The call's T, read on the device when a graph carries it, clamped to the exchange's rows.
-__device__ inline int chained_call_tokens(const FusedTailParams& x) {
-  const std::int64_t t = x.tokens_device ? *x.tokens_device : x.tokens;
-  return static_cast<int>(t < 0 ? 0 : t > x.cx_rows ? x.cx_rows : t);
+// The call's T (fused_call_tokens), within the launch's bound and the exchange's rows; -1 (no rows)
+// past them, which the exchange kernel, the call's first, records.
+__device__ inline int chained_call_tokens(const FusedTailParams& x, bool reporter) {
+  const std::int64_t bound = x.tokens < x.cx_rows ? x.tokens : x.cx_rows;
+  return fused_call_tokens(x.tokens_device, x.tokens, bound, fused_report(x), reporter);
 }
 
 // Row t of this rank's latent to its owner (rank t mod tp; not this rank's own rows) and this
@@ -281,11 +283,17 @@ __global__ void __launch_bounds__(kNormThreads, 3)
   // start only once this kernel has ended: its blocks, waiting, would hold the SMs that another
   // rank's exchange blocks, which this rank's wait for, need.
   if (x.cx_early_up) pdl_launch_dependents();
-  const int tokens = chained_call_tokens(x);
+  const int tokens = chained_call_tokens(x, blockIdx.x == 0 && threadIdx.x == 0);
+  if (tokens < 0) return;  // the same for every block
   if (!fused_begin(x, &call)) return;
-  // 1. Send: every row's latent to its owner, every peer's stripe columns of `shared` to the peer.
+  // 1. Send: T to every peer, every row's latent to its owner, every peer's stripe columns of
+  //    `shared` to the peer.
+  fused_send_tokens(x, tokens, call);
   chained_push_inputs<T>(x, tokens, call);
   cx_trace(x, kCxTracePushed);
+  // The peers' T (sent before their rows): where one differs, the rows it did not send are not
+  // waited for, and the call fails below.
+  fused_compare_tokens(x, tokens, &call);
   // 2. This rank's own rows: sum, normalize, send N's row to every rank; a row over several
   //    blocks where the grid has more blocks than rows.
   const int own_rows = tokens > x.rank ? (tokens - x.rank + x.tp - 1) / x.tp : 0;
@@ -294,9 +302,10 @@ __global__ void __launch_bounds__(kNormThreads, 3)
        item += static_cast<int>(gridDim.x)) {
     if (!chained_own_row<T>(x, x.rank + item / parts * x.tp, item % parts, parts, &call, lane_sums,
                             reinterpret_cast<NormChunk<T>*>(cx_smem))) {
-      return;
+      break;
     }
   }
+  if (fused_block_failed(x, tokens, &call)) return;
   cx_trace(x, kCxTraceOwnRows);
   // 3. This rank's stripe of the shared sum (its peers' columns arrived in step 1), then N's rows
   //    of the other owners into this rank's N.
@@ -315,7 +324,8 @@ __global__ void __launch_bounds__(kNormThreads, 3)
     fused_chained_gather_kernel(const __grid_constant__ FusedTailParams x) {
   __shared__ FusedCall call;
   cx_trace(x, kCxTraceGatherEntry);
-  const int tokens = chained_call_tokens(x);
+  const int tokens = chained_call_tokens(x, false);
+  if (tokens < 0) return;  // the exchange kernel recorded it and ran nothing
   // The exchange took the workspace; nothing advances the epoch before this kernel's end.
   fused_begin(x, &call, /*take_workspace=*/false);
   const std::int64_t stripe_units = x.stripe / 4, per_peer = tokens * stripe_units;

@@ -84,6 +84,10 @@ struct FusedChainedParams {
   // LMOE_FUSED_TRACE: when each block reached each of the kChainedTracePoints points of the last
   // call (global timer, ns), [grid][kChainedTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
+  // Where a T read on the device past the bound is recorded: this rank's record and abort flag
+  // with one rank; null with several (the exchange kernel, the call's first, records it).
+  volatile P2pStatus* status = nullptr;
+  volatile std::int32_t* abort_flag = nullptr;
 };
 
 // The rate (bytes per ns) at which the chained path's grid streams w_up from its entry on an H200

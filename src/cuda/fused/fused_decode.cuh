@@ -4,8 +4,8 @@
 //
 // (DESIGN.md §3 `fused`). With one rank (the rank sums are the inputs themselves): no workspace,
 // no flags, no grid barrier; a block needs nothing from any other block. With several, the blocks
-// multiply this rank's stripe of w_up's rows; the inputs and output stripes travel as lines that
-// carry their own flags (cuda/fused_ll.cuh: decode_push_inputs, decode_exchange and
+// multiply this rank's stripe of w_up's rows; the call's T, the inputs and output stripes travel as
+// lines that carry their own flags (cuda/fused_ll.cuh: decode_push_inputs, decode_exchange and
 // decode_gather_stripes below), and the call's epoch, N's grid barrier and its end follow the
 // general kernel's protocol (cuda/fused_protocol.cuh). Device code only.
 //
@@ -219,6 +219,9 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
                                 std::byte* shared_slice, FusedCall* call) {
   const FusedTailParams& x = p.protocol;
   const int tid = static_cast<int>(threadIdx.x);
+  // The peers' T first (their lines were sent before their rows): where one differs its missing
+  // rows are not waited for (the flag stops the waits below), and the call fails.
+  fused_compare_tokens(x, tokens, call);
   const int row_units = static_cast<int>(p.l / 4);
   const bool local = tokens <= p.local_norm_rows;
   // This block's rows of the latent: all of them, or rows b, b + G, … (row k of `normed`).
@@ -247,8 +250,7 @@ __device__ bool decode_exchange(const FusedDecodeParams& p, int tokens, std::int
       break;
     reinterpret_cast<uint2*>(shared_slice)[i] = sum;
   }
-  __syncthreads();
-  if (call->failed) return false;
+  if (fused_block_failed(x, tokens, call)) return false;
   decode_trace(p, kDecodeTraceInputsLanded);
 
   if (p.latent_norm && mine > 0)
@@ -424,17 +426,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   pdl_wait();  // the kernels before this one have ended (a no-op when launched without it)
   decode_trace(p, kDecodeTraceReleased);
 
-  // T ≤ the launch's bound is the caller's contract (as for the general kernel); the clamp only
-  // keeps a wrong T inside this block's shared memory and the exchange's slots.
-  const std::int64_t t_read = p.tokens_device ? *p.tokens_device : p.tokens;
-  const std::int64_t bound =
-      exchange && p.protocol.ll_rows < kMaxTokens ? p.protocol.ll_rows : kMaxTokens;
-  const int tokens = static_cast<int>(t_read < 0 ? 0 : t_read > bound ? bound : t_read);
-  if (tokens == 0) return cp_async_wait<0>();  // the same for every block (and rank)
+  // The launch's bound (p.tokens with T on the device: the rows of the caller's buffers), within
+  // the instance's rows and the exchange's slots; a T read past it runs no rows (recorded).
+  std::int64_t bound = p.tokens < kMaxTokens ? p.tokens : kMaxTokens;
+  if (exchange && p.protocol.ll_rows < bound) bound = p.protocol.ll_rows;
+  const int tokens = fused_call_tokens(p.tokens_device, p.tokens, bound, fused_report(p.protocol),
+                                       blockIdx.x == 0 && tid == 0);
+  // The same for every block. With several ranks a call of no rows still runs (below): its peers
+  // compare their T with it.
+  if (tokens < 0 || (tokens == 0 && !exchange)) return cp_async_wait<0>();
   if (exchange) {
-    // Several ranks: the inputs pushed to the peers before any further weight is requested
+    // Several ranks: T and the inputs pushed to the peers before any further weight is requested
     // (behind the weights' first items they would leave later: LMOE_FUSED_TRACE shows it).
     if (!fused_begin(p.protocol, &call)) return cp_async_wait<0>();
+    fused_send_tokens(p.protocol, tokens, call);
     decode_push_inputs<T>(p, tokens, call);
   }
 
@@ -486,6 +491,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinBlocks)
   } else if (!decode_exchange<T>(p, tokens, row_first, groups, normed, pitch, lane_sums,
                                  shared_slice, &call)) {
     return cp_async_wait<0>();
+  }
+  if (tokens == 0) {  // several ranks, every one with no rows: nothing to multiply, the call closed
+    cp_async_wait<0>();
+    fused_end(p.protocol, call, false);
+    return;
   }
   decode_trace(p, kDecodeTraceNormed);
 

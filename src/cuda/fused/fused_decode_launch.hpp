@@ -45,7 +45,8 @@ struct FusedDecodeParams {
   // call (global timer, ns), [grid][kDecodeTracePoints]; null normally.
   std::uint64_t* trace = nullptr;
   // Several ranks (protocol.tp > 1): the workspaces, offsets and failure reporting of the general
-  // kernel's protocol, with this call's routed, shared, out and T; unused with one rank.
+  // kernel's protocol, with this call's routed, shared, out and T. With one rank only its failure
+  // record, where a T read on the device past the bound is reported (none: not reported).
   FusedTailParams protocol;
   // Several ranks: calls of at most this many rows have every block sum and normalize all of N
   // itself (no grid barrier); larger calls share the rows out (decode_exchange).

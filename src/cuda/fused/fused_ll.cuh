@@ -1,5 +1,6 @@
-// The decode kernel's exchange between ranks (cuda/fused_decode.cuh): data that carry their own
-// flags, after the "LL" (low-latency) protocol of NCCL. Device code only.
+// The decode kernel's exchange between ranks (cuda/fused_decode.cuh), and every fused call's T:
+// data that carry their own flags, after the "LL" (low-latency) protocol of NCCL. Device code
+// only.
 //
 // A sender stores 8 bytes of data (4 elements of a 16-bit dtype) straight into the receiver's
 // workspace as one 16-byte line {data[0:4], e, data[4:8], e}, where e is the call's epoch (the same
@@ -86,6 +87,54 @@ __device__ inline bool ll_load(const FusedTailParams& x, const std::byte* line, 
       }
     }
   }
+}
+
+// The call's T travels as a line too: every kernel's call sends it to every peer as it starts,
+// one line per sender in each receiver's workspace (per parity, at ll_tokens_offset), and every
+// block compares its peers' T with its own before it relies on their rows. Ranks whose T differ in
+// one call (a graph replayed with another T written on one rank) then fail on every rank, naming
+// both T, instead of summing rows a peer never sent or waiting for them until the timeout.
+__device__ inline std::byte* fused_tokens_line(const FusedTailParams& x, int at,
+                                               std::uint32_t parity, int from) {
+  return ll_line(x, at, x.ll_tokens_offset, parity, from, 4, 0);  // a slot of one line a sender
+}
+
+// Block 0's thread r sends this rank's T to peer r. Every thread may call it.
+__device__ inline void fused_send_tokens(const FusedTailParams& x, int tokens,
+                                         const FusedCall& call) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (blockIdx.x != 0 || peer >= x.tp || peer == x.rank) return;
+  const auto t = static_cast<unsigned>(tokens);
+  ll_store(fused_tokens_line(x, peer, call.parity, x.rank), make_uint2(t, t), call.e);
+}
+
+// Thread r waits for peer r's T (no other thread waits) and, where it is not this rank's, flags
+// the block's call failed (the block's other waits then stop) with the peer and its T, for
+// fused_block_failed to record. No barrier.
+__device__ inline void fused_compare_tokens(const FusedTailParams& x, int tokens, FusedCall* call) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer >= x.tp || peer == x.rank) return;
+  uint2 line;
+  if (!ll_load(x, fused_tokens_line(x, x.rank, call->parity, peer), call->e, peer, call, &line))
+    return;
+  if (static_cast<int>(line.x) == tokens) return;
+  call->peer_tokens[peer] = static_cast<int>(line.x);
+  atomicMin(&call->mismatched_peer, peer);
+  call->failed = 1;
+}
+
+// A barrier of the block, then true when the call failed here: a wait failed (reported) or a
+// peer's T differed, which thread 0 records, for the lowest such peer, so that every block records
+// the same failure. Every thread calls it.
+__device__ inline bool fused_block_failed(const FusedTailParams& x, int tokens, FusedCall* call) {
+  __syncthreads();
+  if (!call->failed) return false;
+  const int peer = call->mismatched_peer;
+  if (threadIdx.x == 0 && peer < x.tp) {
+    fused_fail_tokens(fused_report(x), kFusedTokensMismatch, peer, call->e, tokens,
+                      call->peer_tokens[peer]);
+  }
+  return true;
 }
 
 // Up to kLines lines at once (those whose bit is set in `wanted`): every load issued before any

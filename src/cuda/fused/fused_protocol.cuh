@@ -72,8 +72,37 @@ struct FusedCall {
   std::uint32_t target;       // rows_done's and blocks_done's value once every block added 1
   std::uint32_t peer_target;  // the same for a peer's inputs_arrived and stripes_arrived
   std::uint32_t general_e;    // the general kernel's calls so far + 1 (its split counters)
-  int failed;                 // a wait of this block failed (reported): leave
+  int failed;                 // a wait of this block failed (reported), or a peer's T differs
+  // Peers whose T differs from this rank's (fused_compare_tokens): the lowest, and each one's T.
+  int mismatched_peer;
+  int peer_tokens[kP2pMaxRanks];
 };
+
+// Records a failure of a call's T: the two values first, then the code (p2p_fail). Blocks that
+// find the same failure record the same values, so the record never mixes two failures.
+__device__ inline void fused_fail_tokens(const P2pFailureReport& report, std::int32_t code,
+                                         int peer, std::uint32_t call, std::int64_t tokens,
+                                         std::int64_t compared_tokens) {
+  if (report.status->code == kP2pOk) {
+    report.status->tokens = static_cast<std::int32_t>(tokens);
+    report.status->compared_tokens = static_cast<std::int32_t>(compared_tokens);
+  }
+  p2p_fail(report, code, peer, call);
+}
+
+// The call's T: *tokens_device where the call reads T on the device (a graph replay), else the
+// host's `tokens`. `bound` is the rows the launch and the caller's buffers were sized for: a T read
+// past it (or below 0) would read and write past them, so it is recorded (by the one thread that
+// is `reporter`, where the report has a record) and every thread gets -1: the call runs no rows.
+__device__ inline int fused_call_tokens(const std::int32_t* tokens_device, std::int64_t tokens,
+                                        std::int64_t bound, const P2pFailureReport& report,
+                                        bool reporter) {
+  const std::int64_t t = tokens_device ? *tokens_device : tokens;
+  if (t >= 0 && t <= bound) return static_cast<int>(t);
+  if (reporter && report.status != nullptr)
+    fused_fail_tokens(report, kFusedTokensOutOfRange, -1, 0, t, bound);
+  return -1;
+}
 
 // Starts a call: the epoch and targets, and (block 0, with take_workspace) the workspace taken, or
 // the failure reported when another call of this rank holds it. A call's later kernel (the chained
@@ -84,6 +113,7 @@ __device__ inline bool fused_begin(const FusedTailParams& p, FusedCall* call,
   if (threadIdx.x == 0) {
     const FusedFlags* own = fused_flags(p, p.rank);
     call->failed = 0;
+    call->mismatched_peer = kP2pMaxRanks;
     call->e = own->epoch + 1;
     call->parity = call->e & 1u;
     call->target = own->arrivals + gridDim.x;

@@ -1,5 +1,6 @@
 #include "cuda/fused/fused_settings.hpp"
 
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/fused_defaults.hpp"
@@ -27,6 +28,7 @@ FusedSettings fused_settings_from_environment(int tp) {
   if (tp > 1) settings.exchange_grid = setting_int("LMOE_FUSED_EXCHANGE_GRID");
   settings.chained_pace_ns = setting_int("LMOE_FUSED_CHAINED_PACE_NS");
   settings.chained_pace_burst = setting_int("LMOE_FUSED_CHAINED_PACE_BURST");
+  settings.wait_timeout = p2p_default_timeout();
   return settings;
 }
 

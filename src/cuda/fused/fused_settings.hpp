@@ -3,6 +3,7 @@
 // for measurements (docs/fused.md).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -24,6 +25,9 @@ struct FusedSettings {
   std::optional<std::int64_t> exchange_grid;
   std::optional<std::int64_t> chained_pace_ns;     // LMOE_FUSED_CHAINED_PACE_NS
   std::optional<std::int64_t> chained_pace_burst;  // LMOE_FUSED_CHAINED_PACE_BURST
+  // How long a kernel of one rank waits for its own grid's blocks (LMOE_P2P_TIMEOUT_MS, as the p2p
+  // group's waits); with several ranks, and with one over p2p, the group's timeout serves instead.
+  std::chrono::milliseconds wait_timeout{10000};
 };
 
 // Every field from the environment, each checked against the table (an lmoe::Error naming the

@@ -1,10 +1,10 @@
 #include "cuda/fused/fused_tail.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
+#include "cuda/comm/p2p_group.hpp"
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
 #include "cuda/fused/fused_tail_launch.hpp"
@@ -102,6 +102,7 @@ FusedTail::FusedTail(Communicator& comm, TailDims dims, DType dtype, bool latent
   // GPU, whatever the calling thread had current.
   const int device = make_rank_device_current(comm);
   check_weights_device(device, w_stripe, gamma);
+  use_status_record();
   const FusedGrid g = choose_grid(device, dims, tp);
   const std::int64_t bytes = lay_out_workspace(dims, tp, device, g);
   allocate_workspace(bytes);
@@ -167,28 +168,32 @@ std::int64_t FusedTail::lay_out_workspace(TailDims dims, int tp, int device, con
   const std::int64_t col_tiles = g.col_tiles;
   // Workspace: flags; the regions the peers read or write, laid out alike on every rank (from
   // capacity, d, l, tp and the dtype only: a peer addresses them with this rank's offsets): per
-  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity the decode kernel's
-  // exchange, a slot per sending rank of its latent rows, its columns of this rank's stripe of
-  // `shared` and its output stripe as LL lines (4 bytes per element, cuda/fused_ll.cuh; K3 at tp 2:
-  // 2.8 MB, at tp 16: 9.2 MB); then this rank's own: N, its stripe of the shared sum (tp > 1), the
-  // tiles' split counters and fp32 partials (sized by this rank's grid, so they come last).
+  // parity the staged routed, shared and stripe rows, then (tp > 1) per parity a line per sending
+  // rank with its call's T, and the decode kernel's exchange, a slot per sending rank of its latent
+  // rows, its columns of this rank's stripe of `shared` and its output stripe as LL lines (4 bytes
+  // per element, cuda/fused_ll.cuh; K3 at tp 2: 2.8 MB, at tp 16: 9.2 MB); then this rank's own:
+  // N, its stripe of the shared sum (tp > 1), the tiles' split counters and fp32 partials (sized by
+  // this rank's grid, so they come last).
   params_.routed_offset = align256(sizeof(FusedFlags));
   params_.shared_offset = params_.routed_offset + align256(capacity_ * l * esize);
   params_.stripe_offset = params_.shared_offset + align256(capacity_ * d * esize);
   params_.parity_bytes =
       params_.stripe_offset + align256(capacity_ * stripe * esize) - params_.routed_offset;
-  params_.ll_latent_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  params_.ll_tokens_offset = params_.routed_offset + 2 * params_.parity_bytes;
+  params_.ll_latent_offset = params_.ll_tokens_offset;
   if (tp > 1) {
     const std::int64_t rows = std::min(kFusedDecodeMaxTokens, capacity_), line_bytes = 4;
     params_.ll_rows = rows;
+    // One line (4 elements) per sender with its call's T, then the decode kernel's slots.
+    params_.ll_latent_offset = params_.ll_tokens_offset + align256(tp * 4 * line_bytes);
     params_.ll_shared_offset = params_.ll_latent_offset + align256(tp * rows * l * line_bytes);
     params_.ll_stripe_offset = params_.ll_shared_offset + align256(tp * rows * stripe * line_bytes);
     params_.ll_parity_bytes = params_.ll_stripe_offset + align256(tp * rows * stripe * line_bytes) -
-                              params_.ll_latent_offset;
+                              params_.ll_tokens_offset;
   }
   // Then (tp > 1, where the chained path may run: compute 9.0, not turned off) per parity the
   // chained path's exchange as LL lines (cuda/fused_chained_exchange.cuh; K3 at 128 rows: ~11 MB).
-  params_.cx_latent_offset = params_.ll_latent_offset + 2 * params_.ll_parity_bytes;
+  params_.cx_latent_offset = params_.ll_tokens_offset + 2 * params_.ll_parity_bytes;
   if (tp > 1 && !settings_.chained_off && device_is_compute_90(device)) {
     const std::int64_t rows = std::min(kFusedChainedMaxTokens, capacity_), line_bytes = 4;
     params_.cx_rows = rows;
@@ -225,7 +230,7 @@ void FusedTail::allocate_workspace(std::int64_t bytes) {
     // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
     // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
     // which its odd epochs never are). Before the collective below, so before any peer's call.
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_latent_offset, 0x01,
+    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_tokens_offset, 0x01,
                                static_cast<std::size_t>(params_.ll_parity_bytes)));
     LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.cx_latent_offset, 0x01,
                                static_cast<std::size_t>(params_.cx_parity_bytes)));
@@ -238,40 +243,69 @@ void FusedTail::allocate_workspace(std::int64_t bytes) {
   }
 }
 
-// Ranks take the smallest grid; the status record is the p2p group's, or this rank's own.
-int FusedTail::agree_grid(int grid) {
-  const int tp = params_.tp;
+// Where the kernels report a failure: the p2p group's record and abort flag with several ranks;
+// with one rank (no group) a record of this rank's own.
+void FusedTail::use_status_record() {
   if (peers_) {
-    // Ranks take the smallest grid, and must lay out alike what the peers address (a rank built
-    // with other rows, e.g. another max_tokens, would have its lines land elsewhere).
-    const std::int64_t mine[3] = {grid, capacity_, params_.normed_offset};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(3 * tp));
-    comm_.control_all_gather(mine, all.data(), sizeof(mine));
-    for (int r = 0; r < tp; ++r) {
-      const std::int64_t* theirs = &all[static_cast<std::size_t>(3 * r)];
-      if (theirs[1] != capacity_ || theirs[2] != params_.normed_offset) {
-        throw Error("fused: rank " + std::to_string(r) + "'s workspace holds " +
-                    std::to_string(theirs[1]) + " rows, rank " + std::to_string(comm_.rank()) +
-                    "'s " + std::to_string(capacity_) +
-                    " (max_tokens must be the same on every rank)");
-      }
-      grid = std::min(grid, static_cast<int>(theirs[0]));
-    }
     const P2pDeviceHandle h = peers_->device_handle();
     params_.status = h.status;
     params_.abort_flag = h.abort_flag;
     params_.timeout_ns = h.timeout_ns;
-  } else {
-    void* mapped = nullptr;
-    LMOE_CUDA_CHECK(
-        cudaHostAlloc(&mapped, sizeof(P2pStatus) + sizeof(std::int32_t), cudaHostAllocMapped));
-    std::memset(mapped, 0, sizeof(P2pStatus) + sizeof(std::int32_t));
-    own_status_ = static_cast<P2pStatus*>(mapped);
-    own_abort_ = reinterpret_cast<std::int32_t*>(own_status_ + 1);
-    params_.status = own_status_;
-    params_.abort_flag = own_abort_;
-    params_.timeout_ns = 10ull * 1000 * 1000 * 1000;
+    return;
   }
+  own_record_ = MappedHostBuffer(sizeof(P2pMappedStatus));
+  auto* record = static_cast<P2pMappedStatus*>(own_record_.data());
+  params_.status = &record->status[0];
+  params_.abort_flag = &record->abort_flag;
+  // The timeout a p2p communicator of one rank was given, else the settings'.
+  const auto* p2p = dynamic_cast<const P2pPeerAccess*>(&comm_);
+  params_.timeout_ns =
+      p2p ? p2p->device_handle().timeout_ns
+          : static_cast<std::uint64_t>(settings_.wait_timeout.count()) * 1000 * 1000;
+}
+
+// Ranks take the smallest grid, and must lay out alike what the peers address: a rank built with
+// other rows (another max_tokens) or other regions (other dims, the chained path's lines on one
+// rank only) would have the peers' stores land elsewhere. Every rank raises the same error, with
+// every rank's value of what differs.
+int FusedTail::agree_grid(int grid) {
+  if (!peers_) return grid;
+  const int tp = params_.tp;
+  enum Field { kGrid, kRows, kLayoutEnd, kFields };
+  const std::int64_t mine[kFields] = {grid, capacity_, params_.normed_offset};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(kFields * tp));
+  comm_.control_all_gather(mine, all.data(), sizeof(mine));
+  const auto value = [&](int rank, Field field) {
+    return all[static_cast<std::size_t>(kFields * rank + field)];
+  };
+  const auto differs = [&](Field field) {
+    for (int r = 1; r < tp; ++r) {
+      if (value(r, field) != value(0, field)) return true;
+    }
+    return false;
+  };
+  // "rank 0: 16, rank 1: 32".
+  const auto each_rank = [&](Field field, const char* unit) {
+    std::string text;
+    for (int r = 0; r < tp; ++r) {
+      text += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + unit +
+              std::to_string(value(r, field));
+    }
+    return text;
+  };
+  if (differs(kRows)) {
+    throw Error("fused: the ranks' workspaces hold different rows (" + each_rank(kRows, "") +
+                "): max_tokens must be the same on every rank");
+  }
+  if (differs(kLayoutEnd)) {
+    throw Error(
+        "fused: the ranks lay out the part of their workspaces that peers write "
+        "differently (it ends at " +
+        each_rank(kLayoutEnd, "byte ") +
+        "): every rank needs the same d_model, d_latent, dtype and LMOE_FUSED_CHAINED, "
+        "and GPUs of one compute capability");
+  }
+  for (int r = 0; r < tp; ++r) grid = std::min(grid, static_cast<int>(value(r, kGrid)));
   return grid;
 }
 
@@ -408,6 +442,8 @@ std::optional<std::string> FusedTail::chained_reason(int sms, int sharing) {
   p.out_pitch = params_.d;
   if (tp == 1) {
     p.shared_pitch = params_.d;  // the caller's `shared`, set per call
+    p.status = params_.status;
+    p.abort_flag = params_.abort_flag;
   } else {
     // The stripe's shared sum in this rank's workspace, and the output's lines to every peer.
     p.shared = params_.workspace[params_.rank] + params_.shared_sum_offset;
@@ -493,7 +529,6 @@ std::uint32_t FusedTail::chained_calls() const {
 
 FusedTail::~FusedTail() {
   if (trace_.bytes() || decode_trace_.bytes() || chained_trace_.bytes()) print_trace();
-  if (own_status_) cudaFreeHost(own_status_);
 }
 
 std::optional<std::string> FusedTail::buffers_limit(const void* routed, const void* shared,
@@ -515,14 +550,16 @@ std::uint32_t FusedTail::general_calls() const {
   return flags.general_calls;
 }
 
+std::chrono::milliseconds FusedTail::wait_timeout() const {
+  return std::chrono::milliseconds(params_.timeout_ns / 1000000);
+}
+
 void FusedTail::throw_if_failed() {
   if (peers_) return peers_->throw_if_device_failed("fused");
-  const volatile P2pStatus& s = *own_status_;
-  if (s.code != kP2pOk) {
-    throw Error("fused: a block waited more than 10 s for the others of its own grid (block " +
-                std::to_string(s.block) + ", call " + std::to_string(s.round) +
-                "); the GPU did not run all of the grid's blocks at once");
-  }
+  const volatile P2pStatus& record = *params_.status;
+  if (record.code == kP2pOk) return;
+  const std::string text = p2p_failure_text(params_.rank, record, wait_timeout());
+  throw Error("fused: " + (text.empty() ? "a kernel of this rank was aborted" : text));
 }
 
 void FusedTail::run(const void* routed, const void* shared, void* out, std::int64_t tokens,
@@ -575,11 +612,10 @@ void FusedTail::run(const void* routed, const void* shared, void* out, std::int6
     p.trace = static_cast<std::uint64_t*>(decode_trace_.data());
     p.programmatic = decode_programmatic_;
     p.early_items = decode_early_items_;
-    if (params_.tp > 1) {
-      p.protocol = call_params(routed, shared, out, tokens, tokens_device);
-      p.protocol.trace = nullptr;
-      p.local_norm_rows = decode_local_norm_rows_;
-    }
+    // With one rank only its record is used (a T read on the device past the bound).
+    p.protocol = call_params(routed, shared, out, tokens, tokens_device);
+    p.protocol.trace = nullptr;
+    if (params_.tp > 1) p.local_norm_rows = decode_local_norm_rows_;
     check(launch_fused_decode(p, tokens, dtype_, decode_plan_, stream), "launch_fused_decode");
     return;
   }

@@ -7,10 +7,12 @@
 // A call of epoch e on rank r, with G blocks of 256 threads on every rank:
 //   0. every block prefetches its part of w_up's stripe into L2 (the weights stream while the
 //      peers are still on their way);
-//   1. stage: the blocks copy routed [T, l] and shared [T, d] into r's workspace (parity e & 1),
-//      and each block then adds 1 to inputs_arrived[r] in every peer's flags (release, system);
+//   1. stage: block 0 sends T to every peer (a line, cuda/fused_ll.cuh); the blocks copy routed
+//      [T, l] and shared [T, d] into r's workspace (parity e & 1), and each block then adds 1 to
+//      inputs_arrived[r] in every peer's flags (release, system);
 //   2. norm: once every peer's inputs_arrived[p] reached the call's target (the grids of the
-//      calls before it plus G, cuda/fused_protocol.cuh), block b reduces rows t ≡ b (mod G)
+//      calls before it plus G, cuda/fused_protocol.cuh), and every peer's T is r's (else the call
+//      fails on every rank, naming both), block b reduces rows t ≡ b (mod G)
 //      of the latent over the ranks in rank order, rounds, and normalizes them in the canonical
 //      order of cuda/rms_norm.cuh into N (r's own memory); then rows_done += 1;
 //   3. stripe: once rows_done reached the target (every row of N is there), block b computes
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/fused/fused_ll.cuh"
 #include "cuda/fused/fused_protocol.cuh"
 #include "cuda/fused/fused_tail_types.hpp"
 #include "cuda/gemm/warp_mma.cuh"
@@ -348,10 +351,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   extern __shared__ __align__(128) std::byte fused_stages[];  // FusedShape<kRowsMax>::kSharedBytes
   const std::uint32_t smem = static_cast<std::uint32_t>(__cvta_generic_to_shared(fused_stages));
 
-  const std::int64_t tokens = p.tokens_device ? *p.tokens_device : p.tokens;
-  const std::int64_t items = p.col_tiles * p.splits;
-
   fused_trace(p, kTraceEntry);
+  // The launch's bound (p.tokens with T on the device) sized its shape and the caller's buffers.
+  const int tokens = fused_call_tokens(p.tokens_device, p.tokens, p.tokens, fused_report(p),
+                                       blockIdx.x == 0 && threadIdx.x == 0);
+  if (tokens < 0) return;  // the same for every block
+  const std::int64_t items = p.col_tiles * p.splits;
   if (!fused_begin(p, &call)) return;
   // 0. The weights of this block's items, into L2 while the peers arrive (a row of a tile per
   // thread).
@@ -377,11 +382,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_tail_kernel(FusedTailP
   const std::uint32_t parity = call.parity;
 
   if (p.tp > 1) {
-    // 1. Stage the inputs; publish to every peer once this block's part is stored.
+    // 1. Stage the inputs; publish to every peer once this block's part is stored. The peers'
+    //    rows are read only where every peer ran this call with this rank's T.
+    fused_send_tokens(p, tokens, call);
     fused_stage_inputs<T>(p, tokens, call);
     fused_trace(p, kTraceStaged);
     if (!fused_wait_peers(p, fused_flags(p, p.rank)->inputs_arrived, &call))
       return cp_async_wait<0>();
+    fused_compare_tokens(p, tokens, &call);
+    if (fused_block_failed(p, tokens, &call)) return cp_async_wait<0>();
     fused_trace(p, kTraceInputsArrived);
   }
 

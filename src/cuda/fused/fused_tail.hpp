@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "cuda/fused/fused_settings.hpp"
 #include "cuda/fused/fused_tail_types.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 #include "lmoe/communicator.hpp"
 #include "lmoe/dims.hpp"
 
@@ -126,6 +128,9 @@ class FusedTail {
   // Calls of this rank the general kernel completed (counted in its workspace; the decode kernel
   // does not count there), for tests that prove which kernel ran. Synchronizes the device.
   std::uint32_t general_calls() const;
+  // How long a kernel's wait lasts before the call fails: the p2p group's timeout, with one rank
+  // that of a p2p communicator, else the settings' (LMOE_P2P_TIMEOUT_MS, or 10 s).
+  std::chrono::milliseconds wait_timeout() const;
 
   // out [T, d] = the tail of routed [T, l] and shared [T, d] (this rank's partials; contiguous,
   // 16-byte aligned), T ≤ capacity(). tokens_device, when given, holds T on the device instead
@@ -154,7 +159,8 @@ class FusedTail {
   // Sets the workspace's offsets in params_ and returns its bytes.
   std::int64_t lay_out_workspace(TailDims dims, int tp, int device, const FusedGrid& g);
   void allocate_workspace(std::int64_t bytes);
-  // Collective with several ranks: the smallest grid of any rank; sets the status record.
+  void use_status_record();
+  // Collective with several ranks: the smallest grid of any rank.
   int agree_grid(int grid);
   void choose_decode(int sms, int sharing);
   void choose_chained(int sms, int sharing);
@@ -195,9 +201,9 @@ class FusedTail {
   FusedChainedParams chained_params_;
   DeviceBuffer chained_workspace_;
   int chained_exchange_grid_ = 0;  // several ranks: blocks of the exchange and gather kernels
-  // With one rank there is no p2p group: the kernel reports into this rank's own mapped record.
-  P2pStatus* own_status_ = nullptr;
-  std::int32_t* own_abort_ = nullptr;
+  // With one rank there is no p2p group: the kernels report into this rank's own record
+  // (P2pMappedStatus: its first record and the abort flag).
+  MappedHostBuffer own_record_;
 };
 
 }  // namespace lmoe::cuda

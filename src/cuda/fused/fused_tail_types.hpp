@@ -105,10 +105,11 @@ struct FusedTailParams {
   // The decode kernel's exchange (cuda/fused_ll.cuh): per parity, in every rank's workspace, one
   // slot per sending rank of its latent rows [ll_rows, l], of its columns of the receiver's stripe
   // of `shared` [ll_rows, stripe] and of its output stripe [ll_rows, stripe], as LL lines (4 bytes
-  // per element). Offsets in bytes to parity 0; absent (ll_rows 0) with one rank.
+  // per element); before them, one line per sending rank with the call's T, which every kernel's
+  // call sends (fused_send_tokens). Offsets in bytes to parity 0; absent (ll_rows 0) with one rank.
   std::int64_t ll_rows = 0;
-  std::int64_t ll_latent_offset = 0, ll_shared_offset = 0, ll_stripe_offset = 0,
-               ll_parity_bytes = 0;
+  std::int64_t ll_tokens_offset = 0, ll_latent_offset = 0, ll_shared_offset = 0,
+               ll_stripe_offset = 0, ll_parity_bytes = 0;
   // The chained path's exchange with several ranks (cuda/fused_chained_exchange.cuh), LL lines
   // too: per parity, in every rank's workspace, the latent rows this rank owns (row t belongs to
   // rank t mod tp) from every sender [cx_owner_rows, l] per sender; N's rows from their owners

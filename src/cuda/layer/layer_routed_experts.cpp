@@ -34,7 +34,7 @@ void RoutedExperts::reserve(std::int64_t rows) {
   const bool gated = is_gated(config_.activation);
   // int32: the row of each slot, then the token of each grouped row.
   order_device_ = DeviceBuffer(floats(slot_rows + group_rows));
-  order_host_ = PinnedBuffer(floats(slot_rows + group_rows));
+  order_host_ = MappedHostBuffer(floats(slot_rows + group_rows));
   gathered_ = DeviceBuffer(bytes(group_rows * l));
   expert_up_acc_ = DeviceBuffer(floats(group_rows * inter_));
   expert_gate_acc_ = gated ? DeviceBuffer(floats(group_rows * inter_)) : DeviceBuffer();

@@ -19,6 +19,7 @@
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/layer/layer_router.hpp"
 #include "cuda/layer/layer_stage_support.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 
 namespace lmoe::cuda {
 
@@ -60,8 +61,8 @@ class RoutedExperts {
                                  // down [E, l, I_r]
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
 
-  DeviceBuffer order_device_;  // row of each slot [T·k] int32, then token of each grouped row
-  PinnedBuffer order_host_;
+  DeviceBuffer order_device_;    // row of each slot [T·k] int32, then token of each grouped row
+  MappedHostBuffer order_host_;  // the same, on the host (page-locked: copies are asynchronous)
   // Grouped rows (G = grouped_rows(T·k)): each expert's rows together, padded.
   DeviceBuffer gathered_;            // [G, l] z rows grouped by expert
   DeviceBuffer expert_up_acc_;       // [G, I_r] fp32

@@ -24,7 +24,7 @@ void LayerRouter::reserve(std::int64_t rows) {
   router_x_ = split_router_ ? DeviceBuffer(bytes(rows * d)) : DeviceBuffer();
   logits_ = DeviceBuffer(floats(rows * experts * (split_router_ ? 3 : 1)));
   routing_device_ = DeviceBuffer(2 * floats(slot_rows));  // ids [T·k] int32, weights [T·k] fp32
-  routing_host_ = PinnedBuffer(2 * floats(slot_rows));
+  routing_host_ = MappedHostBuffer(2 * floats(slot_rows));
 }
 
 void LayerRouter::route(ConstMatrixView x, bool captured, CublasLtGemm& gemm, cudaStream_t stream) {

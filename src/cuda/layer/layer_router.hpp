@@ -10,6 +10,7 @@
 #include "core/layer_executor.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/layer/layer_stage_support.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 
 namespace lmoe::cuda {
 
@@ -45,11 +46,11 @@ class LayerRouter {
   DeviceBuffer router_parts_;   // [3E, d] bf16 (split_router_): core/router_weight_split.hpp
   DeviceBuffer router_bias_;    // [E] fp32, or empty
 
-  DeviceBuffer x32_;             // [T, d] fp32 (not split_router_)
-  DeviceBuffer router_x_;        // [T, d] bf16 (split_router_): x where the router GEMM reads it
-  DeviceBuffer logits_;          // [T, E] fp32, [T, 3E] with split_router_
-  DeviceBuffer routing_device_;  // ids [T·k] int32, then weights [T·k] fp32
-  PinnedBuffer routing_host_;    // the same, on the host
+  DeviceBuffer x32_;               // [T, d] fp32 (not split_router_)
+  DeviceBuffer router_x_;          // [T, d] bf16 (split_router_): x where the router GEMM reads it
+  DeviceBuffer logits_;            // [T, E] fp32, [T, 3E] with split_router_
+  DeviceBuffer routing_device_;    // ids [T·k] int32, then weights [T·k] fp32
+  MappedHostBuffer routing_host_;  // the same, on the host (page-locked: copies are asynchronous)
 };
 
 }  // namespace lmoe::cuda

@@ -1,5 +1,5 @@
-// What the CUDA layer's stages share: page-locked host buffers, weight uploads, sizes in bytes and
-// the rows of the expert-grouped buffers. Host code only.
+// What the CUDA layer's stages share: weight uploads, sizes in bytes and the rows of the
+// expert-grouped buffers. Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
@@ -18,30 +17,6 @@ namespace lmoe::cuda {
 // Each expert's rows in the grouped buffers start at a multiple of this many rows (16-byte aligned
 // operands for any row width: 8 rows of ≥ 2-byte elements span a multiple of 16 bytes).
 inline constexpr std::int64_t kExpertRowAlign = 8;
-
-// Page-locked host memory, so that copies to and from it are asynchronous.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(std::size_t bytes) {
-    if (bytes) LMOE_CUDA_CHECK(cudaMallocHost(&data_, bytes));
-  }
-  ~PinnedBuffer() {
-    if (data_) cudaFreeHost(data_);
-  }
-  PinnedBuffer(PinnedBuffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)) {}
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
-    if (this != &other) {
-      if (data_) cudaFreeHost(data_);
-      data_ = std::exchange(other.data_, nullptr);
-    }
-    return *this;
-  }
-  void* data() const { return data_; }
-
- private:
-  void* data_ = nullptr;
-};
 
 inline DeviceBuffer upload(const HostTensor& tensor) {
   DeviceBuffer buffer(tensor.nbytes());

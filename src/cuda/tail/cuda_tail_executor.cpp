@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
-#include <cstring>
 #include <set>
 #include <utility>
 #include <vector>
@@ -20,6 +19,7 @@
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "cuda/runtime/mapped_host_buffer.hpp"
 #include "cuda/runtime/rank_device.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "cuda/tail/token_switch.hpp"
@@ -124,12 +124,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
-    void* mapped = nullptr;
-    LMOE_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t),
-                                  cudaHostAllocMapped));
-    token_mapped_.reset(mapped);
-    std::memset(mapped, 0, sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
-    token_status_ = static_cast<cuda::TokenSwitchStatus*>(mapped);
+    token_mapped_ = cuda::MappedHostBuffer(sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
+    token_status_ = static_cast<cuda::TokenSwitchStatus*>(token_mapped_.data());
     tokens_read_back_ = reinterpret_cast<std::int32_t*>(token_status_ + 1);
     if (fixed_capacity_) allocate_workspaces(max_tokens);
 
@@ -623,10 +619,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   bool spinning_peers_ = false;                         // p2p peers, which spin on the device
   std::set<std::pair<TailTier, std::int64_t>> warmed_;  // (tier, T) whose GEMMs have run once
   // forward_device_tokens: the replays' failure record (host-mapped) with the eager read-back of T.
-  struct PinnedFree {
-    void operator()(void* p) const { cudaFreeHost(p); }
-  };
-  std::unique_ptr<void, PinnedFree> token_mapped_;
+  cuda::MappedHostBuffer token_mapped_;
   cuda::TokenSwitchStatus* token_status_ = nullptr;
   std::int32_t* tokens_read_back_ = nullptr;
 };
