@@ -10,7 +10,8 @@ per graph, as in a model's graph. Each timed iteration is one replay between CUD
 shows the median over --iters replays divided by --layers.
   op       lmoe.torch.LatentTail(tier="auto"), the tier the policy picks (the column tier overwrites
            `shared`: replays then run on its leftovers, which changes no timing)
-  bench    `lmoe bench --backend cuda -n 1 --mode graph --layers N`, its row for the same tier
+  bench    `lmoe bench --backend cuda -n 1 --comm p2p --mode graph --layers N`, its row for the
+           same tier (one rank over p2p, as the op runs it: capturable, no peers)
   torch    F.rms_norm + torch.mm + add, and F.rms_norm + torch.addmm; the faster of the two
 The op's outputs are checked against the PyTorch ones at the contract's test tolerance first.
 """
@@ -80,7 +81,7 @@ def bench_rows(args):
         return {}
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "bench.json")
-        command = [args.lmoe, "bench", "--backend", "cuda", "-n", "1", "--mode", "graph",
+        command = [args.lmoe, "bench", "--backend", "cuda", "-n", "1", "--comm", "p2p", "--mode", "graph",
                    "--layers", str(args.layers), "--d-model", str(args.d_model), "--d-latent",
                    str(args.d_latent), "-t", args.tokens, "--warmup", str(args.warmup), "--iters",
                    str(args.iters), "--no-check", "--json", path]

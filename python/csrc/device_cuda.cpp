@@ -21,7 +21,13 @@ StreamHandle current_stream(const at::Tensor& tensor) {
 
 std::shared_ptr<Communicator> make_device_communicator(Communicator& host, int device,
                                                        const std::string& comm) {
-  if (host.size() == 1) return make_cuda_thread_communicators(1, device).front();
+  if (host.size() == 1) {
+    // p2p with no peers: its rounds only stage and publish to themselves, and, unlike
+    // cuda-threads, it can be captured in a CUDA graph (engines capture one graph per batch size).
+    P2pOptions options;
+    options.devices = {device};
+    return make_p2p_thread_communicators(1, options).front();
+  }
   if (comm == "p2p") {
     // Every rank names its own GPU; the group learns them all over the host path.
     std::vector<int> devices(static_cast<std::size_t>(host.size()));

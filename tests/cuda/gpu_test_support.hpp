@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <random>
+#include <source_location>
 #include <string>
 #include <vector>
 
@@ -34,8 +35,11 @@
     if (lmoe::cuda_device_count() < (gpus)) GTEST_SKIP() << (why); \
   } while (0)
 
-inline void cuda_ok(cudaError_t status) {
-  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+// Asserts a CUDA call succeeded, naming the caller's line: the failure is reported here.
+inline void cuda_ok(cudaError_t status,
+                    std::source_location where = std::source_location::current()) {
+  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status) << " (" << where.file_name() << ":"
+                                 << where.line() << ")";
 }
 
 // `count` normal values in `dtype`, from `seed`: sums of them round differently in another order,

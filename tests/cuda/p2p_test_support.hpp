@@ -145,6 +145,7 @@ class RankCollective {
   void stage(const void* input, cudaStream_t stream) const {
     const bool output_is_input = c_.in_place && c_.op != Op::all_gather;
     if (!output_is_input) cuda_ok(cudaMemsetAsync(recv_.data(), 0xff, recv_.bytes(), stream));
+    if (input_bytes() == 0) return;  // nothing to stage, and no buffer to stage it from
     cuda_ok(cudaMemcpyAsync(send(), input, input_bytes(), cudaMemcpyDeviceToDevice, stream));
   }
 
@@ -217,6 +218,8 @@ inline void expect_runs_match_the_host(int tp, const std::vector<Collective>& co
           for (std::size_t k = 0; k < collectives.size(); ++k) {
             inputs[i].emplace_back(rank_runs[k].input_bytes());
             outputs[i].emplace_back(rank_runs[k].output_bytes());
+            // A rank with no elements has no buffer to copy into (a null pointer is an error).
+            if (rank_runs[k].input_bytes() == 0) continue;
             cuda_ok(cudaMemcpy(inputs[i][k].data(), data[i][k].inputs[rank].data(),
                                rank_runs[k].input_bytes(), cudaMemcpyHostToDevice));
           }
