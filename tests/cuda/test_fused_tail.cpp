@@ -475,43 +475,55 @@ TEST_F(Fused, RanksWithDifferentGridsLayOutWhatThePeersWriteAlike) {
   std::printf("[ fused  ] tp=3 on two GPUs (grids differ), T 1/8/40 max_err/bound=%.3f\n", worst);
 }
 
+// A status record as a kernel leaves it: the fields a failure sets, every other one 0.
+lmoe::cuda::P2pStatus status_record(std::int32_t code, std::int32_t peer, std::int32_t block,
+                                    std::int32_t round, std::int32_t tokens = 0,
+                                    std::int32_t compared_tokens = 0) {
+  return {.code = code,
+          .peer = peer,
+          .block = block,
+          .round = round,
+          .own_tag = 0,
+          .peer_tag = 0,
+          .tokens = tokens,
+          .compared_tokens = compared_tokens};
+}
+
 // The error a status record becomes (p2p_failure_text): a wait for a peer names the peer, a fused
 // kernel's wait for its own grid (the peer is the rank itself) says so; both name the timeout the
 // waits had; no failure and an abort (a consequence of another record's failure) give no text. No
 // GPU needed; CI runs it.
 TEST(FusedFailureText, NamesTheTimeoutAndWhatTheWaitWasFor) {
-  using lmoe::cuda::P2pStatus;
-  const auto text = [](int rank, const P2pStatus& record, int ms) {
+  const auto text = [](int rank, const lmoe::cuda::P2pStatus& record, int ms) {
     return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(ms));
   };
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 3, 7, 0, 0}, 250),
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pTimeout, 0, 3, 7), 250),
             "rank 0's block 3 waited more than 250 ms for the other blocks of its grid (fused call "
             "7); the GPU did not run all of the grid's blocks at once");
-  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kP2pTimeout, 0, 4, 2, 0, 0}, 500),
+  EXPECT_EQ(text(1, status_record(lmoe::cuda::kP2pTimeout, 0, 4, 2), 500),
             "p2p: rank 1 waited more than 500 ms for rank 0 (round 2, block 4); the peer is "
             "stalled or never issued the same collective");
-  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kP2pConcurrentUse, -1, 0, 1, 0, 0}, 250)
+  EXPECT_NE(text(0, status_record(lmoe::cuda::kP2pConcurrentUse, -1, 0, 1), 250)
                 .find("rank 0 ran two collectives at the same time"),
             std::string::npos);
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pOk, 0, 0, 0, 0, 0}, 250), "");
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kP2pAborted, -1, 0, 3, 0, 0}, 250), "");
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pOk, 0, 0, 0), 250), "");
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pAborted, -1, 0, 3), 250), "");
 }
 
 // A fused call's T in a status record: two ranks' different T name both ranks and both values; a
 // T read on the device past the bound names T and the bound. No GPU needed; CI runs it.
 TEST(FusedFailureText, NamesBothRanksTOrTheTReadAndTheBound) {
-  using lmoe::cuda::P2pStatus;
-  const auto text = [](int rank, const P2pStatus& record) {
+  const auto text = [](int rank, const lmoe::cuda::P2pStatus& record) {
     return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(500));
   };
-  EXPECT_EQ(text(1, P2pStatus{lmoe::cuda::kFusedTokensMismatch, 0, 2, 9, 5, 7}),
+  EXPECT_EQ(text(1, status_record(lmoe::cuda::kFusedTokensMismatch, 0, 2, 9, 5, 7)),
             "rank 1 ran T = 5 and rank 0 T = 7 in the same fused call (call 9); every rank must "
             "run a call with the same T (a graph replayed with T on the device: the same T "
             "written on every rank)");
-  EXPECT_EQ(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, 300, 256}),
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, 300, 256)),
             "rank 0 read T = 300 from tokens_device, outside [0, 256] (the rows its fused call "
             "was launched for); its call wrote no output");
-  EXPECT_NE(text(0, P2pStatus{lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, -1, 16})
+  EXPECT_NE(text(0, status_record(lmoe::cuda::kFusedTokensOutOfRange, -1, 0, 0, -1, 16))
                 .find("read T = -1 from tokens_device, outside [0, 16]"),
             std::string::npos);
 }
