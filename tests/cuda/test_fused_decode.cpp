@@ -7,8 +7,11 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
+#include "cuda/fused/fused_ll_lines.hpp"
 #include "fused_test_support.hpp"
+#include "tools/cuda/fused_ll_soak.hpp"
 
 namespace {
 
@@ -538,6 +541,133 @@ TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   soak_graph_replays(2, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
+}
+
+// What the LL lines' soak saw on each rank.
+struct LlSoakResult {
+  std::vector<unsigned long long> taken, wrong;  // lines taken, and those with the wrong data
+  std::vector<std::string> errors;               // a failed wait's error ("" for none)
+};
+
+// `calls` calls of the decode kernel's line exchange alone (tools/cuda/fused_ll_soak.hpp) on tp
+// p2p ranks, from epoch `first_epoch`, the second half of the lines first used at call
+// `widen_at`, the late sender of every call waiting `late_ns`. Each rank's lines start as the
+// fused tier starts them (start_ll_lines), or with `flags_as_tier_starts` false, every byte 0.
+LlSoakResult run_ll_soak(int tp, std::uint32_t first_epoch, std::int64_t calls,
+                         std::int64_t widen_at, std::uint64_t late_ns, bool flags_as_tier_starts) {
+  constexpr std::int64_t kLines = 2048;
+  constexpr std::int64_t kCallsPerLaunch = 8192;  // launches follow each other; epochs go on
+  const std::int64_t parity_bytes = lmoe::cuda::fused_ll_soak_parity_bytes(tp, kLines);
+  LlSoakResult result;
+  result.taken.assign(static_cast<std::size_t>(tp), 0);
+  result.wrong.assign(static_cast<std::size_t>(tp), ~0ull);
+  result.errors.resize(static_cast<std::size_t>(tp));
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(5000);
+  lmoe::run_on_p2p_threads(
+      tp,
+      [&](int rank, lmoe::Communicator& comm) {
+        auto* peers = dynamic_cast<lmoe::P2pPeerAccess*>(&comm);
+        ASSERT_NE(peers, nullptr);
+        const auto lines = peers->share_buffer(static_cast<std::size_t>(2 * parity_bytes));
+        std::byte* own = lines->base(rank);
+        if (flags_as_tier_starts) {
+          cuda_ok(lmoe::cuda::start_ll_lines(own, parity_bytes));
+        } else {
+          cuda_ok(cudaMemset(own, 0, static_cast<std::size_t>(2 * parity_bytes)));
+        }
+        const DeviceBuffer counters(2 * sizeof(unsigned long long));  // taken, wrong
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        cuda_ok(cudaMemsetAsync(counters.data(), 0, counters.bytes(), stream));
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();  // every rank's lines have started before any rank sends
+        lmoe::cuda::FusedLlSoak soak;
+        soak.rank = rank;
+        soak.tp = tp;
+        for (int r = 0; r < tp; ++r) soak.regions[r] = lines->base(r);
+        soak.lines = kLines;
+        soak.parity_bytes = parity_bytes;
+        soak.first_epoch = first_epoch;
+        soak.widen_at = widen_at;
+        soak.seed = 0x6c6c2d736f616bull ^ first_epoch;
+        soak.late_sender_ns = late_ns;
+        const lmoe::cuda::P2pDeviceHandle handle = peers->device_handle();
+        soak.status = handle.status;
+        soak.abort_flag = handle.abort_flag;
+        soak.timeout_ns = handle.timeout_ns;
+        soak.taken = static_cast<unsigned long long*>(counters.data());
+        soak.wrong = soak.taken + 1;
+        for (std::int64_t first = 0; first < calls; first += kCallsPerLaunch) {
+          soak.first_call = first;
+          soak.calls = static_cast<int>(std::min(kCallsPerLaunch, calls - first));
+          cuda_ok(lmoe::cuda::launch_fused_ll_soak(soak, stream));
+        }
+        cuda_ok(cudaStreamSynchronize(stream));
+        try {
+          comm.barrier();  // raises what a failed wait recorded
+        } catch (const lmoe::Error& error) {
+          result.errors[static_cast<std::size_t>(rank)] = error.message();
+        }
+        unsigned long long counted[2] = {};
+        cuda_ok(cudaMemcpy(counted, counters.data(), sizeof(counted), cudaMemcpyDeviceToHost));
+        result.taken[static_cast<std::size_t>(rank)] = counted[0];
+        result.wrong[static_cast<std::size_t>(rank)] = counted[1];
+        cudaStreamDestroy(stream);
+      },
+      options);
+  return result;
+}
+
+// The decode kernel's LL lines (fused_ll.cuh) alone, between ranks sharing the GPU: call after
+// call every rank sends its peers 1024 … 2048 lines whose payloads change every call (−0,
+// subnormal and NaN bit patterns and data equal to a flag among them), takes theirs one by one or
+// four at once, and checks every line's data; in every call one rank sends late, so its peers
+// poll lines it has not written yet. From epoch 1 (as a FusedTail starts) and from just below the
+// epochs' wrap, so that calls of epochs 2^32 − 2, 2^32 − 1, 0, 1 … run; in both, the second half
+// of the lines is first used halfway through (at epoch 0 across the wrap), where only the flags
+// they started with keep a receiver from taking them early. The calls are
+// LMOE_FUSED_SOAK_REPLAYS (100000 unless set). The epoch a FusedTail's calls use lives in its
+// workspace's flags, which no caller can set, hence the exchange alone with epochs of the test's
+// choosing.
+TEST_F(Fused, LlLinesCarryChangingPayloadsAcrossTheEpochsWrap) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t calls = soak_replays("LMOE_FUSED_SOAK_REPLAYS", 100000);
+  ASSERT_GE(calls, 8) << "LMOE_FUSED_SOAK_REPLAYS";
+  bool ran = false;
+  for (const int tp : {2, 4}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    ran = true;
+    for (const std::uint32_t first_epoch : {1u, 0u - static_cast<std::uint32_t>(calls / 2)}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " first epoch " + std::to_string(first_epoch));
+      const LlSoakResult result = run_ll_soak(tp, first_epoch, calls, calls / 2, 2000, true);
+      for (int r = 0; r < tp; ++r) {
+        const auto rank = static_cast<std::size_t>(r);
+        EXPECT_EQ(result.errors[rank], "") << "rank " << r;
+        EXPECT_EQ(result.wrong[rank], 0ull) << "rank " << r;
+        // Every call takes at least half the lines from every peer.
+        EXPECT_GE(result.taken[rank], static_cast<unsigned long long>(calls) * 1024 *
+                                          static_cast<unsigned long long>(tp - 1))
+            << "rank " << r;
+      }
+      std::printf(
+          "[ fused  ] LL lines: %lld calls, tp=%d, from epoch %u: %llu lines taken by "
+          "rank 0, %llu wrong\n",
+          static_cast<long long>(calls), tp, first_epoch, result.taken[0], result.wrong[0]);
+    }
+  }
+  if (!ran) GTEST_SKIP() << *lmoe::comm_group_limit("p2p", 2);
+}
+
+// The soak above can fail: lines whose flags all start at 0 carry the epoch the call of epoch 0
+// waits for before anyone wrote them, so across the wrap a receiver takes a late sender's fresh
+// lines early, with the wrong data.
+TEST_F(Fused, LlLinesWhoseFlagsStartAtZeroAreTakenEarlyAtEpochZero) {
+  SKIP_WITHOUT_GPU();
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *lmoe::comm_group_limit("p2p", 2);
+  const LlSoakResult result = run_ll_soak(2, 0u - 16u, 64, 16, 50000, false);
+  EXPECT_GT(result.wrong[0] + result.wrong[1], 0ull)
+      << "no line was taken before its sender wrote it";
 }
 
 }  // namespace
