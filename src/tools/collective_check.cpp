@@ -41,10 +41,6 @@ std::size_t CollectiveShape::in_place_recv_offset(int rank) const {
   return op == CollectiveOp::reduce_scatter ? first(rank) : 0;
 }
 
-std::uint64_t collective_input_seed(std::uint64_t seed, int rank) {
-  return mix64(mix64(seed ^ 0x636f6c6c65637476ull) ^ static_cast<std::uint64_t>(rank + 1));
-}
-
 std::size_t count_wrong_elements(const CollectiveShape& shape, DType dtype, int rank,
                                  std::uint64_t seed, const void* output) {
   const int ranks = static_cast<int>(shape.counts.size());

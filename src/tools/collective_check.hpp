@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "lmoe/dtype.hpp"
+#include "tools/bench_values.hpp"  // collective_value, collective_input_seed
 
 namespace lmoe::bench {
 
@@ -32,10 +33,6 @@ struct CollectiveShape {
   std::size_t in_place_send_offset(int rank) const;
   std::size_t in_place_recv_offset(int rank) const;
 };
-
-// The stream of rank `rank`'s input for the check of one run from `seed`: element i of its send
-// buffer is collective_value(collective_input_seed(seed, rank), i).
-std::uint64_t collective_input_seed(std::uint64_t seed, int rank);
 
 // How many of the output_count(rank) elements of `output` (host memory, rank `rank`'s output of
 // `shape` in `dtype`, every rank's input from `seed`) differ, bit for bit, from the exact result.

@@ -33,6 +33,7 @@
 #include "lmoe/reference.hpp"
 #include "lmoe/threads_communicator.hpp"
 #include "lmoe/tools/tail_runner.hpp"
+#include "tools/bench_values.hpp"
 
 namespace lmoe_fused_test {
 
@@ -403,6 +404,30 @@ inline void expect_different_device_tokens_fail_every_rank(lmoe::cuda::FusedKern
   EXPECT_LT(replay.seconds, 2.5);
 }
 
+// The crafted exact case (lmoe::make_exact_case's construction) that a soak's graph derives on the
+// device for replay `replay` of a run from `seed` (tools/cuda/replay_soak.hpp): T rows of every
+// rank's partials from bench::exact_latent_part and bench::exact_shared_part, and the weights,
+// gamma and eps of `weights`.
+inline lmoe::TailCase exact_case_of_replay(const lmoe::TailCase& weights, std::uint64_t seed,
+                                           std::uint64_t replay, std::int64_t tokens) {
+  lmoe::TailCase c = weights;
+  const std::int64_t l = c.dims.d_latent, d = c.dims.d_model;
+  c.num_tokens = tokens;
+  c.routed = lmoe::HostTensor(c.dtype, {c.tp, tokens, l});
+  c.shared = lmoe::HostTensor(c.dtype, {c.tp, tokens, d});
+  const std::uint64_t run = lmoe::bench::replay_seed(seed, replay);
+  for (int r = 0; r < c.tp; ++r) {
+    for (std::int64_t i = 0; i < tokens * l; ++i) {
+      c.routed.set(r * tokens * l + i,
+                   static_cast<float>(lmoe::bench::exact_latent_part(run, c.tp, r, i)));
+    }
+    for (std::int64_t i = 0; i < tokens * d; ++i)
+      c.shared.set(r * tokens * d + i,
+                   static_cast<float>(lmoe::bench::exact_shared_part(run, r, i)));
+  }
+  return c;
+}
+
 // Graph replays with T and inputs changing between replays and no host work in the call: the
 // kernel reads T on the device. Each replay's output is compared on the device with the eager
 // result of the same inputs (itself checked against the contract), so a stale parity, a row left
@@ -412,8 +437,7 @@ inline void expect_different_device_tokens_fail_every_rank(lmoe::cuda::FusedKern
 inline void soak_graph_replays(int tp, std::int64_t max_tokens,
                                const std::vector<std::int64_t>& set_tokens,
                                lmoe::cuda::FusedKernel kernel) {
-  const char* env = std::getenv("LMOE_FUSED_SOAK_REPLAYS");
-  const long replays = env ? std::atol(env) : 100000;
+  const long replays = soak_replays("LMOE_FUSED_SOAK_REPLAYS", 100000);
   std::vector<lmoe::TailCase> cases;
   for (std::size_t k = 0; k < set_tokens.size(); ++k) {
     cases.push_back(

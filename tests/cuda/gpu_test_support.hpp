@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda/tail/cuda_tail_executor.hpp"
+#include "lmoe/communicator.hpp"
 #include "lmoe/dtype.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/reference.hpp"
@@ -53,6 +54,54 @@ inline std::vector<std::byte> random_values(std::size_t count, lmoe::DType dtype
     lmoe::store_from_float(bytes.data(), i, dtype, normal(rng));
   return bytes;
 }
+// How many replays a soak runs: the test-only variable `variable` where it is set (a count, to
+// lengthen or shorten the soak), else `default_replays`. Test knobs, not lmoe's settings.
+inline long soak_replays(const char* variable, long default_replays) {
+  const char* value = std::getenv(variable);
+  return value ? std::atol(value) : default_replays;
+}
+
+// One rank's part of a soak of a captured graph (collective: every rank of `comm` calls it alike).
+// `issue` enqueues one replay's work on `stream`: it runs once eagerly (every kernel's first launch
+// comes before the capture), is then captured once, and the graph is replayed `replays` times back
+// to back. `checkpoint` runs after the eager run, every `check_every` replays and after the last,
+// with every rank stopped (its stream synchronized, the ranks met, and met again after it), so it
+// may copy synchronously: while a peer on the same GPU spins in a collective, it could not.
+inline void soak_captured_replays(lmoe::Communicator& comm, cudaStream_t stream, long replays,
+                                  long check_every, const std::function<void()>& issue,
+                                  const std::function<void()>& checkpoint) {
+  const auto stop_and_check = [&] {
+    cuda_ok(cudaStreamSynchronize(stream));
+    comm.barrier();
+    checkpoint();
+    comm.barrier();
+  };
+  cuda_ok(cudaDeviceSynchronize());
+  comm.barrier();
+  issue();
+  stop_and_check();
+  cudaGraph_t captured = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  issue();
+  cuda_ok(cudaStreamEndCapture(stream, &captured));
+  comm.barrier();  // every capture has ended before any rank instantiates
+  cuda_ok(cudaGraphInstantiate(&exec, captured, 0));
+  cuda_ok(cudaGraphUpload(exec, stream));
+  cuda_ok(cudaStreamSynchronize(stream));
+  comm.barrier();
+  for (long i = 1; i <= replays; ++i) {
+    cuda_ok(cudaGraphLaunch(exec, stream));
+    if (i % check_every == 0 || i == replays) {
+      stop_and_check();
+    } else if (i % 512 == 0) {
+      cuda_ok(cudaStreamSynchronize(stream));  // a bounded queue
+    }
+  }
+  cuda_ok(cudaGraphExecDestroy(exec));
+  cuda_ok(cudaGraphDestroy(captured));
+}
+
 // An environment variable set (or, with a null value, unset) for one scope, then restored.
 class ScopedEnv {
  public:

@@ -7,8 +7,11 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
+#include "cuda/fused/fused_ll_lines.hpp"
 #include "fused_test_support.hpp"
+#include "tools/cuda/fused_ll_soak.hpp"
 
 namespace {
 
@@ -538,6 +541,271 @@ TEST_F(Fused, DecodeSoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
   soak_graph_replays(2, 16, {1, 16, 9, 5}, lmoe::cuda::FusedKernel::decode);
+}
+
+// What the LL lines' soak saw on each rank.
+struct LlSoakResult {
+  std::vector<unsigned long long> taken, wrong;  // lines taken, and those with the wrong data
+  std::vector<std::string> errors;               // a failed wait's error ("" for none)
+};
+
+// `calls` calls of the decode kernel's line exchange alone (tools/cuda/fused_ll_soak.hpp) on tp
+// p2p ranks, from epoch `first_epoch`, the second half of the lines first used at call
+// `widen_at`, the late sender of every call waiting `late_ns`. Each rank's lines start as the
+// fused tier starts them (start_ll_lines), or with `flags_as_tier_starts` false, every byte 0.
+LlSoakResult run_ll_soak(int tp, std::uint32_t first_epoch, std::int64_t calls,
+                         std::int64_t widen_at, std::uint64_t late_ns, bool flags_as_tier_starts) {
+  constexpr std::int64_t kLines = 2048;
+  constexpr std::int64_t kCallsPerLaunch = 8192;  // launches follow each other; epochs go on
+  const std::int64_t parity_bytes = lmoe::cuda::fused_ll_soak_parity_bytes(tp, kLines);
+  LlSoakResult result;
+  result.taken.assign(static_cast<std::size_t>(tp), 0);
+  result.wrong.assign(static_cast<std::size_t>(tp), ~0ull);
+  result.errors.resize(static_cast<std::size_t>(tp));
+  lmoe::P2pOptions options;
+  options.timeout = std::chrono::milliseconds(5000);
+  lmoe::run_on_p2p_threads(
+      tp,
+      [&](int rank, lmoe::Communicator& comm) {
+        auto* peers = dynamic_cast<lmoe::P2pPeerAccess*>(&comm);
+        ASSERT_NE(peers, nullptr);
+        const auto lines = peers->share_buffer(static_cast<std::size_t>(2 * parity_bytes));
+        std::byte* own = lines->base(rank);
+        if (flags_as_tier_starts) {
+          cuda_ok(lmoe::cuda::start_ll_lines(own, parity_bytes));
+        } else {
+          cuda_ok(cudaMemset(own, 0, static_cast<std::size_t>(2 * parity_bytes)));
+        }
+        const DeviceBuffer counters(2 * sizeof(unsigned long long));  // taken, wrong
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        cuda_ok(cudaMemsetAsync(counters.data(), 0, counters.bytes(), stream));
+        cuda_ok(cudaDeviceSynchronize());
+        comm.barrier();  // every rank's lines have started before any rank sends
+        lmoe::cuda::FusedLlSoak soak;
+        soak.rank = rank;
+        soak.tp = tp;
+        for (int r = 0; r < tp; ++r) soak.regions[r] = lines->base(r);
+        soak.lines = kLines;
+        soak.parity_bytes = parity_bytes;
+        soak.first_epoch = first_epoch;
+        soak.widen_at = widen_at;
+        soak.seed = 0x6c6c2d736f616bull ^ first_epoch;
+        soak.late_sender_ns = late_ns;
+        const lmoe::cuda::P2pDeviceHandle handle = peers->device_handle();
+        soak.status = handle.status;
+        soak.abort_flag = handle.abort_flag;
+        soak.timeout_ns = handle.timeout_ns;
+        soak.taken = static_cast<unsigned long long*>(counters.data());
+        soak.wrong = soak.taken + 1;
+        for (std::int64_t first = 0; first < calls; first += kCallsPerLaunch) {
+          soak.first_call = first;
+          soak.calls = static_cast<int>(std::min(kCallsPerLaunch, calls - first));
+          cuda_ok(lmoe::cuda::launch_fused_ll_soak(soak, stream));
+        }
+        cuda_ok(cudaStreamSynchronize(stream));
+        try {
+          comm.barrier();  // raises what a failed wait recorded
+        } catch (const lmoe::Error& error) {
+          result.errors[static_cast<std::size_t>(rank)] = error.message();
+        }
+        unsigned long long counted[2] = {};
+        cuda_ok(cudaMemcpy(counted, counters.data(), sizeof(counted), cudaMemcpyDeviceToHost));
+        result.taken[static_cast<std::size_t>(rank)] = counted[0];
+        result.wrong[static_cast<std::size_t>(rank)] = counted[1];
+        cudaStreamDestroy(stream);
+      },
+      options);
+  return result;
+}
+
+// The decode kernel's LL lines (fused_ll.cuh) alone, between ranks sharing the GPU: call after
+// call every rank sends its peers 1024 … 2048 lines whose payloads change every call (−0,
+// subnormal and NaN bit patterns and data equal to a flag among them), takes theirs one by one or
+// four at once, and checks every line's data; in every call one rank sends late, so its peers
+// poll lines it has not written yet. From epoch 1 (as a FusedTail starts) and from just below the
+// epochs' wrap, so that calls of epochs 2^32 − 2, 2^32 − 1, 0, 1 … run; in both, the second half
+// of the lines is first used halfway through (at epoch 0 across the wrap), where only the flags
+// they started with keep a receiver from taking them early. The calls are
+// LMOE_FUSED_SOAK_REPLAYS (100000 unless set). The epoch a FusedTail's calls use lives in its
+// workspace's flags, which no caller can set, hence the exchange alone with epochs of the test's
+// choosing.
+TEST_F(Fused, LlLinesCarryChangingPayloadsAcrossTheEpochsWrap) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t calls = soak_replays("LMOE_FUSED_SOAK_REPLAYS", 100000);
+  ASSERT_GE(calls, 8) << "LMOE_FUSED_SOAK_REPLAYS";
+  bool ran = false;
+  for (const int tp : {2, 4}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    ran = true;
+    for (const std::uint32_t first_epoch : {1u, 0u - static_cast<std::uint32_t>(calls / 2)}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " first epoch " + std::to_string(first_epoch));
+      const LlSoakResult result = run_ll_soak(tp, first_epoch, calls, calls / 2, 2000, true);
+      for (int r = 0; r < tp; ++r) {
+        const auto rank = static_cast<std::size_t>(r);
+        EXPECT_EQ(result.errors[rank], "") << "rank " << r;
+        EXPECT_EQ(result.wrong[rank], 0ull) << "rank " << r;
+        // Every call takes at least half the lines from every peer.
+        EXPECT_GE(result.taken[rank], static_cast<unsigned long long>(calls) * 1024 *
+                                          static_cast<unsigned long long>(tp - 1))
+            << "rank " << r;
+      }
+      std::printf(
+          "[ fused  ] LL lines: %lld calls, tp=%d, from epoch %u: %llu lines taken by "
+          "rank 0, %llu wrong\n",
+          static_cast<long long>(calls), tp, first_epoch, result.taken[0], result.wrong[0]);
+    }
+  }
+  if (!ran) GTEST_SKIP() << *lmoe::comm_group_limit("p2p", 2);
+}
+
+// The soak above can fail: lines whose flags all start at 0 carry the epoch the call of epoch 0
+// waits for before anyone wrote them, so across the wrap a receiver takes a late sender's fresh
+// lines early, with the wrong data.
+TEST_F(Fused, LlLinesWhoseFlagsStartAtZeroAreTakenEarlyAtEpochZero) {
+  SKIP_WITHOUT_GPU();
+  if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << *lmoe::comm_group_limit("p2p", 2);
+  const LlSoakResult result = run_ll_soak(2, 0u - 16u, 64, 16, 50000, false);
+  EXPECT_GT(result.wrong[0] + result.wrong[1], 0ull)
+      << "no line was taken before its sender wrote it";
+}
+
+// Rows whose latent has one nonzero element (so every output element is one product of the
+// up-projection: exact in any order, and the contract's bits are every implementation's), with
+// −0 and subnormals where the decode kernel's exchange carries them. Row t: its element
+// (37 t + 5) mod l is the sum of subnormal partials (t ≡ 0 mod 3) or 1.5 (t ≡ 1), or the row has
+// none (t ≡ 2: U = +0); every other element sums to ±0 from −0, +0 and cancelling subnormal
+// partials. `shared`'s partials by column: all −0 (the sum stays −0 only from rank 0's value), −0
+// and +0, subnormals, cancelling subnormals, small integers. w_up's rows by i mod 4: 1, −0.75,
+// 0.5, and (f16) −2^-14, whose product with a subnormal row's N rounds to −0 in f16, so that
+// Y = −0 + (−0) shows whether the shared sum kept its sign. (In bf16, whose range is fp32's, U
+// would have to be an fp32 subnormal to round to −0: −1.25 there.) The rows depend on t alone, so
+// the case of T rows is the first T rows of a larger one.
+lmoe::TailCase signed_zero_and_subnormal_case(DType dtype, int tp, std::int64_t tokens) {
+  lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, dtype, tp, tokens, 1u);
+  const std::int64_t l = kSmall.d_latent, d = kSmall.d_model;
+  const bool bf16 = dtype == DType::bf16;
+  const float latent_tiny = bf16 ? std::ldexp(1.0f, -130) : std::ldexp(1.0f, -22);  // subnormal
+  const float shared_tiny = bf16 ? std::ldexp(1.0f, -133) : std::ldexp(1.0f, -24);  // the least
+  for (int r = 0; r < tp; ++r) {
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t nonzero = (37 * t + 5) % l;
+      for (std::int64_t j = 0; j < l; ++j) {
+        float v = -0.0f;
+        if (j == nonzero && t % 3 == 0) {
+          v = r == 0 ? 2 * latent_tiny : r == 1 ? latent_tiny : -0.0f;
+        } else if (j == nonzero && t % 3 == 1) {
+          v = r == 0 ? 1.5f : -0.0f;
+        } else if ((t * l + j) % 3 == 1) {
+          v = r == 0 ? latent_tiny : r == 1 ? -latent_tiny : -0.0f;
+        } else if ((t * l + j) % 3 == 2) {
+          v = r == 1 ? 0.0f : -0.0f;
+        }
+        c.routed.set((r * tokens + t) * l + j, v);
+      }
+      for (std::int64_t i = 0; i < d; ++i) {
+        const float by_column[5] = {-0.0f, r == 1 ? 0.0f : -0.0f,
+                                    static_cast<float>(r + 1) * shared_tiny,
+                                    r == 0   ? shared_tiny
+                                    : r == 1 ? -shared_tiny
+                                             : -0.0f,
+                                    static_cast<float>(r - 1)};
+        c.shared.set((r * tokens + t) * d + i, by_column[i % 5]);
+      }
+    }
+  }
+  for (std::int64_t j = 0; j < l; ++j) c.norm_weight.set(j, 1.0f);
+  const float by_row[4] = {1.0f, -0.75f, 0.5f, bf16 ? -1.25f : -std::ldexp(1.0f, -14)};
+  for (std::int64_t i = 0; i < d * l; ++i) c.up_proj_weight.set(i, by_row[i / l % 4]);
+  return c;
+}
+
+// −0 and subnormals through the decode kernel's exchange (latent partials, shared columns and
+// output stripes as LL lines; rank sums from rank 0's value), at tp 2 and 4, bf16 and f16, every
+// T up to the decode kernel's bound here from 1 (the fewest rows: every block sums and normalizes
+// them itself; more: the rows shared out over the blocks): every rank's output bit for bit the CPU
+// contract's (signed_zero_and_subnormal_case), and the contract's output holds −0 (f16), subnormals
+// and values that only a subnormal latent gives, so the check sees them. f32 is not a fused dtype
+// (its signed zeros and subnormals through the p2p collectives:
+// P2p.KeepsNegativeZeroAndSubnormals).
+TEST_F(Fused, DecodeExchangeKeepsNegativeZeroAndSubnormalsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_TRUE(lmoe::cuda::FusedTail::problem_limit(kSmall, DType::f32, 2).has_value());
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
+  constexpr std::int64_t kRows = 16;
+  bool ran = false;
+  for (const int tp : {2, 4}) {
+    if (lmoe::comm_group_limit("p2p", tp)) continue;
+    ran = true;
+    for (const DType dtype : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE("tp=" + std::to_string(tp) + " " + std::string(lmoe::dtype_name(dtype)));
+      const lmoe::TailCase largest = signed_zero_and_subnormal_case(dtype, tp, kRows);
+      std::vector<std::int64_t> token_counts;  // T the decode kernel takes here (rank 0's)
+      std::vector<std::vector<lmoe::HostTensor>> outputs(static_cast<std::size_t>(tp));
+      const auto comms = lmoe::make_p2p_thread_communicators(tp);
+      lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+        FusedRank state(comm, largest, kRows);
+        std::vector<std::int64_t> counts;
+        for (const std::int64_t t : {1, 2, 3, 4, 5, 8, 16}) {
+          if (state.fused->kernel_for(t) == lmoe::cuda::FusedKernel::decode) counts.push_back(t);
+        }
+        if (rank == 0) token_counts = counts;
+        cudaStream_t stream = nullptr;
+        cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        for (const std::int64_t t : counts) {
+          cuda_ok(cudaMemsetAsync(state.out.data(), 0xff, state.out.bytes(), stream));
+          cuda_ok(cudaStreamSynchronize(stream));
+          comm.barrier();
+          state.fused->run(state.routed.data(), state.shared.data(), state.out.data(), t, stream);
+          cuda_ok(cudaStreamSynchronize(stream));
+          comm.barrier();
+          lmoe::HostTensor& y = outputs[static_cast<std::size_t>(rank)].emplace_back(
+              dtype, std::vector<std::int64_t>{t, kSmall.d_model});
+          cuda_ok(cudaMemcpy(y.data(), state.out.data(), y.nbytes(), cudaMemcpyDeviceToHost));
+        }
+        cudaStreamDestroy(stream);
+      });
+      ASSERT_FALSE(token_counts.empty()) << "the decode kernel takes no T here";
+      std::int64_t negative_zeros = 0, subnormals = 0, from_subnormal_latents = 0;
+      const float least_normal =
+          dtype == DType::f16 ? std::ldexp(1.0f, -14) : std::ldexp(1.0f, -126);
+      for (std::size_t k = 0; k < token_counts.size(); ++k) {
+        const std::int64_t t = token_counts[k];
+        SCOPED_TRACE("T=" + std::to_string(t));
+        const lmoe::TailCase c = signed_zero_and_subnormal_case(dtype, tp, t);
+        const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+        const std::vector<double> exact = lmoe::exact_tail(c);
+        for (int r = 0; r < tp; ++r) {
+          ASSERT_EQ(outputs[static_cast<std::size_t>(r)].size(), token_counts.size());
+          EXPECT_EQ(
+              lmoe::compare(outputs[static_cast<std::size_t>(r)][k].matrix(), reference, exact)
+                  .bit_mismatches,
+              0)
+              << "rank " << r;
+        }
+        for (std::int64_t i = 0; i < reference.y.numel(); ++i) {
+          const float v = reference.y.get(i);
+          negative_zeros += v == 0.0f && std::signbit(v);
+          subnormals += v != 0.0f && std::fabs(v) < least_normal;
+          from_subnormal_latents +=
+              v != 0.0f && std::fabs(v) < 1e-30f && !(std::fabs(v) < least_normal);
+        }
+      }
+      EXPECT_GT(subnormals, 0) << "the case must give subnormal outputs";
+      if (dtype == DType::f16) {
+        EXPECT_GT(negative_zeros, 0) << "the case must give −0 outputs";
+      } else {
+        EXPECT_GT(from_subnormal_latents, 0) << "the case must give outputs of subnormal latents";
+      }
+      std::printf(
+          "[ fused  ] decode exchange tp=%d %s, T up to %lld: %lld −0, %lld subnormal "
+          "outputs, bit for bit\n",
+          tp, std::string(lmoe::dtype_name(dtype)).c_str(),
+          static_cast<long long>(token_counts.back()), static_cast<long long>(negative_zeros),
+          static_cast<long long>(subnormals));
+    }
+  }
+  if (!ran) GTEST_SKIP() << *lmoe::comm_group_limit("p2p", 2);
 }
 
 }  // namespace

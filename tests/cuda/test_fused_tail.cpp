@@ -9,6 +9,7 @@
 #include "cuda/comm/p2p_group.hpp"
 #include "fused_test_support.hpp"
 #include "lmoe/cuda_communicator.hpp"
+#include "tools/cuda/replay_soak.hpp"
 
 namespace {
 
@@ -475,19 +476,18 @@ TEST_F(Fused, RanksWithDifferentGridsLayOutWhatThePeersWriteAlike) {
   std::printf("[ fused  ] tp=3 on two GPUs (grids differ), T 1/8/40 max_err/bound=%.3f\n", worst);
 }
 
-// A status record as a kernel leaves it: the code, the peer, block and round, and a fused call's T
-// and what it was compared with.
+// A status record as a kernel leaves it: the fields a failure sets, every other one 0.
 lmoe::cuda::P2pStatus status_record(std::int32_t code, std::int32_t peer, std::int32_t block,
-                                    std::int32_t round, std::int32_t tokens,
-                                    std::int32_t compared_tokens) {
-  lmoe::cuda::P2pStatus record{};
-  record.code = code;
-  record.peer = peer;
-  record.block = block;
-  record.round = round;
-  record.tokens = tokens;
-  record.compared_tokens = compared_tokens;
-  return record;
+                                    std::int32_t round, std::int32_t tokens = 0,
+                                    std::int32_t compared_tokens = 0) {
+  return {.code = code,
+          .peer = peer,
+          .block = block,
+          .round = round,
+          .own_tag = 0,
+          .peer_tag = 0,
+          .tokens = tokens,
+          .compared_tokens = compared_tokens};
 }
 
 // The error a status record becomes (p2p_failure_text): a wait for a peer names the peer, a fused
@@ -495,28 +495,26 @@ lmoe::cuda::P2pStatus status_record(std::int32_t code, std::int32_t peer, std::i
 // waits had; no failure and an abort (a consequence of another record's failure) give no text. No
 // GPU needed; CI runs it.
 TEST(FusedFailureText, NamesTheTimeoutAndWhatTheWaitWasFor) {
-  using lmoe::cuda::P2pStatus;
-  const auto text = [](int rank, const P2pStatus& record, int ms) {
+  const auto text = [](int rank, const lmoe::cuda::P2pStatus& record, int ms) {
     return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(ms));
   };
-  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pTimeout, 0, 3, 7, 0, 0), 250),
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pTimeout, 0, 3, 7), 250),
             "rank 0's block 3 waited more than 250 ms for the other blocks of its grid (fused call "
             "7); the GPU did not run all of the grid's blocks at once");
-  EXPECT_EQ(text(1, status_record(lmoe::cuda::kP2pTimeout, 0, 4, 2, 0, 0), 500),
+  EXPECT_EQ(text(1, status_record(lmoe::cuda::kP2pTimeout, 0, 4, 2), 500),
             "p2p: rank 1 waited more than 500 ms for rank 0 (round 2, block 4); the peer is "
             "stalled or never issued the same collective");
-  EXPECT_NE(text(0, status_record(lmoe::cuda::kP2pConcurrentUse, -1, 0, 1, 0, 0), 250)
+  EXPECT_NE(text(0, status_record(lmoe::cuda::kP2pConcurrentUse, -1, 0, 1), 250)
                 .find("rank 0 ran two collectives at the same time"),
             std::string::npos);
-  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pOk, 0, 0, 0, 0, 0), 250), "");
-  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pAborted, -1, 0, 3, 0, 0), 250), "");
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pOk, 0, 0, 0), 250), "");
+  EXPECT_EQ(text(0, status_record(lmoe::cuda::kP2pAborted, -1, 0, 3), 250), "");
 }
 
 // A fused call's T in a status record: two ranks' different T name both ranks and both values; a
 // T read on the device past the bound names T and the bound. No GPU needed; CI runs it.
 TEST(FusedFailureText, NamesBothRanksTOrTheTReadAndTheBound) {
-  using lmoe::cuda::P2pStatus;
-  const auto text = [](int rank, const P2pStatus& record) {
+  const auto text = [](int rank, const lmoe::cuda::P2pStatus& record) {
     return lmoe::p2p_failure_text(rank, record, std::chrono::milliseconds(500));
   };
   EXPECT_EQ(text(1, status_record(lmoe::cuda::kFusedTokensMismatch, 0, 2, 9, 5, 7)),
@@ -863,6 +861,149 @@ TEST_F(Fused, SoakOfGraphReplaysWithChangingTAndInputsHasNoMismatch) {
   if (lmoe::comm_group_limit("p2p", 2)) GTEST_SKIP() << "p2p with 2 ranks cannot run here";
   const ScopedEnv chained_off("LMOE_FUSED_CHAINED", "0");  // the general kernel at 17 … 64 too
   soak_graph_replays(2, 64, {1, 17, 64, 5}, lmoe::cuda::FusedKernel::general);
+}
+
+// One captured graph per rank that runs every fused kernel in turn on one workspace (the decode
+// kernel, the chained path where it runs, the general kernel, each at the largest bound it takes),
+// replayed back to back with T and inputs that change every replay and no host work: the graph
+// picks each call's T in [1, its bound] and derives crafted exact inputs (make_exact_case's
+// construction) from a replay counter it advances itself, poisons the outputs, runs the calls,
+// and counts on the device every output element that differs from the contract's bits (exact
+// inputs: the result is order-free) and every written byte past T. At checkpoints the ranks stop
+// together and the last replay's outputs are checked on the host against the CPU contract
+// (reference_tail of the same replay's inputs), bit for bit. LMOE_FUSED_SOAK_REPLAYS sets the
+// replays (10000 unless set; 100000 for the full soak).
+TEST_F(Fused, SoakOfTheKernelsInTurnWithInputsDerivedFromAReplayCounterIsExact) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 2;
+  if (auto limit = lmoe::comm_group_limit("p2p", tp)) GTEST_SKIP() << *limit;
+  const ScopedEnv decode_on("LMOE_FUSED_DECODE", "1");  // whatever the environment says
+  const long replays = soak_replays("LMOE_FUSED_SOAK_REPLAYS", 10000);
+  constexpr long kCheckEvery = 1000;
+  constexpr std::uint64_t kSeed = 20261209;
+  constexpr std::int64_t kRows = 256;  // the workspace's rows: the general kernel's bound
+  const DType dtype = DType::bf16;
+  const std::int64_t d = kSmall.d_model, l = kSmall.d_latent;
+  const std::size_t esize = lmoe::dtype_size(dtype);
+  // Integer weights and gamma, eps 0: the inputs of every replay follow the same construction.
+  const lmoe::TailCase weights = lmoe::make_exact_case(kSmall, dtype, tp, kRows, kSeed);
+  struct Call {
+    lmoe::cuda::FusedKernel kernel;
+    std::int64_t bound;
+    std::uint64_t seed;
+  };
+  struct Checkpoint {
+    std::uint64_t counter = 0;
+    std::vector<std::int32_t> tokens;             // per call
+    std::vector<std::vector<std::byte>> outputs;  // per call: [bound, d]
+  };
+  std::vector<std::vector<Checkpoint>> checkpoints(tp);
+  std::vector<unsigned long long> wrong_on_device(tp, ~0ull);
+  std::vector<Call> calls;  // rank 0's; the bounds are agreed, so every rank's
+  const auto comms = lmoe::make_p2p_thread_communicators(tp);
+  lmoe::run_on_rank_threads(comms, [&](int rank, lmoe::Communicator& comm) {
+    FusedRank state(comm, weights, kRows);
+    lmoe::cuda::FusedTail& fused = *state.fused;
+    std::vector<Call> rank_calls;
+    for (const auto kernel : {lmoe::cuda::FusedKernel::decode, lmoe::cuda::FusedKernel::chained,
+                              lmoe::cuda::FusedKernel::general}) {
+      std::int64_t bound = 0;
+      for (std::int64_t b = 1; b <= kRows; ++b) {
+        if (fused.kernel_for(b) == kernel) bound = b;
+      }
+      if (bound > 0) rank_calls.push_back({kernel, bound, kSeed + 1 + rank_calls.size()});
+    }
+    if (rank == 0) calls = rank_calls;
+    std::vector<DeviceBuffer> routed, shared, out, tokens;
+    for (const Call& call : rank_calls) {
+      routed.emplace_back(static_cast<std::size_t>(call.bound * l) * esize);
+      shared.emplace_back(static_cast<std::size_t>(call.bound * d) * esize);
+      out.emplace_back(static_cast<std::size_t>(call.bound * d) * esize);
+      tokens.emplace_back(sizeof(std::int32_t));
+    }
+    const DeviceBuffer w_up(static_cast<std::size_t>(d * l) * esize),
+        counter(sizeof(std::uint64_t)), wrong(sizeof(unsigned long long));
+    cuda_ok(cudaMemcpy(w_up.data(), weights.up_proj_weight.data(), w_up.bytes(),
+                       cudaMemcpyHostToDevice));
+    cudaStream_t stream = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cuda_ok(cudaMemsetAsync(counter.data(), 0, counter.bytes(), stream));
+    cuda_ok(cudaMemsetAsync(wrong.data(), 0, wrong.bytes(), stream));
+    auto* replay = static_cast<std::uint64_t*>(counter.data());
+    const auto issue = [&] {
+      for (std::size_t k = 0; k < rank_calls.size(); ++k) {
+        const Call& call = rank_calls[k];
+        auto* call_tokens = static_cast<std::int32_t*>(tokens[k].data());
+        // The poison first: a fused kernel launched programmatically then follows a kernel.
+        cuda_ok(cudaMemsetAsync(out[k].data(), 0xff, out[k].bytes(), stream));
+        cuda_ok(lmoe::cuda::launch_pick_replay_tokens(
+            call_tokens, static_cast<std::int32_t>(call.bound), call.seed, replay, stream));
+        cuda_ok(lmoe::cuda::launch_fill_replay_exact_tail(routed[k].data(), shared[k].data(),
+                                                          call.bound, kSmall, dtype, call.seed,
+                                                          rank, tp, replay, stream));
+        fused.run(routed[k].data(), shared[k].data(), out[k].data(), call.bound, stream,
+                  call_tokens);
+        cuda_ok(lmoe::cuda::launch_count_wrong_replay_exact_tail(
+            out[k].data(), call_tokens, call.bound, kSmall, dtype, w_up.data(),
+            static_cast<const float*>(state.gamma.data()), call.seed, tp, replay,
+            static_cast<unsigned long long*>(wrong.data()), stream));
+      }
+      cuda_ok(lmoe::cuda::launch_advance_replay(replay, stream));
+    };
+    const auto copy_out = [&] {
+      Checkpoint& taken = checkpoints[static_cast<std::size_t>(rank)].emplace_back();
+      cuda_ok(cudaMemcpy(&taken.counter, replay, sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+      for (std::size_t k = 0; k < rank_calls.size(); ++k) {
+        cuda_ok(cudaMemcpy(&taken.tokens.emplace_back(), tokens[k].data(), sizeof(std::int32_t),
+                           cudaMemcpyDeviceToHost));
+        taken.outputs.emplace_back(out[k].bytes());
+        cuda_ok(cudaMemcpy(taken.outputs.back().data(), out[k].data(), out[k].bytes(),
+                           cudaMemcpyDeviceToHost));
+      }
+    };
+    soak_captured_replays(comm, stream, replays, kCheckEvery, issue, copy_out);
+    cuda_ok(cudaMemcpy(&wrong_on_device[static_cast<std::size_t>(rank)], wrong.data(),
+                       sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_GE(calls.size(), 2u) << "the decode and general kernels run on every device";
+  std::int64_t mismatches_on_host = 0;
+  for (int r = 0; r < tp; ++r) {
+    const auto rank = static_cast<std::size_t>(r);
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(wrong_on_device[rank], 0ull) << "elements wrong over every replay";
+    ASSERT_FALSE(checkpoints[rank].empty());
+    EXPECT_EQ(checkpoints[rank].back().counter, static_cast<std::uint64_t>(replays) + 1);
+    for (const Checkpoint& taken : checkpoints[rank]) {
+      const std::uint64_t last = taken.counter - 1;  // the replay whose outputs these are
+      for (std::size_t k = 0; k < calls.size(); ++k) {
+        const std::int64_t t = taken.tokens[k];
+        SCOPED_TRACE(std::string(kernel_name(calls[k].kernel)) + " call of replay " +
+                     std::to_string(last) + ", T=" + std::to_string(t));
+        EXPECT_EQ(
+            t, lmoe::bench::replay_tokens(calls[k].seed, last, static_cast<int>(calls[k].bound)));
+        const lmoe::TailCase c = exact_case_of_replay(weights, calls[k].seed, last, t);
+        const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::fused));
+        lmoe::HostTensor y(dtype, {t, d});
+        std::memcpy(y.data(), taken.outputs[k].data(), y.nbytes());
+        const lmoe::Comparison cmp = lmoe::compare(y.matrix(), reference, lmoe::exact_tail(c));
+        EXPECT_EQ(cmp.bit_mismatches, 0);
+        mismatches_on_host += cmp.bit_mismatches;
+        EXPECT_EQ(written_from(taken.outputs[k], y.nbytes()), 0u) << "bytes written past T";
+      }
+    }
+  }
+  std::string kernels;
+  for (const Call& call : calls) {
+    kernels += (kernels.empty() ? "" : ", ") + std::string(kernel_name(call.kernel)) + " up to " +
+               std::to_string(call.bound);
+  }
+  std::printf(
+      "[ fused  ] soak: %ld graph replays per rank, tp=%d, the kernels in turn (%s), exact inputs "
+      "from a replay counter: %llu wrong elements on the device, %lld at %zu checkpoints on the "
+      "host\n",
+      replays, tp, kernels.c_str(), wrong_on_device[0] + wrong_on_device[1],
+      static_cast<long long>(mismatches_on_host), checkpoints[0].size());
 }
 
 }  // namespace

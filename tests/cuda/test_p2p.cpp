@@ -25,6 +25,9 @@
 #include "lmoe/reference.hpp"
 #include "lmoe/tools/tail_runner.hpp"
 #include "p2p_test_support.hpp"
+#include "tools/bench_values.hpp"
+#include "tools/collective_check.hpp"
+#include "tools/cuda/replay_soak.hpp"
 
 namespace {
 
@@ -157,6 +160,110 @@ TEST(P2p, GraphReplaysWithNewInputsMatchTheHost) {
   SKIP_UNLESS_P2P_CAN_RUN(tp);
   const Collective c{Op::all_reduce, DType::bf16, p2p_test::split_evenly(3 * 4096 + 1003, tp)};
   p2p_test::expect_runs_match_the_host(tp, {c}, true, 24, 1000u, {});
+}
+
+// A soak of one captured graph replayed back to back, whose inputs change on every replay with no
+// host work: the graph fills them on the device from a replay counter it advances itself, runs an
+// all_reduce out of place (bf16, two rounds, the second partial) and one in place (f16), and
+// counts on the device every output element that differs from the exact sum (small integers:
+// exact in every dtype and order), every replay. At checkpoints the ranks stop together and the
+// outputs of the last replay are checked on the host as well (bench::count_wrong_elements, from
+// the counter's value). LMOE_P2P_SOAK_REPLAYS sets the replays (100000 for the full soak).
+TEST(P2p, GraphReplaysWithInputsDerivedFromAReplayCounterStayExact) {
+  SKIP_WITHOUT_GPU();
+  const int tp = 2;
+  SKIP_UNLESS_P2P_CAN_RUN(tp);
+  const long replays = soak_replays("LMOE_P2P_SOAK_REPLAYS", 20000);
+  constexpr long kCheckEvery = 2500;
+  constexpr std::uint64_t kSeed = 20261208;
+  lmoe::P2pOptions options;
+  options.round_bytes = 16 << 10;  // 4 blocks of 4 KiB: the bf16 all_reduce takes two rounds
+  options.blocks = 4;
+  struct Soaked {
+    DType dtype;
+    std::size_t count;
+    bool in_place;
+  };
+  const std::vector<Soaked> soaked = {{DType::bf16, 3 * 4096 + 1003, false},
+                                      {DType::f16, 1000, true}};
+  // Per rank, at every checkpoint: the replay counter and each collective's output.
+  struct Checkpoint {
+    std::uint64_t counter = 0;
+    std::vector<std::vector<std::byte>> outputs;
+  };
+  std::vector<std::vector<Checkpoint>> checkpoints(tp);
+  std::vector<unsigned long long> wrong_on_device(tp, ~0ull);
+  lmoe::run_on_p2p_threads(
+      tp,
+      [&](int rank, lmoe::Communicator& comm) {
+        const Stream stream;
+        const DeviceBuffer counter(sizeof(std::uint64_t)), wrong(sizeof(unsigned long long));
+        std::vector<DeviceBuffer> send, recv;
+        for (const Soaked& c : soaked) {
+          const std::size_t bytes = c.count * lmoe::dtype_size(c.dtype);
+          send.emplace_back(c.in_place ? 16 : bytes);
+          recv.emplace_back(bytes);
+        }
+        cuda_ok(cudaMemsetAsync(counter.data(), 0, counter.bytes(), stream.get()));
+        cuda_ok(cudaMemsetAsync(wrong.data(), 0, wrong.bytes(), stream.get()));
+        auto* replay = static_cast<std::uint64_t*>(counter.data());
+        const auto issue = [&] {
+          for (std::size_t k = 0; k < soaked.size(); ++k) {
+            const Soaked& c = soaked[k];
+            const auto count = static_cast<std::int64_t>(c.count);
+            void* input = c.in_place ? recv[k].data() : send[k].data();
+            if (!c.in_place) {
+              cuda_ok(cudaMemsetAsync(recv[k].data(), 0xff, recv[k].bytes(), stream.get()));
+            }
+            cuda_ok(lmoe::cuda::launch_fill_replay_collective_values(
+                input, count, c.dtype, kSeed + k, rank, replay, stream.get()));
+            comm.all_reduce(input, recv[k].data(), c.count, c.dtype, stream.get());
+            cuda_ok(lmoe::cuda::launch_count_wrong_replay_sums(
+                recv[k].data(), count, c.dtype, kSeed + k, tp, replay,
+                static_cast<unsigned long long*>(wrong.data()), stream.get()));
+          }
+          cuda_ok(lmoe::cuda::launch_advance_replay(replay, stream.get()));
+        };
+        const auto copy_out = [&] {
+          Checkpoint& taken = checkpoints[rank].emplace_back();
+          cuda_ok(
+              cudaMemcpy(&taken.counter, replay, sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+          for (const DeviceBuffer& out : recv) {
+            taken.outputs.emplace_back(out.bytes());
+            cuda_ok(cudaMemcpy(taken.outputs.back().data(), out.data(), out.bytes(),
+                               cudaMemcpyDeviceToHost));
+          }
+        };
+        soak_captured_replays(comm, stream.get(), replays, kCheckEvery, issue, copy_out);
+        cuda_ok(cudaMemcpy(&wrong_on_device[rank], wrong.data(), sizeof(unsigned long long),
+                           cudaMemcpyDeviceToHost));
+      },
+      options);
+  std::size_t wrong_on_host = 0;
+  unsigned long long wrong_on_devices = 0;
+  for (int r = 0; r < tp; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(wrong_on_device[r], 0ull) << "elements wrong over every replay";
+    wrong_on_devices += wrong_on_device[r];
+    ASSERT_FALSE(checkpoints[r].empty());
+    // The eager call and every replay advanced the counter once.
+    EXPECT_EQ(checkpoints[r].back().counter, static_cast<std::uint64_t>(replays) + 1);
+    for (const Checkpoint& taken : checkpoints[r]) {
+      const std::uint64_t last = taken.counter - 1;  // the replay whose outputs these are
+      for (std::size_t k = 0; k < soaked.size(); ++k) {
+        const std::vector<std::size_t> counts = p2p_test::split_evenly(soaked[k].count, tp);
+        const std::size_t wrong = lmoe::bench::count_wrong_elements(
+            {Op::all_reduce, counts}, soaked[k].dtype, r, lmoe::bench::replay_seed(kSeed + k, last),
+            taken.outputs[k].data());
+        EXPECT_EQ(wrong, 0u) << "collective " << k << ", replay " << last;
+        wrong_on_host += wrong;
+      }
+    }
+  }
+  std::printf(
+      "[ p2p    ] soak: %ld graph replays per rank, tp=%d, all_reduce bf16 (2 rounds) and f16 in "
+      "place: %llu wrong elements on the device, %zu at %zu checkpoints on the host\n",
+      replays, tp, wrong_on_devices, wrong_on_host, checkpoints[0].size());
 }
 
 // A rank that never issues the collective and stays away from every host wait past the timeout

@@ -7,6 +7,7 @@
 #include "cuda/comm/p2p_group.hpp"
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_decode_launch.hpp"
+#include "cuda/fused/fused_ll_lines.hpp"
 #include "cuda/fused/fused_tail_launch.hpp"
 #include "cuda/runtime/alignment.hpp"
 #include "cuda/runtime/cuda_check.hpp"
@@ -227,13 +228,12 @@ void FusedTail::allocate_workspace(std::int64_t bytes) {
     // its CUDA IPC mapping between processes), zeroed before any peer can reach it.
     shared_workspace_ = peers_->share_buffer(static_cast<std::size_t>(bytes));
     for (int r = 0; r < params_.tp; ++r) params_.workspace[r] = shared_workspace_->base(r);
-    // LL lines of parity 0 are written with even epochs only: their flags start odd, so that no
-    // line is taken before a peer wrote it, even once the epochs wrap to 0 (parity 1's start at 0,
-    // which its odd epochs never are). Before the collective below, so before any peer's call.
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.ll_tokens_offset, 0x01,
-                               static_cast<std::size_t>(params_.ll_parity_bytes)));
-    LMOE_CUDA_CHECK(cudaMemset(params_.workspace[comm_.rank()] + params_.cx_latent_offset, 0x01,
-                               static_cast<std::size_t>(params_.cx_parity_bytes)));
+    // The LL lines' flags as they start (no line is taken before a peer wrote it, even once the
+    // epochs wrap: cuda/fused/fused_ll_lines.hpp). Before the collective below, so before any
+    // peer's call.
+    std::byte* own = params_.workspace[comm_.rank()];
+    LMOE_CUDA_CHECK(start_ll_lines(own + params_.ll_tokens_offset, params_.ll_parity_bytes));
+    LMOE_CUDA_CHECK(start_ll_lines(own + params_.cx_latent_offset, params_.cx_parity_bytes));
     LMOE_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
     workspace_ = DeviceBuffer(static_cast<std::size_t>(bytes));
