@@ -7,7 +7,7 @@
 # benchmarks/profile.sh and benchmarks/fused_timeline.sh, on the same frame (scripts/gpu_check_lib.sh).
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python opbench p2p graphs p2pshared fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python opbench p2p graphs p2pshared hardening fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 cd "$(dirname "$0")/.."
 check_name=gpu_check
@@ -105,6 +105,30 @@ if wants p2pshared; then
   grep -E "exception with|waited" "$logs/p2pshared.log" | cut -c1-400 | head -8
   grep -E "^\[  FAILED  \].*\(|PASSED" "$logs/p2pshared.log" | sed 's/, where GetParam.*//' | sort -u | head -20
   grep -E "^\[ parity" "$logs/p2pshared.log" | head -60
+fi
+
+if wants hardening; then
+  # The communicators' and fused kernels' failure and soak tests with ranks sharing this GPU, each
+  # group in a process of its own: an illegal address is sticky, and would fail every later test of
+  # the process (docs/testing.md's failure-class table names each test).
+  hardening_groups=(
+    'P2p.*:P2pLayoutAgreement.*'
+    'P2pCollectivesAtTheProductionLayout.*'
+    'P2pKilledRank.*'
+    'FusedFailureText.*:Fused.FailedConstructions*:Fused.OneRanksWaits*:Fused.RanksThatLayOut*:Fused.DifferentMaxTokens*'
+    'Fused.DeviceTPast*:Fused.RanksReplayingDifferentT*:Fused.DecodeExchangeKeepsNegativeZero*'
+    'Fused.SoakOfTheKernelsInTurn*:Fused.LlLines*'
+  )
+  for i in "${!hardening_groups[@]}"; do
+    LMOE_P2P_SHARED_GPU=1 gtest "hardening_$i" 150 build/cuda/tests/lmoe_cuda_tests "${hardening_groups[$i]}"
+  done
+  if [ -x build/cuda/tests/lmoe_p2p_mpi_tests ] && command -v mpirun >/dev/null; then
+    stage "p2p, one process per rank (2, sharing the GPU)"
+    LMOE_P2P_SHARED_GPU=1 timeout 120 mpirun -n 2 --oversubscribe --allow-run-as-root \
+      build/cuda/tests/lmoe_p2p_mpi_tests >"$logs/hardening_mpi.log" 2>&1
+    rc[hardening_mpi]=$?
+    grep -E "^\[  FAILED  \]|PASSED|exception with" "$logs/hardening_mpi.log" | sort -u | head -12
+  fi
 fi
 
 if wants fused; then
