@@ -15,9 +15,9 @@ namespace lmoe::python {
 // The current torch stream of `tensor`'s device (CUDA tensors); nullptr for CPU tensors.
 StreamHandle current_stream(const at::Tensor& tensor);
 
-// The communicator a cuda tail runs over on `device`: with one rank, a single cuda-threads rank;
-// else `comm` ("p2p": lmoe's collectives with CUDA IPC handles exchanged over `host`; "nccl": an
-// NCCL communicator whose id travels over `host`). `host` carries the setup's exchanges.
+// The communicator a cuda tail runs over on `device`: with one rank, p2p with no peers
+// (capturable); else `comm` ("p2p": lmoe's collectives with CUDA IPC handles exchanged over `host`;
+// "nccl": an NCCL communicator whose id travels over `host`). `host` carries the setup's exchanges.
 std::shared_ptr<Communicator> make_device_communicator(Communicator& host, int device,
                                                        const std::string& comm);
 
