@@ -33,6 +33,7 @@
 #include "core/fast_random.hpp"
 #include "core/host_math.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/gemm/epilogue_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
@@ -255,6 +256,89 @@ Json bench_gemm(const GemmCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer& timer,
   return row;
 }
 
+// ---- the up-projection with its add: in the epilogue (each tile) and unfused
+// ------------------------
+
+struct EpilogueCase {
+  std::string name;
+  std::int64_t m, n, k, ld;  // C and D: [m, n] inside rows of ld elements (a stripe when n < ld)
+  lmoe::cuda::EpilogueAdd add;
+};
+
+// One row per way: the epilogue GEMM with each tile and the automatic one, and the unfused path the
+// tiers take without it (cuBLASLt's product, then the add kernel: bf16 U for round_product_first,
+// the fp32 accumulator for round_once). Bytes: W, A, C and D once each.
+Json bench_epilogue(const EpilogueCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer& timer,
+                    cudaStream_t stream, double square_tflops, double copy_gbps) {
+  using lmoe::cuda::EpilogueAdd;
+  using lmoe::cuda::EpilogueTile;
+  const DType dtype = DType::bf16;
+  const DeviceBuffer a = to_device(random_tensor(dtype, c.m, c.k, 41));
+  const DeviceBuffer w = to_device(random_tensor(dtype, c.n, c.k, 43));
+  const DeviceBuffer cbuf = to_device(random_tensor(dtype, c.m, c.ld, 47));
+  DeviceBuffer d(cbuf.bytes()), scratch(static_cast<std::size_t>(c.m * c.n) * sizeof(float));
+  const double flops = 2.0 * static_cast<double>(c.m * c.n * c.k);
+  const double bytes = 2.0 * static_cast<double>(c.n * c.k + c.m * c.k + 2 * c.m * c.n);
+  const std::string shape =
+      std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
+  const std::string add = c.add == EpilogueAdd::round_once ? "once" : "product";
+  Json rows = Json::array();
+  const auto record = [&](const std::string& way, const Timing& t) {
+    const double tflops = flops / (t.median_us * 1e6), gbps = bytes / (t.median_us * 1e3);
+    print_row("epilogue", shape, add, t, gbps, 100.0 * gbps / copy_gbps, tflops,
+              square_tflops > 0 ? 100.0 * tflops / square_tflops : 0, c.name + ", " + way);
+    Json row = timing_json(t);
+    row.update({{"name", c.name},
+                {"way", way},
+                {"add", add},
+                {"m", c.m},
+                {"n", c.n},
+                {"k", c.k},
+                {"ld", c.ld},
+                {"TFLOPs", tflops},
+                {"GBps", gbps}});
+    rows.push_back(row);
+  };
+  lmoe::cuda::EpilogueGemmArgs args{.a = a.data(),
+                                    .w = w.data(),
+                                    .ldw = c.k,
+                                    .c = cbuf.data(),
+                                    .ldc = c.ld,
+                                    .d = d.data(),
+                                    .ldd = c.ld,
+                                    .m = c.m,
+                                    .n = c.n,
+                                    .k = c.k,
+                                    .dtype = dtype,
+                                    .add = c.add};
+  if (auto limit = lmoe::cuda::epilogue_gemm_limit(args)) {
+    std::printf("# epilogue GEMM not measured: %s\n", limit->c_str());
+  } else {
+    for (EpilogueTile tile : {EpilogueTile::automatic, EpilogueTile::m64_n128,
+                              EpilogueTile::m128_n128, EpilogueTile::m128_n256}) {
+      args.tile = tile;
+      const std::string way = tile == EpilogueTile::automatic
+                                  ? "automatic=" + std::string(lmoe::cuda::epilogue_tile_name(
+                                                       lmoe::cuda::epilogue_tile_for(c.m, c.n)))
+                                  : std::string(lmoe::cuda::epilogue_tile_name(tile));
+      record(way, timer.time([&](int) { lmoe::cuda::run_epilogue_gemm(args, stream); }));
+    }
+  }
+  record("unfused", timer.time([&](int) {
+    if (c.add == EpilogueAdd::round_product_first) {
+      gemm.run(a.data(), w.data(), c.k, d.data(), c.n, c.m, c.n, c.k, dtype, dtype, stream);
+      LMOE_CUDA_CHECK(
+          lmoe::cuda::launch_add(d.data(), cbuf.data(), d.data(), c.m * c.n, dtype, stream));
+    } else {
+      gemm.run(a.data(), w.data(), c.k, scratch.data(), c.n, c.m, c.n, c.k, dtype, DType::f32,
+               stream);
+      LMOE_CUDA_CHECK(lmoe::cuda::launch_accumulate_stripe(
+          d.data(), c.ld, static_cast<const float*>(scratch.data()), c.m, c.n, dtype, stream));
+    }
+  }));
+  return rows;
+}
+
 int run(const Settings& settings) {
   int device = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -317,6 +401,19 @@ int run(const Settings& settings) {
       double tflops = 0;
       report["gemm"].push_back(bench_gemm(c, gemm, timer, stream, square_tflops, tflops));
       if (c.name == "square") square_tflops = tflops;
+    }
+
+    report["epilogue"] = Json::array();
+    for (std::int64_t m : {1, 16, 128, 1024, 8192}) {
+      for (const EpilogueCase& c :
+           {EpilogueCase{"full width", m, 7168, 3584, 7168,
+                         lmoe::cuda::EpilogueAdd::round_product_first},
+            EpilogueCase{"full width", m, 7168, 3584, 7168, lmoe::cuda::EpilogueAdd::round_once},
+            EpilogueCase{"column stripe (tp=8)", m, 896, 3584, 7168,
+                         lmoe::cuda::EpilogueAdd::round_once}}) {
+        for (Json& row : bench_epilogue(c, gemm, timer, stream, square_tflops, copy_gbps))
+          report["epilogue"].push_back(std::move(row));
+      }
     }
   }
   LMOE_CUDA_CHECK(cudaStreamDestroy(stream));

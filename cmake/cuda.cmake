@@ -25,5 +25,8 @@ if(LMOE_CUDA_LINEINFO)
   add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>")
 endif()
 
+# CUTLASS's headers (the epilogue GEMM), pinned.
+include(${CMAKE_CURRENT_LIST_DIR}/cutlass.cmake)
+
 # NCCL (optional: the cuda-threads communicator needs none) for the nccl communicator.
 include(${CMAKE_CURRENT_LIST_DIR}/nccl.cmake)

@@ -6,6 +6,8 @@
 #   --fuzz      clang 19 and its libFuzzer runtime (scripts/fuzz.sh; clang 14 lacks the builtin that
 #               libstdc++'s std::source_location needs, and Debian 12 and Ubuntu 24.04 package 19)
 #   --coverage  gcovr (scripts/coverage.sh)
+#   --cutlass   CUTLASS's headers for the CUDA build, from the pinned nvidia-cutlass wheel (PyPI; only
+#               its headers are used, so none of its Python dependencies), found by cmake/cutlass.cmake
 #   --format    clang-format 14, the version whose output the tree is checked against
 #               (scripts/check-format.sh)
 #   --python    a virtual environment build/python-venv (from the python3 on PATH) with the pinned
@@ -57,6 +59,15 @@ fi
 if wants --fuzz; then apt_install clang-19 libclang-rt-19-dev; fi
 if wants --coverage; then pip_install python3 gcovr gcovr; fi
 if wants --format; then apt_install clang-format-14; fi
+# Keep in step with LMOE_CUTLASS_VERSION in cmake/cutlass.cmake.
+LMOE_CUTLASS_WHEEL="nvidia-cutlass==4.2.0.0"
+if wants --cutlass && ! python3 -c "import cutlass_library, os, sys
+h = os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include', 'cutlass', 'version.h')
+sys.exit('CUTLASS_MINOR 2' not in open(h).read() or 'CUTLASS_MAJOR 4' not in open(h).read())" 2>/dev/null; then
+  echo "install-deps: installing $LMOE_CUTLASS_WHEEL (headers) for python3 (pip --no-deps)" >&2
+  python3 -m pip install -q --no-deps "$LMOE_CUTLASS_WHEEL" 2>/dev/null ||
+    python3 -m pip install -q --no-deps --break-system-packages "$LMOE_CUTLASS_WHEEL"
+fi
 
 # The torch the Python package is built and tested against. PyPI's Linux wheel is the CUDA build
 # and brings NVIDIA's libraries (about 2.9 GB); the ops run on its CPU side here.

@@ -28,7 +28,7 @@ constexpr std::int64_t kMaxExchangeGrid = 1 << 16;
 
 // In name order (a test checks it, and that every name here is read somewhere and every name read
 // is here).
-constexpr std::array<SettingSpec, 25> kTable = {{
+constexpr std::array<SettingSpec, 26> kTable = {{
     {"LMOE_BENCH_INJECT_FAULT", T::choice, 0, 0, "0 or 1", "0",
      "testing only: makes one element of every checked output wrong", "lmoe bench"},
     {"LMOE_COLUMN_MAX_TOKENS", T::tokens, 0, kMaxInt64, "a token count or none",
@@ -37,6 +37,10 @@ constexpr std::array<SettingSpec, 25> kTable = {{
      "tier policy (core)"},
     {"LMOE_DISABLE_OVERLAP", T::flag, 0, 0, "", "0",
      "declines the overlap tier; sets a table's ranges aside", "tier policy (core)"},
+    {"LMOE_EPILOGUE_GEMM", T::flag, 0, 0, "", "1",
+     "0: the up-projection writes its product and a kernel adds it (cuBLASLt), instead of the add "
+     "in the GEMM's epilogue (CUTLASS, Hopper)",
+     "cuda tail (overlap, column, token; fused at tp 1)"},
     {"LMOE_FUSED_CHAINED", T::flag, 0, 0, "", "1",
      "0 turns the chained path off (the fused kernel for T <= 128, docs/fused.md)",
      "cuda fused tier; tier policy defaults"},

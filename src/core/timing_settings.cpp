@@ -11,7 +11,8 @@ namespace lmoe {
 namespace {
 
 // Why each is here (what it changes in a timed forward):
-constexpr std::array<const char*, 16> kNames = {
+constexpr std::array<const char*, 17> kNames = {
+    "LMOE_EPILOGUE_GEMM",              // whether the up-projection adds in its epilogue
     "LMOE_FUSED_CHAINED",              // which fused kernel runs for T <= 128 (docs/fused.md)
     "LMOE_FUSED_CHAINED_PACE_BURST",   // the chained path's first copies issued at once, if paced
     "LMOE_FUSED_CHAINED_PACE_NS",      // the pace of the chained path's first copies (0: at once)

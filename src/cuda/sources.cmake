@@ -22,6 +22,7 @@ add_library(lmoe_cuda STATIC
   ${lmoe_cuda_dir}/fused/fused_decode_launch.cu
   ${lmoe_cuda_dir}/fused/fused_chained_launch.cu
   ${lmoe_cuda_dir}/gemm/cublaslt_gemm.cpp
+  ${lmoe_cuda_dir}/gemm/epilogue_gemm.cpp
   ${lmoe_cuda_dir}/gemm/grouped_gemm.cu
   ${lmoe_cuda_dir}/layer/layer_kernels.cu
   ${lmoe_cuda_dir}/layer/layer_router.cpp
@@ -31,6 +32,25 @@ add_library(lmoe_cuda STATIC
 )
 target_compile_definitions(lmoe_cuda PUBLIC LMOE_HAS_CUDA=1)
 target_link_libraries(lmoe_cuda PUBLIC lmoe_comm CUDA::cudart PRIVATE CUDA::cublasLt)
+
+# The epilogue GEMM's CUTLASS kernels (cmake/cutlass.cmake): Hopper-only instructions, so they
+# compile for sm_90a alone, and only where the build targets it; elsewhere epilogue_gemm_limit()
+# declines and the tiers use cuBLASLt with an add kernel.
+if("90a" IN_LIST CMAKE_CUDA_ARCHITECTURES)
+  add_library(lmoe_cuda_epilogue_gemm OBJECT
+    ${lmoe_cuda_dir}/gemm/epilogue_gemm_bf16_once.cu
+    ${lmoe_cuda_dir}/gemm/epilogue_gemm_bf16_product_first.cu
+    ${lmoe_cuda_dir}/gemm/epilogue_gemm_f16_once.cu
+    ${lmoe_cuda_dir}/gemm/epilogue_gemm_f16_product_first.cu
+  )
+  set_target_properties(lmoe_cuda_epilogue_gemm PROPERTIES CUDA_ARCHITECTURES 90a)
+  # CUTLASS's headers call constexpr host functions from device code.
+  target_compile_options(lmoe_cuda_epilogue_gemm PRIVATE --expt-relaxed-constexpr)
+  target_link_libraries(lmoe_cuda_epilogue_gemm PRIVATE lmoe_comm lmoe_cutlass CUDA::cudart)
+  target_sources(lmoe_cuda PRIVATE $<TARGET_OBJECTS:lmoe_cuda_epilogue_gemm>)
+  set_source_files_properties(${lmoe_cuda_dir}/gemm/epilogue_gemm.cpp PROPERTIES
+    COMPILE_DEFINITIONS LMOE_EPILOGUE_GEMM_SM90=1)
+endif()
 
 # The nccl communicator (cmake/nccl.cmake found NCCL).
 if(LMOE_HAS_NCCL)

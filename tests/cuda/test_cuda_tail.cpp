@@ -568,3 +568,32 @@ TEST(CudaTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
     }
   }
 }
+
+// The up-projection without the epilogue GEMM (LMOE_EPILOGUE_GEMM=0, read when the tail is built):
+// cuBLASLt writes the product and a kernel adds it, the path of GPUs other than Hopper's. Every
+// tier that adds after the GEMM, one and two ranks, against the contract (random inputs) and bit
+// for bit (exact ones).
+TEST(CudaTail, TheUnfusedUpProjectionMeetsEveryContract) {
+  SKIP_WITHOUT_GPU();
+  ScopedEnv env("LMOE_EPILOGUE_GEMM", "0");
+  for (const auto& [comm, tp] :
+       {std::pair<const char*, int>{"p2p", 1}, {"p2p", 2}, {"cuda-threads", 2}}) {
+    if (auto limit = lmoe::comm_group_limit(comm, tp)) {
+      std::printf("[ unfused ] %s tp=%d skipped: %s\n", comm, tp, limit->c_str());
+      continue;
+    }
+    for (TailTier tier : {TailTier::overlap, TailTier::column, TailTier::token}) {
+      for (std::int64_t tokens : {std::int64_t{1}, std::int64_t{37}, std::int64_t{300}}) {
+        if (tier == TailTier::token && tokens < tp) continue;
+        SCOPED_TRACE(std::string(comm) + " tp=" + std::to_string(tp) + " " +
+                     std::string(lmoe::tier_name(tier)) + " T=" + std::to_string(tokens));
+        const lmoe::TailCase random =
+            lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, tp, tokens, 5u + tokens);
+        const lmoe::Comparison cmp = run_and_compare(random, tier, comm, false);
+        EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+        const lmoe::TailCase exact = lmoe::make_exact_case(kSmall, DType::bf16, tp, tokens, 9u);
+        EXPECT_EQ(run_and_compare(exact, tier, comm, false).bit_mismatches, 0);
+      }
+    }
+  }
+}

@@ -17,6 +17,7 @@
 #include "cuda/comm/p2p_peer_access.hpp"
 #include "cuda/fused/fused_tail.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
+#include "cuda/gemm/epilogue_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/runtime/mapped_host_buffer.hpp"
@@ -24,6 +25,7 @@
 #include "cuda/tail/launchers.hpp"
 #include "cuda/tail/token_switch.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/settings.hpp"
 
 namespace lmoe {
 
@@ -122,6 +124,20 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     }
     token_chunks_ = token_chunks_setting_from_environment();
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
+    // Whether this GPU and dtype take the add in the GEMM's epilogue; a call whose views TMA cannot
+    // take still falls back (up_project_add).
+    epilogue_gemm_ =
+        setting_flag("LMOE_EPILOGUE_GEMM") && !cuda::epilogue_gemm_limit({.a = w_up_.data(),
+                                                                          .w = w_up_.data(),
+                                                                          .ldw = l,
+                                                                          .c = w_up_.data(),
+                                                                          .ldc = d,
+                                                                          .d = w_up_.data(),
+                                                                          .ldd = d,
+                                                                          .m = 1,
+                                                                          .n = d,
+                                                                          .k = l,
+                                                                          .dtype = dtype});
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
     token_mapped_ = cuda::MappedHostBuffer(sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
@@ -350,8 +366,12 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     normed_ = DeviceBuffer(bytes(rows * dims_.d_latent));
     up_ = DeviceBuffer(bytes(rows * dims_.d_model));
     shared_sum_ = DeviceBuffer(bytes(rows * dims_.d_model));
-    stripe_acc_ = DeviceBuffer(static_cast<std::size_t>(rows * stripe_width()) * sizeof(float));
     capacity_ = rows;
+    // The column tier's unfused path; the epilogue GEMM needs none (stripe_accumulator).
+    stripe_acc_ =
+        epilogue_gemm_
+            ? DeviceBuffer()
+            : DeviceBuffer(static_cast<std::size_t>(rows * stripe_width()) * sizeof(float));
   }
 
   // p2p ranks spin on each other: a cuBLASLt GEMM launched for the first time in a shape waits for
@@ -376,23 +396,27 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   // The GEMMs of `tier` at T = tokens on this rank's workspaces (which the call overwrites anyway).
   void issue_gemms(TailTier tier, std::int64_t tokens, cudaStream_t stream) {
     const std::int64_t width = stripe_width();
+    if (comm_.size() == 1 && tier == TailTier::token) tier = TailTier::overlap;  // one body
     switch (tier) {
       case TailTier::overlap:
-        up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
-                   dtype_, stream);
+        if (comm_.size() == 1) {
+          up_project_add(tokens, w_up_.data(), dims_.d_model, shared_sum_.data(), dims_.d_model,
+                         up_.data(), dims_.d_model, cuda::EpilogueAdd::round_product_first, stream);
+        } else {
+          up_project(normed_.data(), tokens, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
+                     dtype_, stream);
+        }
         break;
       case TailTier::column:
-        up_project(normed_.data(), tokens, w_up_rows(comm_.rank() * width), width,
-                   stripe_acc_.data(), width, DType::f32, stream);
+        up_project_add(tokens, w_up_rows(comm_.rank() * width), width, up_.data(), dims_.d_model,
+                       up_.data(), dims_.d_model, cuda::EpilogueAdd::round_once, stream);
         break;
       case TailTier::token: {
         // Every chunk's row count (chunks of T differ by one row at most: one or two shapes).
         for (const TokenChunk& chunk : token_chunks(tokens)) {
           const std::int64_t rows = chunk.split.rows(comm_.rank());
-          if (rows > 0) {
-            up_project(normed_.data(), rows, w_up_.data(), dims_.d_model, up_.data(), dims_.d_model,
-                       dtype_, stream);
-          }
+          up_project_add(rows, w_up_.data(), dims_.d_model, shared_sum_.data(), dims_.d_model,
+                         up_.data(), dims_.d_model, cuda::EpilogueAdd::round_product_first, stream);
         }
         break;
       }
@@ -437,13 +461,84 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                stream);
   }
 
+  // d [rows, width] (row stride ldd) = add(N · w[width rows]ᵀ, c [rows, width] (row stride ldc)),
+  // N = normed_'s first rows, with the contract's add: in the GEMM's epilogue, one pass over c and
+  // d (cuda/gemm/epilogue_gemm.hpp), where this GPU and these views allow it. Otherwise cuBLASLt
+  // writes the product and a kernel adds it: round_product_first through d itself (c may be d, or
+  // any buffer but d), round_once through the fp32 stripe accumulator into c in place, then copied
+  // to d.
+  void up_project_add(std::int64_t rows, const void* w, std::int64_t width, const void* c,
+                      std::int64_t ldc, void* d, std::int64_t ldd, cuda::EpilogueAdd add,
+                      cudaStream_t stream) {
+    if (rows == 0) return;
+    const cuda::EpilogueGemmArgs args{.a = normed_.data(),
+                                      .w = w,
+                                      .ldw = dims_.d_latent,
+                                      .c = c,
+                                      .ldc = ldc,
+                                      .d = d,
+                                      .ldd = ldd,
+                                      .m = rows,
+                                      .n = width,
+                                      .k = dims_.d_latent,
+                                      .dtype = dtype_,
+                                      .add = add};
+    if (epilogue_gemm_ && !cuda::epilogue_gemm_limit(args)) {
+      cuda::run_epilogue_gemm(args, stream);
+      return;
+    }
+    if (add == cuda::EpilogueAdd::round_product_first) {
+      LMOE_CHECK(ldc == width && ldd == width,
+                 "up_project_add: the unfused round(U) + C takes contiguous rows");
+      void* product = c == d ? up_.data() : d;  // up_ holds [rows, d_model] ≥ rows · width
+      up_project(normed_.data(), rows, w, width, product, width, dtype_, stream);
+      check(cuda::launch_add(product, c, d, rows * width, dtype_, stream), "launch_add");
+      return;
+    }
+    up_project(normed_.data(), rows, w, width, stripe_accumulator(rows, stream), width, DType::f32,
+               stream);
+    check(cuda::launch_accumulate_stripe(const_cast<void*>(c), ldc,
+                                         static_cast<const float*>(stripe_acc_.data()), rows, width,
+                                         dtype_, stream),
+          "launch_accumulate_stripe");
+    if (d != c) {
+      LMOE_CUDA_CHECK(cudaMemcpy2DAsync(d, bytes(ldd), c, bytes(ldc), bytes(width),
+                                        static_cast<std::size_t>(rows), cudaMemcpyDeviceToDevice,
+                                        stream));
+    }
+  }
+
+  // The fp32 [rows, s] accumulator of column's unfused path: allocated only when a call needs it
+  // (the epilogue GEMM needs none), which cannot happen inside a capture.
+  float* stripe_accumulator(std::int64_t rows, cudaStream_t stream) {
+    const std::size_t need = static_cast<std::size_t>(rows * stripe_width()) * sizeof(float);
+    if (stripe_acc_.bytes() < need) {
+      LMOE_CHECK(!capturing(stream),
+                 "the column tier's unfused path needs its fp32 accumulator, which is allocated "
+                 "on first use and cannot be inside a CUDA graph capture: run the same T once "
+                 "before capturing it (or align the views to 16 bytes for the epilogue GEMM)");
+      LMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      stripe_acc_ =
+          DeviceBuffer(static_cast<std::size_t>(capacity_ * stripe_width()) * sizeof(float));
+    }
+    return static_cast<float*>(stripe_acc_.data());
+  }
+
   // overlap: Y = round(round(N · w_upᵀ) + round(Σ shared_r)), full width on every rank. The shared
   // all-reduce runs on the side stream while the main stream does the norm and GEMM. It starts only
   // after the latent all-reduce has finished: a communicator runs one collective at a time (the P2P
   // workspace holds one round in flight; NCCL serializes a communicator's operations).
+  // With one rank there is nothing to overlap: the norm, then the GEMM adding `shared` in its
+  // epilogue into `out`.
   void run_overlap(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
                    cudaStream_t side) {
     const std::int64_t tokens = routed.rows;
+    if (comm_.size() == 1) {
+      norm(routed.data, tokens, stream);
+      up_project_add(tokens, w_up_.data(), dims_.d_model, shared.data, dims_.d_model, out.data,
+                     dims_.d_model, cuda::EpilogueAdd::round_product_first, stream);
+      return;
+    }
     const void* latent = reduced(routed.data, latent_.data(), tokens * dims_.d_latent, stream);
     LMOE_CUDA_CHECK(cudaEventRecord(fork_, stream));
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork_, 0));
@@ -459,27 +554,24 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   }
 
   // column: N · w_up[stripe]ᵀ is accumulated into this rank's stripe of its own shared partial in
-  // place (fp32 accumulator + C, rounded once); the all-reduce sums the ranks and stitches the
-  // stripes together. The GEMM writes its fp32 accumulator and a small kernel adds it: cuBLASLt's
-  // beta = 1 epilogue on a bf16/f16 C does not round once (see cublaslt_gemm.hpp).
+  // place (fp32 accumulator + C, rounded once, in the GEMM's epilogue); the all-reduce sums the
+  // ranks and stitches the stripes together. With one rank the stripe is the whole width and the
+  // sum is the partial itself: the GEMM reads `shared` and writes `out` (shared stays as it was).
   void run_column(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream) {
     const std::int64_t tokens = routed.rows;
     const std::int64_t width = stripe_width();
     const std::int64_t first = comm_.rank() * width;
     all_reduce_and_norm(routed, stream);
-    up_project(normed_.data(), tokens, w_up_rows(first), width, stripe_acc_.data(), width,
-               DType::f32, stream);
-    check(cuda::launch_accumulate_stripe(offset(shared.data, bytes(first)), dims_.d_model,
-                                         static_cast<const float*>(stripe_acc_.data()), tokens,
-                                         width, dtype_, stream),
-          "launch_accumulate_stripe");
-    if (comm_.size() > 1) {
-      comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model),
-                       dtype_, stream);
-    } else if (out.data != shared.data) {
-      LMOE_CUDA_CHECK(cudaMemcpyAsync(out.data, shared.data, bytes(tokens * dims_.d_model),
-                                      cudaMemcpyDeviceToDevice, stream));
+    if (comm_.size() == 1) {
+      up_project_add(tokens, w_up_.data(), width, shared.data, dims_.d_model, out.data,
+                     dims_.d_model, cuda::EpilogueAdd::round_once, stream);
+      return;
     }
+    void* stripe = offset(shared.data, bytes(first));
+    up_project_add(tokens, w_up_rows(first), width, stripe, dims_.d_model, stripe, dims_.d_model,
+                   cuda::EpilogueAdd::round_once, stream);
+    comm_.all_reduce(shared.data, out.data, static_cast<std::size_t>(tokens * dims_.d_model),
+                     dtype_, stream);
   }
 
   // token: each rank owns a contiguous block of token rows (sizes differ by at most one), receives
@@ -521,11 +613,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   void run_token(ConstMatrixView routed, MatrixView shared, MatrixView out, cudaStream_t stream,
                  cudaStream_t side) {
     const std::int64_t l = dims_.d_latent, d = dims_.d_model;
-    if (comm_.size() == 1) {  // the scatter and gather are the identity
-      norm(routed.data, routed.rows, stream);
-      up_project(normed_.data(), routed.rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
-      check(cuda::launch_add(up_.data(), shared.data, out.data, routed.rows * d, dtype_, stream),
-            "launch_add");
+    if (comm_.size() == 1) {  // the scatter and gather are the identity: overlap's one-rank body
+      run_overlap(routed, shared, out, stream, side);
       return;
     }
     const std::vector<TokenChunk> chunks = token_chunks(routed.rows);
@@ -536,10 +625,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
       comm_.reduce_scatter(routed.data, latent_.data(), split.latent_counts, dtype_, stream);
       comm_.reduce_scatter(shared.data, shared_sum_.data(), split.model_counts, dtype_, stream);
       norm(latent_.data(), my_rows, stream);
-      up_project(normed_.data(), my_rows, w_up_.data(), d, up_.data(), d, dtype_, stream);
-      check(
-          cuda::launch_add(up_.data(), shared_sum_.data(), up_.data(), my_rows * d, dtype_, stream),
-          "launch_add");
+      up_project_add(my_rows, w_up_.data(), d, shared_sum_.data(), d, up_.data(), d,
+                     cuda::EpilogueAdd::round_product_first, stream);
       comm_.all_gather(up_.data(), out.data, split.model_counts, dtype_, stream);
       return;
     }
@@ -571,10 +658,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
       LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, scattered_[c], 0));
       // normed_ is reused from row 0: the main stream's next norm follows this GEMM.
       norm(offset(latent_.data(), bytes(chunk.mine_first * l)), rows, stream);
-      up_project(normed_.data(), rows, w_up_.data(), d, up_rows, d, dtype_, stream);
-      check(cuda::launch_add(up_rows, offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
-                             up_rows, rows * d, dtype_, stream),
-            "launch_add");
+      up_project_add(rows, w_up_.data(), d, offset(shared_sum_.data(), bytes(chunk.mine_first * d)),
+                     d, up_rows, d, cuda::EpilogueAdd::round_product_first, stream);
       LMOE_CUDA_CHECK(cudaEventRecord(added_[c], stream));
       gather(c);  // on the side stream after RS(c + 1): it waits for this chunk's rows, RS(c + 1)
                   // does not
@@ -613,7 +698,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   DeviceBuffer normed_;        // [T, l]
   DeviceBuffer up_;            // [T, d]: round(U)
   DeviceBuffer shared_sum_;    // [T, d] reduced shared
-  DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ
+  DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ, unfused only
+  bool epilogue_gemm_ = false;  // the add in the up-projection's epilogue (LMOE_EPILOGUE_GEMM)
   std::unique_ptr<cuda::FusedTail> fused_;
   std::optional<std::string> fused_unavailable_;
   bool spinning_peers_ = false;                         // p2p peers, which spin on the device
