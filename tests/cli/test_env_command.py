@@ -19,13 +19,13 @@ class EnvCommand(unittest.TestCase):
         default_row = next(line for line in lines if line.split()[0] == "LMOE_TOKEN_CHUNKS")
         self.assertIn(" default ", default_row)
         self.assertIn("[1, 8]", default_row)
-        self.assertEqual(len(lines), 1 + 25)  # a header, then one row per setting
+        self.assertEqual(len(lines), 1 + 26)  # a header, then one row per setting
         self.assertEqual(result.stderr, "")
 
     def test_json_has_every_field_and_the_bounds(self):
         doc = json.loads(lmoe("env", "--json", env={"LMOE_TIER": "column"}).stdout)
         settings = {row["name"]: row for row in doc["settings"]}
-        self.assertEqual(len(settings), 25)
+        self.assertEqual(len(settings), 26)
         self.assertEqual(list(settings), sorted(settings))
         tier = settings["LMOE_TIER"]
         self.assertEqual((tier["value"], tier["source"], tier["type"]),

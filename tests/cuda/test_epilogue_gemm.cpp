@@ -1,8 +1,9 @@
 // The epilogue GEMM (cuda/gemm/epilogue_gemm.hpp) against the contract computed on the host: both
-// adds, both dtypes, every tile, odd row counts, K not a multiple of the tile's, a stripe of a wider
-// C in place and out of place, and replays of a captured graph with new C. Outputs are poisoned
-// before each run and the elements the GEMM must not write are checked untouched. Skips without a
-// Hopper GPU (the kernels are sm_90a), except the limits' messages, which need only a GPU.
+// adds, both dtypes, every tile, odd row counts, K not a multiple of the tile's, a stripe of a
+// wider C in place and out of place, and replays of a captured graph with new C. Outputs are
+// poisoned before each run and the elements the GEMM must not write are checked untouched. Skips
+// without a Hopper GPU (the kernels are sm_90a), except the limits' messages, which need only a
+// GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -26,15 +27,15 @@ using lmoe::cuda::EpilogueAdd;
 using lmoe::cuda::EpilogueGemmArgs;
 using lmoe::cuda::EpilogueTile;
 
-#define SKIP_WITHOUT_HOPPER()                                                               \
-  do {                                                                                      \
-    SKIP_WITHOUT_GPU();                                                                     \
-    EpilogueGemmArgs probe;                                                                 \
-    probe.m = 1, probe.n = 8, probe.k = 8, probe.ldw = 8, probe.ldc = 8, probe.ldd = 8;     \
-    lmoe::cuda::DeviceBuffer any(256);                                                      \
-    probe.a = probe.w = probe.c = any.data();                                               \
-    probe.d = any.data();                                                                   \
-    if (auto limit = lmoe::cuda::epilogue_gemm_limit(probe)) GTEST_SKIP() << *limit;        \
+#define SKIP_WITHOUT_HOPPER()                                                           \
+  do {                                                                                  \
+    SKIP_WITHOUT_GPU();                                                                 \
+    EpilogueGemmArgs probe;                                                             \
+    probe.m = 1, probe.n = 8, probe.k = 8, probe.ldw = 8, probe.ldc = 8, probe.ldd = 8; \
+    lmoe::cuda::DeviceBuffer any(256);                                                  \
+    probe.a = probe.w = probe.c = any.data();                                           \
+    probe.d = any.data();                                                               \
+    if (auto limit = lmoe::cuda::epilogue_gemm_limit(probe)) GTEST_SKIP() << *limit;    \
   } while (0)
 
 // Host storage of `count` elements of `dtype` from float values (rounded to nearest even).
@@ -115,18 +116,19 @@ void check_against_host(DType dtype, EpilogueAdd add, EpilogueTile tile, const P
       }
       float acc = 0.0f;  // exact: small integers
       for (std::int64_t kk = 0; kk < p.k; ++kk)
-        acc += a[static_cast<std::size_t>(i * p.k + kk)] * w[static_cast<std::size_t>(j * p.k + kk)];
+        acc +=
+            a[static_cast<std::size_t>(i * p.k + kk)] * w[static_cast<std::size_t>(j * p.k + kk)];
       const float c_value = at(c_bytes, at_c, dtype);
-      const float sum = add == EpilogueAdd::round_once ? acc + c_value
-                                                       : lmoe::round_to(dtype, acc) + c_value;
+      const float sum =
+          add == EpilogueAdd::round_once ? acc + c_value : lmoe::round_to(dtype, acc) + c_value;
       std::vector<std::byte> expected(esize);
       lmoe::store_from_float(expected.data(), 0, dtype, sum);
       std::uint16_t want = 0;
       std::memcpy(&want, expected.data(), esize);
       if (got != want && wrong++ < 3) {
         ADD_FAILURE() << "D[" << i << ", " << j << "] = " << at(out, at_c, dtype) << ", want "
-                      << lmoe::load_as_float(expected.data(), 0, dtype) << " (acc " << acc
-                      << ", C " << c_value << ")";
+                      << lmoe::load_as_float(expected.data(), 0, dtype) << " (acc " << acc << ", C "
+                      << c_value << ")";
       }
     }
   }
@@ -141,10 +143,11 @@ TEST(EpilogueGemm, EveryAddDtypeAndTileMatchesTheHostBitForBit) {
     for (EpilogueAdd add : {EpilogueAdd::round_once, EpilogueAdd::round_product_first}) {
       for (EpilogueTile tile : lmoe::cuda::kEpilogueTiles) {
         // Rows: one, odd, a tile ±1; K: a tile's multiple and not; a stripe of a wider C.
-        for (const Problem& p : {Problem{1, 128, 256, 128}, Problem{17, 96, 520, 96},
-                                 Problem{65, 264, 192, 264}, Problem{129, 48, 384, 384, 96},
-                                 Problem{300, 256, 64, 512, 256}}) {
-          for (bool in_place : {false, true}) check_against_host(dtype, add, tile, p, in_place, ++seed);
+        for (const Problem& p :
+             {Problem{1, 128, 256, 128}, Problem{17, 96, 520, 96}, Problem{65, 264, 192, 264},
+              Problem{129, 48, 384, 384, 96}, Problem{300, 256, 64, 512, 256}}) {
+          for (bool in_place : {false, true})
+            check_against_host(dtype, add, tile, p, in_place, ++seed);
         }
       }
     }
@@ -154,7 +157,7 @@ TEST(EpilogueGemm, EveryAddDtypeAndTileMatchesTheHostBitForBit) {
 TEST(EpilogueGemm, TheTwoAddsDifferWhereRoundingTheProductFirstMatters) {
   // A guard on the test above: with |acc| > 256 a bf16 round(acc) loses bits, so the two contracts
   // give different D for the same inputs; a kernel that applied one add for both would fail one.
-  const float acc = 1000.5f, c = 0.25f;
+  const float acc = 1001.0f, c = 1.5f;  // bf16 spacing 4 here: 1002.5 → 1004, 1000 + 1.5 → 1000
   EXPECT_NE(lmoe::round_to(DType::bf16, acc + c),
             lmoe::round_to(DType::bf16, lmoe::round_to(DType::bf16, acc) + c));
 }
@@ -164,7 +167,8 @@ TEST(EpilogueGemm, AutomaticTileMatchesTheHostAtTheModelsStripe) {
   // K3's d_latent, a tp-8 stripe of d_model = 7168, T = 1 and 1000 rows (the automatic tile).
   for (std::int64_t m : {std::int64_t{1}, std::int64_t{1000}}) {
     check_against_host(DType::bf16, EpilogueAdd::round_once, EpilogueTile::automatic,
-                       Problem{m, 896, 3584, 7168, 896 * 3}, true, 40u + static_cast<std::uint64_t>(m));
+                       Problem{m, 896, 3584, 7168, 896 * 3}, true,
+                       40u + static_cast<std::uint64_t>(m));
   }
 }
 

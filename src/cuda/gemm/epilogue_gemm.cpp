@@ -50,10 +50,8 @@ template <DType dtype, EpilogueAdd add>
 Launch launch_for_tile(EpilogueTile tile) {
   switch (tile) {
     case EpilogueTile::m64_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m64_n128>;
-    case EpilogueTile::m128_n128:
-      return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n128>;
-    case EpilogueTile::m128_n256:
-      return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n256>;
+    case EpilogueTile::m128_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n128>;
+    case EpilogueTile::m128_n256: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n256>;
     case EpilogueTile::automatic: break;
   }
   throw Error("epilogue GEMM: no kernel for an unresolved tile");
@@ -61,8 +59,9 @@ Launch launch_for_tile(EpilogueTile tile) {
 
 template <DType dtype>
 Launch launch_for(EpilogueAdd add, EpilogueTile tile) {
-  return add == EpilogueAdd::round_once ? launch_for_tile<dtype, EpilogueAdd::round_once>(tile)
-                                        : launch_for_tile<dtype, EpilogueAdd::round_product_first>(tile);
+  return add == EpilogueAdd::round_once
+             ? launch_for_tile<dtype, EpilogueAdd::round_once>(tile)
+             : launch_for_tile<dtype, EpilogueAdd::round_product_first>(tile);
 }
 #endif
 
@@ -90,10 +89,10 @@ EpilogueTile parse_epilogue_tile(std::string_view name) {
 std::optional<std::string> epilogue_gemm_limit(const EpilogueGemmArgs& args) {
 #ifndef LMOE_EPILOGUE_GEMM_SM90
   (void)args;
-  return std::string("the epilogue GEMM was not built (it needs sm_90a in CMAKE_CUDA_ARCHITECTURES)");
+  return std::string(
+      "the epilogue GEMM was not built (it needs sm_90a in CMAKE_CUDA_ARCHITECTURES)");
 #else
-  if (args.dtype == DType::f32)
-    return std::string("f32 storage has no tensor-core epilogue GEMM");
+  if (args.dtype == DType::f32) return std::string("f32 storage has no tensor-core epilogue GEMM");
   if (const int capability = current_compute_capability(); capability != 90) {
     return "the epilogue GEMM runs on compute capability 9.0 (Hopper); this GPU is " +
            std::to_string(capability / 10) + "." + std::to_string(capability % 10);
@@ -108,7 +107,8 @@ std::optional<std::string> epilogue_gemm_limit(const EpilogueGemmArgs& args) {
   if (args.k % kElements != 0 || args.n % kElements != 0 || args.ldw % kElements != 0 ||
       args.ldc % kElements != 0 || args.ldd % kElements != 0) {
     return "epilogue GEMM: n, k and the row strides must be multiples of 8 elements (16 bytes); "
-           "n = " + std::to_string(args.n) + ", k = " + std::to_string(args.k) +
+           "n = " +
+           std::to_string(args.n) + ", k = " + std::to_string(args.k) +
            ", ldw = " + std::to_string(args.ldw) + ", ldc = " + std::to_string(args.ldc) +
            ", ldd = " + std::to_string(args.ldd);
   }
@@ -138,9 +138,9 @@ void run_epilogue_gemm(const EpilogueGemmArgs& args, cudaStream_t stream) {
   const Launch launch = args.dtype == DType::bf16 ? launch_for<DType::bf16>(args.add, tile)
                                                   : launch_for<DType::f16>(args.add, tile);
   if (auto refused = launch(args, sm_count(), stream)) {
-    throw Error("epilogue GEMM (" + std::string(epilogue_tile_name(tile)) + ", m = " +
-                std::to_string(args.m) + ", n = " + std::to_string(args.n) + ", k = " +
-                std::to_string(args.k) + "): " + *refused);
+    throw Error("epilogue GEMM (" + std::string(epilogue_tile_name(tile)) +
+                ", m = " + std::to_string(args.m) + ", n = " + std::to_string(args.n) +
+                ", k = " + std::to_string(args.k) + "): " + *refused);
   }
   LMOE_CUDA_CHECK(cudaGetLastError());
 #endif

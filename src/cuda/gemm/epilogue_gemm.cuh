@@ -4,16 +4,16 @@
 // Included by the per-(dtype, add) instantiation files only: compiling it takes minutes.
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/epilogue/thread/activation.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp>
 #include <cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp>
-#include <cutlass/epilogue/thread/activation.h>
 #include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/numeric_types.h>
 
 #include "cuda/gemm/epilogue_gemm_launch.hpp"
 
@@ -41,9 +41,9 @@ using AddOnce = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, E, float, kNe
 // D = round(round(acc) + C): the accumulator rounded to the storage dtype first (an identity node
 // whose output type is E), then added in fp32 and rounded again.
 template <class E>
-using RoundedAcc = fusion::Sm90EVT<
-    fusion::Sm90Compute<cutlass::epilogue::thread::Identity, E, float, kNearest>,
-    fusion::Sm90AccFetch>;
+using RoundedAcc =
+    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, E, float, kNearest>,
+                    fusion::Sm90AccFetch>;
 template <class E>
 using AddRounded = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, E, float, kNearest>,
                                    RoundedAcc<E>, fusion::Sm90SrcFetch<E>>;
@@ -89,8 +89,8 @@ struct Kernel {
       typename Config::Epilogue, Fusion<E, add>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, cutlass::layout::RowMajor,
-      kAlignment, E, cutlass::layout::ColumnMajor, kAlignment, float, typename Config::Tile,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, cutlass::layout::RowMajor, kAlignment,
+      E, cutlass::layout::ColumnMajor, kAlignment, float, typename Config::Tile,
       typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -122,10 +122,14 @@ std::optional<std::string> launch_epilogue_gemm(const EpilogueGemmArgs& args, in
             k = static_cast<int>(args.k);
   // Row-major A [m, k] and D, C [m, n]; W [n, k] as the column-major B of a K × N operand. The
   // batch stride is unused (L = 1).
-  typename GemmKernel::StrideA stride_a = make_stride(static_cast<int64_t>(args.k), _1{}, int64_t{0});
-  typename GemmKernel::StrideB stride_b = make_stride(static_cast<int64_t>(args.ldw), _1{}, int64_t{0});
-  typename GemmKernel::StrideC stride_c = make_stride(static_cast<int64_t>(args.ldc), _1{}, int64_t{0});
-  typename GemmKernel::StrideD stride_d = make_stride(static_cast<int64_t>(args.ldd), _1{}, int64_t{0});
+  typename GemmKernel::StrideA stride_a =
+      make_stride(static_cast<int64_t>(args.k), _1{}, int64_t{0});
+  typename GemmKernel::StrideB stride_b =
+      make_stride(static_cast<int64_t>(args.ldw), _1{}, int64_t{0});
+  typename GemmKernel::StrideC stride_c =
+      make_stride(static_cast<int64_t>(args.ldc), _1{}, int64_t{0});
+  typename GemmKernel::StrideD stride_d =
+      make_stride(static_cast<int64_t>(args.ldd), _1{}, int64_t{0});
 
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
@@ -153,13 +157,13 @@ std::optional<std::string> launch_epilogue_gemm(const EpilogueGemmArgs& args, in
 }  // namespace lmoe::cuda
 
 // One file per (dtype, add) instantiates its three tiles.
-#define LMOE_EPILOGUE_GEMM_INSTANTIATE(dtype, add)                                              \
-  template std::optional<std::string>                                                          \
-  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m64_n128>(             \
-      const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                                 \
-  template std::optional<std::string>                                                          \
-  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n128>(            \
-      const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                                 \
-  template std::optional<std::string>                                                          \
-  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n256>(            \
+#define LMOE_EPILOGUE_GEMM_INSTANTIATE(dtype, add)                                   \
+  template std::optional<std::string>                                                \
+  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m64_n128>(  \
+      const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                       \
+  template std::optional<std::string>                                                \
+  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n128>( \
+      const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                       \
+  template std::optional<std::string>                                                \
+  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n256>( \
       const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t)
