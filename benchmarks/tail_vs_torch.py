@@ -100,7 +100,7 @@ def lmoe_rows(args, cold):
         command = [args.lmoe, "bench", "--backend", "cuda", "-n", "1", "--comm", "p2p", "--mode",
                    "graph", "--layers", str(args.layers), "--d-model", str(args.d_model),
                    "--d-latent", str(args.d_latent), "-t", args.tokens, "--warmup",
-                   str(args.warmup), "--iters", str(args.iters), "--check-table", "--check-max-tokens", "1024",
+                   str(args.warmup), "--iters", str(args.iters), "--check-table", "--check-max-tokens", "128",
                    "--json", path]
         if cold:
             command.append("--cold-l2")
