@@ -344,7 +344,10 @@ class TorchMoE:
         tokens, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.cfg["experts"]), 0).to(torch.int32)
+        # scatter_add, not bincount: bincount reads the largest id on the host, which a capture forbids.
+        counts = torch.zeros(self.cfg["experts"], dtype=torch.int64, device=z.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         rows = z[order // k]
         up = torch._grouped_mm(rows, self.expert_up.transpose(-2, -1), offs=offsets).float()
         gate = (torch._grouped_mm(rows, self.expert_gate.transpose(-2, -1), offs=offsets).float()
