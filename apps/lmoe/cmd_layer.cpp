@@ -2,11 +2,14 @@
 // experts, tail) on random weights at a preset's dims, scaled down by default so that it runs on
 // the CPU in seconds, or on one layer of a checkpoint (--weights DIR --layer N). Prints the time of
 // each stage per T and checks every T against fp64 math (a cuda run also against the cpu backend),
-// on the cpu or the cuda backend (docs/layer.md).
+// on the cpu or the cuda backend (docs/layer.md). With --graph (cuda) each T's forward is captured
+// into a CUDA graph and timed as replays, each replay's y checked against the eager forward's bits.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 
 #include "common.hpp"
@@ -14,8 +17,10 @@
 #include "lmoe/comm_group.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_reference.hpp"
+#include "lmoe/safetensors.hpp"
 #include "lmoe/settings.hpp"
 #include "lmoe/tools/layer_runner.hpp"
+#include "lmoe/tools/tail_bench.hpp"
 #include "table.hpp"
 
 namespace lmoe::cli {
@@ -32,12 +37,19 @@ struct LayerCommand {
   std::string comm;
   std::string tier = "auto";
   std::string tier_table;
-  int repeats = 3;
+  int repeats = 0;  // 0: kEagerRepeats, or kGraphRepeats with --graph
+  bool graph = false;
+  bool cold_l2 = false;
+  std::string dump_dir;
   std::uint64_t seed = 2026;
   bool no_check = false;
   std::string weights_dir;
   int layer_index = -1;
   std::string json_path;
+
+  static constexpr int kEagerRepeats = 3;
+  static constexpr int kGraphRepeats = 50;  // replays are cheap; p10 and p90 need samples
+  static constexpr int kGraphWarmup = 5;    // untimed replays, as lmoe bench warms a graph
 
   void execute() const;
 
@@ -54,6 +66,7 @@ struct LayerCommand {
     LayerRunOptions run;
     std::string setting;  // the run described in one line
   };
+  int repeat_count() const { return repeats > 0 ? repeats : graph ? kGraphRepeats : kEagerRepeats; }
   // Per T: the inputs, every rank's results and, when checked, the fp64 reference and the cpu
   // backend's results on the same inputs (cuda runs).
   struct LayerRuns {
@@ -73,6 +86,7 @@ struct LayerCommand {
   LayerRuns run_layers(const LayerSetup& setup) const;
   LayerRows report_rows(const LayerSetup& setup, const LayerRuns& runs) const;
   void write_report(const LayerSetup& setup, const nlohmann::json& rows, bool all_ok) const;
+  void dump(const LayerSetup& setup, const LayerRuns& runs) const;
 };
 
 // Median over repeats of one stage of rank 0's times.
@@ -108,6 +122,17 @@ VersusCpu versus_cpu(const LayerRankResult& mine, const LayerRankResult& cpu, st
   return result;
 }
 
+// Graph replays: per timed replay, the slowest rank's seconds (as lmoe bench times an iteration).
+std::vector<double> slowest_rank_seconds(const LayerInputRun& run) {
+  std::vector<double> seconds;
+  for (const LayerRankResult& rank : run.ranks) {
+    if (seconds.size() < rank.replay_seconds.size()) seconds.resize(rank.replay_seconds.size(), 0);
+    for (std::size_t i = 0; i < rank.replay_seconds.size(); ++i)
+      seconds[i] = std::max(seconds[i], rank.replay_seconds[i]);
+  }
+  return seconds;
+}
+
 double median_of_us(const std::vector<LayerStageTimes>& times,
                     double (LayerStageTimes::*measure)() const) {
   std::vector<double> values;
@@ -132,6 +157,9 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
     check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
   }
   check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
+  LMOE_CHECK(!cold_l2 || graph,
+             "--cold-l2: needs --graph (L2 is evicted before graph replays; "
+             "before eager forwards it would hide their launch gaps)");
   const ModelOptions::Resolved& resolved = setup.resolved = model.resolve();
   const ModelPreset& preset = *(setup.preset = &find_preset(model.preset));
   if (!preset.layer) {
@@ -164,6 +192,10 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
 
   const Backend chosen_backend = setup.chosen_backend = resolve_backend(backend);
+  if (graph && chosen_backend != Backend::cuda) {
+    throw Error("--graph: CUDA graphs need --backend cuda; the " +
+                std::string(backend_name(chosen_backend)) + " backend runs eagerly only");
+  }
   LayerOptions& options = setup.options;
   options.config = config;
   options.dtype = resolved.dtype;
@@ -171,13 +203,21 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   options.backend = chosen_backend;
   options.policy = resolve_policy(tier_table);
   LayerRunOptions& run = setup.run;
-  run.comm = resolve_comm(comm, chosen_backend);
+  // A graph needs a communicator that can be captured: p2p unless another one is named.
+  run.comm = resolve_comm(graph && comm.empty() ? "p2p" : comm, chosen_backend);
+  if (graph && run.comm == "cuda-threads") {
+    throw Error(
+        "--graph: the cuda-threads communicator cannot be captured into a CUDA graph; use "
+        "--comm p2p (ranks sharing one GPU also need LMOE_P2P_SHARED_GPU=1) or --comm nccl");
+  }
   // A table for other hardware or dims fails here, before any weights are made or loaded.
   check_table_fits(options.policy, running_config(chosen_backend, ranks, config.tail_dims(),
                                                   resolved.dtype, run.comm));
   run.tier = parse_tier_or_auto(tier);
-  run.repeats = repeats;
-  run.warmup = 1;  // first touches of the weights and buffers are not the layer's time
+  run.repeats = repeat_count();
+  run.warmup = graph ? kGraphWarmup : 1;  // first touches of weights and buffers are not timed
+  run.graph = graph;
+  run.cold_l2 = cold_l2;
   if (chosen_backend == Backend::cpu) cpu::set_blas_threads(1);  // ranks are the parallelism
 
   setup.setting = resolved.name +
@@ -193,7 +233,10 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
                   std::to_string(config.shared_intermediate) + ", " +
                   std::string(activation_name(config.activation)) + ", " +
                   std::string(dtype_name(resolved.dtype)) + ", tp " + std::to_string(ranks) +
-                  ", backend " + std::string(backend_name(chosen_backend)) + ", comm " + run.comm;
+                  ", backend " + std::string(backend_name(chosen_backend)) + ", comm " + run.comm +
+                  (graph ? std::string(", CUDA graph replays") +
+                               (cold_l2 ? ", L2 evicted before each" : ", L2 warm (see --cold-l2)")
+                         : std::string(", eager forwards"));
   std::cerr << "lmoe layer: " << setup.setting << "\n";
   return setup;
 }
@@ -255,10 +298,16 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
   const std::vector<LayerInputRun>& results = runs.results;
   const std::unique_ptr<LayerReference>& reference = runs.reference;
   const std::vector<LayerInputRun>& cpu_results = runs.cpu_results;
-  LayerRows out{
-      Table({"T", "tier", "router_us", "down_us", "experts_us", "shared_us", "tail_us", "total_us",
-             "forward_us", "fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"}),
-      nlohmann::json::array(), true};
+  std::vector<std::string> columns = {"T",       "tier",       "router_us",
+                                      "down_us", "experts_us", "shared_us",
+                                      "tail_us", "total_us",   "forward_us"};
+  if (graph) {
+    for (const char* column : {"p10_us", "p90_us", "traced_us", "=eager"})
+      columns.push_back(column);
+  }
+  for (const char* column : {"fp64_err", "row_err", "cpu_ids", "cpu_err", "ok"})
+    columns.push_back(column);
+  LayerRows out{Table(columns), nlohmann::json::array(), true};
   Table& table = out.table;
   nlohmann::json& rows = out.rows;
   bool& all_ok = out.all_ok;
@@ -274,8 +323,15 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
         vs_cpu = versus_cpu(first, cpu_results[i].ranks.front(), config.d_model, resolved.dtype);
       }
     }
-    const bool ok = results[i].ranks_identical && (!comparison || comparison->ok()) &&
-                    (!vs_cpu || vs_cpu->y.ok());
+    const bool replays_match =
+        std::all_of(results[i].ranks.begin(), results[i].ranks.end(),
+                    [](const LayerRankResult& rank) { return rank.replay_matches_eager; });
+    const std::vector<double> replay_seconds = slowest_rank_seconds(results[i]);
+    const std::optional<TimeStats> replays =
+        replay_seconds.empty() ? std::nullopt
+                               : std::optional<TimeStats>(time_stats(replay_seconds));
+    const bool ok = results[i].ranks_identical && replays_match &&
+                    (!comparison || comparison->ok()) && (!vs_cpu || vs_cpu->y.ok());
     all_ok = all_ok && ok;
     const double stage_us[] = {median_us(times, &LayerStageTimes::router),
                                median_us(times, &LayerStageTimes::down_projection),
@@ -286,7 +342,17 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
                                       first.tier ? std::string(tier_name(*first.tier)) : "-"};
     for (double us : stage_us) cells.push_back(format_number(us));
     cells.push_back(format_number(median_of_us(times, &LayerStageTimes::total)));
-    cells.push_back(format_number(median_of_us(times, &LayerStageTimes::wall)));
+    // Graph: the forward is the plain graph's replays; the stages and traced_us come from the
+    // replays of the graph captured with stage events.
+    const double forward_us = graph ? (replays ? replays->median * 1e6 : -1)
+                                    : median_of_us(times, &LayerStageTimes::wall);
+    cells.push_back(format_number(forward_us));
+    if (graph) {
+      cells.push_back(replays ? format_number(replays->p10 * 1e6) : "-");
+      cells.push_back(replays ? format_number(replays->p90 * 1e6) : "-");
+      cells.push_back(format_number(median_of_us(times, &LayerStageTimes::wall)));
+      cells.push_back(tokens[i] == 0 ? "-" : replays_match ? "yes" : "NO");
+    }
     cells.push_back(comparison ? format_number(comparison->normwise_error) : "-");
     cells.push_back(comparison ? format_number(comparison->max_row_error) : "-");
     cells.push_back(vs_cpu ? std::to_string(vs_cpu->same_routing) + "/" + std::to_string(tokens[i])
@@ -303,7 +369,7 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
         {"shared_us", stage_us[3]},
         {"tail_us", stage_us[4]},
         {"total_us", median_of_us(times, &LayerStageTimes::total)},
-        {"forward_us", median_of_us(times, &LayerStageTimes::wall)},
+        {"forward_us", forward_us},
         {"ranks_identical", results[i].ranks_identical},
         {"checked", comparison.has_value()},
         {"ok", ok}};
@@ -312,6 +378,20 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
       row["normwise_tolerance"] = comparison->normwise_tolerance;
       row["max_row_error_vs_fp64"] = comparison->max_row_error;
       row["row_tolerance"] = comparison->row_tolerance;
+    }
+    if (graph) {
+      row["traced_forward_us"] = median_of_us(times, &LayerStageTimes::wall);
+      row["replay_matches_eager"] = replays_match;
+      for (const auto& [key, value] :
+           {std::pair<const char*, double TimeStats::*>{"p10_us", &TimeStats::p10},
+            {"p90_us", &TimeStats::p90},
+            {"min_us", &TimeStats::min},
+            {"max_us", &TimeStats::max}}) {
+        row[key] = replays ? nlohmann::json((*replays).*value * 1e6) : nlohmann::json();
+      }
+      nlohmann::json iterations = nlohmann::json::array();
+      for (double seconds : replay_seconds) iterations.push_back(seconds * 1e6);
+      row["iterations_us"] = iterations;
     }
     if (vs_cpu) {
       row["tokens_routed_as_cpu"] = vs_cpu->same_routing;
@@ -355,12 +435,44 @@ void LayerCommand::write_report(const LayerSetup& setup, const nlohmann::json& r
                           {"tp", ranks},
                           {"backend", backend_name(chosen_backend)},
                           {"comm", run.comm},
-                          {"repeats", repeats},
+                          {"mode", graph ? "graph" : "eager"},
+                          {"cold_l2", cold_l2},
+                          {"warmup", run.warmup},
+                          {"repeats", run.repeats},
                           {"seed", seed},
                           {"rows", rows},
                           {"ok", all_ok}};
     write_json_file(json_path, doc);
   }
+}
+
+// DIR/t{T}.safetensors per T > 0: x, rank 0's y and its routing (expert ids as exact f32 values,
+// weights), for benchmarks/torch_moe.py --check-lmoe to run the same inputs.
+void LayerCommand::dump(const LayerSetup& setup, const LayerRuns& runs) const {
+  std::error_code error;
+  std::filesystem::create_directories(dump_dir, error);
+  if (error) throw Error("--dump-dir " + dump_dir + ": " + error.message());
+  const std::int64_t k = setup.config.router.top_k;
+  for (std::size_t i = 0; i < runs.inputs.size(); ++i) {
+    const std::int64_t t = tokens[i];
+    const LayerRankResult& first = runs.results[i].ranks.front();
+    if (t == 0 || static_cast<std::int64_t>(first.routing.expert_ids.size()) != t * k) continue;
+    HostTensor ids(DType::f32, {t, k}), weights(DType::f32, {t, k});
+    for (std::int64_t s = 0; s < t * k; ++s) {
+      ids.set(s, static_cast<float>(first.routing.expert_ids[static_cast<std::size_t>(s)]));
+      weights.set(s, first.routing.weights[static_cast<std::size_t>(s)]);
+    }
+    const std::map<std::string, HostTensor> tensors = {
+        {"x", runs.inputs[i]}, {"y", first.y}, {"expert_ids", ids}, {"expert_weights", weights}};
+    const std::filesystem::path path =
+        std::filesystem::path(dump_dir) / ("t" + std::to_string(t) + ".safetensors");
+    write_safetensors(path.string(), tensors,
+                      {{"preset", setup.preset->name},
+                       {"backend", std::string(backend_name(setup.chosen_backend))},
+                       {"tp", std::to_string(ranks)},
+                       {"mode", graph ? "graph" : "eager"}});
+  }
+  std::cerr << "lmoe layer: wrote x, y and the routing per T to " << dump_dir << "\n";
 }
 
 void LayerCommand::execute() const {
@@ -373,8 +485,16 @@ void LayerCommand::execute() const {
   const Table& table = report.table;
   const bool all_ok = report.all_ok;
 
-  std::cout << "# lmoe layer: " << setting << "\n"
-            << "# times: median over " << repeats
+  std::cout << "# lmoe layer: " << setting << "\n";
+  if (graph) {
+    std::cout << "# forward_us, p10_us, p90_us: per replay of one captured forward (CUDA events "
+                 "around each, the slowest rank's), "
+              << setup.run.repeats << " timed after " << setup.run.warmup
+              << " untimed; stages and traced_us: medians over as many replays of a second graph "
+                 "captured with an event between stages (docs/layer.md); =eager: every rank's "
+                 "replay gave the eager forward's y bit for bit\n";
+  }
+  std::cout << "# times: median over " << setup.run.repeats
             << " forward(s) (after one warm-up) of rank 0's stages, "
             << "microseconds (total_us: median of the per-forward sums; forward_us: median wall "
                "time of a forward, which is less than the sum where stages overlap"
@@ -402,6 +522,7 @@ void LayerCommand::execute() const {
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
   write_report(setup, report.rows, all_ok);
+  if (!dump_dir.empty()) dump(setup, runs);
   if (!all_ok) throw CLI::RuntimeError(1);
 }
 
@@ -437,9 +558,19 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("--tier", command->tier, "the tail's tier: auto, fused, overlap, column or token")
       ->capture_default_str();
   add_tier_table_option(*sub, command->tier_table);
-  sub->add_option("--repeats", command->repeats, "timed forwards per T")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  sub->add_option("--repeats", command->repeats,
+                  "timed forwards per T (default: 3; with --graph 50 timed replays, and as many "
+                  "replays of the graph with stage events)")
+      ->check(CLI::PositiveNumber);
+  sub->add_flag("--graph", command->graph,
+                "cuda: capture each T's forward into a CUDA graph and time its replays (comm p2p "
+                "unless --comm nccl); each replay's y is checked bit for bit against the eager "
+                "forward's; eager forwards are the default");
+  sub->add_flag("--cold-l2", command->cold_l2,
+                "with --graph: evict the GPU's L2 before each replay (as lmoe bench --cold-l2)");
+  sub->add_option("--dump-dir", command->dump_dir,
+                  "also write DIR/t{T}.safetensors per T: x, rank 0's y and its routing "
+                  "(benchmarks/torch_moe.py --check-lmoe reads them)");
   sub->add_option("--seed", command->seed, "seed of the random weights and inputs")
       ->capture_default_str();
   sub->add_flag("--no-check", command->no_check,

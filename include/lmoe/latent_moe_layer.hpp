@@ -61,6 +61,14 @@ class LatentMoELayer {
   // nullptr (a forward captured in a CUDA graph keeps its routing on the device).
   const Routing* last_routing() const;
 
+  // cuda: forwards captured into a CUDA graph while this is on also record each stage's events as
+  // external event nodes, so that every replay records them and replay_stage_times() reads them
+  // (docs/layer.md, "Stage times"). Off by default: a graph timed whole holds only the work.
+  void set_capture_stage_events(bool on);
+  // The stage times of the latest replay of a graph captured with stage events, after waiting for
+  // its events; throws lmoe::Error where no forward was captured so (always on the cpu backend).
+  LayerStageTimes replay_stage_times() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

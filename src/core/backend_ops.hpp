@@ -92,9 +92,11 @@ class BackendOps {
                                                            ConstMatrixView norm_weight,
                                                            ConstMatrixView up_proj_weight,
                                                            std::int64_t max_tokens) const = 0;
+  // device_experts: eager forwards take the routed experts' device path (LayerOptions).
   virtual std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig& config, DType dtype,
                                                              int tp, const LayerWeights& weights,
-                                                             std::int64_t max_tokens) const = 0;
+                                                             std::int64_t max_tokens,
+                                                             bool device_experts) const = 0;
 };
 
 // Filled by lmoe_cpu.

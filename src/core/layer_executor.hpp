@@ -46,6 +46,12 @@ class LayerExecutor {
   // Fills `times` from the last run (and tail) where run() could not: device backends measure with
   // events, known once the device has run them (this waits for them).
   virtual void finish_times(LayerStageTimes&) {}
+  // Device backends: forwards captured while `on` also record their stage events as external
+  // event nodes, which every replay of the graph records again.
+  virtual void set_capture_stage_events(bool /*on*/) {}
+  // The stage times of the latest replay of a graph captured with stage events (waits for its
+  // events), or nullopt where no forward was captured so.
+  virtual std::optional<LayerStageTimes> replay_stage_times() const { return std::nullopt; }
 };
 
 }  // namespace lmoe

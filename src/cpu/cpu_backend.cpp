@@ -29,7 +29,8 @@ class CpuBackendOps final : public BackendOps {
   }
   std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig& config, DType dtype, int tp,
                                                      const LayerWeights& weights,
-                                                     std::int64_t /*max_tokens*/) const override {
+                                                     std::int64_t /*max_tokens*/,
+                                                     bool /*device_experts*/) const override {
     return make_cpu_layer_executor(config, dtype, tp, weights);
   }
 };

@@ -128,8 +128,9 @@ class CudaBackendOps final : public BackendOps {
   }
   std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig& config, DType dtype, int tp,
                                                      const LayerWeights& weights,
-                                                     std::int64_t max_tokens) const override {
-    return make_cuda_layer_executor(config, dtype, tp, weights, max_tokens);
+                                                     std::int64_t max_tokens,
+                                                     bool device_experts) const override {
+    return make_cuda_layer_executor(config, dtype, tp, weights, max_tokens, device_experts);
   }
 };
 

@@ -37,8 +37,8 @@ class AbsentCudaBackendOps final : public BackendOps {
     throw Error(kNotBuilt);
   }
   std::unique_ptr<LayerExecutor> make_layer_executor(const LayerConfig&, DType, int,
-                                                     const LayerWeights&,
-                                                     std::int64_t) const override {
+                                                     const LayerWeights&, std::int64_t,
+                                                     bool) const override {
     throw Error(kNotBuilt);
   }
 };

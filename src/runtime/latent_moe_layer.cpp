@@ -154,9 +154,9 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
     throw Error(*error);
   }
 
-  impl_->executor =
-      backend_ops(opts.backend)
-          .make_layer_executor(opts.config, opts.dtype, comm.size(), weights, opts.max_tokens);
+  impl_->executor = backend_ops(opts.backend)
+                        .make_layer_executor(opts.config, opts.dtype, comm.size(), weights,
+                                             opts.max_tokens, opts.device_experts);
   TailOptions tail;
   tail.dims = opts.config.tail_dims();
   tail.rms_norm_eps = opts.rms_norm_eps;
@@ -184,6 +184,20 @@ const LayerStageTimes& LatentMoELayer::last_times() const {
   return impl_->times;
 }
 const Routing* LatentMoELayer::last_routing() const { return impl_->executor->host_routing(); }
+
+void LatentMoELayer::set_capture_stage_events(bool on) {
+  impl_->executor->set_capture_stage_events(on);
+}
+
+LayerStageTimes LatentMoELayer::replay_stage_times() const {
+  if (auto times = impl_->executor->replay_stage_times()) return *times;
+  throw Error(
+      "replay_stage_times: no forward of this layer was captured with stage events (call "
+      "set_capture_stage_events(true) before capturing; the " +
+      std::string(impl_->executor->backend_name()) + " backend " +
+      (impl_->executor->memory_space() == MemorySpace::device ? "records them in a graph)"
+                                                              : "has no graphs)"));
+}
 
 void LatentMoELayer::forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
                                       StreamHandle stream) {

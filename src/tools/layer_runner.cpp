@@ -1,5 +1,6 @@
 #include "lmoe/tools/layer_runner.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "lmoe/comm_group.hpp"
@@ -12,9 +13,24 @@
 namespace lmoe {
 
 std::vector<LayerInputRun> run_layer_on_threads(
-    const LayerOptions& options, int tp, const std::function<LayerWeights(int rank)>& weights,
+    const LayerOptions& options_in, int tp, const std::function<LayerWeights(int rank)>& weights,
     std::span<const HostTensor> inputs, const LayerRunOptions& run) {
   LMOE_CHECK(tp >= 1, "tp: expected at least 1 rank, got " + std::to_string(tp));
+  LMOE_CHECK(!run.graph || options_in.backend == Backend::cuda,
+             "graph: CUDA graphs need the cuda backend, got " +
+                 std::string(backend_name(options_in.backend)));
+  LMOE_CHECK(!run.cold_l2 || run.graph,
+             "cold_l2: evicting L2 applies to graph replays only (before eager forwards it would "
+             "hide their launch gaps)");
+  LayerOptions options = options_in;
+  if (run.graph) {
+    // Capture needs workspaces for every T at construction; a replay is held to the bits of an
+    // eager forward on the same (device) path.
+    for (const HostTensor& x : inputs) {
+      options.max_tokens = std::max(options.max_tokens, x.shape().empty() ? 0 : x.shape()[0]);
+    }
+    options.device_experts = true;
+  }
   std::vector<LayerInputRun> results(inputs.size());
   for (LayerInputRun& result : results) result.ranks.resize(static_cast<std::size_t>(tp));
   const LayerConfig& config = options.config;

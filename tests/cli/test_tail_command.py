@@ -251,6 +251,7 @@ class LayerCommand(unittest.TestCase):
                 doc = json.load(f)
         self.assertTrue(doc["ok"])
         self.assertEqual(doc["command"], "layer")
+        self.assertEqual((doc["mode"], doc["cold_l2"], doc["repeats"]), ("eager", False, 2))
         self.assertEqual((doc["d_model"], doc["d_latent"], doc["num_experts"], doc["top_k"]), (384, 192, 16, 4))
         self.assertEqual((doc["n_group"], doc["topk_group"], doc["tp"]), (4, 2, 2))
         self.assertEqual([row["tokens"] for row in doc["rows"]], [0, 1, 7])
@@ -264,6 +265,48 @@ class LayerCommand(unittest.TestCase):
                 self.assertGreaterEqual(row[stage], 0)
             # The cpu backend runs the stages one after another: its forward's wall time is their sum.
             self.assertEqual(row["forward_us"], row["total_us"])
+
+    def test_layer_graph_and_cold_l2_are_refused_on_the_cpu(self):
+        graph = lmoe("layer", "--preset", "small", "-n", "1", "-t", "1", "--graph", check=False)
+        self.assertNotEqual(graph.returncode, 0)
+        self.assertIn("--graph: CUDA graphs need --backend cuda; the cpu backend runs eagerly only", graph.stderr)
+        # Also with --cold-l2, which --graph allows: the backend is what is wrong.
+        both = lmoe("layer", "--preset", "small", "-n", "1", "-t", "1", "--graph", "--cold-l2", check=False)
+        self.assertNotEqual(both.returncode, 0)
+        self.assertIn("--graph: CUDA graphs need --backend cuda", both.stderr)
+        cold = lmoe("layer", "--preset", "small", "-n", "1", "-t", "1", "--cold-l2", check=False)
+        self.assertNotEqual(cold.returncode, 0)
+        self.assertIn("--cold-l2: needs --graph", cold.stderr)
+
+    def test_layer_help_describes_graph_cold_l2_and_dump_dir(self):
+        text = " ".join(lmoe("layer", "--help").stdout.split())
+        self.assertIn("--graph cuda: capture each T's forward into a CUDA graph and time its replays", text)
+        self.assertIn("eager forwards are the default", text)
+        self.assertIn("--cold-l2 with --graph: evict the GPU's L2 before each replay", text)
+        self.assertIn("--dump-dir", text)
+        self.assertIn("with --graph 50 timed replays", text)
+
+    def test_layer_dump_dir_writes_x_y_and_the_routing_per_t(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "dump")
+            lmoe("layer", "--preset", "small", "--scale", "1", "-n", "2", "-t", "0,3", "--repeats", "1",
+                 "--dump-dir", out)
+            self.assertEqual(sorted(os.listdir(out)), ["t3.safetensors"])  # T = 0 has nothing to write
+            with open(os.path.join(out, "t3.safetensors"), "rb") as f:
+                data = f.read()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + n])
+        self.assertEqual(header["__metadata__"]["mode"], "eager")
+        self.assertEqual(header["__metadata__"]["tp"], "2")
+        shapes = {name: (entry["dtype"], entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+        self.assertEqual(shapes, {"x": ("BF16", [3, 384]), "y": ("BF16", [3, 384]),
+                                  "expert_ids": ("F32", [3, 4]), "expert_weights": ("F32", [3, 4])})
+        begin, end = header["expert_ids"]["data_offsets"]
+        ids = np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=np.float32)
+        self.assertTrue(np.all((ids >= 0) & (ids < 16) & (ids == np.round(ids))), ids)
+        begin, end = header["y"]["data_offsets"]
+        y = from_bf16_bits(np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=np.uint16))
+        self.assertTrue(np.all(np.isfinite(y)))  # written, not the poison
 
     def test_experts_override_the_presets_count(self):
         result = lmoe("layer", "--preset", "small", "--experts", "32", "-n", "1", "-t", "2", "--repeats", "1")

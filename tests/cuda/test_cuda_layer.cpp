@@ -859,6 +859,43 @@ TEST_P(CudaLayerCapture, ReplaysWithNewInputsMatchEagerForwardsBitForBit) {
   });
 }
 
+// `lmoe layer --graph`'s runner (run_layer_on_threads with graph = true) at one p2p rank: every
+// replay's y equals the eager forward's bit for bit, one time per timed replay, and the stages come
+// from the replays of the graph captured with stage events (external event nodes).
+TEST(CudaLayerGraphRunner, ReplaysMatchTheEagerForwardAndTheirStagesAreTimed) {
+  SKIP_WITHOUT_GPU();
+  const LayerConfig config = k3_like();
+  const DType dtype = DType::bf16;
+  const std::vector<HostTensor> inputs = {
+      lmoe::make_random_layer_input(config.d_model, 64, dtype, 31),
+      lmoe::make_random_layer_input(config.d_model, 7, dtype, 32)};
+  lmoe::LayerRunOptions run;
+  run.comm = "p2p";
+  run.graph = true;
+  run.warmup = 1;
+  run.repeats = 3;
+  const std::vector<lmoe::LayerInputRun> results = lmoe::run_layer_on_threads(
+      options_of(config, lmoe::Backend::cuda, dtype), 1,
+      [&](int rank) {
+        return lmoe::make_random_layer_weights(config, dtype, 1, rank, kWeightSeed);
+      },
+      inputs, run);
+  for (const lmoe::LayerInputRun& result : results) {
+    const lmoe::LayerRankResult& rank = result.ranks.front();
+    EXPECT_TRUE(rank.replay_matches_eager);
+    EXPECT_EQ(rank.replay_seconds.size(), 3u);
+    ASSERT_EQ(rank.times.size(), 3u);
+    for (const lmoe::LayerStageTimes& times : rank.times) {
+      EXPECT_GT(times.router, 0);
+      EXPECT_GT(times.experts, 0);
+      EXPECT_GT(times.shared, 0);
+      EXPECT_GT(times.tail, 0);
+      EXPECT_GT(times.forward, 0);  // recorded by the replay: a captured forward alone has none
+    }
+    EXPECT_FALSE(rank.routing.expert_ids.empty());  // the eager forward's
+  }
+}
+
 std::vector<CaptureCase> capture_cases() {
   std::vector<CaptureCase> cases;
   for (int tp : {1, 2}) {

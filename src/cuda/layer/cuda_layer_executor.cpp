@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -79,12 +80,12 @@ using cuda::make_event;
 class CudaLayerExecutor final : public LayerExecutor {
  public:
   CudaLayerExecutor(const LayerConfig& config, DType dtype, int tp, const LayerWeights& weights,
-                    std::int64_t max_tokens)
+                    std::int64_t max_tokens, bool device_experts)
       : config_(config),
         dtype_(dtype),
         esize_(dtype_size(dtype)),
         device_limit_(cuda_device_experts_limit(config, dtype, tp)),
-        device_eager_(setting_flag(kDeviceExpertsEnv)),
+        device_eager_(device_experts || setting_flag(kDeviceExpertsEnv)),
         serial_stages_(setting_flag(kSerialStagesEnv)),
         router_(config, dtype, weights),
         down_projection_(config, dtype, weights),
@@ -92,14 +93,16 @@ class CudaLayerExecutor final : public LayerExecutor {
         shared_experts_(config, dtype, config.shared_width() / tp, weights) {
     LMOE_CUDA_CHECK(cudaGetDevice(&device_));
     if (device_eager_ && device_limit_) {
-      throw Error(std::string(kDeviceExpertsEnv) +
-                  "=1: the device path cannot run this layer: " + *device_limit_);
+      throw Error(
+          (device_experts ? std::string("device_experts") : std::string(kDeviceExpertsEnv) + "=1") +
+          ": the device path cannot run this layer: " + *device_limit_);
     }
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     for (cudaEvent_t* event : {&start_, &router_end_, &down_end_, &experts_end_, &shared_start_,
                                &shared_end_, &tail_start_, &tail_end_}) {
       *event = make_event(true);
     }
+    for (cudaEvent_t& event : replay_events_) event = make_event(true);
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     check(cuda::prepare_layer_kernels(dtype_), "prepare_layer_kernels");
     if (!device_limit_) check(cuda::prepare_grouped_gemm(dtype_), "prepare_grouped_gemm");
@@ -116,6 +119,7 @@ class CudaLayerExecutor final : public LayerExecutor {
                               shared_end_, tail_start_, tail_end_}) {
       cudaEventDestroy(event);
     }
+    for (cudaEvent_t event : replay_events_) cudaEventDestroy(event);
     cudaStreamDestroy(side_stream_);
   }
 
@@ -194,22 +198,22 @@ class CudaLayerExecutor final : public LayerExecutor {
     reserve(tokens, stream);
     const bool device_path = captured_ || device_eager_;
 
-    LMOE_CUDA_CHECK(cudaEventRecord(start_, stream));
+    mark(start_, kStart, stream);
     // The shared experts on the side stream, from `after` on `stream`.
     const auto fork_shared_experts = [&](cudaEvent_t after) {
       LMOE_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, after, 0));
-      LMOE_CUDA_CHECK(cudaEventRecord(shared_start_, side_stream_));
+      mark(shared_start_, kSharedStart, side_stream_);
       shared_experts_.run(x, shared, side_stream_);
-      LMOE_CUDA_CHECK(cudaEventRecord(shared_end_, side_stream_));
+      mark(shared_end_, kSharedEnd, side_stream_);
     };
     if (!serial_stages_) fork_shared_experts(start_);
 
     router_.route(x, captured_, *gemm_, stream);
-    LMOE_CUDA_CHECK(cudaEventRecord(router_end_, stream));
+    mark(router_end_, kRouterEnd, stream);
 
     // z = round(x · W_downᵀ) [T, l], replicated.
     down_projection_.run(x, *gemm_, stream);
-    LMOE_CUDA_CHECK(cudaEventRecord(down_end_, stream));
+    mark(down_end_, kDownEnd, stream);
 
     if (device_path) {
       routed_experts_.run_on_device(tokens, router_, down_projection_.latent(), routed, stream);
@@ -218,7 +222,7 @@ class CudaLayerExecutor final : public LayerExecutor {
       routed_experts_.run_on_host(tokens, router_, router_end_, routing_, down_projection_.latent(),
                                   routed, *gemm_, stream);
     }
-    LMOE_CUDA_CHECK(cudaEventRecord(experts_end_, stream));
+    mark(experts_end_, kExpertsEnd, stream);
     if (serial_stages_) fork_shared_experts(experts_end_);
     LMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, shared_end_, 0));
     // Events recorded during a capture only order the captured work; they time nothing.
@@ -226,12 +230,31 @@ class CudaLayerExecutor final : public LayerExecutor {
   }
 
   bool begin_tail(StreamHandle handle) override {
-    LMOE_CUDA_CHECK(cudaEventRecord(tail_start_, cuda::stream_or_default(handle)));
+    mark(tail_start_, kTailStart, cuda::stream_or_default(handle));
     return true;
   }
   void end_tail(StreamHandle handle) override {
-    LMOE_CUDA_CHECK(cudaEventRecord(tail_end_, cuda::stream_or_default(handle)));
+    mark(tail_end_, kTailEnd, cuda::stream_or_default(handle));
     tail_timed_ = !captured_;
+    if (captured_ && capture_stage_events_) replay_events_captured_ = true;
+  }
+
+  void set_capture_stage_events(bool on) override { capture_stage_events_ = on; }
+
+  std::optional<LayerStageTimes> replay_stage_times() const override {
+    if (!replay_events_captured_) return std::nullopt;
+    LMOE_CUDA_CHECK(cudaSetDevice(device_));
+    const auto between = [&](StagePoint begin, StagePoint end) {
+      return elapsed(replay_events_[begin], replay_events_[end]);
+    };
+    LayerStageTimes times;
+    times.router = between(kStart, kRouterEnd);
+    times.down_projection = between(kRouterEnd, kDownEnd);
+    times.experts = between(kDownEnd, kExpertsEnd);
+    times.shared = between(kSharedStart, kSharedEnd);
+    times.tail = between(kTailStart, kTailEnd);
+    times.forward = between(kStart, kTailEnd);
+    return times;
   }
 
   void finish_times(LayerStageTimes& times) override {
@@ -252,6 +275,29 @@ class CudaLayerExecutor final : public LayerExecutor {
     return static_cast<std::size_t>(elements) * esize_;
   }
   std::int64_t slots(std::int64_t tokens) const { return tokens * config_.router.top_k; }
+
+  enum StagePoint {
+    kStart,
+    kRouterEnd,
+    kDownEnd,
+    kExpertsEnd,
+    kSharedStart,
+    kSharedEnd,
+    kTailStart,
+    kTailEnd,
+    kStagePoints
+  };
+
+  // Where each stage starts or ends: `event` orders (and, eager, times) the forward; in a capture
+  // with stage events, the point's external event is recorded beside it for every replay. The two
+  // are kept apart because a capture turns an ordinary record into the graph's fork and join.
+  void mark(cudaEvent_t event, StagePoint point, cudaStream_t stream) {
+    LMOE_CUDA_CHECK(cudaEventRecord(event, stream));
+    if (captured_ && capture_stage_events_) {
+      LMOE_CUDA_CHECK(
+          cudaEventRecordWithFlags(replay_events_[point], stream, cudaEventRecordExternal));
+    }
+  }
 
   static bool is_capturing(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -309,6 +355,11 @@ class CudaLayerExecutor final : public LayerExecutor {
   cudaEvent_t shared_start_ = nullptr, shared_end_ = nullptr, tail_start_ = nullptr,
               tail_end_ = nullptr;
   bool timed_ = false, tail_timed_ = false;
+  // External events of forwards captured with stage events (set_capture_stage_events), one per
+  // StagePoint: a replay records them, replay_stage_times() reads them.
+  std::array<cudaEvent_t, kStagePoints> replay_events_{};
+  bool capture_stage_events_ = false;
+  bool replay_events_captured_ = false;  // a forward with its tail was captured with them
   bool captured_ = false;  // the last forward was captured (no times, no host routing)
   mutable bool routing_pending_ = false;  // routing_host_ holds an eager device-path routing
   mutable bool partials_short_ = false;   // partial_buffers could not grow under capture
@@ -326,8 +377,10 @@ class CudaLayerExecutor final : public LayerExecutor {
 
 std::unique_ptr<LayerExecutor> make_cuda_layer_executor(const LayerConfig& config, DType dtype,
                                                         int tp, const LayerWeights& weights,
-                                                        std::int64_t max_tokens) {
-  return std::make_unique<CudaLayerExecutor>(config, dtype, tp, weights, max_tokens);
+                                                        std::int64_t max_tokens,
+                                                        bool device_experts) {
+  return std::make_unique<CudaLayerExecutor>(config, dtype, tp, weights, max_tokens,
+                                             device_experts);
 }
 
 }  // namespace lmoe

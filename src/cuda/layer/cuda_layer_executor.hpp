@@ -32,8 +32,10 @@ inline constexpr const char* kSerialStagesEnv = "LMOE_LAYER_SERIAL_STAGES";
 // LMOE_LAYER_DEVICE_EXPERTS=1); forwards on a capturing stream take the device path, which needs
 // workspaces for T tokens already there: max_tokens > 0 allocates them here, else an eager forward
 // of at least T tokens must come first (a capture that would grow them is refused).
+// device_experts: eager forwards take the device path too, as with LMOE_LAYER_DEVICE_EXPERTS=1.
 std::unique_ptr<LayerExecutor> make_cuda_layer_executor(const LayerConfig& config, DType dtype,
                                                         int tp, const LayerWeights& weights,
-                                                        std::int64_t max_tokens = 0);
+                                                        std::int64_t max_tokens = 0,
+                                                        bool device_experts = false);
 
 }  // namespace lmoe

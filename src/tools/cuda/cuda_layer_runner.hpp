@@ -10,7 +10,7 @@
 namespace lmoe {
 
 // Runs every input through `layer` (a cuda-backend layer of rank `rank`) as run_layer_on_threads
-// does on the host, filling results[i].ranks[rank].
+// does on the host, filling results[i].ranks[rank]; with run.graph, as graph replays.
 void run_layer_rank_cuda(LatentMoELayer& layer, Communicator& comm,
                          std::span<const HostTensor> inputs, const LayerRunOptions& run,
                          std::vector<LayerInputRun>& results);

@@ -15,35 +15,17 @@
 #include "lmoe/error.hpp"
 #include "tools/bench_rank.hpp"
 #include "tools/cuda/bench_fill.hpp"
+#include "tools/cuda/graph_timing.hpp"
 #include "tools/cuda/l2_evict.hpp"
 
 namespace lmoe {
 
 namespace {
 
+using cuda::capture_graph;
 using cuda::DeviceBuffer;
-
-struct StreamDeleter {
-  void operator()(cudaStream_t stream) const {
-    cudaStreamSynchronize(stream);
-    cudaStreamDestroy(stream);
-  }
-};
-struct EventDeleter {
-  void operator()(cudaEvent_t event) const { cudaEventDestroy(event); }
-};
-struct GraphExecDeleter {
-  void operator()(cudaGraphExec_t exec) const { cudaGraphExecDestroy(exec); }
-};
-using UniqueStream = std::unique_ptr<CUstream_st, StreamDeleter>;
-using UniqueEvent = std::unique_ptr<CUevent_st, EventDeleter>;
-using UniqueGraphExec = std::unique_ptr<CUgraphExec_st, GraphExecDeleter>;
-
-UniqueEvent make_timing_event() {
-  cudaEvent_t event = nullptr;
-  LMOE_CUDA_CHECK(cudaEventCreate(&event));
-  return UniqueEvent(event);
-}
+using cuda::UniqueGraphExec;
+using cuda::UniqueStream;
 
 class CudaBenchRank final : public BenchRank {
  public:
@@ -132,31 +114,19 @@ class CudaBenchRank final : public BenchRank {
   // its L2, so one rank's eviction can run while a peer's timed forward runs (and slow it, or evict
   // what it just loaded): cold numbers are meant for one rank per GPU.
   std::vector<double> time(int count) override {
-    while (static_cast<int>(starts_.size()) < count) {
-      starts_.push_back(make_timing_event());
-      stops_.push_back(make_timing_event());
-    }
     quiesce();
-    for (int i = 0; i < count; ++i) {
-      if (evictor_) {
-        evictor_->evict(stream());
-        // The inputs back in L2: in a model, the kernels that wrote them ran just before the tail.
-        evictor_->touch(routed_.data(), bytes(tokens_ * dims_.d_latent), stream());
-        for (const DeviceBuffer& shared : shared_)
-          evictor_->touch(shared.data(), bytes(tokens_ * dims_.d_model), stream());
-      }
-      LMOE_CUDA_CHECK(cudaEventRecord(starts_[i].get(), stream()));
-      forward();
-      LMOE_CUDA_CHECK(cudaEventRecord(stops_[i].get(), stream()));
-    }
-    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream()));
-    std::vector<double> seconds;
-    for (int i = 0; i < count; ++i) {
-      float ms = 0;
-      LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, starts_[i].get(), stops_[i].get()));
-      seconds.push_back(static_cast<double>(ms) * 1e-3);
-    }
-    return seconds;
+    return timer_.time(
+        stream(), count,
+        [&](int) {
+          if (!evictor_) return;
+          evictor_->evict(stream());
+          // The inputs back in L2: in a model, the kernels that wrote them ran just before the
+          // tail.
+          evictor_->touch(routed_.data(), bytes(tokens_ * dims_.d_latent), stream());
+          for (const DeviceBuffer& shared : shared_)
+            evictor_->touch(shared.data(), bytes(tokens_ * dims_.d_model), stream());
+        },
+        [&](int) { forward(); });
   }
 
   HostTensor checked_output() override {
@@ -231,25 +201,9 @@ class CudaBenchRank final : public BenchRank {
     }
   }
 
-  // Thread-local capture: the other ranks' threads capture their own streams at the same time.
   template <typename Forward>
   UniqueGraphExec capture(Forward&& issue) {
-    LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-    cudaGraph_t graph = nullptr;
-    try {
-      issue();
-    } catch (...) {
-      // End the capture so the stream is usable again; the forward's error is the one to report.
-      if (cudaStreamEndCapture(stream(), &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-      cudaGetLastError();
-      throw;
-    }
-    LMOE_CUDA_CHECK(cudaStreamEndCapture(stream(), &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    LMOE_CUDA_CHECK(instantiated);
-    return UniqueGraphExec(exec);
+    return capture_graph(stream(), std::forward<Forward>(issue));
   }
 
   std::vector<LatentTail*> layers_;
@@ -263,7 +217,7 @@ class CudaBenchRank final : public BenchRank {
       shared_;  // per layer [max T, d]: the call's input, which column overwrites
   std::vector<DeviceBuffer> out_;  // per layer [max T, d]
   UniqueStream stream_;
-  std::vector<UniqueEvent> starts_, stops_;
+  cuda::StreamTimer timer_;
   UniqueGraphExec graph_;       // graph mode: one forward of tier_ at tokens_
   DeviceBuffer tokens_device_;  // device-tokens mode: T, written by load_inputs
   std::map<TailTier, UniqueGraphExec> device_graphs_;  // device-tokens mode: one per tier, every T

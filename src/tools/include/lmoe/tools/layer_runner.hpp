@@ -18,6 +18,12 @@ struct LayerRunOptions {
   int warmup = 0;                // untimed forwards per input before the timed ones
   int repeats = 1;               // timed forwards per input; the output of the last one is kept
   bool keep_partials = false;    // also run forward_partials and keep routed/shared
+  // cuda only: per input, one forward captured into a CUDA graph (and one more with stage events),
+  // replayed `warmup` times untimed and `repeats` times timed (docs/layer.md, "lmoe layer
+  // --graph"); the layer is built with max_tokens ≥ every T and its eager forwards on the device
+  // path, so that a replay's y can be held to the eager forward's bits.
+  bool graph = false;
+  bool cold_l2 = false;  // graph: the device's L2 evicted (then x read back) before each replay
 };
 
 struct LayerRankResult {
@@ -26,7 +32,12 @@ struct LayerRankResult {
   HostTensor shared;  // [T, d] (keep_partials)
   Routing routing;    // the last forward's
   std::optional<TailTier> tier;
-  std::vector<LayerStageTimes> times;  // one per repeat
+  // One per repeat; graph: from the replays of the graph captured with stage events.
+  std::vector<LayerStageTimes> times;
+  // graph: the seconds of each timed replay (CUDA events around it on the rank's stream), and
+  // whether a replay's y had the eager forward's bits (y is the replay's, routing the eager one's).
+  std::vector<double> replay_seconds;
+  bool replay_matches_eager = true;
 };
 
 struct LayerInputRun {
