@@ -45,6 +45,7 @@ struct LayerCommand {
   bool no_check = false;
   std::string weights_dir;
   int layer_index = -1;
+  bool keep_packed = false;
   std::string json_path;
 
   static constexpr int kEagerRepeats = 3;
@@ -74,6 +75,7 @@ struct LayerCommand {
     std::vector<LayerInputRun> results;
     std::unique_ptr<LayerReference> reference;
     std::vector<LayerInputRun> cpu_results;
+    LayerWeightBytes weight_bytes;  // rank 0's
   };
   // The printed table, its rows as JSON and whether every row passed its checks.
   struct LayerRows {
@@ -85,7 +87,8 @@ struct LayerCommand {
   LayerSetup setup() const;
   LayerRuns run_layers(const LayerSetup& setup) const;
   LayerRows report_rows(const LayerSetup& setup, const LayerRuns& runs) const;
-  void write_report(const LayerSetup& setup, const nlohmann::json& rows, bool all_ok) const;
+  void write_report(const LayerSetup& setup, const LayerWeightBytes& weight_bytes,
+                    const nlohmann::json& rows, bool all_ok) const;
   void dump(const LayerSetup& setup, const LayerRuns& runs) const;
 };
 
@@ -174,6 +177,12 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   }
   if (load && !preset.tensor_names)
     throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  if (keep_packed && !load)
+    throw Error("--keep-packed: give --weights and --layer (random weights are dense)");
+  if (keep_packed && !preset.tensor_names->experts_mxfp4) {
+    throw Error("--keep-packed: the routed experts of --preset " + preset.name +
+                " are not MXFP4 (nothing to keep packed)");
+  }
   if (load && (model.d_model > 0 || model.d_latent > 0)) {
     throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
   }
@@ -222,6 +231,7 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
 
   setup.setting = resolved.name +
                   (load ? " from " + weights_dir + " layer " + std::to_string(layer_index) : "") +
+                  (keep_packed ? " (experts kept packed)" : "") +
                   (divisor > 1 ? " scaled down " + std::to_string(divisor) + "x" : "") + ": d " +
                   std::to_string(config.d_model) + ", l " + std::to_string(config.d_latent) + ", " +
                   std::to_string(config.router.num_experts) + " experts top-" +
@@ -261,14 +271,21 @@ LayerCommand::LayerRuns LayerCommand::run_layers(const LayerSetup& setup) const 
     if (!load) return make_random_layer_weights(config, resolved.dtype, tp, rank, seed);
     try {
       return load_layer_weights(weights_dir, *preset.tensor_names, layer_index, config,
-                                resolved.dtype, tp, rank);
+                                resolved.dtype, tp, rank, {.keep_experts_packed = keep_packed});
     } catch (const Error& error) {  // the library names its arguments; here they are flags
       throw Error("--weights " + weights_dir + " --layer " + std::to_string(layer_index) + ": " +
                   error.message());
     }
   };
   runs.results = run_layer_on_threads(
-      options, ranks, [&](int rank) { return weights_of(ranks, rank); }, inputs, run);
+      options, ranks,
+      [&](int rank) {
+        LayerWeights weights = weights_of(ranks, rank);
+        // Rank 0's thread writes it; it is read once the ranks are joined.
+        if (rank == 0) runs.weight_bytes = layer_weight_bytes(weights, resolved.dtype);
+        return weights;
+      },
+      inputs, run);
 
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
@@ -403,8 +420,8 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
   return out;
 }
 
-void LayerCommand::write_report(const LayerSetup& setup, const nlohmann::json& rows,
-                                bool all_ok) const {
+void LayerCommand::write_report(const LayerSetup& setup, const LayerWeightBytes& weight_bytes,
+                                const nlohmann::json& rows, bool all_ok) const {
   const bool load = setup.load;
   const ModelPreset& preset = *setup.preset;
   const ModelOptions::Resolved& resolved = setup.resolved;
@@ -419,6 +436,13 @@ void LayerCommand::write_report(const LayerSetup& setup, const nlohmann::json& r
                           {"scale", divisor},
                           {"weights", load ? nlohmann::json(weights_dir) : nlohmann::json()},
                           {"layer", load ? nlohmann::json(layer_index) : nlohmann::json()},
+                          {"weight_bytes",
+                           {{"total", weight_bytes.total()},
+                            {"routed_experts", weight_bytes.routed_experts},
+                            {"routed_experts_dequantized", weight_bytes.routed_experts_dequantized},
+                            {"routed_experts_mxfp4", weight_bytes.routed_experts_mxfp4},
+                            {"other", weight_bytes.other},
+                            {"experts_packed", weight_bytes.experts_packed}}},
                           {"d_model", config.d_model},
                           {"d_latent", config.d_latent},
                           {"num_experts", config.router.num_experts},
@@ -475,10 +499,26 @@ void LayerCommand::dump(const LayerSetup& setup, const LayerRuns& runs) const {
   std::cerr << "lmoe layer: wrote x, y and the routing per T to " << dump_dir << "\n";
 }
 
+// What rank 0's weights hold, so that a user sees the memory of packed and dequantized experts.
+void print_weight_bytes(const LayerWeightBytes& bytes, DType dtype) {
+  const auto mib = [](std::size_t count) {
+    return std::to_string(count) + " B (" + format_number(static_cast<double>(count) / 1048576.0) +
+           " MiB)";
+  };
+  const std::string dense = "dequantized to " + std::string(dtype_name(dtype));
+  std::cout << "# weights of rank 0: " << mib(bytes.total()) << "; routed experts "
+            << mib(bytes.routed_experts) << " "
+            << (bytes.experts_packed
+                    ? "packed as MXFP4, " + mib(bytes.routed_experts_dequantized) + " " + dense
+                    : "dense, " + mib(bytes.routed_experts_mxfp4) + " as MXFP4 blocks and scales")
+            << "; the other weights " << mib(bytes.other) << "\n";
+}
+
 void LayerCommand::execute() const {
   const LayerSetup setup = this->setup();
   const LayerRuns runs = run_layers(setup);
   const LayerRows report = report_rows(setup, runs);
+  const LayerWeightBytes& weight_bytes = runs.weight_bytes;
   const ModelOptions::Resolved& resolved = setup.resolved;
   const Backend chosen_backend = setup.chosen_backend;
   const std::string& setting = setup.setting;
@@ -518,10 +558,11 @@ void LayerCommand::execute() const {
                       "on those tokens (same tolerances)"
                     : "")
             << "\n";
+  print_weight_bytes(weight_bytes, resolved.dtype);
   table.print(std::cout);
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
-  write_report(setup, report.rows, all_ok);
+  write_report(setup, weight_bytes, report.rows, all_ok);
   if (!dump_dir.empty()) dump(setup, runs);
   if (!all_ok) throw CLI::RuntimeError(1);
 }
@@ -580,6 +621,11 @@ void add_layer_command(CLI::App& app) {
       "load the layer from this checkpoint directory (safetensors shards, by the preset's tensor "
       "names; the preset's own dims, --scale ignored) instead of random weights");
   sub->add_option("--layer", command->layer_index, "the layer index to load from --weights");
+  sub->add_flag("--keep-packed", command->keep_packed,
+                "keep a checkpoint's MXFP4 routed experts packed (blocks and scales, ~3.8x fewer "
+                "bytes than bf16) instead of dequantizing them at load: the cpu backend "
+                "dequantizes each expert when a token needs it, the cuda backend still dequantizes "
+                "them at upload (docs/layer.md)");
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
   sub->callback([command] { command->execute(); });
 }

@@ -53,6 +53,10 @@ class LatentMoELayer {
   void forward_partials(ConstMatrixView x, MatrixView routed, MatrixView shared,
                         StreamHandle stream = nullptr);
 
+  // The bytes of the weights the layer was built from (packed MXFP4 experts count as packed; the
+  // cuda backend still holds them dequantized on the device).
+  const LayerWeightBytes& weight_bytes() const;
+
   // On the cuda backend this waits for the last forward's timing events (a captured forward has
   // none: all zero).
   const LayerStageTimes& last_times() const;

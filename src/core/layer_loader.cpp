@@ -1,4 +1,5 @@
 // Loading one layer from a checkpoint's safetensors shards, sliced for one rank.
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cmath>
@@ -119,6 +120,20 @@ std::string shape_text(Shape2 shape, bool vector) {
                 : shape_string(std::vector<std::int64_t>{shape.rows, shape.cols});
 }
 
+void require_mxfp4_columns(const std::string& name, std::int64_t cols) {
+  if (cols % 32 != 0) {
+    throw Error(quoted(name) + ": MXFP4 needs an input dimension divisible by 32, got " +
+                std::to_string(cols));
+  }
+}
+
+// Rows of one MXFP4 weight as the checkpoint holds them.
+struct Mxfp4Rows {
+  std::vector<std::uint8_t> blocks;  // [count, C/2]
+  std::vector<std::uint8_t> scales;  // [count, C/32]
+  std::int64_t scales_per_row;       // C/32
+};
+
 // Reads rows [first, first + count) of a dense (BF16/F16/F32) or MXFP4 tensor of `shape` as fp32.
 class Reader {
  public:
@@ -129,6 +144,19 @@ class Reader {
                           std::int64_t first, std::int64_t count, DType storage) {
     return mxfp4 ? mxfp4_rows(name, shape, first, count, storage)
                  : dense_rows(name, shape, vector, first, count);
+  }
+
+  // Rows [first, first + count) of "<name>_packed": U8 [R, C/2], two e2m1 values a byte, the low
+  // nibble the even column, and of "<name>_scale": U8 [R, C/32], one E8M0 scale per 32 columns;
+  // refused where a value would not be finite in `storage`.
+  Mxfp4Rows mxfp4_packed_rows(const std::string& name, Shape2 shape, std::int64_t first,
+                              std::int64_t count, DType storage) {
+    require_mxfp4_columns(name, shape.cols);
+    Mxfp4Rows rows{u8_rows(name + "_packed", {shape.rows, shape.cols / 2}, first, count),
+                   u8_rows(name + "_scale", {shape.rows, shape.cols / 32}, first, count),
+                   shape.cols / 32};
+    check_mxfp4(name + "_scale", rows, first, storage);
+    return rows;
   }
 
  private:
@@ -158,39 +186,41 @@ class Reader {
     return values;
   }
 
-  // "<name>_packed": U8 [R, C/2], two e2m1 values a byte, the low nibble the even column;
-  // "<name>_scale": U8 [R, C/32], one E8M0 scale per 32 columns.
+  // The same rows dequantized (each value exact in fp32: e2m1 · 2^(scale − 127)).
   std::vector<float> mxfp4_rows(const std::string& name, Shape2 shape, std::int64_t first,
                                 std::int64_t count, DType storage) {
-    if (shape.cols % 32 != 0) {
-      throw Error(quoted(name) + ": MXFP4 needs an input dimension divisible by 32, got " +
-                  std::to_string(shape.cols));
-    }
-    const std::string packed_name = name + "_packed", scale_name = name + "_scale";
-    const Shape2 packed_shape{shape.rows, shape.cols / 2}, scale_shape{shape.rows, shape.cols / 32};
-    const std::vector<std::uint8_t> packed = u8_rows(packed_name, packed_shape, first, count);
-    const std::vector<std::uint8_t> scales = u8_rows(scale_name, scale_shape, first, count);
+    const Mxfp4Rows rows = mxfp4_packed_rows(name, shape, first, count, storage);
     std::vector<float> values(static_cast<std::size_t>(count * shape.cols));
-    for (std::int64_t r = 0; r < count; ++r) {
-      for (std::int64_t c = 0; c < shape.cols; ++c) {
-        const std::uint8_t byte = packed[static_cast<std::size_t>(r * packed_shape.cols + c / 2)];
-        const std::uint8_t nibble = (c % 2 == 0) ? (byte & 0x0fu) : (byte >> 4);
-        const std::uint8_t scale = scales[static_cast<std::size_t>(r * scale_shape.cols + c / 32)];
-        const float value = mxfp4_value(nibble, scale);
-        // A NaN scale or a product the weights' dtype cannot hold would reach the GEMMs as NaN or
-        // inf and spoil every token routed to the expert, so the checkpoint is refused instead.
-        if (scale == 0xff || !std::isfinite(round_to(storage, value))) {
-          const std::string where = quoted(scale_name) + ": row " + std::to_string(first + r) +
-                                    ", block " + std::to_string(c / 32) + " holds E8M0 ";
-          if (scale == 0xff) throw Error(where + "255, which is NaN");
-          throw Error(where + std::to_string(scale) + " (2^" + std::to_string(scale - 127) +
-                      "), whose product with the e2m1 value " + e2m1_text(nibble) +
-                      " is beyond the range of " + std::string(dtype_name(storage)));
-        }
-        values[static_cast<std::size_t>(r * shape.cols + c)] = value;
-      }
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const std::uint8_t byte = rows.blocks[i / 2];
+      values[i] = mxfp4_value(i % 2 == 0 ? (byte & 0x0fu) : (byte >> 4), rows.scales[i / 32]);
     }
     return values;
+  }
+
+  // A NaN scale or a value the weights' dtype cannot hold would reach the GEMMs as NaN or inf and
+  // spoil every token routed to the expert, so the checkpoint is refused instead. A block overflows
+  // exactly when its largest e2m1 magnitude does (rounding is monotonic).
+  static void check_mxfp4(const std::string& scale_name, const Mxfp4Rows& rows, std::int64_t first,
+                          DType storage) {
+    for (std::size_t b = 0; b < rows.scales.size(); ++b) {
+      const std::uint8_t scale = rows.scales[b];
+      std::uint8_t largest = 0;  // the first nibble of the block's largest magnitude
+      for (std::size_t j = 0; j < 32; ++j) {
+        const std::uint8_t byte = rows.blocks[b * 16 + j / 2];
+        const std::uint8_t nibble = j % 2 == 0 ? (byte & 0x0fu) : (byte >> 4);
+        if ((nibble & 0x7u) > (largest & 0x7u)) largest = nibble;
+      }
+      if (scale != 0xff && std::isfinite(round_to(storage, mxfp4_value(largest, scale)))) continue;
+      const auto per_row = static_cast<std::size_t>(rows.scales_per_row);
+      const std::string where = quoted(scale_name) + ": row " +
+                                std::to_string(first + static_cast<std::int64_t>(b / per_row)) +
+                                ", block " + std::to_string(b % per_row) + " holds E8M0 ";
+      if (scale == 0xff) throw Error(where + "255, which is NaN");
+      throw Error(where + std::to_string(scale) + " (2^" + std::to_string(scale - 127) +
+                  "), whose product with the e2m1 value " + e2m1_text(largest) +
+                  " is beyond the range of " + std::string(dtype_name(storage)));
+    }
   }
 
   std::vector<std::uint8_t> u8_rows(const std::string& name, Shape2 shape, std::int64_t first,
@@ -214,18 +244,12 @@ class Reader {
 }  // namespace
 
 LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& names, int layer,
-                                const LayerConfig& config, DType dtype, int tp, int rank) {
+                                const LayerConfig& config, DType dtype, int tp, int rank,
+                                const LayerLoadOptions& options) {
   if (auto error = validate_layer_config(config, tp)) throw Error("layer config: " + *error);
   LMOE_CHECK(rank >= 0 && rank < tp,
              "rank: expected 0 … " + std::to_string(tp - 1) + ", got " + std::to_string(rank));
   LMOE_CHECK(layer >= 0, "layer index: expected ≥ 0, got " + std::to_string(layer));
-  Checkpoint checkpoint(dir);
-  Reader reader(checkpoint);
-  LayerWeights weights;
-  for (const WeightSlot& slot : layer_weight_slots(config, dtype, tp)) {
-    if (!slot.shape.empty()) weights.*slot.member = HostTensor(slot.dtype, slot.shape);
-  }
-
   const std::int64_t d = config.d_model, l = config.d_latent, experts = config.router.num_experts;
   const std::int64_t inter = config.expert_intermediate, inter_r = inter / tp;
   const std::int64_t shared = config.shared_width(), shared_r = shared / tp;
@@ -234,6 +258,35 @@ LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& 
       throw Error(std::string("the model's tensor table has no name for ") + role);
     return substitute(substitute(pattern, "{layer}", layer), "{expert}", expert);
   };
+  const bool gated = is_gated(config.activation);
+  const bool mxfp4 = names.experts_mxfp4;
+  const bool packed = mxfp4 && options.keep_experts_packed;
+  if (packed) {  // the checks a dequantizing load makes as it reads, before any packed is sized
+    require_mxfp4_columns(name_of(gated ? names.expert_gate : names.expert_up, "expert_up"), l);
+    require_mxfp4_columns(name_of(names.expert_down, "expert_down"), inter);
+  }
+  // Rank r keeps columns [r·I/tp, (r+1)·I/tp) of each down row; packed, those must be whole
+  // blocks, since a block's 32 values share one scale.
+  if (packed && inter_r % 32 != 0) {
+    throw Error(quoted(name_of(names.expert_down, "expert_down")) +
+                ": MXFP4 experts kept packed need each rank's slice of the intermediate dim to be "
+                "whole 32-column blocks of the down projection's rows; I/tp = " +
+                std::to_string(inter) + "/" + std::to_string(tp) + " = " + std::to_string(inter_r) +
+                " is not a multiple of 32 (load them dequantized at this tp)");
+  }
+
+  Checkpoint checkpoint(dir);
+  Reader reader(checkpoint);
+  LayerWeights weights;
+  for (const WeightSlot& slot : layer_weight_slots(config, dtype, tp)) {
+    const bool expert = is_routed_expert_weight(slot.member);
+    if (slot.shape.empty()) continue;
+    if (expert && packed) {
+      packed_expert_weight(weights, slot.member) = Mxfp4Tensor(slot.shape);
+    } else {
+      weights.*slot.member = HostTensor(slot.dtype, slot.shape);
+    }
+  }
   // Rows [first, first + count) of the checkpoint tensor into `out` starting at element `offset`.
   auto put_rows = [&](HostTensor& out, std::int64_t offset, const std::string& name, Shape2 shape,
                       bool vector, bool mxfp4, std::int64_t first, std::int64_t count) {
@@ -273,10 +326,35 @@ LayerWeights load_layer_weights(const std::string& dir, const LayerTensorNames& 
   }
   put_rows(weights.latent_up, 0, name_of(names.latent_up, "latent_up"), {d, l}, false, false, 0, d);
 
-  const bool gated = is_gated(config.activation);
-  const bool mxfp4 = names.experts_mxfp4;
+  // Packed: the checkpoint's bytes of this rank's rows (gate, up) and of its blocks of each row
+  // (down), validated as a dequantizing load validates them.
+  auto put_packed_rows = [&](Mxfp4Tensor& out, std::int64_t matrix, const std::string& name) {
+    const Mxfp4Rows rows =
+        reader.mxfp4_packed_rows(name, {inter, l}, rank * inter_r, inter_r, dtype);
+    std::copy(rows.blocks.begin(), rows.blocks.end(), out.blocks.begin() + matrix / 2);
+    std::copy(rows.scales.begin(), rows.scales.end(), out.scales.begin() + matrix / 32);
+  };
+  auto put_packed_columns = [&](Mxfp4Tensor& out, std::int64_t matrix, const std::string& name) {
+    const Mxfp4Rows rows = reader.mxfp4_packed_rows(name, {l, inter}, 0, l, dtype);
+    for (std::int64_t r = 0; r < l; ++r) {
+      std::copy_n(rows.blocks.begin() + (r * inter + rank * inter_r) / 2, inter_r / 2,
+                  out.blocks.begin() + (matrix + r * inter_r) / 2);
+      std::copy_n(rows.scales.begin() + (r * inter + rank * inter_r) / 32, inter_r / 32,
+                  out.scales.begin() + (matrix + r * inter_r) / 32);
+    }
+  };
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::int64_t matrix = e * inter_r * l;
+    if (packed) {
+      if (gated) {
+        put_packed_rows(weights.expert_gate_mxfp4, matrix,
+                        name_of(names.expert_gate, "expert_gate", e));
+      }
+      put_packed_rows(weights.expert_up_mxfp4, matrix, name_of(names.expert_up, "expert_up", e));
+      put_packed_columns(weights.expert_down_mxfp4, matrix,
+                         name_of(names.expert_down, "expert_down", e));
+      continue;
+    }
     if (gated) {
       put_rows(weights.expert_gate, matrix, name_of(names.expert_gate, "expert_gate", e),
                {inter, l}, false, mxfp4, rank * inter_r, inter_r);

@@ -142,9 +142,13 @@ LayerReference::LayerReference(const LayerConfig& config, float eps, const Layer
   auto converted = std::make_shared<Weights>();
   Weights& w = *converted;
   w.latent_down = to_double(weights.latent_down);
-  w.gate = to_double(weights.expert_gate);
-  w.up = to_double(weights.expert_up);
-  w.down = to_double(weights.expert_down);
+  // Packed experts by the values the layer computes with: dequantized to its storage dtype (that
+  // of every weight but the router's).
+  const DType dtype = weights.latent_down.dtype();
+  HostTensor scratch;
+  w.gate = to_double(dense_expert_weight(weights, &LayerWeights::expert_gate, dtype, scratch));
+  w.up = to_double(dense_expert_weight(weights, &LayerWeights::expert_up, dtype, scratch));
+  w.down = to_double(dense_expert_weight(weights, &LayerWeights::expert_down, dtype, scratch));
   w.shared_gate = to_double(weights.shared_gate);
   w.shared_up = to_double(weights.shared_up);
   w.shared_down = to_double(weights.shared_down);

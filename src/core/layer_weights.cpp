@@ -1,6 +1,8 @@
 #include "lmoe/layer_weights.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/fast_random.hpp"
 #include "lmoe/error.hpp"
@@ -33,7 +35,120 @@ void fill(HostTensor& tensor, std::uint64_t stream, float center, float amplitud
 
 float fan_in_amplitude(std::int64_t fan_in) { return std::sqrt(3.0f / static_cast<float>(fan_in)); }
 
+std::string shape_and_dtype(const std::vector<std::int64_t>& shape, std::string_view dtype) {
+  return shape.empty() ? std::string("absent") : shape_string(shape) + " " + std::string(dtype);
+}
+
+// Why a packed weight held in `slot` does not fit it (its shape, and its bytes for that shape).
+std::optional<std::string> packed_mismatch(const WeightSlot& slot, const Mxfp4Tensor& packed) {
+  if (packed.shape == slot.shape) {
+    const std::int64_t count =
+        packed.empty() ? 0 : packed.shape[0] * packed.shape[1] * packed.shape[2];
+    if (packed.blocks.size() == static_cast<std::size_t>(count / 2) &&
+        packed.scales.size() == static_cast<std::size_t>(count / 32))
+      return std::nullopt;
+    return "blocks of " + std::to_string(packed.blocks.size()) + " bytes and scales of " +
+           std::to_string(packed.scales.size()) + ", expected " + std::to_string(count / 2) +
+           " and " + std::to_string(count / 32);
+  }
+  return "expected " + shape_and_dtype(slot.shape, "MXFP4") + ", got " +
+         shape_and_dtype(packed.shape, "MXFP4");
+}
+
 }  // namespace
+
+Mxfp4Tensor::Mxfp4Tensor(std::vector<std::int64_t> shape_in) : shape(std::move(shape_in)) {
+  LMOE_CHECK(
+      shape.size() == 3 && shape[0] >= 0 && shape[1] >= 0 && shape[2] >= 0 && shape[2] % 32 == 0,
+      "MXFP4 tensor: expected a shape [E, R, C] with C a multiple of 32, got " +
+          shape_string(shape));
+  const auto count = static_cast<std::size_t>(shape[0] * shape[1] * shape[2]);
+  blocks.assign(count / 2, 0);
+  scales.assign(count / 32, 0);
+}
+
+void Mxfp4Tensor::dequantize_matrix(std::int64_t expert, DType dtype, float* out) const {
+  static constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const std::int64_t elements = shape[1] * shape[2];
+  const std::uint8_t* block = blocks.data() + expert * elements / 2;
+  const std::uint8_t* scale = scales.data() + expert * elements / 32;
+  for (std::int64_t b = 0; b < elements / 32; ++b) {
+    if (scale[b] == 0xff) {  // NaN, as mxfp4_value says (a load refuses it)
+      std::fill_n(out + b * 32, 32, round_to(dtype, std::numeric_limits<float>::quiet_NaN()));
+      continue;
+    }
+    // 2^(scale − 127) is exact in fp32, and so is its product with an e2m1 value (at most two
+    // significant bits) unless it overflows: the value mxfp4_value gives, before rounding.
+    const float factor = std::ldexp(1.0f, static_cast<int>(scale[b]) - 127);
+    for (int j = 0; j < 16; ++j) {
+      const std::uint8_t byte = block[b * 16 + j];
+      out[b * 32 + 2 * j] = round_to(dtype, kE2m1[byte & 0x0fu] * factor);
+      out[b * 32 + 2 * j + 1] = round_to(dtype, kE2m1[byte >> 4] * factor);
+    }
+  }
+}
+
+HostTensor Mxfp4Tensor::dequantize(DType dtype) const {
+  if (empty()) return {};
+  HostTensor dense(dtype, shape);
+  std::vector<float> matrix(static_cast<std::size_t>(shape[1] * shape[2]));
+  for (std::int64_t e = 0; e < shape[0]; ++e) {
+    dequantize_matrix(e, dtype, matrix.data());
+    const std::int64_t first = e * static_cast<std::int64_t>(matrix.size());
+    for (std::size_t i = 0; i < matrix.size(); ++i)
+      dense.set(first + static_cast<std::int64_t>(i), matrix[i]);
+  }
+  return dense;
+}
+
+bool is_routed_expert_weight(HostTensor LayerWeights::*member) {
+  return member == &LayerWeights::expert_gate || member == &LayerWeights::expert_up ||
+         member == &LayerWeights::expert_down;
+}
+
+Mxfp4Tensor& packed_expert_weight(LayerWeights& weights, HostTensor LayerWeights::*member) {
+  if (member == &LayerWeights::expert_gate) return weights.expert_gate_mxfp4;
+  if (member == &LayerWeights::expert_up) return weights.expert_up_mxfp4;
+  LMOE_CHECK(member == &LayerWeights::expert_down,
+             "packed_expert_weight: expected expert_gate, expert_up or expert_down");
+  return weights.expert_down_mxfp4;
+}
+
+const Mxfp4Tensor& packed_expert_weight(const LayerWeights& weights,
+                                        HostTensor LayerWeights::*member) {
+  return packed_expert_weight(const_cast<LayerWeights&>(weights), member);
+}
+
+const HostTensor& dense_expert_weight(const LayerWeights& weights, HostTensor LayerWeights::*member,
+                                      DType dtype, HostTensor& scratch) {
+  const Mxfp4Tensor& packed = packed_expert_weight(weights, member);
+  if (!weights.experts_packed()) return weights.*member;
+  scratch = packed.dequantize(dtype);
+  return scratch;
+}
+
+LayerWeightBytes layer_weight_bytes(const LayerWeights& weights, DType dtype) {
+  LayerWeightBytes bytes;
+  bytes.experts_packed = weights.experts_packed();
+  for (HostTensor LayerWeights::*member :
+       {&LayerWeights::router_weight, &LayerWeights::router_bias, &LayerWeights::latent_down,
+        &LayerWeights::shared_gate, &LayerWeights::shared_up, &LayerWeights::shared_down,
+        &LayerWeights::latent_norm, &LayerWeights::latent_up}) {
+    bytes.other += (weights.*member).nbytes();
+  }
+  for (HostTensor LayerWeights::*member :
+       {&LayerWeights::expert_gate, &LayerWeights::expert_up, &LayerWeights::expert_down}) {
+    const Mxfp4Tensor& packed = packed_expert_weight(weights, member);
+    const HostTensor& dense = weights.*member;
+    bytes.routed_experts += dense.nbytes() + packed.nbytes();
+    const auto values =
+        static_cast<std::size_t>(packed.empty() ? dense.numel() : 2 * packed.blocks.size());
+    bytes.routed_experts_dequantized += values * dtype_size(dtype);
+    bytes.routed_experts_mxfp4 += values / 2 + values / 32;
+  }
+  return bytes;
+}
 
 std::vector<WeightSlot> layer_weight_slots(const LayerConfig& config, DType dtype, int tp) {
   const std::int64_t d = config.d_model, l = config.d_latent, experts = config.router.num_experts;
@@ -61,19 +176,37 @@ std::vector<WeightSlot> layer_weight_slots(const LayerConfig& config, DType dtyp
 std::optional<std::string> validate_layer_weights(const LayerConfig& config, DType dtype, int tp,
                                                   const LayerWeights& weights) {
   if (auto error = validate_layer_config(config, tp)) return error;
+  const bool packed = weights.experts_packed();
   for (const WeightSlot& slot : layer_weight_slots(config, dtype, tp)) {
     const HostTensor& tensor = weights.*slot.member;
+    const bool expert = is_routed_expert_weight(slot.member);
+    if (expert) {
+      const Mxfp4Tensor& mxfp4 = packed_expert_weight(weights, slot.member);
+      if (!packed && !mxfp4.empty()) {
+        return std::string("layer weight ") + slot.name +
+               "_mxfp4: held without expert_up_mxfp4 (the routed experts are packed all three "
+               "or none)";
+      }
+      if (packed) {
+        if (!tensor.shape().empty()) {
+          return std::string("layer weight ") + slot.name +
+                 ": expected absent (the experts are "
+                 "packed), got " +
+                 shape_and_dtype(tensor.shape(), dtype_name(tensor.dtype()));
+        }
+        if (auto why = packed_mismatch(slot, mxfp4)) {
+          return std::string("layer weight ") + slot.name + "_mxfp4: " + *why + " (tp " +
+                 std::to_string(tp) + ")";
+        }
+        continue;
+      }
+    }
     const bool absent = tensor.shape().empty() && slot.shape.empty();
     if (absent) continue;
     if (tensor.shape() != slot.shape || tensor.dtype() != slot.dtype) {
-      const std::string expected =
-          slot.shape.empty() ? std::string("absent")
-                             : shape_string(slot.shape) + " " + std::string(dtype_name(slot.dtype));
-      const std::string got = tensor.shape().empty() ? std::string("absent")
-                                                     : tensor.shape_string() + " " +
-                                                           std::string(dtype_name(tensor.dtype()));
-      return std::string("layer weight ") + slot.name + ": expected " + expected + " (tp " +
-             std::to_string(tp) + "), got " + got;
+      return std::string("layer weight ") + slot.name + ": expected " +
+             shape_and_dtype(slot.shape, dtype_name(slot.dtype)) + " (tp " + std::to_string(tp) +
+             "), got " + shape_and_dtype(tensor.shape(), dtype_name(tensor.dtype()));
     }
   }
   return std::nullopt;

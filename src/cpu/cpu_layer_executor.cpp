@@ -37,6 +37,9 @@ class CpuLayerExecutor final : public LayerExecutor {
         expert_gate_(to_float(weights.expert_gate)),
         expert_up_(to_float(weights.expert_up)),
         expert_down_(to_float(weights.expert_down)),
+        packed_gate_(weights.expert_gate_mxfp4),
+        packed_up_(weights.expert_up_mxfp4),
+        packed_down_(weights.expert_down_mxfp4),
         shared_gate_(to_float(weights.shared_gate)),
         shared_up_(to_float(weights.shared_up)),
         shared_down_(to_float(weights.shared_down)) {
@@ -93,6 +96,20 @@ class CpuLayerExecutor final : public LayerExecutor {
     }
   }
 
+  // Expert e's matrix of one routed weight as fp32 values of the storage dtype: a slice of the
+  // converted dense weight, or the packed one dequantized into `scratch` now (the values a
+  // dequantizing load stores, so the results are the same bits); nullptr where it is absent.
+  const float* expert_matrix(const std::vector<float>& dense, const Mxfp4Tensor& packed,
+                             std::int64_t expert, std::vector<float>& scratch) const {
+    if (packed.empty()) {
+      if (dense.empty()) return nullptr;
+      return dense.data() + expert * inter_ * config_.d_latent;  // [I_r, l] or [l, I_r]
+    }
+    scratch.resize(static_cast<std::size_t>(packed.shape[1] * packed.shape[2]));
+    packed.dequantize_matrix(expert, dtype_, scratch.data());
+    return scratch.data();
+  }
+
   // For each expert (in id order), its tokens' latent rows go through this rank's slice of the
   // expert; each (token, slot) output row lands in its own place, and the token's slots are then
   // weighted and summed in slot order. The order of that sum is thus fixed by the routing alone.
@@ -122,12 +139,11 @@ class CpuLayerExecutor final : public LayerExecutor {
         const std::int64_t token = slots[first[e] + i] / top_k;
         std::copy_n(latent.data() + token * l, l, gathered.data() + i * l);
       }
-      const std::size_t matrix = static_cast<std::size_t>(e * inter_ * l);
-      hidden(gathered.data(), count, l,
-             expert_gate_.empty() ? nullptr : expert_gate_.data() + matrix,
-             expert_up_.data() + matrix, inter_, gate, act);
+      hidden(gathered.data(), count, l, expert_matrix(expert_gate_, packed_gate_, e, gate_scratch_),
+             expert_matrix(expert_up_, packed_up_, e, up_scratch_), inter_, gate, act);
       out.resize(static_cast<std::size_t>(count * l));
-      cpu::sgemm_nt(count, l, inter_, act.data(), expert_down_.data() + matrix, out.data());
+      cpu::sgemm_nt(count, l, inter_, act.data(),
+                    expert_matrix(expert_down_, packed_down_, e, down_scratch_), out.data());
       for (std::int64_t i = 0; i < count; ++i) {
         std::copy_n(out.data() + i * l, l, slot_out.data() + slots[first[e] + i] * l);
       }
@@ -171,7 +187,10 @@ class CpuLayerExecutor final : public LayerExecutor {
   std::int64_t inter_;   // this rank's slice of each routed expert's intermediate dim
   std::int64_t shared_;  // this rank's slice of the shared experts' intermediate dim
   std::vector<float> router_weight_, router_bias_, latent_down_;
-  std::vector<float> expert_gate_, expert_up_, expert_down_;
+  std::vector<float> expert_gate_, expert_up_, expert_down_;  // empty when packed
+  // MXFP4 experts as loaded (empty when dense), dequantized one expert at a time on use.
+  Mxfp4Tensor packed_gate_, packed_up_, packed_down_;
+  std::vector<float> gate_scratch_, up_scratch_, down_scratch_;
   std::vector<float> shared_gate_, shared_up_, shared_down_;
   Routing routing_;
 };

@@ -8,7 +8,8 @@
 
 namespace lmoe {
 
-// `weights` are validated by the caller; they are converted to fp32 once, here.
+// `weights` are validated by the caller; dense ones are converted to fp32 once, here, and packed
+// MXFP4 experts are kept packed and dequantized one expert at a time when a token needs it.
 std::unique_ptr<LayerExecutor> make_cpu_layer_executor(const LayerConfig& config, DType dtype,
                                                        int tp, const LayerWeights& weights);
 

@@ -59,13 +59,19 @@ std::vector<ModelPreset> small_presets() {
   names.shared_gate = moe + "shared.gate.weight";
   names.shared_up = moe + "shared.up.weight";
   names.shared_down = moe + "shared.down.weight";
-  return {{"small",
-           "quick runs and tests (not a model)",
-           {384, 192},
-           1e-5f,
-           DType::bf16,
-           layer,
-           names}};
+  // The same layer with its routed experts stored as MXFP4 ("<name>_packed", "<name>_scale"), as
+  // Kimi-K3 ships them, so that packed loading can be tried on small checkpoints.
+  LayerTensorNames mxfp4_names = names;
+  mxfp4_names.experts_mxfp4 = true;
+  return {
+      {"small", "quick runs and tests (not a model)", {384, 192}, 1e-5f, DType::bf16, layer, names},
+      {"small-mxfp4",
+       "the small layer with MXFP4 routed experts (not a model)",
+       {384, 192},
+       1e-5f,
+       DType::bf16,
+       layer,
+       mxfp4_names}};
 }
 }  // namespace models
 

@@ -71,6 +71,7 @@ struct LatentMoELayer::Impl {
   std::uint64_t config_hash = 0;
   std::string config_text;
   LayerStageTimes times;
+  LayerWeightBytes weight_bytes;
   // forward()'s partials where the executor keeps none of its own (cpu).
   HostTensor routed;           // [T, l] this rank's partial
   HostTensor shared;           // [T, d] this rank's partial
@@ -154,6 +155,7 @@ LatentMoELayer::LatentMoELayer(LayerOptions options, Communicator& comm, LayerWe
     throw Error(*error);
   }
 
+  impl_->weight_bytes = layer_weight_bytes(weights, opts.dtype);
   impl_->executor = backend_ops(opts.backend)
                         .make_layer_executor(opts.config, opts.dtype, comm.size(), weights,
                                              opts.max_tokens, opts.device_experts);
@@ -176,6 +178,7 @@ const LayerOptions& LatentMoELayer::options() const { return impl_->options; }
 int LatentMoELayer::tp_rank() const { return impl_->comm.rank(); }
 int LatentMoELayer::tp_size() const { return impl_->comm.size(); }
 LatentTail& LatentMoELayer::tail() { return *impl_->tail; }
+const LayerWeightBytes& LatentMoELayer::weight_bytes() const { return impl_->weight_bytes; }
 const LayerStageTimes& LatentMoELayer::last_times() const {
   if (impl_->times_pending) {
     impl_->executor->finish_times(impl_->times);

@@ -324,8 +324,10 @@ class LayerCommand(unittest.TestCase):
         self.assertIn("all rows ok", result.stdout)
 
     @staticmethod
-    def write_small_checkpoint(path, layer, skip=()):
-        """The small preset's layer (d 384, l 192, 16 experts, I 64, shared 2 x 48) by its tensor names."""
+    def write_small_checkpoint(path, layer, skip=(), mxfp4=False):
+        """The small preset's layer (d 384, l 192, 16 experts, I 64, shared 2 x 48) by its tensor names;
+        with mxfp4 the routed experts as the small-mxfp4 preset names them: "<name>_packed" (U8, two
+        e2m1 values a byte) and "<name>_scale" (U8 E8M0, one per 32 values), scales near 2^-4."""
         rng = np.random.default_rng(3)
         d, l, experts, inter, shared = 384, 192, 16, 64, 96
         moe = f"layers.{layer}.moe."
@@ -345,10 +347,19 @@ class LayerCommand(unittest.TestCase):
             moe + "shared.up.weight": bf16((shared, d), d),
             moe + "shared.down.weight": bf16((d, shared), shared),
         }
+        def mxfp4_blocks(name, rows, cols):
+            tensors[name + "_packed"] = ("U8", (rows, cols // 2),
+                                         rng.integers(0, 256, rows * cols // 2, dtype=np.uint8).tobytes())
+            tensors[name + "_scale"] = ("U8", (rows, cols // 32),
+                                        rng.integers(120, 124, rows * cols // 32, dtype=np.uint8).tobytes())
+
         for e in range(experts):
-            tensors[moe + f"experts.{e}.gate.weight"] = bf16((inter, l), l)
-            tensors[moe + f"experts.{e}.up.weight"] = bf16((inter, l), l)
-            tensors[moe + f"experts.{e}.down.weight"] = bf16((l, inter), inter)
+            for kind, shape, fan_in in (("gate", (inter, l), l), ("up", (inter, l), l), ("down", (l, inter), inter)):
+                name = moe + f"experts.{e}.{kind}.weight"
+                if mxfp4:
+                    mxfp4_blocks(name, *shape)
+                else:
+                    tensors[name] = bf16(shape, fan_in)
         for name in skip:
             del tensors[name]
         write_safetensors(path, tensors)
@@ -374,6 +385,52 @@ class LayerCommand(unittest.TestCase):
             result = lmoe("layer", "--preset", "small", "--weights", tmp, "--layer", "2", "-t", "1", check=False)
             self.assertEqual(result.returncode, 2)
             self.assertIn("tensor 'layers.2.moe.experts.9.down.weight': not found", result.stderr)
+
+    def test_keeps_mxfp4_experts_packed_and_prints_their_bytes(self):
+        # Per rank of 2: gate and up [16, 32, 192], down [16, 192, 32]; MXFP4 holds half a byte a
+        # value and a scale byte per 32 values, bf16 two bytes a value.
+        values = 3 * 16 * 32 * 192
+        packed, dequantized = values // 2 + values // 32, values * 2
+        other = 16 * 384 * 4 + 16 * 4 + (192 * 384 + 192 + 384 * 192) * 2 + 3 * (96 // 2) * 384 * 2
+        with tempfile.TemporaryDirectory() as tmp:
+            self.write_small_checkpoint(os.path.join(tmp, "model.safetensors"), layer=0, mxfp4=True)
+            path = os.path.join(tmp, "layer.json")
+            common = ("layer", "--preset", "small-mxfp4", "--weights", tmp, "--layer", "0", "-n", "2", "-t", "1,9",
+                      "--repeats", "1")
+            result = lmoe(*common, "--keep-packed", "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            self.assertIn("(experts kept packed)", result.stdout)
+            self.assertIn(f"# weights of rank 0: {packed + other} B (", result.stdout)
+            self.assertIn(f"; routed experts {packed} B (", result.stdout)
+            self.assertRegex(result.stdout, rf"packed as MXFP4, {dequantized} B \([0-9.]+ MiB\) dequantized to bf16")
+            with open(path) as f:
+                doc = json.load(f)
+            self.assertEqual(doc["weight_bytes"], {
+                "total": packed + other, "routed_experts": packed, "routed_experts_dequantized": dequantized,
+                "routed_experts_mxfp4": packed, "other": other, "experts_packed": True})
+            packed_rows = [(row["tokens"], row["ok"]) for row in doc["rows"]]
+
+            # Dequantized at load (the default): the same layer, and the bytes before packing.
+            result = lmoe(*common, "--json", path)
+            self.assertIn("all rows ok", result.stdout)
+            self.assertIn(f"; routed experts {dequantized} B (", result.stdout)
+            self.assertRegex(result.stdout, rf"dense, {packed} B \([0-9.]+ MiB\) as MXFP4 blocks and scales")
+            with open(path) as f:
+                doc = json.load(f)
+            self.assertEqual(doc["weight_bytes"]["total"], dequantized + other)
+            self.assertFalse(doc["weight_bytes"]["experts_packed"])
+            self.assertEqual([(row["tokens"], row["ok"]) for row in doc["rows"]], packed_rows)
+
+            # tp 4 would split down's 32-column blocks; the bf16 checkpoint has nothing to keep packed.
+            result = lmoe(*common[:7], "-n", "4", "-t", "1", "--keep-packed", check=False)
+            self.assertEqual(result.returncode, 2, result.stderr)
+            self.assertIn("I/tp = 64/4 = 16 is not a multiple of 32", result.stderr)
+            for args, needle in (
+                    (("--preset", "small", "--weights", tmp, "--layer", "0"), "--preset small are not MXFP4"),
+                    (("--preset", "small-mxfp4",), "--keep-packed: give --weights and --layer")):
+                result = lmoe("layer", *args, "--keep-packed", "-t", "1", check=False)
+                self.assertEqual(result.returncode, 2, result.stderr)
+                self.assertIn(needle, result.stderr)
 
     def test_nemotron_runs_without_the_latent_norm(self):
         # Nemotron 3 has no RMSNorm between the routed sum and its latent up-projection: the cpu

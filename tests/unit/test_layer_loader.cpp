@@ -16,6 +16,7 @@
 
 #include <unistd.h>
 
+#include "checkpoint_writer.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/layer_weights.hpp"
 
@@ -29,47 +30,13 @@ using ::testing::HasSubstr;
 
 constexpr int kLayer = 5;
 
-struct RawTensor {
-  std::string dtype;
-  std::vector<std::int64_t> shape;
-  std::vector<std::byte> bytes;
-};
-using RawFile = std::map<std::string, RawTensor>;
+using lmoe::testing::Mxfp4Blocks;
+using lmoe::testing::RawFile;
+using lmoe::testing::write_checkpoint;
+using lmoe::testing::write_raw;
 
-RawTensor raw(const HostTensor& tensor, std::vector<std::int64_t> shape) {
-  RawTensor out{std::string(lmoe::safetensors_dtype_name(tensor.dtype())), std::move(shape), {}};
-  out.bytes.assign(tensor.data(), tensor.data() + tensor.nbytes());
-  return out;
-}
-
-// Any dtype, laid out in name order (written by hand: HostTensor has no U8).
-void write_raw(const fs::path& path, const RawFile& tensors) {
-  nlohmann::json header = nlohmann::json::object();
-  std::uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    header[name] = {{"dtype", tensor.dtype},
-                    {"shape", tensor.shape},
-                    {"data_offsets", {offset, offset + tensor.bytes.size()}}};
-    offset += tensor.bytes.size();
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::ofstream out(path, std::ios::binary);
-  const std::uint64_t length = text.size();
-  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((length >> (8 * i)) & 0xff));
-  out << text;
-  for (const auto& entry : tensors)
-    out.write(reinterpret_cast<const char*>(entry.second.bytes.data()), entry.second.bytes.size());
-}
-
-std::string name_of(std::string pattern, std::int64_t expert = 0) {
-  for (auto [key, value] :
-       {std::pair<std::string, std::int64_t>{"{layer}", kLayer}, {"{expert}", expert}}) {
-    for (std::size_t at = pattern.find(key); at != std::string::npos; at = pattern.find(key)) {
-      pattern.replace(at, key.size(), std::to_string(value));
-    }
-  }
-  return pattern;
+std::string name_of(const std::string& pattern, std::int64_t expert = 0) {
+  return lmoe::testing::tensor_name(pattern, kLayer, expert);
 }
 
 LayerConfig small_config() { return *lmoe::find_preset("small").layer; }
@@ -77,60 +44,12 @@ lmoe::LayerTensorNames small_names() { return *lmoe::find_preset("small").tensor
 
 // The full (tp = 1) weights as checkpoint tensors by the small preset's names.
 RawFile checkpoint_tensors(const LayerConfig& c, const lmoe::LayerWeights& w) {
-  const lmoe::LayerTensorNames names = small_names();
-  const std::int64_t d = c.d_model, l = c.d_latent, e_count = c.router.num_experts,
-                     inter = c.expert_intermediate;
-  const std::int64_t shared = c.shared_width();
-  RawFile file;
-  file[name_of(names.router_weight)] = raw(w.router_weight, {e_count, d});
-  file[name_of(names.router_bias)] = raw(w.router_bias, {e_count});
-  file[name_of(names.latent_down)] = raw(w.latent_down, {l, d});
-  file[name_of(names.latent_norm)] = raw(w.latent_norm, {l});
-  file[name_of(names.latent_up)] = raw(w.latent_up, {d, l});
-  const std::size_t expert_bytes = static_cast<std::size_t>(inter * l * 2);
-  for (std::int64_t e = 0; e < e_count; ++e) {
-    auto slice = [&](const HostTensor& all, std::vector<std::int64_t> shape) {
-      RawTensor out{"BF16", std::move(shape), {}};
-      out.bytes.assign(all.data() + e * expert_bytes, all.data() + (e + 1) * expert_bytes);
-      return out;
-    };
-    file[name_of(names.expert_gate, e)] = slice(w.expert_gate, {inter, l});
-    file[name_of(names.expert_up, e)] = slice(w.expert_up, {inter, l});
-    file[name_of(names.expert_down, e)] = slice(w.expert_down, {l, inter});
-  }
-  file[name_of(names.shared_gate)] = raw(w.shared_gate, {shared, d});
-  file[name_of(names.shared_up)] = raw(w.shared_up, {shared, d});
-  file[name_of(names.shared_down)] = raw(w.shared_down, {d, shared});
-  return file;
-}
-
-// Writes the tensors as two shards and an index naming each tensor's shard.
-void write_checkpoint(const fs::path& dir, const RawFile& tensors) {
-  fs::create_directories(dir);
-  RawFile shards[2];
-  nlohmann::json index = {{"metadata", nlohmann::json::object()},
-                          {"weight_map", nlohmann::json::object()}};
-  int i = 0;
-  for (const auto& [name, tensor] : tensors) {
-    const int shard = (i++ % 2);
-    shards[shard][name] = tensor;
-    index["weight_map"][name] = "model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors";
-  }
-  for (int shard = 0; shard < 2; ++shard) {
-    write_raw(dir / ("model-0000" + std::to_string(shard + 1) + "-of-00002.safetensors"),
-              shards[shard]);
-  }
-  std::ofstream(dir / "model.safetensors.index.json") << index.dump(1);
+  return lmoe::testing::checkpoint_tensors(c, small_names(), kLayer, w);
 }
 
 class LayerLoader : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("lmoe_loader_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
+  void SetUp() override { dir_ = lmoe::testing::fresh_checkpoint_dir("lmoe_loader_"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   // The small preset's bf16 tensors of one layer, as a checkpoint names them.
@@ -191,34 +110,13 @@ TEST_F(LayerLoader, EveryRankGetsItsSliceOfTheWrittenWeights) {
   EXPECT_EQ(as_f32.latent_up.get(77), full.latent_up.get(77));
 }
 
-// One MXFP4 matrix [rows, cols]: packed e2m1 values, two a byte (low nibble first), and E8M0
-// scales, one per 32 values along a row.
-struct Mxfp4Blocks {
-  std::vector<std::byte> packed;  // [rows, cols / 2]
-  std::vector<std::byte> scales;  // [rows, cols / 32]
-};
-using Mxfp4BlocksOf =
-    std::function<Mxfp4Blocks(const std::string& name, std::int64_t rows, std::int64_t cols)>;
-
 // The full (tp = 1) weights as checkpoint tensors with every routed expert's matrices as MXFP4
 // blocks from `blocks_of` (asked for each expert in order: gate, up, down).
 RawFile mxfp4_checkpoint(const LayerConfig& config, const lmoe::LayerTensorNames& names,
-                         const Mxfp4BlocksOf& blocks_of) {
-  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
-  RawFile tensors =
-      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3));
-  for (std::int64_t e = 0; e < config.router.num_experts; ++e) {
-    for (const auto& [pattern, rows, cols] :
-         {std::tuple{names.expert_gate, inter, l}, std::tuple{names.expert_up, inter, l},
-          std::tuple{names.expert_down, l, inter}}) {
-      const std::string name = name_of(pattern, e);
-      Mxfp4Blocks blocks = blocks_of(name, rows, cols);
-      tensors.erase(name);
-      tensors[name + "_packed"] = {"U8", {rows, cols / 2}, std::move(blocks.packed)};
-      tensors[name + "_scale"] = {"U8", {rows, cols / 32}, std::move(blocks.scales)};
-    }
-  }
-  return tensors;
+                         const lmoe::testing::Mxfp4BlocksOf& blocks_of) {
+  return lmoe::testing::with_mxfp4_experts(
+      checkpoint_tensors(config, lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, 3)),
+      config, names, kLayer, blocks_of);
 }
 
 // e2m1 by its definition: sign, 2-bit exponent (bias 1), 1-bit mantissa; exponent 0 is subnormal.
@@ -239,16 +137,13 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   // Per expert and matrix: packed bytes and scales, kept to compute the expected values.
   std::map<std::string, Mxfp4Blocks> blocks;
   write_checkpoint(
-      dir_, mxfp4_checkpoint(config, names,
-                             [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
-                               Mxfp4Blocks& b = blocks[name];
-                               b.packed.resize(static_cast<std::size_t>(rows * (cols / 2)));
-                               b.scales.resize(static_cast<std::size_t>(rows * (cols / 32)));
-                               for (auto& byte : b.packed) byte = std::byte(generator());
-                               for (auto& scale : b.scales)
-                                 scale = std::byte(120 + generator() % 12);
-                               return b;
-                             }));
+      dir_, mxfp4_checkpoint(
+                config, names, [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
+                  Mxfp4Blocks& b = blocks[name] = lmoe::testing::sized_mxfp4_blocks(rows, cols);
+                  for (auto& byte : b.packed) byte = std::byte(generator());
+                  for (auto& scale : b.scales) scale = std::byte(120 + generator() % 12);
+                  return b;
+                }));
   const int tp = 2, rank = 1;
   const std::int64_t inter_r = inter / tp;
   const lmoe::LayerWeights loaded =
@@ -280,6 +175,83 @@ TEST_F(LayerLoader, Mxfp4ExpertsDequantizeExactly) {
   EXPECT_EQ(lmoe::mxfp4_value(0x1, 0), std::ldexp(0.5f, -127));
 }
 
+// Kept packed, each rank holds the checkpoint's bytes of its slice (rows of gate and up, whole
+// blocks of every down row), and they dequantize to the bits a dequantizing load gives, for every
+// byte value and scales from 2^-127 to the largest each dtype holds.
+TEST_F(LayerLoader, Mxfp4ExpertsKeptPackedHoldTheirSliceOfTheCheckpointsBytes) {
+  const LayerConfig config = small_config();
+  const std::int64_t l = config.d_latent, inter = config.expert_intermediate;
+  lmoe::LayerTensorNames names = small_names();
+  names.experts_mxfp4 = true;
+  for (const auto& [dtype, scale_range] :
+       {std::pair{DType::bf16, std::vector<int>{0, 1, 2, 64, 100, 126, 127, 128, 160, 220, 252}},
+        std::pair{DType::f32, std::vector<int>{0, 1, 30, 127, 200, 252}},
+        // f16 rounds the smallest values (below 2^-24) and holds 6 · 2^13 at most.
+        std::pair{DType::f16, std::vector<int>{0, 90, 100, 105, 112, 127, 135, 140}}}) {
+    SCOPED_TRACE(std::string(lmoe::dtype_name(dtype)));
+    std::map<std::string, Mxfp4Blocks> blocks;
+    std::size_t next = 0;
+    write_checkpoint(
+        dir_, mxfp4_checkpoint(config, names,
+                               [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
+                                 Mxfp4Blocks& b = blocks[name] =
+                                     lmoe::testing::sized_mxfp4_blocks(rows, cols);
+                                 for (auto& byte : b.packed) byte = std::byte(next++ * 7 % 256);
+                                 for (auto& scale : b.scales)
+                                   scale = std::byte(scale_range[next++ % scale_range.size()]);
+                                 return b;
+                               }));
+    for (int tp : {1, 2}) {
+      const std::int64_t inter_r = inter / tp;
+      for (int rank = 0; rank < tp; ++rank) {
+        SCOPED_TRACE("tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+        const lmoe::LayerWeights packed = lmoe::load_layer_weights(
+            dir_.string(), names, kLayer, config, dtype, tp, rank, {.keep_experts_packed = true});
+        const lmoe::LayerWeights dense =
+            lmoe::load_layer_weights(dir_.string(), names, kLayer, config, dtype, tp, rank);
+        ASSERT_TRUE(packed.experts_packed());
+        EXPECT_FALSE(dense.experts_packed());
+        EXPECT_FALSE(lmoe::validate_layer_weights(config, dtype, tp, packed).has_value());
+        EXPECT_TRUE(packed.expert_up.shape().empty());
+        EXPECT_EQ(packed.expert_down_mxfp4.shape,
+                  (std::vector<std::int64_t>{config.router.num_experts, l, inter_r}));
+        for (HostTensor lmoe::LayerWeights::*member :
+             {&lmoe::LayerWeights::expert_gate, &lmoe::LayerWeights::expert_up,
+              &lmoe::LayerWeights::expert_down}) {
+          HostTensor scratch;
+          EXPECT_TRUE(
+              same_bits(lmoe::dense_expert_weight(packed, member, dtype, scratch), dense.*member));
+        }
+        // The bytes themselves: expert 3's up row 1 of this rank, and its down row 5.
+        const auto& up = blocks.at(name_of(names.expert_up, 3));
+        const auto& down = blocks.at(name_of(names.expert_down, 3));
+        for (std::int64_t j = 0; j < l / 2; ++j) {
+          ASSERT_EQ(packed.expert_up_mxfp4.blocks[(3 * inter_r + 1) * l / 2 + j],
+                    std::to_integer<std::uint8_t>(up.packed[(rank * inter_r + 1) * l / 2 + j]));
+        }
+        for (std::int64_t j = 0; j < inter_r / 2; ++j) {
+          ASSERT_EQ(
+              packed.expert_down_mxfp4.blocks[(3 * l + 5) * inter_r / 2 + j],
+              std::to_integer<std::uint8_t>(down.packed[(5 * inter + rank * inter_r) / 2 + j]));
+        }
+        for (std::int64_t j = 0; j < inter_r / 32; ++j) {
+          ASSERT_EQ(
+              packed.expert_down_mxfp4.scales[(3 * l + 5) * inter_r / 32 + j],
+              std::to_integer<std::uint8_t>(down.scales[(5 * inter + rank * inter_r) / 32 + j]));
+        }
+        const lmoe::LayerWeightBytes bytes = lmoe::layer_weight_bytes(packed, dtype);
+        const lmoe::LayerWeightBytes dense_bytes = lmoe::layer_weight_bytes(dense, dtype);
+        const auto values = static_cast<std::size_t>(3 * config.router.num_experts * inter_r * l);
+        EXPECT_EQ(bytes.routed_experts, values / 2 + values / 32);
+        EXPECT_EQ(dense_bytes.routed_experts, values * lmoe::dtype_size(dtype));
+        EXPECT_EQ(bytes.routed_experts_dequantized, dense_bytes.routed_experts);
+        EXPECT_EQ(dense_bytes.routed_experts_mxfp4, bytes.routed_experts);
+        EXPECT_EQ(bytes.other, dense_bytes.other);
+      }
+    }
+  }
+}
+
 // Every routed expert as MXFP4 blocks: each packed byte 0x77 (e2m1 6 in both nibbles) and
 // every scale 127 (2^0), so one edited byte decides whether a load passes.
 RawFile mxfp4_checkpoint(const LayerConfig& config, const lmoe::LayerTensorNames& names) {
@@ -299,14 +271,21 @@ TEST_F(LayerLoader, BadMxfp4BlocksAndScalesAreNamed) {
   const int tp = 2, rank = 1;
   const std::int64_t l = config.d_latent, inter_r = config.expert_intermediate / tp;
   const std::string gate = name_of(names.expert_gate, 0);
+  // Every case fails alike whether the experts are dequantized or kept packed.
   const auto load_error_of = [&](const RawFile& tensors, DType dtype = DType::bf16) {
     write_checkpoint(dir_, tensors);
-    try {
-      lmoe::load_layer_weights(dir_.string(), names, kLayer, config, dtype, tp, rank);
-    } catch (const lmoe::Error& error) {
-      return error.message();
+    std::string messages[2];
+    for (bool keep_packed : {false, true}) {
+      try {
+        lmoe::load_layer_weights(dir_.string(), names, kLayer, config, dtype, tp, rank,
+                                 {.keep_experts_packed = keep_packed});
+        messages[keep_packed] = "no error";
+      } catch (const lmoe::Error& error) {
+        messages[keep_packed] = error.message();
+      }
     }
-    return std::string("no error");
+    EXPECT_EQ(messages[0], messages[1]);
+    return messages[0];
   };
   const RawFile good = mxfp4_checkpoint(config, names);
   EXPECT_EQ(load_error_of(good), "no error");
@@ -315,6 +294,16 @@ TEST_F(LayerLoader, BadMxfp4BlocksAndScalesAreNamed) {
   not_u8[gate + "_packed"].dtype = "I8";
   EXPECT_THAT(load_error_of(not_u8),
               HasSubstr("tensor '" + gate + "_packed': dtype I8, expected U8 (MXFP4)"));
+
+  RawFile block_shape = good;
+  block_shape[gate + "_packed"].shape = {config.expert_intermediate, l};
+  block_shape[gate + "_packed"].bytes.resize(
+      static_cast<std::size_t>(config.expert_intermediate * l));
+  EXPECT_THAT(load_error_of(block_shape),
+              HasSubstr("tensor '" + gate + "_packed': shape [" +
+                        std::to_string(config.expert_intermediate) + ", " + std::to_string(l) +
+                        "], expected [" + std::to_string(config.expert_intermediate) + ", " +
+                        std::to_string(l / 2) + "]"));
 
   RawFile scale_shape = good;
   scale_shape[gate + "_scale"].shape = {config.expert_intermediate / 2, l / 16};
@@ -346,6 +335,31 @@ TEST_F(LayerLoader, BadMxfp4BlocksAndScalesAreNamed) {
   EXPECT_THAT(load_error_of(f16_only, DType::f16),
               HasSubstr("holds E8M0 143 (2^16), whose product with the e2m1 value 6 is beyond the "
                         "range of f16"));
+
+  // A NaN scale in down's columns of the other rank is refused too (down is read whole).
+  RawFile down_nan = good;
+  const std::string down = name_of(names.expert_down, 7);
+  down_nan[down + "_scale"].bytes[static_cast<std::size_t>(9 * (config.expert_intermediate / 32))] =
+      std::byte{255};
+  EXPECT_THAT(
+      load_error_of(down_nan),
+      HasSubstr("tensor '" + down + "_scale': row 9, block 0 holds E8M0 255, which is NaN"));
+
+  // Kept packed, rank r's columns of down must be whole blocks: at tp 4 they are 16 of 32.
+  write_checkpoint(dir_, good);
+  try {
+    lmoe::load_layer_weights(dir_.string(), names, kLayer, config, DType::bf16, 4, 1,
+                             {.keep_experts_packed = true});
+    ADD_FAILURE() << "no error";
+  } catch (const lmoe::Error& error) {
+    EXPECT_THAT(error.message(),
+                HasSubstr("tensor '" + name_of(names.expert_down, 0) +
+                          "': MXFP4 experts kept packed need each rank's slice of the "
+                          "intermediate dim to be whole 32-column blocks of the down projection's "
+                          "rows; I/tp = 64/4 = 16 is not a multiple of 32"));
+  }
+  EXPECT_NO_THROW(
+      lmoe::load_layer_weights(dir_.string(), names, kLayer, config, DType::bf16, 4, 1));
 
   // A latent width that is not a multiple of 32 cannot be MXFP4 (blocks span 32 columns).
   config.d_latent = 208;

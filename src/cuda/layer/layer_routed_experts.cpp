@@ -11,10 +11,7 @@ namespace lmoe::cuda {
 
 RoutedExperts::RoutedExperts(const LayerConfig& config, DType dtype, std::int64_t inter,
                              const LayerWeights& weights)
-    : config_(config),
-      dtype_(dtype),
-      inter_(inter),
-      experts_(weights.expert_gate, weights.expert_up, weights.expert_down) {
+    : config_(config), dtype_(dtype), inter_(inter), experts_(weights, dtype) {
   order_copied_ = make_event(false);
   sorted_first_ = DeviceBuffer(sizeof(std::int32_t) * (config.router.num_experts + 1));
 }

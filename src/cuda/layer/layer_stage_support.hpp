@@ -10,6 +10,7 @@
 
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
+#include "lmoe/layer_weights.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace lmoe::cuda {
@@ -32,7 +33,20 @@ struct DeviceExpertWeights {
   DeviceExpertWeights(const HostTensor& gate_weight, const HostTensor& up_weight,
                       const HostTensor& down_weight)
       : gate(upload(gate_weight)), up(upload(up_weight)), down(upload(down_weight)) {}
+  // The routed experts in `dtype`. Packed MXFP4 experts are dequantized here, one weight at a
+  // time: the GEMMs read dense weights (a packed grouped GEMM is not written yet).
+  DeviceExpertWeights(const LayerWeights& weights, DType dtype)
+      : gate(upload_dense(weights, &LayerWeights::expert_gate, dtype)),
+        up(upload_dense(weights, &LayerWeights::expert_up, dtype)),
+        down(upload_dense(weights, &LayerWeights::expert_down, dtype)) {}
   DeviceBuffer gate, up, down;
+
+ private:
+  static DeviceBuffer upload_dense(const LayerWeights& weights, HostTensor LayerWeights::*member,
+                                   DType dtype) {
+    HostTensor scratch;
+    return upload(dense_expert_weight(weights, member, dtype, scratch));
+  }
 };
 
 inline cudaEvent_t make_event(bool timing) {
