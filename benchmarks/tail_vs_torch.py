@@ -16,13 +16,14 @@ its own weights, `shared` and output), as `lmoe bench --layers` times lmoe's.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 
 import torch
 import torch.nn.functional as F
+
+from graph_timing import l2_flush_buffer, measured_rates, parse_token_list, time_graph
 
 
 def parse_args():
@@ -37,60 +38,12 @@ def parse_args():
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--markdown", help="write the table here")
     args = p.parse_args()
-    fields = args.tokens.split(",")
-    if not all(x.isdigit() and int(x) >= 1 for x in fields):
-        p.error(f"--tokens: expected comma-separated integers >= 1, got '{args.tokens}'")
-    args.token_list = [int(x) for x in fields]
+    args.token_list = parse_token_list(p, args.tokens)
     if not 1 <= args.layers <= 64 or args.iters < 1 or args.warmup < 0:
         p.error("--layers must be 1..64, --iters >= 1, --warmup >= 0")
     if not torch.cuda.is_available():
         p.error("needs a GPU")
     return args
-
-
-def l2_flush_buffer():
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
-
-
-def time_graph(body, layers, warmup, iters, flush=None):
-    """Median µs per tail of a graph that runs body() once (body runs `layers` tails)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # eager first: cuBLAS handles and workspaces exist before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.fill_(1.0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    del graph
-    return statistics.median(times)
-
-
-def measured_rates():
-    """(GEMM TFLOP/s of an 8192³ bf16 torch.mm, device-copy GB/s of 1 GiB), this run."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.bfloat16)
-    b = torch.randn(n, n, device="cuda").to(torch.bfloat16)
-    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    gemm_us = time_graph(lambda: torch.mm(a, b, out=c), 1, 3, 20)
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_us = time_graph(lambda: dst.copy_(src), 1, 3, 20)
-    return 2 * n ** 3 / gemm_us / 1e6, 2 * src.numel() * 2 / copy_us / 1e3
 
 
 def lmoe_rows(args, cold):

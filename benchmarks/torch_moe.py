@@ -437,7 +437,7 @@ def floors(model, tokens, ids, gemm_tflops, copy_gbs):
 
 def bench(args, model):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tail_vs_torch import l2_flush_buffer, measured_rates, time_graph
+    from graph_timing import l2_flush_buffer, measured_rates, time_graph
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gemm_tflops, copy_gbs = measured_rates()

@@ -18,7 +18,6 @@ The op's outputs are checked against the PyTorch ones at the contract's test tol
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import lmoe.torch
+from graph_timing import parse_token_list, time_graph
 
 
 def parse_args():
@@ -40,39 +40,12 @@ def parse_args():
     p.add_argument("--lmoe", help="the lmoe binary for the C++ rows (omitted: no bench rows)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    fields = args.tokens.split(",")
-    if not all(x.isdigit() and int(x) >= 1 for x in fields):
-        p.error(f"--tokens: expected comma-separated integers >= 1, got '{args.tokens}'")
-    args.token_list = [int(x) for x in fields]
+    args.token_list = parse_token_list(p, args.tokens)
     if not 1 <= args.layers <= 64 or args.iters < 1 or args.warmup < 0:
         p.error("--layers must be 1..64, --iters >= 1, --warmup >= 0")
     if not torch.cuda.is_available():
         p.error("needs a GPU")
     return args
-
-
-def time_graph(body, layers, warmup, iters):
-    """Median µs per tail of a graph that runs body() once (body runs `layers` tails)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # eager first: workspaces and cuBLAS handles exist before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(warmup):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 / layers for s, e in zip(starts, ends)]
-    return statistics.median(times)
 
 
 def bench_rows(args):
