@@ -128,8 +128,8 @@ class RankCollective {
   RankCollective(const Collective& c, int rank)
       : c_(c),
         rank_(rank),
-        send_(c.in_place ? 0 : bytes(c.shape().input_count(rank))),
-        recv_(bytes(c.in_place ? c.total() : c.shape().output_count(rank))) {}
+        send_(c.in_place ? 0 : bytes(c.shape().input_count(rank) * c.esize())),
+        recv_(bytes((c.in_place ? c.total() : c.shape().output_count(rank)) * c.esize())) {}
 
   void* send() const {
     return c_.in_place ? recv_.at(c_.shape().in_place_send_offset(rank_) * c_.esize())
@@ -160,7 +160,7 @@ class RankCollective {
   }
 
  private:
-  // At least 16 bytes, so that an empty block still has an address.
+  // A buffer of n bytes, at least 16, so that an empty block still has an address.
   static std::size_t bytes(std::size_t n) { return std::max<std::size_t>(n, 16); }
 
   Collective c_;

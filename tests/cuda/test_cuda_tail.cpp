@@ -13,6 +13,7 @@
 
 #include "core/host_math.hpp"
 #include "core/rank_order_reduce.hpp"
+#include "cuda/runtime/cuda_device_info.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/cuda_tail_executor.hpp"
 #include "gpu_test_support.hpp"
@@ -595,5 +596,51 @@ TEST(CudaTail, TheUnfusedUpProjectionMeetsEveryContract) {
         EXPECT_EQ(run_and_compare(exact, tier, comm, false).bit_mismatches, 0);
       }
     }
+  }
+}
+
+// The add in the GEMM's epilogue is what runs by default on Hopper: column with one rank then
+// reads `shared` and writes `out`, leaving shared's bits alone, while the unfused path
+// (LMOE_EPILOGUE_GEMM=0, and every GPU but Hopper) accumulates into shared in place and copies it.
+TEST(CudaTailTp1, ColumnLeavesSharedAloneExactlyWhenTheEpilogueGemmRuns) {
+  SKIP_WITHOUT_GPU();
+  const bool hopper = lmoe::cuda::current_compute_capability() == 90;
+  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 37, 11u);
+  const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::column));
+  for (const char* setting : {static_cast<const char*>(nullptr), "1", "0"}) {
+    SCOPED_TRACE(std::string("LMOE_EPILOGUE_GEMM=") + (setting ? setting : "(unset)"));
+    ScopedEnv env("LMOE_EPILOGUE_GEMM", setting);
+    lmoe::run_comm_group("cuda-threads", 1, [&](int, lmoe::Communicator& comm) {
+      lmoe::TailOptions options;
+      options.dims = kSmall;
+      options.backend = lmoe::Backend::cuda;
+      lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
+      const std::int64_t t = c.num_tokens, d = kSmall.d_model, l = kSmall.d_latent;
+      const std::size_t routed_bytes = static_cast<std::size_t>(t * l) * 2,
+                        shared_bytes = static_cast<std::size_t>(t * d) * 2;
+      const lmoe::cuda::DeviceBuffer routed(routed_bytes), shared(shared_bytes), out(shared_bytes);
+      cuda_ok(cudaMemcpy(routed.data(), c.routed.slice_matrix(0).data, routed_bytes,
+                         cudaMemcpyHostToDevice));
+      cuda_ok(cudaMemcpy(shared.data(), c.shared.slice_matrix(0).data, shared_bytes,
+                         cudaMemcpyHostToDevice));
+      cuda_ok(cudaMemset(out.data(), 0xff, shared_bytes));
+      const lmoe::ConstMatrixView routed_view{
+          routed.data(), DType::bf16, t, l, l, lmoe::MemorySpace::device};
+      const lmoe::MatrixView shared_view{
+          shared.data(), DType::bf16, t, d, d, lmoe::MemorySpace::device};
+      const lmoe::MatrixView out_view{out.data(), DType::bf16, t, d, d, lmoe::MemorySpace::device};
+      EXPECT_EQ(tail.forward(routed_view, shared_view, out_view, TailTier::column),
+                TailTier::column);
+      cuda_ok(cudaStreamSynchronize(cudaStreamPerThread));
+      lmoe::HostTensor shared_after(DType::bf16, {t, d}), y(DType::bf16, {t, d});
+      cuda_ok(cudaMemcpy(shared_after.data(), shared.data(), shared_bytes, cudaMemcpyDeviceToHost));
+      cuda_ok(cudaMemcpy(y.data(), out.data(), shared_bytes, cudaMemcpyDeviceToHost));
+      const bool untouched =
+          std::memcmp(shared_after.data(), c.shared.slice_matrix(0).data, shared_bytes) == 0;
+      const bool epilogue = hopper && (setting == nullptr || std::string(setting) == "1");
+      EXPECT_EQ(untouched, epilogue);
+      const lmoe::Comparison cmp = lmoe::compare(y.matrix(), reference, lmoe::exact_tail(c));
+      EXPECT_EQ(cmp.beyond_bound, 0) << "max err/bound " << cmp.max_error_over_bound;
+    });
   }
 }

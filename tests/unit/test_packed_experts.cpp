@@ -41,13 +41,15 @@ lmoe::testing::RawFile random_mxfp4_checkpoint(const LayerConfig& config,
       dense, config, names, kLayer,
       [&](const std::string& name, std::int64_t rows, std::int64_t cols) {
         const bool down = name.find(".down.") != std::string::npos;
-        const std::vector<int> extremes = down ? std::vector<int>{0, 1, 60, 100, 127, 150}
-                                               : std::vector<int>{0, 1, 60, 100, 127, 160, 200, 240};
+        const std::vector<int> extremes = down
+                                              ? std::vector<int>{0, 1, 60, 100, 127, 150}
+                                              : std::vector<int>{0, 1, 60, 100, 127, 160, 200, 240};
         lmoe::testing::Mxfp4Blocks blocks = lmoe::testing::sized_mxfp4_blocks(rows, cols);
         for (auto& byte : blocks.packed) byte = std::byte(generator() & 0xff);
         for (auto& scale : blocks.scales) {
           const unsigned pick = generator() % 8;
-          scale = std::byte(pick < 6 ? 120 + generator() % 15 : extremes[generator() % extremes.size()]);
+          scale = std::byte(pick < 6 ? 120 + generator() % 15
+                                     : extremes[generator() % extremes.size()]);
         }
         return blocks;
       });

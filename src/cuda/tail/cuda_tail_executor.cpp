@@ -126,18 +126,19 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     gemm_ = std::make_unique<cuda::CublasLtGemm>();
     // Whether this GPU and dtype take the add in the GEMM's epilogue; a call whose views TMA cannot
     // take still falls back (up_project_add).
-    epilogue_gemm_ =
-        setting_flag("LMOE_EPILOGUE_GEMM") && !cuda::epilogue_gemm_limit({.a = w_up_.data(),
-                                                                          .w = w_up_.data(),
-                                                                          .ldw = l,
-                                                                          .c = w_up_.data(),
-                                                                          .ldc = d,
-                                                                          .d = w_up_.data(),
-                                                                          .ldd = d,
-                                                                          .m = 1,
-                                                                          .n = d,
-                                                                          .k = l,
-                                                                          .dtype = dtype});
+    const cuda::EpilogueGemmArgs probe{.a = w_up_.data(),
+                                       .w = w_up_.data(),
+                                       .ldw = l,
+                                       .c = w_up_.data(),
+                                       .ldc = d,
+                                       .d = w_up_.data(),
+                                       .ldd = d,
+                                       .m = 1,
+                                       .n = d,
+                                       .k = l,
+                                       .dtype = dtype};
+    epilogue_gemm_ = setting_flag_if_set("LMOE_EPILOGUE_GEMM").value_or(true) &&
+                     !cuda::epilogue_gemm_limit(probe);
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
     token_mapped_ = cuda::MappedHostBuffer(sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
