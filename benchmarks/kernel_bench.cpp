@@ -3,9 +3,7 @@
 //   (a) device-to-device copy bandwidth (cudaMemcpyAsync; bytes read + written);
 //   (b) our RMSNorm (launch_rms_norm), bytes read + written, as % of (a);
 //   (c) the bf16 GEMM rate of our CublasLtGemm on a large square product;
-//   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c);
-//   (e) the layer's router (LayerRouter, logits and selection) at Kimi-K3's and Nemotron 3 Super's
-//       routers, T = 1, 16, 128, on its decode path and its GEMM path, against its byte floor.
+//   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c).
 //
 // Every operation is captured `inner` times into a CUDA graph, and the graph is timed with CUDA
 // events after warm-up: one repetition = one graph launch, time per operation = its time / inner.
@@ -36,14 +34,11 @@
 #include "core/host_math.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/gemm/epilogue_gemm.hpp"
-#include "cuda/layer/layer_router.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "graph_timer.hpp"
-#include "lmoe/dims.hpp"
 #include "lmoe/error.hpp"
-#include "lmoe/layer_weights.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {
@@ -344,46 +339,6 @@ Json bench_epilogue(const EpilogueCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer
   return rows;
 }
 
-// ---- (e) the router -----------------------------------------------------------------------------
-
-// One router stage (logits and selection; no copy to the host, as in a captured forward) of a bf16
-// layer with the preset's router. Its floor is the bytes it must read at the copy rate: the fp32
-// weight (decode) or its three bf16 parts (gemm), and x.
-Json bench_router(const std::string& preset, std::int64_t tokens, lmoe::cuda::RouterPath path,
-                  Timer& timer, cudaStream_t stream, double copy_gbps) {
-  const lmoe::LayerConfig config = *lmoe::find_preset(preset).layer;
-  const std::int64_t experts = config.router.num_experts, d = config.d_model;
-  lmoe::LayerWeights weights;
-  weights.router_weight = random_tensor(DType::f32, experts, d, 41);
-  weights.router_bias = lmoe::HostTensor(DType::f32, {experts});
-  for (std::int64_t e = 0; e < experts; ++e) weights.router_bias.set(e, 0.01f * (e % 7));
-  lmoe::cuda::LayerRouter router(config, DType::bf16, weights, path);
-  router.reserve(tokens);
-  lmoe::cuda::CublasLtGemm gemm;
-  const DeviceBuffer x = to_device(random_tensor(DType::bf16, tokens, d, 47));
-  const lmoe::ConstMatrixView view{x.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
-  const bool decode = path == lmoe::cuda::RouterPath::decode;
-  const double weight_bytes = static_cast<double>(experts * d) * (decode ? 4.0 : 6.0);
-  const double bytes = weight_bytes + static_cast<double>(tokens * d) * 2.0;
-  const double floor_us = bytes / (copy_gbps * 1e3);
-  const Timing t = timer.time([&](int) { router.route(view, true, gemm, stream); });
-  const double gbps = bytes / (t.median_us * 1e3);
-  char check[64];
-  std::snprintf(check, sizeof(check), "floor %.2f us (%.1f MB)", floor_us, bytes / 1e6);
-  print_row("router", preset + " T=" + std::to_string(tokens), decode ? "decode" : "gemm", t, gbps,
-            100.0 * gbps / copy_gbps, 0, 0, check);
-  Json row = timing_json(t);
-  row.update({{"preset", preset},
-              {"tokens", tokens},
-              {"path", decode ? "decode" : "gemm"},
-              {"experts", experts},
-              {"d_model", d},
-              {"bytes_floor", bytes},
-              {"floor_us", floor_us},
-              {"GBps", gbps}});
-  return row;
-}
-
 int run(const Settings& settings) {
   int device = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -458,15 +413,6 @@ int run(const Settings& settings) {
                          lmoe::cuda::EpilogueAdd::round_once}}) {
         for (Json& row : bench_epilogue(c, gemm, timer, stream, square_tflops, copy_gbps))
           report["epilogue"].push_back(std::move(row));
-      }
-    }
-
-    report["router"] = Json::array();
-    for (const char* preset : {"kimi-k3", "nemotron-3-super"}) {
-      for (std::int64_t tokens : {1, 16, 128}) {
-        for (const auto path : {lmoe::cuda::RouterPath::decode, lmoe::cuda::RouterPath::gemm}) {
-          report["router"].push_back(bench_router(preset, tokens, path, timer, stream, copy_gbps));
-        }
       }
     }
   }

@@ -26,7 +26,6 @@ add_library(lmoe_cuda STATIC
   ${lmoe_cuda_dir}/gemm/grouped_gemm.cu
   ${lmoe_cuda_dir}/layer/layer_kernels.cu
   ${lmoe_cuda_dir}/layer/layer_router.cpp
-  ${lmoe_cuda_dir}/layer/router_logits.cu
   ${lmoe_cuda_dir}/layer/layer_routed_experts.cpp
   ${lmoe_cuda_dir}/layer/layer_shared_experts.cpp
   ${lmoe_cuda_dir}/layer/cuda_layer_executor.cpp

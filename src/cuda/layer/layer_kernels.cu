@@ -13,21 +13,6 @@ constexpr int kThreads = kElementwiseThreads;
 
 int blocks_for(std::int64_t work_items) { return elementwise_blocks(work_items); }
 
-// The router kernel's sort keys: a power of two ≥ experts.
-int router_sort_size(std::int64_t experts) {
-  int size = 1;
-  while (size < experts) size *= 2;
-  return size;
-}
-
-// The router kernel's shared memory (route_kernel): keys, scores, biased scores, groups.
-int route_shared_bytes(std::int64_t experts, std::int64_t groups) {
-  return static_cast<int>(sizeof(std::uint64_t) *
-                              static_cast<std::size_t>(router_sort_size(experts)) +
-                          sizeof(float) * static_cast<std::size_t>(2 * experts + groups) +
-                          sizeof(int) * static_cast<std::size_t>(groups));
-}
-
 // Calls fn(T{}) with T the storage type of `dtype`.
 template <typename Fn>
 cudaError_t with_storage(DType dtype, Fn&& fn) {
@@ -56,21 +41,12 @@ cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType
 cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
                          const RouterConfig& config, std::int32_t* ids, float* weights,
                          cudaStream_t stream, int logit_parts) {
-  if (logit_parts < 1 || logit_parts > 3) return cudaErrorInvalidValue;
-  const RouterLogitLayout layout{logit_parts, config.num_experts, logit_parts * config.num_experts};
-  return launch_route(logits, bias, num_tokens, config, layout, ids, weights, stream);
-}
-
-cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
-                         const RouterConfig& config, const RouterLogitLayout& layout,
-                         std::int32_t* ids, float* weights, cudaStream_t stream) {
   if (num_tokens < 0 || num_tokens > 0x7fffffff || config.num_experts < 1 ||
       config.num_experts > kMaxRouterExperts || config.top_k < 1 ||
       config.top_k > config.num_experts || config.n_group < 1 ||
       config.num_experts % config.n_group != 0 || config.topk_group < 1 ||
       config.topk_group > config.n_group || (config.correction_bias && bias == nullptr) ||
-      layout.parts < 1 || layout.parts > kMaxRouterLogitParts ||
-      layout.part_stride < config.num_experts || layout.token_stride < config.num_experts) {
+      logit_parts < 1 || logit_parts > 3) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
@@ -83,14 +59,10 @@ cudaError_t launch_route(const float* logits, const float* bias, std::int64_t nu
   params.has_bias = config.correction_bias;
   params.renormalize = config.renormalize;
   params.scale = config.routed_scaling_factor;
-  params.sort_size = router_sort_size(config.num_experts);
-  params.parts = layout.parts;
-  params.part_stride = layout.part_stride;
-  params.token_stride = layout.token_stride;
-  const int shared_bytes = route_shared_bytes(config.num_experts, config.n_group);
-  const cudaError_t status =
-      cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
-  if (status != cudaSuccess) return status;
+  params.parts = logit_parts;
+  const std::size_t shared_bytes =
+      sizeof(float) * static_cast<std::size_t>(2 * config.num_experts + config.n_group) +
+      sizeof(int) * static_cast<std::size_t>(config.n_group + config.top_k);
   route_kernel<<<static_cast<unsigned>(num_tokens), kThreads, shared_bytes, stream>>>(
       logits, config.correction_bias ? bias : nullptr, params, ids, weights);
   return cudaGetLastError();

@@ -17,7 +17,7 @@
 
 namespace lmoe::cuda {
 
-// What the router kernel needs of RouterConfig, by value, and where a token's logits lie.
+// What the router kernel needs of RouterConfig, by value.
 struct RouterParams {
   int experts;
   int top_k;
@@ -27,12 +27,7 @@ struct RouterParams {
   bool has_bias;
   bool renormalize;
   float scale;
-  int sort_size;  // the selection's keys: the power of two ≥ experts
-  // Expert e's logit of token t: the sum in part order of logits[t·token_stride + p·part_stride +
-  // e] for p < parts (the split router weight's GEMM outputs, or the decode kernel's K splits).
-  int parts;
-  std::int64_t part_stride;
-  std::int64_t token_stride;
+  int parts;  // each expert's logit is the sum of this many values (a split weight's GEMM outputs)
 };
 
 // The CPU router's ranking (src/core/router.cpp, ranks_before): larger first, equal values
@@ -45,73 +40,32 @@ __device__ inline bool ranks_before(float value_a, int index_a, float value_b, i
   return index_a < index_b;
 }
 
-// ranks_before as one unsigned key, smaller first: the high word orders the values (larger first,
-// −0 as +0, every NaN last), the low word is the index. Keys of distinct indices never tie.
-__device__ inline std::uint64_t router_sort_key(float value, int index) {
-  std::uint32_t order = 0xffffffffu;  // NaN
-  if (!isnan(value)) {
-    const std::uint32_t bits = value == 0.0f ? 0u : __float_as_uint(value);
-    const std::uint32_t ascending = (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
-    order = ~ascending;
-  }
-  return (static_cast<std::uint64_t>(order) << 32) | static_cast<std::uint32_t>(index);
-}
-// Sorts after every expert's key: an expert outside the eligible groups, or the padding.
-inline constexpr std::uint64_t kIneligibleKey = ~std::uint64_t{0};
-
-// Ascending bitonic sort of keys[size] (a power of two) by the whole block. A pass with a stride
-// of at most 32 compares elements that one warp holds (a warp's pairs span 64 consecutive keys),
-// so it needs only the warp's barrier; the others, and the pass before them, the block's.
-__device__ inline void bitonic_sort_block(std::uint64_t* keys, int size) {
-  const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
-  for (int run = 2; run <= size; run <<= 1) {
-    for (int stride = run / 2; stride > 0; stride >>= 1) {
-      for (int pair = tid; pair < size / 2; pair += threads) {
-        const int low = 2 * stride * (pair / stride) + pair % stride, high = low + stride;
-        const bool ascending = (low & run) == 0;
-        const std::uint64_t a = keys[low], b = keys[high];
-        if ((a > b) == ascending) {
-          keys[low] = b;
-          keys[high] = a;
-        }
-      }
-      if (stride > 32 || stride == 1) {
-        __syncthreads();
-      } else {
-        __syncwarp();
-      }
-    }
-  }
-}
-
-// One block per token. Shared memory: sort keys [sort_size], scores [E], biased [E], group scores
-// [n_group], group eligibility [n_group].
+// One block per token. Shared memory: scores [E], biased [E], group scores [n_group], group
+// eligibility [n_group], the selected ids [k].
 //
-// Selection: every eligible expert's key (router_sort_key of its biased score), every other key
-// kIneligibleKey, sorted; the first k are the k best, in order — exactly what the CPU's
-// partial_sort under the same strict total order picks. A sorting network does the same
-// comparisons whatever the data and the schedule, so the result depends only on the logits' bits.
+// Selection: an eligible expert's rank is the number of eligible experts that rank before it;
+// those with rank < k are the k best, in order — exactly what the CPU's partial_sort under the same
+// strict total order picks. Each thread counts for its own experts, so the result does not depend
+// on scheduling.
 __global__ void route_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                              RouterParams p, std::int32_t* __restrict__ ids,
                              float* __restrict__ weights) {
-  extern __shared__ std::uint64_t router_smem[];
-  std::uint64_t* keys = router_smem;
-  float* scores = reinterpret_cast<float*>(keys + p.sort_size);
+  extern __shared__ float router_smem[];
+  float* scores = router_smem;
   float* biased = scores + p.experts;
   float* group_scores = biased + p.experts;
   int* group_ok = reinterpret_cast<int*>(group_scores + p.n_group);
+  int* selected = group_ok + p.n_group;
   __shared__ float softmax_max, softmax_sum;
 
   const std::int64_t token = blockIdx.x;
-  const float* row = logits + token * p.token_stride;
+  const float* row = logits + token * p.experts * p.parts;
   const int tid = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
 
-  // The logits first (in `scores`): part 0, plus part 1, plus part 2 …, in that order.
+  // The logits first (in `scores`): part 0, plus part 1, plus part 2, in that order.
   for (int e = tid; e < p.experts; e += threads) {
     float logit = row[e];
-    for (int part = 1; part < p.parts; ++part) {
-      logit = __fadd_rn(logit, row[part * p.part_stride + e]);
-    }
+    for (int part = 1; part < p.parts; ++part) logit = __fadd_rn(logit, row[part * p.experts + e]);
     scores[e] = logit;
   }
   __syncthreads();
@@ -174,24 +128,27 @@ __global__ void route_kernel(const float* __restrict__ logits, const float* __re
     __syncthreads();
   }
 
-  for (int i = tid; i < p.sort_size; i += threads) {
-    const bool eligible = i < p.experts && (p.n_group == 1 || group_ok[i / group_size]);
-    keys[i] = eligible ? router_sort_key(biased[i], i) : kIneligibleKey;
+  for (int e = tid; e < p.experts; e += threads) {
+    if (p.n_group > 1 && !group_ok[e / group_size]) continue;
+    int rank = 0;
+    for (int other = 0; other < p.experts && rank < p.top_k; ++other) {
+      if (p.n_group > 1 && !group_ok[other / group_size]) continue;
+      if (ranks_before(biased[other], other, biased[e], e)) ++rank;
+    }
+    if (rank < p.top_k) selected[rank] = e;
   }
   __syncthreads();
-  bitonic_sort_block(keys, p.sort_size);
 
   if (tid == 0) {
     std::int32_t* token_ids = ids + token * p.top_k;
     float* token_weights = weights + token * p.top_k;
     float sum = 0.0f;  // in rank order from +0, as the CPU
     for (int j = 0; j < p.top_k; ++j) {
-      const auto expert = static_cast<std::int32_t>(keys[j] & 0xffffffffu);
-      token_ids[j] = expert;
-      sum = __fadd_rn(sum, scores[expert]);
+      token_ids[j] = selected[j];
+      sum = __fadd_rn(sum, scores[selected[j]]);
     }
     for (int j = 0; j < p.top_k; ++j) {
-      float weight = scores[keys[j] & 0xffffffffu];
+      float weight = scores[selected[j]];
       if (p.renormalize) weight = sum > 0.0f ? __fdiv_rn(weight, sum) : 0.0f;
       token_weights[j] = __fmul_rn(weight, p.scale);
     }

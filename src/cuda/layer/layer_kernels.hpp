@@ -16,32 +16,19 @@ namespace lmoe::cuda {
 cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType dtype,
                             cudaStream_t stream);
 
-// The most experts the router kernel holds in shared memory (two fp32 values and a sort key each).
+// The most experts the router kernel holds in shared memory (two fp32 values each).
 inline constexpr std::int64_t kMaxRouterExperts = 4096;
-
-// Where the router kernel finds a token's logits: expert e's logit of token t is the sum, in part
-// order from part 0, of logits[t·token_stride + p·part_stride + e] for p < parts (fp32 adds).
-struct RouterLogitLayout {
-  int parts = 1;
-  std::int64_t part_stride = 0;
-  std::int64_t token_stride = 0;
-};
-inline constexpr int kMaxRouterLogitParts = 64;
 
 // select_experts (include/lmoe/router.hpp) on the device: logits [T, E] fp32 → ids [T, k] (best
 // first) and weights [T, k]. With logit_parts > 1 (at most 3) the logits come as [T, parts·E]
 // (the router GEMM on a split weight, core/router_weight_split.hpp) and expert e's logit is
 // (part 0 + part 1) + part 2 of its column, in fp32. `bias` holds E values when
-// config.correction_bias, else it is null. One block per token; selection sorts the experts' keys
-// under the CPU router's total order with a sorting network (no atomics, no order-dependent
+// config.correction_bias, else it is null. One block per token; selection ranks every eligible
+// expert against all others with the CPU router's total order (no atomics, no order-dependent
 // reductions), so it depends only on the logits' bits.
 cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
                          const RouterConfig& config, std::int32_t* ids, float* weights,
                          cudaStream_t stream, int logit_parts = 1);
-// The same on logits laid out as `layout` says (1 ≤ parts ≤ kMaxRouterLogitParts, strides ≥ E).
-cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
-                         const RouterConfig& config, const RouterLogitLayout& layout,
-                         std::int32_t* ids, float* weights, cudaStream_t stream);
 
 // dst [i, :cols] = src [rows[i], :cols] for i < count (pitches src_ld and cols elements of
 // `dtype`), or for i < min(count, *count_device) when count_device is set (a row count that

@@ -1,48 +1,20 @@
 #include "cuda/layer/layer_router.hpp"
 
-#include <algorithm>
-#include <string>
-
 #include "core/router_weight_split.hpp"
 #include "cuda/layer/layer_kernels.hpp"
-#include "cuda/layer/router_logits.hpp"
-#include "cuda/runtime/alignment.hpp"
-#include "lmoe/error.hpp"
 
 namespace lmoe::cuda {
 
-LayerRouter::LayerRouter(const LayerConfig& config, DType dtype, const LayerWeights& weights,
-                         RouterPath path)
-    : config_(config),
-      dtype_(dtype),
-      split_router_(dtype == DType::bf16),
-      path_(path),
-      decode_(split_router_ && path != RouterPath::gemm &&
-              router_logits_fits(1, config.d_model, config.router.num_experts)) {
+LayerRouter::LayerRouter(const LayerConfig& config, DType dtype, const LayerWeights& weights)
+    : config_(config), dtype_(dtype), split_router_(dtype == DType::bf16) {
   // A bf16 layer's router GEMM runs on tensor cores over the weight split into three bf16 parts
-  // (every product exact, sums in fp32: the router contract); others convert x to fp32. The decode
-  // kernel reads the fp32 weight itself (fewer bytes than the parts) and splits it in registers.
-  if (split_router_ && path != RouterPath::decode) {
+  // (every product exact, sums in fp32: the router contract); others convert x to fp32.
+  if (split_router_) {
     router_parts_ = upload(split_router_weight_bf16(weights.router_weight));
+  } else {
+    router_weight_ = upload(weights.router_weight);
   }
-  if (!split_router_ || decode_) router_weight_ = upload(weights.router_weight);
   if (config.router.correction_bias) router_bias_ = upload(weights.router_bias);
-  if (decode_) {
-    decode_splits_ = router_logits_splits(config.router.num_experts, config.d_model);
-    check(prepare_router_logits(), "prepare_router_logits");
-  }
-}
-
-bool LayerRouter::uses_decode(std::int64_t tokens) const {
-  const bool fits = decode_ && tokens <= kRouterDecodeMaxTokens;
-  if (path_ == RouterPath::decode && !fits) {
-    throw Error("router: the decode path takes a bf16 layer with d_model a multiple of " +
-                std::to_string(kRouterLogitsChunk) + " and 1 … " +
-                std::to_string(kRouterDecodeMaxTokens) + " tokens; got " +
-                std::string(dtype_name(dtype_)) + ", d_model = " + std::to_string(config_.d_model) +
-                ", " + std::to_string(tokens) + " tokens");
-  }
-  return fits;
 }
 
 void LayerRouter::reserve(std::int64_t rows) {
@@ -50,13 +22,7 @@ void LayerRouter::reserve(std::int64_t rows) {
   const std::int64_t experts = config_.router.num_experts, slot_rows = slots(rows);
   x32_ = split_router_ ? DeviceBuffer() : DeviceBuffer(floats(rows * d));
   router_x_ = split_router_ ? DeviceBuffer(bytes(rows * d)) : DeviceBuffer();
-  logits_ = path_ == RouterPath::decode
-                ? DeviceBuffer()
-                : DeviceBuffer(floats(rows * experts * (split_router_ ? 3 : 1)));
-  partial_ =
-      decode_
-          ? DeviceBuffer(floats(decode_splits_ * std::min(rows, kRouterDecodeMaxTokens) * experts))
-          : DeviceBuffer();
+  logits_ = DeviceBuffer(floats(rows * experts * (split_router_ ? 3 : 1)));
   routing_device_ = DeviceBuffer(2 * floats(slot_rows));  // ids [T·k] int32, weights [T·k] fp32
   routing_host_ = MappedHostBuffer(2 * floats(slot_rows));
 }
@@ -65,44 +31,6 @@ void LayerRouter::route(ConstMatrixView x, bool captured, CublasLtGemm& gemm, cu
   const std::int64_t tokens = x.rows, d = config_.d_model, experts = config_.router.num_experts;
   auto* ids = static_cast<std::int32_t*>(routing_device_.data());
   auto* weights = reinterpret_cast<float*>(ids + slots(tokens));
-  const auto* bias = static_cast<const float*>(router_bias_.data());
-  if (uses_decode(tokens)) {
-    if (tokens == 0) return;
-    // [S, T, E] partial logits from one pass over the fp32 weight; the route kernel adds each
-    // expert's S in split order. The kernel's order depends only on the shapes, so a caller's x
-    // that is not 16-byte aligned is copied first for the copy's alignment, not for the bits.
-    const void* source = x.data;
-    if (!aligned16(source)) {
-      LMOE_CUDA_CHECK(cudaMemcpyAsync(router_x_.data(), x.data, bytes(tokens * d),
-                                      cudaMemcpyDeviceToDevice, stream));
-      source = router_x_.data();
-    }
-    auto* partial = static_cast<float*>(partial_.data());
-    check(launch_router_logits(source, static_cast<const float*>(router_weight_.data()), tokens, d,
-                               experts, partial, stream),
-          "launch_router_logits");
-    check(launch_route(partial, bias, tokens, config_.router,
-                       RouterLogitLayout{decode_splits_, tokens * experts, experts}, ids, weights,
-                       stream),
-          "launch_route");
-  } else {
-    gemm_logits(x, gemm, stream);
-    check(launch_route(static_cast<const float*>(logits_.data()), bias, tokens, config_.router, ids,
-                       weights, stream, split_router_ ? 3 : 1),
-          "launch_route");
-  }
-  // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one
-  // (the host path at once; the device path's host_routing() waits for router_end_, and a
-  // forward's reserve() or this copy comes after the previous forward's router). A captured
-  // forward copies nothing: a graph's replays would overwrite it behind the host's back.
-  if (!captured) {
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(routing_host_.data(), ids, 2 * floats(slots(tokens)),
-                                    cudaMemcpyDeviceToHost, stream));
-  }
-}
-
-void LayerRouter::gemm_logits(ConstMatrixView x, CublasLtGemm& gemm, cudaStream_t stream) {
-  const std::int64_t tokens = x.rows, d = config_.d_model, experts = config_.router.num_experts;
   if (split_router_) {
     // [T, 3E] fp32: x times each bf16 part of the weight (exact products, fp32 sums); the route
     // kernel adds each expert's three. x is copied first into a buffer of this executor: the
@@ -118,6 +46,18 @@ void LayerRouter::gemm_logits(ConstMatrixView x, CublasLtGemm& gemm, cudaStream_
           "launch_to_float");
     gemm.run(x32_.data(), router_weight_.data(), d, logits_.data(), experts, tokens, experts, d,
              DType::f32, DType::f32, stream);
+  }
+  check(launch_route(static_cast<const float*>(logits_.data()),
+                     static_cast<const float*>(router_bias_.data()), tokens, config_.router, ids,
+                     weights, stream, split_router_ ? 3 : 1),
+        "launch_route");
+  // ids and weights are adjacent: one copy. routing_host_ is free: the host read the last one
+  // (the host path at once; the device path's host_routing() waits for router_end_, and a
+  // forward's reserve() or this copy comes after the previous forward's router). A captured
+  // forward copies nothing: a graph's replays would overwrite it behind the host's back.
+  if (!captured) {
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(routing_host_.data(), ids, 2 * floats(slots(tokens)),
+                                    cudaMemcpyDeviceToHost, stream));
   }
 }
 

@@ -1,9 +1,6 @@
-// The CUDA layer's router stage: fp32 logits, then the route kernel's ids and weights [T, k] on the
-// device and, for eager forwards, on the host. The logits come from the decode kernel for a bf16
-// layer at T ≤ kRouterDecodeMaxTokens (router_logits.hpp: one pass over the fp32 weight, K split
-// over blocks, the splits summed by the route kernel), else from a GEMM (a bf16 layer's over the
-// router weight split into three bf16 parts, others over x converted to fp32). docs/layer.md,
-// "The router at decode sizes". Host code only.
+// The CUDA layer's router stage: fp32 logits by a GEMM (a bf16 layer's over the router weight
+// split into three bf16 parts, others over x converted to fp32), then the route kernel's ids and
+// weights [T, k] on the device and, for eager forwards, on the host. Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,18 +14,9 @@
 
 namespace lmoe::cuda {
 
-// Which logits a router computes: the decode kernel wherever it takes the shapes (automatic), or
-// always one of the two (tests and benchmarks compare them; decode refuses shapes it cannot take).
-enum class RouterPath { automatic, gemm, decode };
-
 class LayerRouter {
  public:
-  LayerRouter(const LayerConfig& config, DType dtype, const LayerWeights& weights,
-              RouterPath path = RouterPath::automatic);
-
-  // Whether T tokens take the decode kernel (throws lmoe::Error for RouterPath::decode on shapes it
-  // cannot take).
-  bool uses_decode(std::int64_t tokens) const;
+  LayerRouter(const LayerConfig& config, DType dtype, const LayerWeights& weights);
 
   // Workspaces for `rows` tokens (the caller has waited for the work that used the old ones).
   void reserve(std::int64_t rows);
@@ -46,8 +34,6 @@ class LayerRouter {
   }
 
  private:
-  // logits_: [T, 3E] (split_router_) or [T, E] fp32 by the GEMM.
-  void gemm_logits(ConstMatrixView x, CublasLtGemm& gemm, cudaStream_t stream);
   std::size_t bytes(std::int64_t elements) const {
     return static_cast<std::size_t>(elements) * dtype_size(dtype_);
   }
@@ -55,18 +41,14 @@ class LayerRouter {
 
   LayerConfig config_;
   DType dtype_;
-  bool split_router_;  // bf16 x: the router GEMM over router_parts_
-  RouterPath path_;
-  bool decode_;                 // a bf16 layer whose d the decode kernel takes
-  int decode_splits_ = 0;       // S of the decode kernel's partials
-  DeviceBuffer router_weight_;  // [E, d] fp32 (not split_router_, or decode_)
+  bool split_router_;           // bf16 x: the router GEMM over router_parts_
+  DeviceBuffer router_weight_;  // [E, d] fp32 (not split_router_)
   DeviceBuffer router_parts_;   // [3E, d] bf16 (split_router_): core/router_weight_split.hpp
   DeviceBuffer router_bias_;    // [E] fp32, or empty
 
   DeviceBuffer x32_;               // [T, d] fp32 (not split_router_)
   DeviceBuffer router_x_;          // [T, d] bf16 (split_router_): x where the router GEMM reads it
   DeviceBuffer logits_;            // [T, E] fp32, [T, 3E] with split_router_
-  DeviceBuffer partial_;           // [S, T, E] fp32 (decode_, T ≤ kRouterDecodeMaxTokens)
   DeviceBuffer routing_device_;    // ids [T·k] int32, then weights [T·k] fp32
   MappedHostBuffer routing_host_;  // the same, on the host (page-locked: copies are asynchronous)
 };
