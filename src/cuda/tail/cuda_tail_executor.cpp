@@ -368,11 +368,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     up_ = DeviceBuffer(bytes(rows * dims_.d_model));
     shared_sum_ = DeviceBuffer(bytes(rows * dims_.d_model));
     capacity_ = rows;
-    // The column tier's unfused path; the epilogue GEMM needs none (stripe_accumulator).
+    // The column tier's unfused path (stripe_accumulator).
+    const std::int64_t unfused_rows = epilogue_gemm_ ? std::min(rows, unfused_stripe_rows()) : rows;
     stripe_acc_ =
-        epilogue_gemm_
-            ? DeviceBuffer()
-            : DeviceBuffer(static_cast<std::size_t>(rows * stripe_width()) * sizeof(float));
+        DeviceBuffer(static_cast<std::size_t>(unfused_rows * stripe_width()) * sizeof(float));
   }
 
   // p2p ranks spin on each other: a cuBLASLt GEMM launched for the first time in a shape waits for
@@ -484,7 +483,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                                       .k = dims_.d_latent,
                                       .dtype = dtype_,
                                       .add = add};
-    if (epilogue_gemm_ && !cuda::epilogue_gemm_limit(args)) {
+    if (epilogue_gemm_ && fills_the_gpu(rows, width) && !cuda::epilogue_gemm_limit(args)) {
       cuda::run_epilogue_gemm(args, stream);
       return;
     }
@@ -509,8 +508,22 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     }
   }
 
-  // The fp32 [rows, s] accumulator of column's unfused path: allocated only when a call needs it
-  // (the epilogue GEMM needs none), which cannot happen inside a capture.
+  // Whether the epilogue GEMM over [rows, width] launches enough CTAs (of its smallest tile, 64 ×
+  // 128) to be worth it: below that cuBLASLt, which splits K, wins (the tp-8 stripe at T ≤ 128
+  // measured 1.3–1.7× slower with the epilogue GEMM, docs/perf.md). Only narrow stripes fall below.
+  static constexpr std::int64_t kEpilogueMinCtas = 32;
+  static bool fills_the_gpu(std::int64_t rows, std::int64_t width) {
+    return ((rows + 63) / 64) * ((width + 127) / 128) >= kEpilogueMinCtas;
+  }
+  // The most rows for which a stripe of this rank's width takes the unfused path by size.
+  std::int64_t unfused_stripe_rows() const {
+    const std::int64_t column_tiles = (stripe_width() + 127) / 128;
+    return 64 * ((kEpilogueMinCtas - 1) / column_tiles);
+  }
+
+  // The fp32 [rows, s] accumulator of column's unfused path: sized at allocation for the rows that
+  // take it by size (all of them without the epilogue GEMM), and otherwise allocated when a call
+  // needs it (views TMA cannot take), which cannot happen inside a capture.
   float* stripe_accumulator(std::int64_t rows, cudaStream_t stream) {
     const std::size_t need = static_cast<std::size_t>(rows * stripe_width()) * sizeof(float);
     if (stripe_acc_.bytes() < need) {
