@@ -37,10 +37,11 @@ constexpr std::array<SettingSpec, 26> kTable = {{
      "tier policy (core)"},
     {"LMOE_DISABLE_OVERLAP", T::flag, 0, 0, "", "0",
      "declines the overlap tier; sets a table's ranges aside", "tier policy (core)"},
-    {"LMOE_EPILOGUE_GEMM", T::flag, 0, 0, "", "1",
-     "0: the up-projection writes its product and a kernel adds it (cuBLASLt), instead of the add "
-     "in the GEMM's epilogue (CUTLASS, Hopper)",
-     "cuda tail (overlap, column, token; fused at tp 1)"},
+    {"LMOE_EPILOGUE_GEMM", T::flag, 0, 0, "", "unset: where it fills the GPU (32 CTAs or more)",
+     "the up-projection's add in its epilogue (CUTLASS, Hopper): 1 at every size, 0 never "
+     "(cuBLASLt "
+     "writes the product and a kernel adds it)",
+     "cuda tail (overlap and column at tp 1, column's stripes, token)"},
     {"LMOE_FUSED_CHAINED", T::flag, 0, 0, "", "1",
      "0 turns the chained path off (the fused kernel for T <= 128, docs/fused.md)",
      "cuda fused tier; tier policy defaults"},

@@ -570,17 +570,14 @@ TEST(CudaTail, WithoutTheLatentNormEveryTierMeetsItsContract) {
   }
 }
 
-// The up-projection without the epilogue GEMM (LMOE_EPILOGUE_GEMM=0, read when the tail is built):
-// cuBLASLt writes the product and a kernel adds it, the path of GPUs other than Hopper's. Every
-// tier that adds after the GEMM, one and two ranks, against the contract (random inputs) and bit
-// for bit (exact ones).
-TEST(CudaTail, TheUnfusedUpProjectionMeetsEveryContract) {
-  SKIP_WITHOUT_GPU();
-  ScopedEnv env("LMOE_EPILOGUE_GEMM", "0");
+// Every tier that adds after the GEMM, one and two ranks, against the contract (random inputs) and
+// bit for bit (exact ones), with LMOE_EPILOGUE_GEMM (read when the tail is built) at `setting`.
+static void expect_every_tier_meets_its_contract_with_epilogue_gemm(const char* setting) {
+  ScopedEnv env("LMOE_EPILOGUE_GEMM", setting);
   for (const auto& [comm, tp] :
        {std::pair<const char*, int>{"p2p", 1}, {"p2p", 2}, {"cuda-threads", 2}}) {
     if (auto limit = lmoe::comm_group_limit(comm, tp)) {
-      std::printf("[ unfused ] %s tp=%d skipped: %s\n", comm, tp, limit->c_str());
+      std::printf("[ epilogue=%s ] %s tp=%d skipped: %s\n", setting, comm, tp, limit->c_str());
       continue;
     }
     for (TailTier tier : {TailTier::overlap, TailTier::column, TailTier::token}) {
@@ -599,23 +596,38 @@ TEST(CudaTail, TheUnfusedUpProjectionMeetsEveryContract) {
   }
 }
 
+// The unfused path (0): cuBLASLt writes the product and a kernel adds it, the path of GPUs other
+// than Hopper's.
+TEST(CudaTail, TheUnfusedUpProjectionMeetsEveryContract) {
+  SKIP_WITHOUT_GPU();
+  expect_every_tier_meets_its_contract_with_epilogue_gemm("0");
+}
+
+// The epilogue GEMM at every size (1), where by default the small GEMMs of these dims would take
+// the unfused path: the stripes in place, one rank's C = shared and D = out, the token chunks.
+TEST(CudaTail, TheEpilogueGemmAtEverySizeMeetsEveryContract) {
+  SKIP_WITHOUT_GPU();
+  expect_every_tier_meets_its_contract_with_epilogue_gemm("1");
+}
+
 // The add in the GEMM's epilogue is what runs by default on Hopper: column with one rank then
 // reads `shared` and writes `out`, leaving shared's bits alone, while the unfused path
 // (LMOE_EPILOGUE_GEMM=0, and every GPU but Hopper) accumulates into shared in place and copies it.
 TEST(CudaTailTp1, ColumnLeavesSharedAloneExactlyWhenTheEpilogueGemmRuns) {
   SKIP_WITHOUT_GPU();
   const bool hopper = lmoe::cuda::current_compute_capability() == 90;
-  const lmoe::TailCase c = lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 1, 37, 11u);
+  // K3's width: 56 CTAs at T = 37, enough for the epilogue GEMM by default.
+  const lmoe::TailCase c = lmoe::make_random_case(kK3, 1e-5f, DType::bf16, 1, 37, 11u);
   const auto reference = lmoe::reference_tail(c, lmoe::contract_of(TailTier::column));
   for (const char* setting : {static_cast<const char*>(nullptr), "1", "0"}) {
     SCOPED_TRACE(std::string("LMOE_EPILOGUE_GEMM=") + (setting ? setting : "(unset)"));
     ScopedEnv env("LMOE_EPILOGUE_GEMM", setting);
     lmoe::run_comm_group("cuda-threads", 1, [&](int, lmoe::Communicator& comm) {
       lmoe::TailOptions options;
-      options.dims = kSmall;
+      options.dims = kK3;
       options.backend = lmoe::Backend::cuda;
       lmoe::LatentTail tail(options, comm, c.norm_weight.matrix(), c.up_proj_weight.matrix());
-      const std::int64_t t = c.num_tokens, d = kSmall.d_model, l = kSmall.d_latent;
+      const std::int64_t t = c.num_tokens, d = kK3.d_model, l = kK3.d_latent;
       const std::size_t routed_bytes = static_cast<std::size_t>(t * l) * 2,
                         shared_bytes = static_cast<std::size_t>(t * d) * 2;
       const lmoe::cuda::DeviceBuffer routed(routed_bytes), shared(shared_bytes), out(shared_bytes);

@@ -137,8 +137,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                                        .n = d,
                                        .k = l,
                                        .dtype = dtype};
-    epilogue_gemm_ = setting_flag_if_set("LMOE_EPILOGUE_GEMM").value_or(true) &&
-                     !cuda::epilogue_gemm_limit(probe);
+    // Unset: by size (fills_the_gpu); 1: at every size; 0: never.
+    const std::optional<bool> epilogue_setting = setting_flag_if_set("LMOE_EPILOGUE_GEMM");
+    epilogue_gemm_ = epilogue_setting.value_or(true) && !cuda::epilogue_gemm_limit(probe);
+    epilogue_at_every_size_ = epilogue_setting.value_or(false);
     // Where replays with T read on the device record what they could not run, and where that T is
     // read back outside capture (a few bytes; mapped so the selector kernel writes it directly).
     token_mapped_ = cuda::MappedHostBuffer(sizeof(cuda::TokenSwitchStatus) + sizeof(std::int32_t));
@@ -369,7 +371,10 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     shared_sum_ = DeviceBuffer(bytes(rows * dims_.d_model));
     capacity_ = rows;
     // The column tier's unfused path (stripe_accumulator).
-    const std::int64_t unfused_rows = epilogue_gemm_ ? std::min(rows, unfused_stripe_rows()) : rows;
+    const std::int64_t unfused_rows = !epilogue_gemm_ ? rows
+                                      : epilogue_at_every_size_
+                                          ? 0
+                                          : std::min(rows, unfused_stripe_rows());
     stripe_acc_ =
         DeviceBuffer(static_cast<std::size_t>(unfused_rows * stripe_width()) * sizeof(float));
   }
@@ -483,7 +488,8 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
                                       .k = dims_.d_latent,
                                       .dtype = dtype_,
                                       .add = add};
-    if (epilogue_gemm_ && fills_the_gpu(rows, width) && !cuda::epilogue_gemm_limit(args)) {
+    if (epilogue_gemm_ && (epilogue_at_every_size_ || fills_the_gpu(rows, width)) &&
+        !cuda::epilogue_gemm_limit(args)) {
       cuda::run_epilogue_gemm(args, stream);
       return;
     }
@@ -714,6 +720,7 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
   DeviceBuffer shared_sum_;    // [T, d] reduced shared
   DeviceBuffer stripe_acc_;    // [T, s] fp32: column's unrounded N · w_up[stripe]ᵀ, unfused only
   bool epilogue_gemm_ = false;  // the add in the up-projection's epilogue (LMOE_EPILOGUE_GEMM)
+  bool epilogue_at_every_size_ = false;  // LMOE_EPILOGUE_GEMM=1: also below fills_the_gpu
   std::unique_ptr<cuda::FusedTail> fused_;
   std::optional<std::string> fused_unavailable_;
   bool spinning_peers_ = false;                         // p2p peers, which spin on the device
