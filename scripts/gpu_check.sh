@@ -7,7 +7,7 @@
 # benchmarks/profile.sh and benchmarks/fused_timeline.sh, on the same frame (scripts/gpu_check_lib.sh).
 #
 #   bash scripts/gpu_check.sh            # everything that this machine's GPU count allows
-#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python opbench p2p graphs p2pshared hardening fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
+#   LMOE_CHECK_STAGES="build tests" bash scripts/gpu_check.sh   # a subset of: build tests python opbench sidebyside p2p graphs p2pshared hardening fused fusedturns sanitize sanitizempi fusedbench layer grouped baseline scaling nccl kernels bench bench1 tune policy run
 #   LMOE_CUDA_ARCHITECTURES=90a ...                                # build for this Hopper machine only
 cd "$(dirname "$0")/.."
 check_name=gpu_check
@@ -74,6 +74,16 @@ if wants opbench; then
     >"$logs/opbench.log" 2>&1
   rc[opbench]=$?
   tail -12 "$logs/opbench.log"
+fi
+
+if wants sidebyside; then
+  # lmoe at tp 1 (every tier, the policy's pick and the fastest) against PyTorch, warm and cold L2,
+  # with the floor from this run's GEMM and copy rates (docs/gemm.md, docs/perf.md).
+  stage "lmoe vs PyTorch at tp 1: K3, graphs of 8 tails, warm and cold"
+  timeout 600 python3 benchmarks/tail_vs_torch.py --lmoe build/cuda/lmoe --json "$logs/tail_vs_torch.json" \
+    --markdown "$logs/tail_vs_torch.md" >"$logs/tail_vs_torch.log" 2>&1
+  rc[sidebyside]=$?
+  grep -E "^rates|^\|" "$logs/tail_vs_torch.log"
 fi
 
 if wants p2p; then

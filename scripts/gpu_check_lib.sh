@@ -12,7 +12,8 @@
 #   configure_cuda LINEINFO  configures the `cuda` preset (LMOE_CUDA_ARCHITECTURES=90a: this
 #                            Hopper only) with -DLMOE_CUDA_LINEINFO=LINEINFO; exits 1 if that fails
 #   build_cuda JOBS          builds every target with JOBS jobs (rc[build])
-#   summary                  every exit code, then exits 1 if any is nonzero, else 0
+#   summary                  every exit code, then exits 1 if any is nonzero, else 0 (with
+#                            LMOE_CHECK_PACK=1, first packs the logs into one .tar.gz)
 set -uo pipefail
 
 # NVLink multicast stays off on shared machines (it can take a host's GPUs out of service).
@@ -60,6 +61,13 @@ summary() {
     echo "$check_name: $name exit code ${rc[$name]}"
     [ "${rc[$name]}" -ne 0 ] && failed=1
   done
-  echo "$check_name: logs in $logs"
+  # A caller that collects $OUT may take back only a few files (a GPU machine's run tool returns at
+  # most 8): with LMOE_CHECK_PACK=1 every log and JSON goes into one archive instead.
+  if [ "${LMOE_CHECK_PACK:-0}" = 1 ]; then
+    tar -czf "/tmp/$check_name.tar.gz" -C "$logs" . && rm -rf "${logs:?}"/* &&
+      mv "/tmp/$check_name.tar.gz" "$logs/" && echo "$check_name: logs packed in $logs/$check_name.tar.gz"
+  else
+    echo "$check_name: logs in $logs"
+  fi
   exit $failed
 }

@@ -1,6 +1,7 @@
 #include "cuda/gemm/epilogue_gemm.hpp"
 
 #include <array>
+#include <atomic>
 #include <climits>
 #include <string>
 
@@ -15,17 +16,18 @@ namespace lmoe::cuda {
 namespace {
 
 // The SM count of the current device, asked once per device (the persistent schedule launches one
-// CTA per SM; asking at every launch would cost a driver call).
+// CTA per SM; asking at every launch would cost a driver call). Ranks on threads may ask at once.
 int sm_count() {
-  static std::array<int, 64> counts{};
+  static std::array<std::atomic<int>, 64> counts{};
   int device = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
   if (device < 0 || device >= static_cast<int>(counts.size())) return 0;  // CUTLASS asks itself
-  if (counts[device] == 0) {
-    LMOE_CUDA_CHECK(
-        cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  int count = counts[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    LMOE_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    counts[device].store(count, std::memory_order_relaxed);
   }
-  return counts[device];
+  return count;
 }
 
 // CTAs the shape needs with `tile`, in waves over the SMs, times the tile's area over its measured
