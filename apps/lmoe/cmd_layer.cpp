@@ -4,13 +4,18 @@
 // each stage per T and checks every T against fp64 math (a cuda run also against the cpu backend),
 // on the cpu or the cuda backend (docs/layer.md). With --graph (cuda) each T's forward is captured
 // into a CUDA graph and timed as replays, each replay's y checked against the eager forward's bits.
+// --describe prints the preset's layer as JSON instead of running it (benchmarks/torch_moe.py reads
+// it, so that a model's layer is written down only in src/models/).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <string_view>
 
 #include "common.hpp"
 #include "core/host_math.hpp"
@@ -47,14 +52,32 @@ struct LayerCommand {
   int layer_index = -1;
   bool keep_packed = false;
   std::string json_path;
+  bool describe = false;
+
+  // The options --describe reads (the layer's); every other option is a run's and is refused.
+  static constexpr std::array<std::string_view, 8> kDescribeOptions = {
+      "--describe", "--preset", "--d-model", "--d-latent",
+      "--dtype",    "--eps",    "--scale",   "--experts"};
 
   static constexpr int kEagerRepeats = 3;
   static constexpr int kGraphRepeats = 50;  // replays are cheap; p10 and p90 need samples
   static constexpr int kGraphWarmup = 5;    // untimed replays, as lmoe bench warms a graph
 
   void execute() const;
+  // --describe: the layer as one JSON object on stdout; nothing is made or run.
+  void print_description() const;
 
  private:
+  // The preset's layer as a run builds it: the preset's dims or --d-model/--d-latent, scaled down
+  // by --scale (not for a checkpoint, loaded at the model's own dims), with --experts routed
+  // experts where given; checked on its own (a run checks it again for its ranks).
+  struct PresetLayer {
+    const ModelPreset* preset = nullptr;
+    ModelOptions::Resolved resolved;
+    int divisor = 1;
+    LayerConfig config;
+  };
+  PresetLayer preset_layer(bool load) const;
   // The flags resolved and checked, before anything is made or run.
   struct LayerSetup {
     bool load = false;  // a checkpoint's layer, not random weights
@@ -144,27 +167,13 @@ double median_of_us(const std::vector<LayerStageTimes>& times,
   return values.empty() ? -1 : values[values.size() / 2];
 }
 
-LayerCommand::LayerSetup LayerCommand::setup() const {
-  LayerSetup setup;
-  const bool load = setup.load = !weights_dir.empty();
-  if (load != (layer_index >= 0))
-    throw Error(
-        "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
-  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
-  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
+LayerCommand::PresetLayer LayerCommand::preset_layer(bool load) const {
   LMOE_CHECK(scale >= 1, "--scale: expected a divisor ≥ 1, got " + std::to_string(scale));
   check_at_most("--scale", scale, kMaxScale, "");
   check_at_most("--experts", experts, kMaxExperts, "experts");
-  for (std::int64_t t : tokens) {
-    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
-    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
-  }
-  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
-  LMOE_CHECK(!cold_l2 || graph,
-             "--cold-l2: needs --graph (L2 is evicted before graph replays; "
-             "before eager forwards it would hide their launch gaps)");
-  const ModelOptions::Resolved& resolved = setup.resolved = model.resolve();
-  const ModelPreset& preset = *(setup.preset = &find_preset(model.preset));
+  PresetLayer layer;
+  layer.resolved = model.resolve();
+  const ModelPreset& preset = *(layer.preset = &find_preset(model.preset));
   if (!preset.layer) {
     throw Error("--preset " + preset.name +
                 ": no layer description (expert sizes unknown); presets with one: " + [] {
@@ -175,28 +184,49 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
                   return names;
                 }());
   }
-  if (load && !preset.tensor_names)
-    throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  LayerConfig full = *preset.layer;
+  full.d_model = layer.resolved.dims.d_model;
+  full.d_latent = layer.resolved.dims.d_latent;
+  layer.divisor = load ? 1 : scale;
+  layer.config = scale_down(full, layer.divisor);
+  if (experts > 0) layer.config.router.num_experts = experts;
+  if (auto error = validate_layer_config(layer.config)) throw Error("layer config: " + *error);
+  return layer;
+}
+
+LayerCommand::LayerSetup LayerCommand::setup() const {
+  LayerSetup setup;
+  const bool load = setup.load = !weights_dir.empty();
+  if (load != (layer_index >= 0))
+    throw Error(
+        "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
+  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
+  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
+  for (std::int64_t t : tokens) {
+    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
+    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
+  }
+  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
+  LMOE_CHECK(!cold_l2 || graph,
+             "--cold-l2: needs --graph (L2 is evicted before graph replays; "
+             "before eager forwards it would hide their launch gaps)");
   if (keep_packed && !load)
     throw Error("--keep-packed: give --weights and --layer (random weights are dense)");
-  if (keep_packed && !preset.tensor_names->experts_mxfp4) {
-    throw Error("--keep-packed: the routed experts of --preset " + preset.name +
-                " are not MXFP4 (nothing to keep packed)");
-  }
   if (load && (model.d_model > 0 || model.d_latent > 0)) {
     throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
   }
-  LayerConfig full = *preset.layer;
-  full.d_model = resolved.dims.d_model;
-  full.d_latent = resolved.dims.d_latent;
-  // A checkpoint is loaded at the model's own dims; random weights are scaled down by --scale.
-  const int divisor = setup.divisor = load ? 1 : scale;
-  LayerConfig& config = setup.config = scale_down(full, divisor);
-  if (experts > 0) {
-    LMOE_CHECK(
-        !load,
-        "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
-    config.router.num_experts = experts;
+  LMOE_CHECK(!load || experts == 0,
+             "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
+  const PresetLayer layer = preset_layer(load);
+  const ModelPreset& preset = *(setup.preset = layer.preset);
+  const ModelOptions::Resolved& resolved = setup.resolved = layer.resolved;
+  const int divisor = setup.divisor = layer.divisor;
+  const LayerConfig& config = setup.config = layer.config;
+  if (load && !preset.tensor_names)
+    throw Error("--preset " + preset.name + ": no tensor names to load a checkpoint by");
+  if (keep_packed && !preset.tensor_names->experts_mxfp4) {
+    throw Error("--keep-packed: the routed experts of --preset " + preset.name +
+                " are not MXFP4 (nothing to keep packed)");
   }
   if (auto error = validate_layer_config(config, ranks)) throw Error("layer config: " + *error);
 
@@ -499,6 +529,64 @@ void LayerCommand::dump(const LayerSetup& setup, const LayerRuns& runs) const {
   std::cerr << "lmoe layer: wrote x, y and the routing per T to " << dump_dir << "\n";
 }
 
+// A float as its shortest decimal (1e-5f as 1e-05, not 9.99999974737875e-06), for JSON readers
+// that take the number as a double.
+double shortest_decimal(float value) {
+  char text[32];
+  const auto [end, error] = std::to_chars(text, text + sizeof(text), value);
+  double decimal = value;
+  if (error == std::errc()) std::from_chars(text, end, decimal);
+  return decimal;
+}
+
+// The layer as `lmoe layer --describe` prints it: the config, the preset's eps and dtype (or
+// --eps/--dtype), and where a checkpoint keeps each tensor ("" where the model has none).
+nlohmann::json layer_description(const ModelPreset& preset, const LayerConfig& config,
+                                 const ModelOptions::Resolved& resolved, int divisor) {
+  const RouterConfig& router = config.router;
+  const LayerTensorNames names = preset.tensor_names.value_or(LayerTensorNames{});
+  nlohmann::json tensor_names = nlohmann::json::object();
+  for (const auto& [key, member] : {std::pair<const char*, std::string LayerTensorNames::*>{
+                                        "router_weight", &LayerTensorNames::router_weight},
+                                    {"router_bias", &LayerTensorNames::router_bias},
+                                    {"latent_down", &LayerTensorNames::latent_down},
+                                    {"latent_norm", &LayerTensorNames::latent_norm},
+                                    {"latent_up", &LayerTensorNames::latent_up},
+                                    {"expert_gate", &LayerTensorNames::expert_gate},
+                                    {"expert_up", &LayerTensorNames::expert_up},
+                                    {"expert_down", &LayerTensorNames::expert_down},
+                                    {"shared_gate", &LayerTensorNames::shared_gate},
+                                    {"shared_up", &LayerTensorNames::shared_up},
+                                    {"shared_down", &LayerTensorNames::shared_down}}) {
+    tensor_names[key] = names.*member;
+  }
+  return {{"preset", preset.name},
+          {"lmoe_version", kVersion},
+          {"scale", divisor},
+          {"d_model", config.d_model},
+          {"d_latent", config.d_latent},
+          {"router",
+           {{"num_experts", router.num_experts},
+            {"top_k", router.top_k},
+            {"n_group", router.n_group},
+            {"topk_group", router.topk_group},
+            {"score", router_score_name(router.score)},
+            {"correction_bias", router.correction_bias},
+            {"renormalize", router.renormalize},
+            {"routed_scaling_factor", shortest_decimal(router.routed_scaling_factor)}}},
+          {"expert_intermediate", config.expert_intermediate},
+          {"num_shared_experts", config.num_shared_experts},
+          {"shared_intermediate", config.shared_intermediate},
+          {"activation", activation_name(config.activation)},
+          {"activation_beta", shortest_decimal(config.activation_beta)},
+          {"activation_linear_beta", shortest_decimal(config.activation_linear_beta)},
+          {"latent_norm", config.latent_norm},
+          {"dtype", dtype_name(resolved.dtype)},
+          {"eps", shortest_decimal(resolved.eps)},
+          {"experts_mxfp4", names.experts_mxfp4},
+          {"tensor_names", tensor_names}};
+}
+
 // What rank 0's weights hold, so that a user sees the memory of packed and dequantized experts.
 void print_weight_bytes(const LayerWeightBytes& bytes, DType dtype) {
   const auto mib = [](std::size_t count) {
@@ -567,6 +655,12 @@ void LayerCommand::execute() const {
   if (!all_ok) throw CLI::RuntimeError(1);
 }
 
+void LayerCommand::print_description() const {
+  const PresetLayer layer = preset_layer(/*load=*/false);
+  std::cout << layer_description(*layer.preset, layer.config, layer.resolved, layer.divisor).dump(2)
+            << "\n";
+}
+
 }  // namespace
 
 void add_layer_command(CLI::App& app) {
@@ -627,7 +721,25 @@ void add_layer_command(CLI::App& app) {
                 "dequantizes each expert when a token needs it, the cuda backend still dequantizes "
                 "them at upload (docs/layer.md)");
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
-  sub->callback([command] { command->execute(); });
+  sub->add_flag(
+      "--describe", command->describe,
+      "print the preset's layer (dims scaled by --scale, router, experts, activation, eps, "
+      "tensor names, whether the routed experts are MXFP4) as one JSON object and exit "
+      "without running; takes --preset, --d-model, --d-latent, --dtype, --eps, --scale "
+      "and --experts, and refuses the run options");
+  sub->callback([command, sub] {
+    if (!command->describe) return command->execute();
+    for (const CLI::Option* option : sub->get_options()) {
+      const std::string name = option->get_name();
+      if (option->count() > 0 &&
+          std::find(LayerCommand::kDescribeOptions.begin(), LayerCommand::kDescribeOptions.end(),
+                    name) == LayerCommand::kDescribeOptions.end()) {
+        throw Error("--describe: prints the layer without running it; drop " + name +
+                    " (an option of a run)");
+      }
+    }
+    command->print_description();
+  });
 }
 
 }  // namespace lmoe::cli

@@ -28,6 +28,7 @@ inline bool is_gated(ExpertActivation activation) { return activation != ExpertA
 
 // How the router turns logits into scores.
 enum class RouterScore : std::uint8_t { sigmoid, softmax };
+std::string_view router_score_name(RouterScore score);
 
 // The routing of a latent MoE layer (include/lmoe/router.hpp implements it).
 struct RouterConfig {

@@ -16,6 +16,14 @@ std::string_view activation_name(ExpertActivation activation) {
   return "?";
 }
 
+std::string_view router_score_name(RouterScore score) {
+  switch (score) {
+    case RouterScore::sigmoid: return "sigmoid";
+    case RouterScore::softmax: return "softmax";
+  }
+  return "?";
+}
+
 namespace {
 
 std::string num(std::int64_t value) { return std::to_string(value); }
