@@ -19,16 +19,19 @@ The forward (src/core/router.cpp and src/cpu/cpu_layer_executor.cpp transcribed)
   shared   act(x·Gᵀ, x·Uᵀ)·Dᵀ
   tail     F.rms_norm (none where the model has no latent norm) + torch.mm + add
 
---generate writes a synthetic checkpoint by the preset's tensor names (`generate_checkpoint`: a
-torch.Generator from --seed, fan-in scaled normals; MXFP4 experts where the model stores them so,
-random e2m1 nibbles with one E8M0 scale per row block) that `lmoe layer --weights DIR --layer 0`
-loads. --check-lmoe DIR reads the x, y and routing that `lmoe layer --dump-dir DIR` wrote, runs x
-here and compares y on the tokens both routed alike with the layer's tolerances (docs/layer.md,
-normwise 1e-2 and row 0.06 in bf16); exit 1 beyond them. With --lmoe (cuda) the script runs
-`lmoe layer --graph` (warm and --cold-l2, one rank, --dump-dir) itself, checks, then times its own
-forward as CUDA graphs (warm and cold L2, --iters replays, median µs) and writes the table: both
-times, their ratio, and two floors measured in the same run (the active weights' bytes at the
-device-copy rate, the FLOPs at the bf16 GEMM rate; benchmarks/tail_vs_torch.py measures both).
+The preset's layer (dims, router, activation, eps, tensor names, MXFP4 experts) is read from
+`lmoe layer --preset P --scale 1 --describe`, so that src/models/ alone defines it (the binary:
+--lmoe, else build/cuda/lmoe, else build/cpu/lmoe). --generate writes a synthetic checkpoint by the
+preset's tensor names (`generate_checkpoint`: a torch.Generator from --seed, fan-in scaled normals;
+MXFP4 experts where the model stores them so, random e2m1 nibbles with one E8M0 scale per row block)
+that `lmoe layer --weights DIR --layer 0` loads. --check-lmoe DIR reads the x, y and routing that
+`lmoe layer --dump-dir DIR` wrote, runs x here and compares y on the tokens both routed alike with
+the layer's tolerances (docs/layer.md, normwise 1e-2 and row 0.06 in bf16); exit 1 beyond them. With
+--lmoe (cuda) the script runs `lmoe layer --graph` (warm and --cold-l2, one rank, --dump-dir)
+itself, checks, then times its own forward as CUDA graphs (warm and cold L2, --iters replays, median
+µs) and writes the table: both times, their ratio, and two floors measured in the same run (the
+active weights' bytes at the device-copy rate, the FLOPs at the bf16 GEMM rate;
+benchmarks/tail_vs_torch.py measures both).
 """
 import argparse
 import glob
@@ -44,40 +47,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# The presets' layers and tensor names, as src/models/*/preset.cpp and src/models/presets.cpp
-# define them (the script cannot read C++; a preset added there must be added here to be used).
-PRESETS = {
-    "small": dict(
-        d=384, l=192, experts=16, top_k=4, n_group=4, topk_group=2, score="sigmoid", bias=True,
-        renormalize=True, scale=2.5, inter=64, shared=2 * 48, act="silu_glu", beta=4.0, beta_lin=1.0,
-        latent_norm=True, eps=1e-5, mxfp4=False,
-        names=dict(prefix="layers.{layer}.moe.", router_weight="router.weight", router_bias="router.bias",
-                   latent_down="latent_down.weight", latent_norm="latent_norm.weight",
-                   latent_up="latent_up.weight", expert_gate="experts.{expert}.gate.weight",
-                   expert_up="experts.{expert}.up.weight", expert_down="experts.{expert}.down.weight",
-                   shared_gate="shared.gate.weight", shared_up="shared.up.weight",
-                   shared_down="shared.down.weight")),
-    "kimi-k3": dict(
-        d=7168, l=3584, experts=896, top_k=16, n_group=1, topk_group=1, score="sigmoid", bias=True,
-        renormalize=True, scale=1.0, inter=3072, shared=2 * 3072, act="situ_glu", beta=4.0, beta_lin=25.0,
-        latent_norm=True, eps=1e-5, mxfp4=True,
-        names=dict(prefix="language_model.model.layers.{layer}.block_sparse_moe.", router_weight="gate.weight",
-                   router_bias="gate.e_score_correction_bias", latent_down="routed_expert_down_proj.weight",
-                   latent_norm="routed_expert_norm.weight", latent_up="routed_expert_up_proj.weight",
-                   expert_gate="experts.{expert}.w1.weight", expert_up="experts.{expert}.w3.weight",
-                   expert_down="experts.{expert}.w2.weight", shared_gate="shared_experts.gate_proj.weight",
-                   shared_up="shared_experts.up_proj.weight", shared_down="shared_experts.down_proj.weight")),
-    "nemotron-3-super": dict(
-        d=4096, l=1024, experts=512, top_k=22, n_group=1, topk_group=1, score="sigmoid", bias=True,
-        renormalize=True, scale=5.0, inter=2688, shared=5376, act="relu2", beta=4.0, beta_lin=1.0,
-        latent_norm=False, eps=1e-5, mxfp4=False,
-        names=dict(prefix="backbone.layers.{layer}.mixer.", router_weight="gate.weight",
-                   router_bias="gate.e_score_correction_bias", latent_down="fc1_latent_proj.weight",
-                   latent_norm="", latent_up="fc2_latent_proj.weight", expert_gate="",
-                   expert_up="experts.{expert}.up_proj.weight", expert_down="experts.{expert}.down_proj.weight",
-                   shared_gate="", shared_up="shared_experts.up_proj.weight",
-                   shared_down="shared_experts.down_proj.weight")),
-}
 # The layer's tolerances in bf16 (src/core/layer_reference.cpp: layer_normwise_tolerance, layer_row_tolerance).
 NORMWISE_TOLERANCE, ROW_TOLERANCE = 1e-2, 0.06
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -94,14 +63,17 @@ def token_counts(text):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="kimi-k3", help="a preset with a layer, as `lmoe layer --preset` takes")
     p.add_argument("--generate", metavar="DIR", help="write a synthetic checkpoint of the preset's layer 0 here")
     p.add_argument("--seed", type=int, default=2026, help="the generator's seed")
     p.add_argument("--weights", metavar="DIR", help="the checkpoint folder `lmoe layer --weights` reads")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--check-lmoe", metavar="DIR", help="compare with what `lmoe layer --dump-dir DIR` wrote")
-    p.add_argument("--lmoe", metavar="BINARY", help="cuda: run `lmoe layer --graph` on the same checkpoint, then time both")
+    p.add_argument("--lmoe", metavar="BINARY",
+                   help="the lmoe binary: it describes the preset (`lmoe layer --describe`; without --lmoe, "
+                        "build/cuda/lmoe or else build/cpu/lmoe of this repository); given, on cuda it also runs "
+                        "`lmoe layer --graph` on the same checkpoint, then times both")
     p.add_argument("-t", "--tokens", dest="token_list", type=token_counts, default="1,16,128,1024,8192")
     p.add_argument("--experts-impl", default="auto", choices=["auto", "grouped", "loop"],
                    help="auto: time both where both run, keep the faster per T")
@@ -187,11 +159,50 @@ class Checkpoint:
         return tensor.reshape(entry["shape"])
 
 
+# ---- the preset's layer, as lmoe holds it ------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lmoe_binary(given):
+    """--lmoe, else build/cuda/lmoe, else build/cpu/lmoe of this repository."""
+    if given:
+        return given
+    for build in ("cuda", "cpu"):
+        path = os.path.join(ROOT, "build", build, "lmoe")
+        if os.path.exists(path):
+            return path
+    raise SystemExit(f"no lmoe binary: give --lmoe BINARY, or build one (cmake --preset cpu && ninja -C build/cpu "
+                     f"lmoe) so that {os.path.join(ROOT, 'build', 'cpu', 'lmoe')} exists")
+
+
+def describe_preset(lmoe, preset):
+    """The preset's layer at its own dims from `lmoe layer --describe` (src/models/ defines it), in this
+    script's names: d, l, experts, inter, shared (the shared experts' total width), act, beta, beta_lin,
+    mxfp4, names (role → tensor name with {layer} and {expert}; "" where the model has none)."""
+    command = [lmoe, "layer", "--preset", preset, "--scale", "1", "--describe"]
+    try:
+        completed = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as error:
+        raise SystemExit(f"{' '.join(command)}: {error}")
+    if completed.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({completed.returncode}): {completed.stderr.strip()}")
+    layer = json.loads(completed.stdout)
+    router = layer["router"]
+    return dict(
+        d=layer["d_model"], l=layer["d_latent"], experts=router["num_experts"], top_k=router["top_k"],
+        n_group=router["n_group"], topk_group=router["topk_group"], score=router["score"],
+        bias=router["correction_bias"], renormalize=router["renormalize"], scale=router["routed_scaling_factor"],
+        inter=layer["expert_intermediate"], shared=layer["num_shared_experts"] * layer["shared_intermediate"],
+        act=layer["activation"], beta=layer["activation_beta"], beta_lin=layer["activation_linear_beta"],
+        latent_norm=layer["latent_norm"], eps=layer["eps"], mxfp4=layer["experts_mxfp4"],
+        names=layer["tensor_names"])
+
+
 # ---- the checkpoint's tensors -----------------------------------------------------------------------
 
 def tensor_name(cfg, role, layer, expert=0):
-    pattern = cfg["names"][role]
-    return (cfg["names"]["prefix"] + pattern).replace("{layer}", str(layer)).replace("{expert}", str(expert))
+    return cfg["names"][role].replace("{layer}", str(layer)).replace("{expert}", str(expert))
 
 
 def gated(cfg):
@@ -473,7 +484,7 @@ def bench(args, model):
 
 def main():
     args = parse_args()
-    cfg = PRESETS[args.preset]
+    cfg = describe_preset(lmoe_binary(args.lmoe), args.preset)
     if args.generate:
         generate_checkpoint(cfg, args.generate, args.seed, args.layer)
         print(f"wrote {args.preset} layer {args.layer} (seed {args.seed}) to {args.generate}")

@@ -88,6 +88,15 @@ class TorchMoeAgainstLmoe(unittest.TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertIn(f"--check-lmoe {empty}: no t*.safetensors files", result.stderr)
 
+    def test_the_layer_comes_from_lmoe(self):
+        # No layer of its own: a preset lmoe has no layer for is refused with lmoe's words.
+        result = script("--preset", "nemotron-3-ultra", "--generate", os.path.join(self.tmp.name, "ultra"),
+                        "--lmoe", LMOE)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("--preset nemotron-3-ultra --scale 1 --describe failed (2): lmoe: error: --preset "
+                      "nemotron-3-ultra: no layer description", result.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp.name, "ultra")))
+
     def test_lmoe_timing_needs_a_gpu(self):
         result = script("--device", "cpu", "--preset", "small", "--weights", self.checkpoint, "--lmoe", LMOE)
         self.assertEqual(result.returncode, 2, result.stderr)
