@@ -21,7 +21,7 @@ The forward (src/core/router.cpp and src/cpu/cpu_layer_executor.cpp transcribed)
 
 The preset's layer (dims, router, activation, eps, tensor names, MXFP4 experts) is read from
 `lmoe layer --preset P --scale 1 --describe`, so that src/models/ alone defines it (the binary:
---lmoe, else build/cuda/lmoe, else build/cpu/lmoe). --generate writes a synthetic checkpoint by the
+--lmoe, else the newer of build/cuda/lmoe and build/cpu/lmoe). --generate writes a synthetic checkpoint by the
 preset's tensor names (`generate_checkpoint`: a torch.Generator from --seed, fan-in scaled normals;
 MXFP4 experts where the model stores them so, random e2m1 nibbles with one E8M0 scale per row block)
 that `lmoe layer --weights DIR --layer 0` loads. --check-lmoe DIR reads the x, y and routing that
@@ -72,7 +72,7 @@ def parse_args():
     p.add_argument("--check-lmoe", metavar="DIR", help="compare with what `lmoe layer --dump-dir DIR` wrote")
     p.add_argument("--lmoe", metavar="BINARY",
                    help="the lmoe binary: it describes the preset (`lmoe layer --describe`; without --lmoe, "
-                        "build/cuda/lmoe or else build/cpu/lmoe of this repository); given, on cuda it also runs "
+                        "the newer of build/cuda/lmoe and build/cpu/lmoe of this repository); given, on cuda it also runs "
                         "`lmoe layer --graph` on the same checkpoint, then times both")
     p.add_argument("-t", "--tokens", dest="token_list", type=token_counts, default="1,16,128,1024,8192")
     p.add_argument("--experts-impl", default="auto", choices=["auto", "grouped", "loop"],
@@ -165,13 +165,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lmoe_binary(given):
-    """--lmoe, else build/cuda/lmoe, else build/cpu/lmoe of this repository."""
+    """--lmoe, else the newer of build/cuda/lmoe and build/cpu/lmoe of this repository (a stale one
+    could describe a preset as it was)."""
     if given:
         return given
-    for build in ("cuda", "cpu"):
-        path = os.path.join(ROOT, "build", build, "lmoe")
-        if os.path.exists(path):
-            return path
+    built = [os.path.join(ROOT, "build", build, "lmoe") for build in ("cuda", "cpu")]
+    built = [path for path in built if os.path.exists(path)]
+    if built:
+        return max(built, key=os.path.getmtime)
     raise SystemExit(f"no lmoe binary: give --lmoe BINARY, or build one (cmake --preset cpu && ninja -C build/cpu "
                      f"lmoe) so that {os.path.join(ROOT, 'build', 'cpu', 'lmoe')} exists")
 
