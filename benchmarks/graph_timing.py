@@ -13,6 +13,14 @@ def parse_token_list(parser, text):
     return [int(x) for x in fields]
 
 
+def check_timing_args(parser, args):
+    """--layers 1..64, --iters ≥ 1, --warmup ≥ 0 and a GPU, or a parser error."""
+    if not 1 <= args.layers <= 64 or args.iters < 1 or args.warmup < 0:
+        parser.error("--layers must be 1..64, --iters >= 1, --warmup >= 0")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU")
+
+
 def l2_flush_buffer():
     """A buffer twice the GPU's L2: writing it evicts what the last replay left there."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size

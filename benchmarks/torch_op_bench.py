@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import lmoe.torch
-from graph_timing import parse_token_list, time_graph
+from graph_timing import check_timing_args, parse_token_list, time_graph
 
 
 def parse_args():
@@ -41,10 +41,7 @@ def parse_args():
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     args.token_list = parse_token_list(p, args.tokens)
-    if not 1 <= args.layers <= 64 or args.iters < 1 or args.warmup < 0:
-        p.error("--layers must be 1..64, --iters >= 1, --warmup >= 0")
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
+    check_timing_args(p, args)
     return args
 
 

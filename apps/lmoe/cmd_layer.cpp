@@ -200,13 +200,7 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   if (load != (layer_index >= 0))
     throw Error(
         "--weights and --layer: give both (a checkpoint directory and a layer index) or neither");
-  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
-  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
-  for (std::int64_t t : tokens) {
-    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
-    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
-  }
-  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
+  check_forward_sizes(ranks, tokens, repeats);
   LMOE_CHECK(!cold_l2 || graph,
              "--cold-l2: needs --graph (L2 is evicted before graph replays; "
              "before eager forwards it would hide their launch gaps)");

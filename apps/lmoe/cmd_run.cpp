@@ -63,13 +63,7 @@ nlohmann::json to_json(const TierResult& result) {
 
 void RunCommand::execute() const {
   const ModelOptions::Resolved resolved = model.resolve();
-  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
-  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
-  for (std::int64_t t : tokens) {
-    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
-    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
-  }
-  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
+  check_forward_sizes(ranks, tokens, repeats);
   const Backend chosen_backend = resolve_backend(backend);
   const std::string chosen_comm = resolve_comm(comm, chosen_backend);
   // NCCL sums in its own order: its results are judged by the reordered-sum bound

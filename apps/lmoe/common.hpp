@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "lmoe/dims.hpp"
 #include "lmoe/latent_tail.hpp"
@@ -31,6 +32,10 @@ inline constexpr std::int64_t kMaxLayers = 64;       // --layers
 // lmoe::Error "<flag>: at most <limit> <unit>, got <value>" when value > limit.
 void check_at_most(const std::string& flag, std::int64_t value, std::int64_t limit,
                    const std::string& unit);
+
+// -n/--ranks ≥ 1 and within its bound, every -t/--tokens count ≥ 0 and within its bound, and
+// --repeats within its bound (the commands that run forwards: run, layer).
+void check_forward_sizes(int ranks, const std::vector<std::int64_t>& tokens, std::int64_t repeats);
 
 // --preset, --d-model, --d-latent, --dtype, --eps: a preset's dims, each overridable.
 struct ModelOptions {

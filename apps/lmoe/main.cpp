@@ -33,6 +33,16 @@ void check_at_most(const std::string& flag, std::int64_t value, std::int64_t lim
               ", got " + std::to_string(value));
 }
 
+void check_forward_sizes(int ranks, const std::vector<std::int64_t>& tokens, std::int64_t repeats) {
+  LMOE_CHECK(ranks >= 1, "--ranks: expected at least 1, got " + std::to_string(ranks));
+  check_at_most("-n/--ranks", ranks, kMaxRanks, "ranks");
+  for (std::int64_t t : tokens) {
+    LMOE_CHECK(t >= 0, "--tokens: expected non-negative token counts, got " + std::to_string(t));
+    check_at_most("-t/--tokens", t, kMaxTokens, "tokens");
+  }
+  check_at_most("--repeats", repeats, kMaxRepeats, "forwards");
+}
+
 ModelOptions::Resolved ModelOptions::resolve() const {
   check_at_most("--d-model", d_model, kMaxWidth, "");
   check_at_most("--d-latent", d_latent, kMaxWidth, "");
