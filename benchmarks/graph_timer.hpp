@@ -49,49 +49,62 @@ class Timer {
   Timer& operator=(const Timer&) = delete;
 
   // enqueue(i) puts the i-th operation on the stream (i selects a rotating buffer set).
-  Timing time(const std::function<void(int)>& enqueue) {
-    // Calibrate: the first calls also build cuBLASLt plans and load modules, outside any capture.
-    for (int i = 0; i < 2; ++i) enqueue(i);
-    LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    LMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
-    enqueue(0);
-    LMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
-    LMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
-    float single_ms = 0;
-    LMOE_CUDA_CHECK(cudaEventElapsedTime(&single_ms, start_, stop_));
-    Timing timing;
-    timing.inner = static_cast<int>(std::clamp(
-        std::ceil(settings_.graph_target_us / std::max(1.0, single_ms * 1e3)), 1.0, 256.0));
+  Timing time(const std::function<void(int)>& enqueue) { return time_together({enqueue})[0]; }
 
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < timing.inner; ++i) enqueue(i);
-    LMOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    LMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-
-    for (int i = 0; i < settings_.warmup; ++i) LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(settings_.repeats));
+  // Several ways of doing one operation, each in its own graph, timed in turns: repeat r launches
+  // every way's graph once, so a clock that drifts over the run moves every way alike (timed one
+  // after the other, the same kernel measured up to 18 % apart a few rows later).
+  std::vector<Timing> time_together(const std::vector<std::function<void(int)>>& ways) {
+    const std::size_t n = ways.size();
+    std::vector<Timing> timings(n);
+    std::vector<cudaGraph_t> graphs(n, nullptr);
+    std::vector<cudaGraphExec_t> execs(n, nullptr);
+    for (std::size_t w = 0; w < n; ++w) {
+      // Calibrate: the first calls also build cuBLASLt plans and load modules, outside any capture.
+      for (int i = 0; i < 2; ++i) ways[w](i);
+      LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      LMOE_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      ways[w](0);
+      LMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      LMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float single_ms = 0;
+      LMOE_CUDA_CHECK(cudaEventElapsedTime(&single_ms, start_, stop_));
+      timings[w].inner = static_cast<int>(std::clamp(
+          std::ceil(settings_.graph_target_us / std::max(1.0, single_ms * 1e3)), 1.0, 256.0));
+      LMOE_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < timings[w].inner; ++i) ways[w](i);
+      LMOE_CUDA_CHECK(cudaStreamEndCapture(stream_, &graphs[w]));
+      LMOE_CUDA_CHECK(cudaGraphInstantiate(&execs[w], graphs[w], 0));
+      for (int i = 0; i < settings_.warmup; ++i)
+        LMOE_CUDA_CHECK(cudaGraphLaunch(execs[w], stream_));
+    }
+    const std::size_t repeats = static_cast<std::size_t>(settings_.repeats);
+    std::vector<cudaEvent_t> events(2 * repeats * n);
     for (cudaEvent_t& event : events) LMOE_CUDA_CHECK(cudaEventCreate(&event));
-    for (int r = 0; r < settings_.repeats; ++r) {
-      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r], stream_));
-      LMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-      LMOE_CUDA_CHECK(cudaEventRecord(events[2 * r + 1], stream_));
+    for (std::size_t r = 0; r < repeats; ++r) {
+      for (std::size_t w = 0; w < n; ++w) {
+        LMOE_CUDA_CHECK(cudaEventRecord(events[2 * (r * n + w)], stream_));
+        LMOE_CUDA_CHECK(cudaGraphLaunch(execs[w], stream_));
+        LMOE_CUDA_CHECK(cudaEventRecord(events[2 * (r * n + w) + 1], stream_));
+      }
     }
     LMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<double> per_op_us;
-    for (int r = 0; r < settings_.repeats; ++r) {
-      float ms = 0;
-      LMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, events[2 * r], events[2 * r + 1]));
-      per_op_us.push_back(ms * 1e3 / timing.inner);
+    for (std::size_t w = 0; w < n; ++w) {
+      std::vector<double> per_op_us;
+      for (std::size_t r = 0; r < repeats; ++r) {
+        float ms = 0;
+        LMOE_CUDA_CHECK(
+            cudaEventElapsedTime(&ms, events[2 * (r * n + w)], events[2 * (r * n + w) + 1]));
+        per_op_us.push_back(ms * 1e3 / timings[w].inner);
+      }
+      timings[w].median_us = quantile(per_op_us, 0.5);
+      timings[w].p10_us = quantile(per_op_us, 0.1);
+      timings[w].p90_us = quantile(per_op_us, 0.9);
+      LMOE_CUDA_CHECK(cudaGraphExecDestroy(execs[w]));
+      LMOE_CUDA_CHECK(cudaGraphDestroy(graphs[w]));
     }
     for (cudaEvent_t event : events) cudaEventDestroy(event);
-    LMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    LMOE_CUDA_CHECK(cudaGraphDestroy(graph));
-    timing.median_us = quantile(per_op_us, 0.5);
-    timing.p10_us = quantile(per_op_us, 0.1);
-    timing.p90_us = quantile(per_op_us, 0.9);
-    return timing;
+    return timings;
   }
 
  private:

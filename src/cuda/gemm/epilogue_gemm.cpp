@@ -38,6 +38,8 @@ double tile_cost(EpilogueTile tile, std::int64_t m, std::int64_t n, int sms) {
   switch (tile) {
     case EpilogueTile::m64_n128: bm = 64, rate = 0.8; break;
     case EpilogueTile::m128_n256: bn = 256, rate = 1.0; break;
+    // Slightly below m128_n256 (fewer MMAs per byte of A), so that equal waves keep the wider tile.
+    case EpilogueTile::m128_n224: bn = 224, rate = 0.98; break;
     default: break;
   }
   const std::int64_t tiles = ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
@@ -54,6 +56,7 @@ Launch launch_for_tile(EpilogueTile tile) {
     case EpilogueTile::m64_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m64_n128>;
     case EpilogueTile::m128_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n128>;
     case EpilogueTile::m128_n256: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n256>;
+    case EpilogueTile::m128_n224: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n224>;
     case EpilogueTile::automatic: break;
   }
   throw Error("epilogue GEMM: no kernel for an unresolved tile");
@@ -75,17 +78,19 @@ std::string_view epilogue_tile_name(EpilogueTile tile) {
     case EpilogueTile::m64_n128: return "m64_n128";
     case EpilogueTile::m128_n128: return "m128_n128";
     case EpilogueTile::m128_n256: return "m128_n256";
+    case EpilogueTile::m128_n224: return "m128_n224";
   }
   return "?";
 }
 
 EpilogueTile parse_epilogue_tile(std::string_view name) {
-  for (EpilogueTile tile : {EpilogueTile::automatic, EpilogueTile::m64_n128,
-                            EpilogueTile::m128_n128, EpilogueTile::m128_n256}) {
+  std::string choices = "automatic";
+  if (name == choices) return EpilogueTile::automatic;
+  for (EpilogueTile tile : kEpilogueTiles) {
     if (epilogue_tile_name(tile) == name) return tile;
+    choices += ", " + std::string(epilogue_tile_name(tile));
   }
-  throw Error("unknown epilogue GEMM tile '" + std::string(name) +
-              "' (automatic, m64_n128, m128_n128, m128_n256)");
+  throw Error("unknown epilogue GEMM tile '" + std::string(name) + "' (" + choices + ")");
 }
 
 std::optional<std::string> epilogue_gemm_limit(const EpilogueGemmArgs& args) {
@@ -123,7 +128,10 @@ std::optional<std::string> epilogue_gemm_limit(const EpilogueGemmArgs& args) {
 }
 
 EpilogueTile epilogue_tile_for(std::int64_t m, std::int64_t n) {
-  const int sms = sm_count() > 0 ? sm_count() : 132;
+  return epilogue_tile_for(m, n, sm_count() > 0 ? sm_count() : 132);
+}
+
+EpilogueTile epilogue_tile_for(std::int64_t m, std::int64_t n, int sms) {
   EpilogueTile best = EpilogueTile::m64_n128;
   for (EpilogueTile tile : kEpilogueTiles) {
     if (tile_cost(tile, m, n, sms) < tile_cost(best, m, n, sms)) best = tile;

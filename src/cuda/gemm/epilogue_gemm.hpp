@@ -28,9 +28,10 @@ enum class EpilogueTile : std::uint8_t {
   m64_n128,   // ping-pong warpgroups: decode and small T
   m128_n128,  // cooperative
   m128_n256,  // cooperative, a cluster of 2 along M: large T
+  m128_n224,  // m128_n256's schedule 32 columns narrower: a tp-8 stripe of 896 is 4 whole tiles
 };
 inline constexpr EpilogueTile kEpilogueTiles[] = {EpilogueTile::m64_n128, EpilogueTile::m128_n128,
-                                                  EpilogueTile::m128_n256};
+                                                  EpilogueTile::m128_n256, EpilogueTile::m128_n224};
 std::string_view epilogue_tile_name(EpilogueTile tile);
 EpilogueTile parse_epilogue_tile(std::string_view name);  // throws lmoe::Error naming the choices
 
@@ -53,8 +54,10 @@ struct EpilogueGemmArgs {
 // fall back to cuBLASLt and an add kernel where this declines.
 std::optional<std::string> epilogue_gemm_limit(const EpilogueGemmArgs& args);
 
-// The tile `automatic` resolves to for this shape on the current device.
+// The tile `automatic` resolves to for this shape on the current device, or on one of `sms` SMs
+// (a pure function, for tests): the fewest waves of tile area, weighted by each tile's rate.
 EpilogueTile epilogue_tile_for(std::int64_t m, std::int64_t n);
+EpilogueTile epilogue_tile_for(std::int64_t m, std::int64_t n, int sms);
 
 // Enqueues the GEMM on `stream` (no allocation, no synchronization; capturable). Throws
 // lmoe::Error where epilogue_gemm_limit declines. m = 0 enqueues nothing.
