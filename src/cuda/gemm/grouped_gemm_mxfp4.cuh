@@ -53,11 +53,11 @@ __device__ inline const std::uint8_t* mxfp4_chunk_scales(const Mxfp4Matrix& m, s
   return m.scales + col * (k / 32) + 2 * c;
 }
 
-// The B row `row` of the tile (up rows, then gate rows): its matrix and column.
+// The B row `row` of the tile (up rows, then gate rows): its matrix and column. By value: a
+// reference chosen at run time would put both matrices in local memory.
 template <class Shape>
-__device__ inline const Mxfp4Matrix& mxfp4_row_matrix(const Mxfp4Matrix& up,
-                                                      const Mxfp4Matrix& gate, int row,
-                                                      std::int64_t col0, std::int64_t& col) {
+__device__ inline Mxfp4Matrix mxfp4_row_matrix(const Mxfp4Matrix& up, const Mxfp4Matrix& gate,
+                                               int row, std::int64_t col0, std::int64_t& col) {
   const bool gate_row = Shape::kGated && row >= Shape::kColsN;
   col = col0 + (gate_row ? row - Shape::kColsN : row);
   return gate_row ? gate : up;
@@ -79,7 +79,7 @@ __device__ inline void mxfp4_load_chunk(const Mxfp4Matrix& up, const Mxfp4Matrix
   for (int i = tid; i < Shape::kBRows * 2; i += Shape::kThreads) {
     const int row = i >> 1, half = i & 1;
     std::int64_t col = 0;
-    const Mxfp4Matrix& m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
+    const Mxfp4Matrix m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
     const bool valid = col < n && k0 + half * 32 < k;
     const std::uint8_t* src = valid ? m.blocks + col * (k / 2) + k0 / 2 + half * 16 : blocks_base;
     cp_async16(packed + Mxfp4Stage<Shape>::kCodes + row * kMxfp4ChunkBytes + half * 16, src, valid);
@@ -89,7 +89,7 @@ __device__ inline void mxfp4_load_chunk(const Mxfp4Matrix& up, const Mxfp4Matrix
   for (int i = tid; i < Shape::kBRows * 2; i += Shape::kThreads) {
     const int row = i >> 1, word = i & 1;
     std::int64_t col = 0;
-    const Mxfp4Matrix& m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
+    const Mxfp4Matrix m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
     const std::uint8_t* first = mxfp4_chunk_scales(m, col, k, c);
     const int offset = static_cast<int>(reinterpret_cast<std::uintptr_t>(first) & 3);
     const int bytes = col < n ? mxfp4_scale_copy_bytes(offset, used, word) : 0;
@@ -138,7 +138,7 @@ __device__ inline void mxfp4_dequantize_chunk(const Mxfp4Matrix& up, const Mxfp4
   for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
     const int row = i >> 3, part = i & 7;
     std::int64_t col = 0;
-    const Mxfp4Matrix& m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
+    const Mxfp4Matrix m = mxfp4_row_matrix<Shape>(up, gate, row, col0, col);
     const int offset =
         static_cast<int>(reinterpret_cast<std::uintptr_t>(mxfp4_chunk_scales(m, col, k, c)) & 3);
     const std::uint32_t codes = *reinterpret_cast<const std::uint32_t*>(
