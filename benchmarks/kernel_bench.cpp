@@ -3,7 +3,10 @@
 //   (a) device-to-device copy bandwidth (cudaMemcpyAsync; bytes read + written);
 //   (b) our RMSNorm (launch_rms_norm), bytes read + written, as % of (a);
 //   (c) the bf16 GEMM rate of our CublasLtGemm on a large square product;
-//   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c).
+//   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c);
+//   (e) the routed experts' grouped GEMM at decode, MXFP4 weights against bf16 ones: Kimi-K3's
+//       experts (l, I/tp for tp 1 and 8, 16 active of 112), T = 1 and 16 rows per active expert;
+//       GB/s counts the weight bytes streamed (as held: packed or bf16), as % of (a).
 //
 // Every operation is captured `inner` times into a CUDA graph, and the graph is timed with CUDA
 // events after warm-up: one repetition = one graph launch, time per operation = its time / inner.
@@ -28,16 +31,19 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/fast_random.hpp"
 #include "core/host_math.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/gemm/epilogue_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "graph_timer.hpp"
+#include "lmoe/dims.hpp"
 #include "lmoe/error.hpp"
 #include "lmoe/tensor.hpp"
 
@@ -349,6 +355,159 @@ Json bench_epilogue(const EpilogueCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer
   return rows;
 }
 
+// ---- (e) the grouped GEMM with MXFP4 weights at decode ------------------------------------------
+
+// `bytes` on the device holding `pattern` over and over (weights too large to draw on the host).
+DeviceBuffer tiled_device(const std::vector<std::uint8_t>& pattern, std::size_t bytes) {
+  DeviceBuffer buffer(bytes);
+  for (std::size_t at = 0; at < bytes; at += pattern.size()) {
+    LMOE_CUDA_CHECK(cudaMemcpy(buffer.at(at), pattern.data(), std::min(pattern.size(), bytes - at),
+                               cudaMemcpyHostToDevice));
+  }
+  return buffer;
+}
+
+// One weight [E, N, K] of every expert, dense (bf16 in [-1, 1)) and MXFP4 (random codes, scales
+// 2^-4 … 2^3), from 16 MiB patterns.
+struct BenchWeight {
+  DeviceBuffer dense, blocks, scales;
+  BenchWeight(std::int64_t experts, std::int64_t n, std::int64_t k, std::uint64_t seed) {
+    const std::size_t values = static_cast<std::size_t>(experts * n * k);
+    lmoe::SplitMix64 random{seed};
+    std::vector<std::uint8_t> pattern(std::size_t{16} << 20);
+    const lmoe::HostTensor bf16 =
+        random_tensor(DType::bf16, 1, static_cast<std::int64_t>(pattern.size() / 2), seed);
+    std::memcpy(pattern.data(), bf16.data(), pattern.size());
+    dense = tiled_device(pattern, values * 2);
+    for (auto& byte : pattern) byte = static_cast<std::uint8_t>(random.next());
+    blocks = tiled_device(pattern, values / 2);
+    for (auto& byte : pattern) byte = static_cast<std::uint8_t>(123 + random.next() % 8);
+    scales = tiled_device(pattern, values / 32);
+  }
+};
+
+// `first` for `rows` rows in each of `active` experts of `experts`: those of set `set` of the
+// `sets` that rotate (experts set, set + sets, …), so that a launch's weights have left L2 when its
+// set comes round again.
+std::vector<std::int32_t> decode_first(std::int64_t experts, int active, int set, int sets,
+                                       std::int64_t rows) {
+  std::vector<std::int32_t> first(static_cast<std::size_t>(experts + 1), 0);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const bool on = e % sets == set && e / sets < active;
+    first[e + 1] = first[e] + static_cast<std::int32_t>(on ? rows : 0);
+  }
+  return first;
+}
+
+Json bench_packed_grouped(Timer& timer, cudaStream_t stream, double copy_gbps) {
+  using lmoe::cuda::GroupedGemmArgs;
+  using lmoe::cuda::GroupedOut;
+  const lmoe::LayerConfig config = *lmoe::find_preset("kimi-k3").layer;
+  const std::int64_t experts = 112, l = config.d_latent;
+  const int active = 16, sets = static_cast<int>(experts / active);
+  Json rows = Json::array();
+  for (const int tp : {1, 8}) {
+    const std::int64_t inter = config.expert_intermediate / tp;
+    const BenchWeight up(experts, inter, l, 51), gate(experts, inter, l, 52),
+        down(experts, l, inter, 53);
+    for (const std::int64_t tokens : {1, 16}) {
+      const std::int64_t total = active * tokens;  // the grouped rows: T per active expert
+      std::vector<DeviceBuffer> firsts;
+      for (int s = 0; s < sets; ++s) {
+        const std::vector<std::int32_t> first = decode_first(experts, active, s, sets, tokens);
+        firsts.emplace_back(first.size() * 4);
+        LMOE_CUDA_CHECK(cudaMemcpy(firsts.back().data(), first.data(), first.size() * 4,
+                                   cudaMemcpyHostToDevice));
+      }
+      std::vector<std::int32_t> token_of_row(static_cast<std::size_t>(total));
+      for (std::int64_t r = 0; r < total; ++r)
+        token_of_row[r] = static_cast<std::int32_t>(r % tokens);
+      DeviceBuffer a_rows(token_of_row.size() * 4);
+      LMOE_CUDA_CHECK(
+          cudaMemcpy(a_rows.data(), token_of_row.data(), a_rows.bytes(), cudaMemcpyHostToDevice));
+      const DeviceBuffer z = to_device(random_tensor(DType::bf16, tokens, l, 54));
+      const DeviceBuffer hidden = to_device(random_tensor(DType::bf16, total, inter, 55));
+      DeviceBuffer slot_out(static_cast<std::size_t>(total * l) * 4);
+
+      for (const bool packed : {false, true}) {
+        GroupedGemmArgs call;
+        call.groups = static_cast<int>(experts);
+        call.max_rows = total;
+        call.max_groups = active;
+        call.dtype = DType::bf16;
+        const auto weight = [&](const BenchWeight& w, const BenchWeight* g, std::int64_t n,
+                                std::int64_t k, GroupedGemmArgs& args) {
+          args.n = n;
+          args.k = k;
+          if (packed) {
+            args.b_blocks = static_cast<const std::uint8_t*>(w.blocks.data());
+            args.b_scales = static_cast<const std::uint8_t*>(w.scales.data());
+            args.b2_blocks = g ? static_cast<const std::uint8_t*>(g->blocks.data()) : nullptr;
+            args.b2_scales = g ? static_cast<const std::uint8_t*>(g->scales.data()) : nullptr;
+            args.blocks_group_stride = n * k / 2;
+            args.scales_group_stride = n * k / 32;
+          } else {
+            args.b = w.dense.data();
+            args.b2 = g ? g->dense.data() : nullptr;
+            args.b_group_stride = n * k;
+          }
+        };
+        GroupedGemmArgs up_call = call, down_call = call;
+        weight(up, &gate, inter, l, up_call);
+        up_call.a = z.data();
+        up_call.a_rows = static_cast<const std::int32_t*>(a_rows.data());
+        up_call.lda = l;
+        up_call.c = hidden.data();
+        up_call.ldc = inter;
+        up_call.out = GroupedOut::activation;
+        up_call.activation = &config;
+        weight(down, nullptr, l, inter, down_call);
+        down_call.a = hidden.data();
+        down_call.lda = inter;
+        down_call.c = slot_out.data();
+        down_call.ldc = l;
+        down_call.out = GroupedOut::f32;
+        for (const auto& [name, args, matrices] :
+             {std::tuple{"up", up_call, 2}, std::tuple{"down", down_call, 1}}) {
+          if (auto why = lmoe::cuda::grouped_gemm_unsupported(args))
+            throw lmoe::Error(std::string("grouped ") + name + ": " + *why);
+          const Timing t = timer.time([&, &args = args](int i) {
+            GroupedGemmArgs launch = args;
+            launch.first = static_cast<const std::int32_t*>(firsts[i % sets].data());
+            lmoe::cuda::check(lmoe::cuda::launch_grouped_gemm(launch, stream), "grouped GEMM");
+          });
+          const double values = static_cast<double>(matrices * active) *
+                                static_cast<double>(inter) * static_cast<double>(l);
+          const double weight_bytes = packed ? values * (0.5 + 1.0 / 32) : values * 2;
+          const double gbps = weight_bytes / (t.median_us * 1e3);
+          const std::string tile =
+              lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(args));
+          const std::string way = packed ? "mxfp4" : "bf16";
+          const std::string shape =
+              std::string(name) + " I=" + std::to_string(inter) + " T=" + std::to_string(tokens);
+          print_row("grouped", shape, way, t, gbps, 100.0 * gbps / copy_gbps, 0, 0,
+                    "16 of 112 experts, " + tile);
+          Json row = timing_json(t);
+          row.update({{"call", name},
+                      {"weights", way},
+                      {"tile", tile},
+                      {"tp", tp},
+                      {"d_latent", l},
+                      {"intermediate_per_rank", inter},
+                      {"experts", experts},
+                      {"active_experts", active},
+                      {"rows_per_expert", tokens},
+                      {"weight_bytes", weight_bytes},
+                      {"GBps", gbps},
+                      {"pct_of_copy", 100.0 * gbps / copy_gbps}});
+          rows.push_back(row);
+        }
+      }
+    }
+  }
+  return rows;
+}
+
 int run(const Settings& settings) {
   int device = 0;
   LMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -425,6 +584,8 @@ int run(const Settings& settings) {
           report["epilogue"].push_back(std::move(row));
       }
     }
+
+    report["grouped_mxfp4"] = bench_packed_grouped(timer, stream, copy_gbps);
   }
   LMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 

@@ -712,8 +712,8 @@ void add_layer_command(CLI::App& app) {
   sub->add_flag("--keep-packed", command->keep_packed,
                 "keep a checkpoint's MXFP4 routed experts packed (blocks and scales, ~3.8x fewer "
                 "bytes than bf16) instead of dequantizing them at load: the cpu backend "
-                "dequantizes each expert when a token needs it, the cuda backend still dequantizes "
-                "them at upload (docs/layer.md)");
+                "dequantizes each expert when a token needs it, the cuda backend keeps them packed "
+                "on the GPU and its grouped GEMMs dequantize them (docs/layer.md)");
   sub->add_option("--json", command->json_path, "also write the results as JSON to this file");
   sub->add_flag(
       "--describe", command->describe,

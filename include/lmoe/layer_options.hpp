@@ -24,9 +24,10 @@ struct LayerOptions {
   // The tail's (TailOptions::max_tokens); the cuda layer also sizes its workspaces for it at
   // construction, so that forwards of up to max_tokens can be captured in a CUDA graph at once.
   std::int64_t max_tokens = 0;
-  // cuda: eager forwards take the routed experts' device path too (captured ones always do), so
-  // that an eager forward and a replay of its graph give the same bits (LMOE_LAYER_DEVICE_EXPERTS=1
-  // sets it for every layer). Ignored by the cpu backend.
+  // cuda: eager forwards take the routed experts' device path too (captured ones always do, and so
+  // does every forward of MXFP4 experts kept packed), so that an eager forward and a replay of its
+  // graph give the same bits (LMOE_LAYER_DEVICE_EXPERTS=1 sets it for every layer). Ignored by the
+  // cpu backend.
   bool device_experts = false;
 };
 

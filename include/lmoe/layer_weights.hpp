@@ -114,8 +114,10 @@ HostTensor make_random_layer_input(std::int64_t d_model, std::int64_t num_tokens
 struct LayerLoadOptions {
   // With names.experts_mxfp4: keep the routed experts' blocks and scales as they are
   // (LayerWeights::expert_*_mxfp4) instead of dequantizing them. Off by default: the dense form is
-  // what every backend has a GEMM for; the cpu backend runs from packed experts and the cuda
-  // backend dequantizes them at upload. Dense experts (names.experts_mxfp4 false) load as always.
+  // what every backend has a GEMM for; the cpu backend runs from packed experts (dequantizing an
+  // expert on use) and the cuda backend keeps them packed on the GPU, its grouped GEMM dequantizing
+  // them in its main loop (docs/layer.md). Dense experts (names.experts_mxfp4 false) load as
+  // always.
   bool keep_experts_packed = false;
 };
 

@@ -14,17 +14,19 @@ namespace lmoe::cuda {
 
 namespace {
 
-// Tile shapes per (tile, gated): gated blocks hold up and gate rows, so they take half the columns
-// (the same shared bytes and accumulators per thread). m16 keeps 6 stages in flight: at decode the
-// weights are nearly all of a stage, and bytes in flight set the pace.
-using M16 = GroupedShape<16, 64, 1, 4, 6, false>;
-using M16Gated = GroupedShape<16, 32, 1, 4, 6, true>;
-using M64 = GroupedShape<64, 128, 2, 4, 4, false>;
-using M64Gated = GroupedShape<64, 64, 2, 4, 4, true>;
-using M128 = GroupedShape<128, 128, 2, 4, 4, false>;
-using M128Gated = GroupedShape<128, 64, 2, 4, 4, true>;
-using M128Wide = GroupedShape<128, 256, 2, 4, 4, false>;
-using M128WideGated = GroupedShape<128, 128, 2, 4, 4, true>;
+// The mma.sync tiles' shapes per (tile, gated, packed): gated blocks hold up and gate rows, so they
+// take half the columns (the same shared bytes and accumulators per thread). m16 keeps 6 stages in
+// flight: at decode the weights are nearly all of a stage, and bytes in flight set the pace; with
+// MXFP4 weights (packed) 12, as a packed stage carries about a quarter of the weight bytes (the
+// stages then take 62 KB, as the dense m16's 6 take 60).
+template <bool kGated, bool kPacked>
+using M16 = GroupedShape<16, kGated ? 32 : 64, 1, 4, kPacked ? 12 : 6, kGated, kPacked>;
+template <bool kGated, bool kPacked>
+using M64 = GroupedShape<64, kGated ? 64 : 128, 2, 4, 4, kGated, kPacked>;
+template <bool kGated, bool kPacked>
+using M128 = GroupedShape<128, kGated ? 64 : 128, 2, 4, 4, kGated, kPacked>;
+template <bool kGated, bool kPacked>
+using M128Wide = GroupedShape<128, kGated ? 128 : 256, 2, 4, 4, kGated, kPacked>;
 using Wgmma = GroupedWgmmaShape<128, 5, false>;
 using WgmmaGated = GroupedWgmmaShape<128, 5, true>;
 using WgmmaM256 = GroupedWgmmaShape<256, 4, false>;
@@ -54,8 +56,17 @@ constexpr auto kernel_of() {
   }
 }
 
+bool has_gate(const GroupedGemmArgs& args) {
+  return args.b2 != nullptr || args.b2_blocks != nullptr;
+}
+
 bool gated_call(const GroupedGemmArgs& args) {
-  return args.out == GroupedOut::activation && args.b2 != nullptr;
+  return args.out == GroupedOut::activation && has_gate(args);
+}
+
+bool wgmma_tile(GroupedTile tile) {
+  return tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256 ||
+         tile == GroupedTile::wgmma_ws;
 }
 
 int copy_bytes_of(const GroupedGemmArgs& args) {
@@ -78,12 +89,21 @@ cudaError_t prepare_shape() {
                               Shape::kSharedBytes);
 }
 
+template <typename T, bool kGated, bool kPacked>
+cudaError_t prepare_mma_sync() {
+  for (const cudaError_t status :
+       {prepare_shape<T, M16<kGated, kPacked>>(), prepare_shape<T, M64<kGated, kPacked>>(),
+        prepare_shape<T, M128<kGated, kPacked>>(), prepare_shape<T, M128Wide<kGated, kPacked>>()}) {
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
 template <typename T>
 cudaError_t prepare_typed() {
   for (const cudaError_t status :
-       {prepare_shape<T, M16>(), prepare_shape<T, M16Gated>(), prepare_shape<T, M64>(),
-        prepare_shape<T, M64Gated>(), prepare_shape<T, M128>(), prepare_shape<T, M128Gated>(),
-        prepare_shape<T, M128Wide>(), prepare_shape<T, M128WideGated>()}) {
+       {prepare_mma_sync<T, false, false>(), prepare_mma_sync<T, true, false>(),
+        prepare_mma_sync<T, false, true>(), prepare_mma_sync<T, true, true>()}) {
     if (status != cudaSuccess) return status;
   }
   // The wgmma kernels only where they can run (elsewhere their body is a trap).
@@ -165,20 +185,34 @@ cudaError_t launch_ws(const GroupedGemmArgs& args, const GroupedGemmParams& para
   return cudaGetLastError();
 }
 
+// An mma.sync tile (m128 for any other), dense or MXFP4 weights.
+template <typename T, bool kGated, bool kPacked>
+cudaError_t launch_mma_sync(GroupedTile tile, const GroupedGemmArgs& args,
+                            const GroupedGemmParams& params, cudaStream_t stream) {
+  switch (tile) {
+    case GroupedTile::m16: return launch_shape<T, M16<kGated, kPacked>>(args, params, stream);
+    case GroupedTile::m64: return launch_shape<T, M64<kGated, kPacked>>(args, params, stream);
+    case GroupedTile::m128_wide:
+      return launch_shape<T, M128Wide<kGated, kPacked>>(args, params, stream);
+    default: return launch_shape<T, M128<kGated, kPacked>>(args, params, stream);
+  }
+}
+
+template <typename T, bool kPacked>
+cudaError_t launch_mma_sync(GroupedTile tile, const GroupedGemmArgs& args,
+                            const GroupedGemmParams& params, cudaStream_t stream) {
+  return gated_call(args) ? launch_mma_sync<T, true, kPacked>(tile, args, params, stream)
+                          : launch_mma_sync<T, false, kPacked>(tile, args, params, stream);
+}
+
 template <typename T>
 cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& params,
                          cudaStream_t stream) {
+  const GroupedTile tile = grouped_gemm_tile(args);
+  // MXFP4 weights run the mma.sync tiles alone (grouped_gemm_unsupported refuses the others).
+  if (grouped_weights_packed(args)) return launch_mma_sync<T, true>(tile, args, params, stream);
   const bool gated = gated_call(args);
-  switch (grouped_gemm_tile(args)) {
-    case GroupedTile::m16:
-      return gated ? launch_shape<T, M16Gated>(args, params, stream)
-                   : launch_shape<T, M16>(args, params, stream);
-    case GroupedTile::m64:
-      return gated ? launch_shape<T, M64Gated>(args, params, stream)
-                   : launch_shape<T, M64>(args, params, stream);
-    case GroupedTile::m128_wide:
-      return gated ? launch_shape<T, M128WideGated>(args, params, stream)
-                   : launch_shape<T, M128Wide>(args, params, stream);
+  switch (tile) {
     case GroupedTile::wgmma:
       return gated ? launch_shape<T, WgmmaGated>(args, params, stream)
                    : launch_shape<T, Wgmma>(args, params, stream);
@@ -194,9 +228,7 @@ cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& p
       }
       return gated ? launch_ws<T, WgmmaWsGated>(args, params, stream)
                    : launch_ws<T, WgmmaWs>(args, params, stream);
-    default:
-      return gated ? launch_shape<T, M128Gated>(args, params, stream)
-                   : launch_shape<T, M128>(args, params, stream);
+    default: return launch_mma_sync<T, false>(tile, args, params, stream);
   }
 }
 
@@ -218,9 +250,7 @@ const char* grouped_tile_name(GroupedTile tile) {
 
 std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int compute_capability) {
   // wgmma is sm_90a's alone: sm_100a's tensor cores take tcgen05 instead.
-  const bool wgmma = tile == GroupedTile::wgmma || tile == GroupedTile::wgmma_m256 ||
-                     tile == GroupedTile::wgmma_ws;
-  if (wgmma && compute_capability != 90) {
+  if (wgmma_tile(tile) && compute_capability != 90) {
     return "tile: " + std::string(grouped_tile_name(tile)) +
            " expected a compute capability 9.0 device (Hopper, sm_90a), got " +
            (compute_capability == 0 ? std::string("no device")
@@ -229,6 +259,41 @@ std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int comput
   }
   return std::nullopt;
 }
+
+namespace {
+
+// Why MXFP4 weights (b_blocks set) cannot run: dense ones beside them, missing scales, a gate not
+// packed alike, K off the 32-column blocks, misaligned operands, a wgmma tile.
+std::optional<std::string> packed_weights_unsupported(const GroupedGemmArgs& args) {
+  if (args.b != nullptr || args.b2 != nullptr) {
+    return std::string("b, b2: expected null with MXFP4 weights (b_blocks), got a dense one too");
+  }
+  if (args.b_scales == nullptr || (args.b2_blocks == nullptr) != (args.b2_scales == nullptr)) {
+    return std::string("b_scales, b2_scales: expected the scales of every MXFP4 weight given");
+  }
+  if (args.k % 32 != 0) {
+    return "k: expected a multiple of 32 with MXFP4 weights (32 columns share a scale), got " +
+           std::to_string(args.k);
+  }
+  const auto address = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  if (address(args.b_blocks) % 16 != 0 || address(args.b2_blocks) % 16 != 0 ||
+      args.blocks_group_stride % 16 != 0) {
+    return "b_blocks, b2_blocks, blocks_group_stride: expected 16-byte aligned blocks and a "
+           "stride of whole 16 bytes, got stride " +
+           std::to_string(args.blocks_group_stride);
+  }
+  if (address(args.b_scales) % 4 != 0 || address(args.b2_scales) % 4 != 0) {
+    return std::string("b_scales, b2_scales: expected 4-byte aligned scales");
+  }
+  if (wgmma_tile(args.tile)) {
+    return "tile: expected an mma.sync tile (automatic, m16, m64, m128, m128_wide) with MXFP4 "
+           "weights, got " +
+           std::string(grouped_tile_name(args.tile)) + " (the wgmma tiles read dense weights)";
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args) {
   if (args.dtype != DType::bf16 && args.dtype != DType::f16) {
@@ -251,17 +316,22 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
     return "lda, ldc: expected lda ≥ k = " + std::to_string(args.k) +
            " and ldc ≥ n = " + std::to_string(args.n);
   }
-  if (args.first == nullptr || args.a == nullptr || args.b == nullptr || args.c == nullptr) {
+  const bool packed = grouped_weights_packed(args);
+  if (args.first == nullptr || args.a == nullptr || (args.b == nullptr && !packed) ||
+      args.c == nullptr) {
     return std::string("first, a, b, c: expected device pointers, got a null one");
+  }
+  if (packed) {
+    if (auto why = packed_weights_unsupported(args)) return why;
   }
   if (args.out == GroupedOut::activation) {
     if (args.activation == nullptr)
       return std::string("activation: expected the layer config for GroupedOut::activation");
-    if (is_gated(args.activation->activation) != (args.b2 != nullptr)) {
+    if (is_gated(args.activation->activation) != has_gate(args)) {
       return std::string("b2: expected the gate weights exactly when the activation is gated (") +
              std::string(activation_name(args.activation->activation)) + ")";
     }
-  } else if (args.b2 != nullptr) {
+  } else if (has_gate(args)) {
     return std::string("b2: expected null unless out is GroupedOut::activation");
   }
   if (copy_bytes_of(args) == 0) {
@@ -269,8 +339,7 @@ std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args)
            std::to_string(args.k) + " lda=" + std::to_string(args.lda);
   }
   // Only an explicit wgmma tile asks the device: automatic resolves to a tile the device runs.
-  if (args.tile == GroupedTile::wgmma || args.tile == GroupedTile::wgmma_m256 ||
-      args.tile == GroupedTile::wgmma_ws)
+  if (wgmma_tile(args.tile))
     return grouped_tile_unsupported(args.tile, current_compute_capability());
   return std::nullopt;
 }
@@ -290,7 +359,7 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
   if (args.tile != GroupedTile::automatic) return args.tile;
   const std::int64_t rows = rows_per_group(args);
   if (rows <= 16) return GroupedTile::m16;
-  if (rows >= kGroupedWgmmaMinRows &&
+  if (rows >= kGroupedWgmmaMinRows && !grouped_weights_packed(args) &&
       !grouped_tile_unsupported(GroupedTile::wgmma_m256, compute_capability)) {
     // Rows read in place (no a_rows: the experts' down call) or staged there first (a_staging):
     // the warp-specialized tile, whose producer loads them by TMA too. Gathered rows without
@@ -305,8 +374,9 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
 
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
   // Only an average that could pick wgmma asks the device.
-  const bool may_pick_wgmma =
-      args.tile == GroupedTile::automatic && rows_per_group(args) >= kGroupedWgmmaMinRows;
+  const bool may_pick_wgmma = args.tile == GroupedTile::automatic &&
+                              !grouped_weights_packed(args) &&
+                              rows_per_group(args) >= kGroupedWgmmaMinRows;
   return grouped_gemm_tile(args, may_pick_wgmma ? current_compute_capability() : 0);
 }
 
@@ -344,6 +414,12 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& given, cudaStream_t strea
   params.b = args.b;
   params.b2 = args.b2;
   params.b_group_stride = args.b_group_stride;
+  params.b_blocks = args.b_blocks;
+  params.b_scales = args.b_scales;
+  params.b2_blocks = args.b2_blocks;
+  params.b2_scales = args.b2_scales;
+  params.blocks_group_stride = args.blocks_group_stride;
+  params.scales_group_stride = args.scales_group_stride;
   params.c = args.c;
   params.ldc = args.ldc;
   params.n = args.n;

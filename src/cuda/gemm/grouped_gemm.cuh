@@ -17,12 +17,15 @@
 //
 // Each block streams its A rows and B rows through shared memory 64 k at a time (cp.async,
 // kStages deep, 128-byte rows XOR-swizzled for ldmatrix), and its warps split the tile in a
-// kWarpsM × kWarpsN grid. Summation order over K: the 64-wide chunks in order, within a chunk the
-// four k16 steps in order, each an mma (whose internal order is the hardware's). Device code only.
+// kWarpsM × kWarpsN grid. MXFP4 weights (kPacked shapes) stream packed and are dequantized into the
+// same swizzled rows after each stage's wait (grouped_gemm_mxfp4.cuh): the same MMAs and bits.
+// Summation order over K: the 64-wide chunks in order, within a chunk the four k16 steps in order,
+// each an mma (whose internal order is the hardware's). Device code only.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/gemm/grouped_gemm_mxfp4.cuh"
 #include "cuda/gemm/warp_mma.cuh"
 #include "cuda/layer/activation.cuh"
 #include "cuda/runtime/dtype.cuh"
@@ -37,6 +40,13 @@ struct GroupedGemmParams {
   const void* b;   // [groups, N, K] (+ b_group_stride per group)
   const void* b2;  // the gate weights in the same layout (gated activation), or null
   std::int64_t b_group_stride;
+  // MXFP4 weights instead of b and b2 (kPacked shapes): blocks [groups, N, K/2] and scales
+  // [groups, N, K/32] bytes, group strides in bytes.
+  const std::uint8_t* b_blocks;
+  const std::uint8_t* b_scales;
+  const std::uint8_t* b2_blocks;
+  const std::uint8_t* b2_scales;
+  std::int64_t blocks_group_stride, scales_group_stride;
   void* c;  // [rows, ldc]
   std::int64_t ldc;
   std::int64_t n, k;
@@ -53,7 +63,9 @@ inline constexpr int kGroupedOutActivation = 2;
 inline constexpr int kGroupedTileK = 64;           // 16-bit elements: one 128-byte shared row
 inline constexpr int kGroupedMaxGroups = 32 * 32;  // warp 0's prefix: 32 groups per lane
 
-template <int kBM, int kBN, int kWM, int kWN, int kStagesT, bool kGatedT>
+// kPacked: B (and B2) are MXFP4. Each stage then holds A's rows and B's packed rows (Mxfp4Stage),
+// and one dequantized B tile of 128-byte rows, shared by the stages, comes first.
+template <int kBM, int kBN, int kWM, int kWN, int kStagesT, bool kGatedT, bool kPackedT = false>
 struct GroupedShape {
   static constexpr int kRowsM = kBM;
   static constexpr int kColsN = kBN;
@@ -61,15 +73,20 @@ struct GroupedShape {
   static constexpr int kWarpsN = kWN;
   static constexpr int kStages = kStagesT;
   static constexpr bool kGated = kGatedT;
+  static constexpr bool kPacked = kPackedT;
   static constexpr int kThreads = kWM * kWN * 32;
   static constexpr int kBRows = kGated ? 2 * kBN : kBN;  // up rows, then gate rows
   static constexpr int kWarpRows = kBM / kWM;
   static constexpr int kWarpCols = kBN / kWN;
   static constexpr int kMTiles = kWarpRows / 16;
   static constexpr int kNTiles = kWarpCols / 8;
-  static constexpr int kStageBytes = (kBM + kBRows) * 128;
-  static constexpr int kSharedBytes = kStages * kStageBytes;
+  static constexpr int kBTileBytes = kPacked ? kBRows * 128 : 0;
+  static constexpr int kStageBytes =
+      kBM * 128 + (kPacked ? kBRows * (kMxfp4ChunkBytes + kMxfp4ScaleBytes) : kBRows * 128);
+  static constexpr int kSharedBytes = kBTileBytes + kStages * kStageBytes;
   static_assert(kWarpRows % 16 == 0 && kWarpCols % 8 == 0, "warp tile of whole mma tiles");
+  // Stages start on 128-byte boundaries, where the swizzle keeps ldmatrix free of bank conflicts.
+  static_assert(kBTileBytes % 128 == 0 && kStageBytes % 128 == 0, "128-byte aligned stages");
 };
 
 // 16 bytes of a shared row from `src` (elements k … k + 8 of a row whose K is a multiple of
@@ -105,6 +122,7 @@ struct GroupedBlockTile {
   const std::int64_t* a_offset;  // shared: each tile row's element offset in A, or −1 past the end
   const T* b;
   const T* b2;
+  Mxfp4Matrix b_packed, b2_packed;  // the group's MXFP4 weights (kPacked shapes)
   std::int64_t col0;
 };
 
@@ -127,15 +145,20 @@ __device__ inline void grouped_load_chunk(const GroupedGemmParams& p,
                    p.copy_bytes);
   }
   const std::uint32_t b_stage = stage + Shape::kRowsM * 128;
-  for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
-    const int row = i >> 3, part = i & 7;
-    const bool gate = Shape::kGated && row >= Shape::kColsN;
-    const std::int64_t col = tile.col0 + (gate ? row - Shape::kColsN : row);
-    const std::int64_t k = k0 + part * 8;
-    const bool valid = col < p.n;
-    const T* matrix = gate ? tile.b2 : tile.b;
-    grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix, k,
-                   p.k, valid, p.copy_bytes);
+  if constexpr (Shape::kPacked) {
+    mxfp4_load_chunk<Shape>(tile.b_packed, tile.b2_packed, p.b_blocks, p.b_scales, tile.col0, p.n,
+                            p.k, c, b_stage);
+  } else {
+    for (int i = tid; i < Shape::kBRows * 8; i += Shape::kThreads) {
+      const int row = i >> 3, part = i & 7;
+      const bool gate = Shape::kGated && row >= Shape::kColsN;
+      const std::int64_t col = tile.col0 + (gate ? row - Shape::kColsN : row);
+      const std::int64_t k = k0 + part * 8;
+      const bool valid = col < p.n;
+      const T* matrix = gate ? tile.b2 : tile.b;
+      grouped_copy16(b_stage + swizzle128(row, part), matrix + (valid ? col * p.k + k : 0), matrix,
+                     k, p.k, valid, p.copy_bytes);
+    }
   }
 }
 
@@ -260,8 +283,17 @@ __device__ inline GroupedBlockTile<T> grouped_block_tile(const GroupedGemmParams
     a_offset[r] = r < tile.rows_here ? (p.a_rows ? p.a_rows[row] : row) * p.lda : -1;
   }
   tile.a_offset = a_offset;
-  tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
-  tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
+  if constexpr (Shape::kPacked) {
+    tile.b_packed = {p.b_blocks + tile.group * p.blocks_group_stride,
+                     p.b_scales + tile.group * p.scales_group_stride};
+    if (Shape::kGated) {
+      tile.b2_packed = {p.b2_blocks + tile.group * p.blocks_group_stride,
+                        p.b2_scales + tile.group * p.scales_group_stride};
+    }
+  } else {
+    tile.b = static_cast<const T*>(p.b) + tile.group * p.b_group_stride;
+    tile.b2 = Shape::kGated ? static_cast<const T*>(p.b2) + tile.group * p.b_group_stride : nullptr;
+  }
   tile.col0 = span.col_tile * Shape::kColsN;
   __syncthreads();
   return tile;
@@ -277,7 +309,9 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
   const int row0 = tile.row0, rows_here = tile.rows_here;
   const std::int64_t col0 = tile.col0;
   const int m_used = (rows_here + 15) / 16;  // m-tiles holding rows of the group
-  const std::uint32_t smem = static_cast<std::uint32_t>(__cvta_generic_to_shared(grouped_smem));
+  // The dequantized B tile (kPacked shapes), then the stages.
+  const std::uint32_t b_tile = static_cast<std::uint32_t>(__cvta_generic_to_shared(grouped_smem));
+  const std::uint32_t smem = b_tile + Shape::kBTileBytes;
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
 
   auto load_chunk = [&](int c, std::uint32_t stage) {
@@ -302,7 +336,15 @@ __global__ void __launch_bounds__(Shape::kThreads) grouped_gemm_kernel(GroupedGe
     if (next < chunks) load_chunk(next, smem + (next % Shape::kStages) * Shape::kStageBytes);
     cp_async_commit();
     const std::uint32_t a_stage = smem + (i % Shape::kStages) * Shape::kStageBytes;
-    const std::uint32_t b_stage = a_stage + Shape::kRowsM * 128;
+    std::uint32_t b_stage = a_stage + Shape::kRowsM * 128;
+    if constexpr (Shape::kPacked) {
+      const int packed =
+          Shape::kBTileBytes + (i % Shape::kStages) * Shape::kStageBytes + Shape::kRowsM * 128;
+      mxfp4_dequantize_chunk<T, Shape>(tile.b_packed, tile.b2_packed, col0, p.k, i,
+                                       grouped_smem + packed, grouped_smem);
+      __syncthreads();  // the tile is whole before any warp's ldmatrix reads it
+      b_stage = b_tile;
+    }
 #pragma unroll
     for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
       std::uint32_t bf[kMats][Shape::kNTiles][2];

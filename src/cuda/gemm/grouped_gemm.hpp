@@ -5,7 +5,10 @@
 //
 // with C in fp32, rounded once to the operands' dtype, or (the experts' up projection) through the
 // activation: round(act(A · B2_gᵀ, A · B_gᵀ)) with B2 the gate weights (act of the up product alone
-// for relu2). The host never reads `first`, so the call can be captured in a CUDA graph; it needs
+// for relu2). B and B2 may be MXFP4 (e2m1 codes and E8M0 scales, Mxfp4Tensor's layout), dequantized
+// in the kernel's main loop: the same bits as the dense weights Mxfp4Tensor::dequantize gives (on
+// the mma.sync tiles; the wgmma tiles read dense weights only). The host never reads `first`, so
+// the call can be captured in a CUDA graph; it needs
 // only a bound on the rows (max_rows ≥ first[groups]) and on the groups that hold rows.
 // cuBLAS(Lt) 13.0 has no grouped GEMM whose sizes stay on the device (cublasGemmGroupedBatchedEx
 // takes them in host arrays), hence this kernel. Host code only.
@@ -67,6 +70,17 @@ struct GroupedGemmArgs {
   const void* b = nullptr;   // [groups, N, K] row-major, group stride b_group_stride elements
   const void* b2 = nullptr;  // gate weights, same layout (GroupedOut::activation, gated), or null
   std::int64_t b_group_stride = 0;
+  // MXFP4 weights in place of b and b2 (then null): b_blocks [groups, N, K/2] bytes, byte j of a
+  // row holding the e2m1 codes of columns 2j (low nibble) and 2j + 1 (high nibble), and b_scales
+  // [groups, N, K/32] E8M0 bytes, one per 32 columns of a row; a weight is e2m1 · 2^(scale − 127).
+  // b2_blocks and b2_scales: the gate's, or null. K a multiple of 32, blocks 16-byte and scales
+  // 4-byte aligned, group strides in bytes (blocks' a multiple of 16); mma.sync tiles only.
+  const std::uint8_t* b_blocks = nullptr;
+  const std::uint8_t* b_scales = nullptr;
+  const std::uint8_t* b2_blocks = nullptr;
+  const std::uint8_t* b2_scales = nullptr;
+  std::int64_t blocks_group_stride = 0;
+  std::int64_t scales_group_stride = 0;
   void* c = nullptr;  // [max_rows, ldc] in fp32 (GroupedOut::f32) or `dtype`
   std::int64_t ldc = 0;
   std::int64_t n = 0, k = 0;
@@ -82,14 +96,19 @@ struct GroupedGemmArgs {
 
 // Why the kernel cannot run `args` (nullopt when it can): the dtype, K's row pitch (K even; 16-byte
 // copies need K and lda multiples of 8, else 8- or 4-byte ones), the group count, a gate without
-// a gated activation, a tile the current device cannot run (wgmma tiles off compute 9.0). Names the
-// argument and the expected value.
+// a gated activation, a tile the current device cannot run (wgmma tiles off compute 9.0), MXFP4
+// weights with K not a multiple of 32, misaligned, beside dense ones, or on a wgmma tile. Names
+// the argument and the expected value.
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args);
 
 // The tile `automatic` resolves to for these args on the current device, or on a device of
-// compute capability `compute_capability` (10·major + minor; a pure function, for tests).
+// compute capability `compute_capability` (10·major + minor; a pure function, for tests). MXFP4
+// weights take the mma.sync tile of their rows per group (m16, m64, m128) on every device.
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args);
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capability);
+
+// Whether `args` carries MXFP4 weights (b_blocks) instead of dense ones.
+inline bool grouped_weights_packed(const GroupedGemmArgs& args) { return args.b_blocks != nullptr; }
 
 // Loads every kernel of `dtype` on the current device and sets its shared-memory size, so that no
 // later launch loads a module (a lazy load can wait for the GPU's running kernels — peers that

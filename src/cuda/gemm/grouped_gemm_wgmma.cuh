@@ -46,6 +46,7 @@ struct GroupedWgmmaShape {
   static constexpr int kBRows = 128;  // wgmma's N: up rows, then gate rows
   static constexpr int kColsN = kGatedT ? kBRows / 2 : kBRows;  // output columns per block
   static constexpr bool kGated = kGatedT;
+  static constexpr bool kPacked = false;  // dense weights only
   static constexpr int kWarpgroups = kRowsM / 64;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kStages = kStagesT;

@@ -51,6 +51,7 @@ struct GroupedWgmmaWsShape {
   static constexpr int kBRows = 128;  // wgmma's N: up rows, then gate rows
   static constexpr int kColsN = kGatedT ? kBRows / 2 : kBRows;  // output columns per block
   static constexpr bool kGated = kGatedT;
+  static constexpr bool kPacked = false;                    // dense weights only
   static constexpr int kConsumers = 2;                      // warpgroups 1 … kConsumers
   static constexpr int kSlices = kRowsM / 64 / kConsumers;  // 64-row slices per consumer
   static constexpr int kThreads = (1 + kConsumers) * 128;

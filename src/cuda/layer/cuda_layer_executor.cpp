@@ -15,8 +15,10 @@
 //
 // The host path reads each forward's routing (one device→host copy: ids and weights) to size the
 // experts' GEMMs, so it serves eager forwards only; a forward on a capturing stream takes the
-// device path (LMOE_LAYER_DEVICE_EXPERTS=1: eager ones too). Stage times come from events, each
-// stage's own pair on its own stream (docs/layer.md); a captured forward has none. Each stage is a
+// device path (LMOE_LAYER_DEVICE_EXPERTS=1: eager ones too), and so does every forward of a layer
+// whose MXFP4 experts are kept packed (only the grouped GEMM reads them; a layer the device path
+// cannot run refuses them when it is built). Stage times come from events, each stage's own pair
+// on its own stream (docs/layer.md); a captured forward has none. Each stage is a
 // class of its own (layer_router, layer_down_projection, layer_routed_experts,
 // layer_shared_experts); this executor owns them, the streams, the events and the workspaces'
 // size, and times the tail around LatentTail::forward.
@@ -96,6 +98,12 @@ class CudaLayerExecutor final : public LayerExecutor {
       throw Error(
           (device_experts ? std::string("device_experts") : std::string(kDeviceExpertsEnv) + "=1") +
           ": the device path cannot run this layer: " + *device_limit_);
+    }
+    if (routed_experts_.packed() && device_limit_) {
+      throw Error(
+          "weights: MXFP4 experts kept packed run on the cuda layer's device path (the host path "
+          "reads dense weights), which cannot run this layer: " +
+          *device_limit_ + "; load them dequantized (LayerLoadOptions::keep_experts_packed off)");
     }
     LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     for (cudaEvent_t* event : {&start_, &router_end_, &down_end_, &experts_end_, &shared_start_,
@@ -196,7 +204,7 @@ class CudaLayerExecutor final : public LayerExecutor {
     routing_.weights.clear();
     if (tokens == 0) return;
     reserve(tokens, stream);
-    const bool device_path = captured_ || device_eager_;
+    const bool device_path = captured_ || device_eager_ || routed_experts_.packed();
 
     mark(start_, kStart, stream);
     // The shared experts on the side stream, from `after` on `stream`.

@@ -11,7 +11,7 @@ namespace lmoe::cuda {
 
 RoutedExperts::RoutedExperts(const LayerConfig& config, DType dtype, std::int64_t inter,
                              const LayerWeights& weights)
-    : config_(config), dtype_(dtype), inter_(inter), experts_(weights, dtype) {
+    : config_(config), dtype_(dtype), inter_(inter), experts_(weights) {
   order_copied_ = make_event(false);
   sorted_first_ = DeviceBuffer(sizeof(std::int32_t) * (config.router.num_experts + 1));
 }
@@ -91,6 +91,9 @@ void RoutedExperts::run_on_host(std::int64_t tokens, const LayerRouter& router,
                                 cudaEvent_t router_end, Routing& routing,
                                 const DeviceBuffer& latent, MatrixView routed, CublasLtGemm& gemm,
                                 cudaStream_t stream) {
+  LMOE_CHECK(!experts_.packed(),
+             "routed experts: MXFP4 experts kept packed run on the device path only (the host "
+             "path's cuBLASLt GEMMs read dense weights)");
   const std::int64_t l = config_.d_latent, count = slots(tokens);
   const std::int64_t experts = config_.router.num_experts;
   const bool gated = is_gated(config_.activation);
@@ -130,12 +133,30 @@ void RoutedExperts::run_on_host(std::int64_t tokens, const LayerRouter& router,
         "launch_combine");
 }
 
+namespace {
+
+// The grouped GEMM reads `weight` (and `gate`, or none) as MXFP4, in place of dense b and b2.
+void use_packed(const DeviceMxfp4Weight& weight, const DeviceMxfp4Weight* gate,
+                GroupedGemmArgs& args) {
+  args.b = args.b2 = nullptr;
+  args.b_group_stride = 0;
+  args.b_blocks = weight.blocks_data();
+  args.b_scales = weight.scales_data();
+  args.b2_blocks = gate ? gate->blocks_data() : nullptr;
+  args.b2_scales = gate ? gate->scales_data() : nullptr;
+  args.blocks_group_stride = weight.blocks_per_expert;
+  args.scales_group_stride = weight.scales_per_expert;
+}
+
+}  // namespace
+
 // The device path of run_on_host: the same rows, sums and roundings, sized on the device.
 // The sort writes the host path's order bit for bit; the up GEMM reads z's rows through the
 // sorted tokens (staged in gathered_ first where its tile loads rows by TMA) and applies the
 // activation to its fp32 accumulators (the activation kernel's formula); the down GEMM writes
 // fp32 slot outputs; the combine is shared.
-// Only the GEMMs' summation order over K differs from cuBLASLt's (docs/layer.md).
+// Only the GEMMs' summation order over K differs from cuBLASLt's (docs/layer.md). Packed experts
+// are read as MXFP4 and dequantized in the GEMMs' main loop: the bits of the dequantized experts.
 void RoutedExperts::run_on_device(std::int64_t tokens, const LayerRouter& router,
                                   const DeviceBuffer& latent, MatrixView routed,
                                   cudaStream_t stream) {
@@ -155,9 +176,12 @@ void RoutedExperts::run_on_device(std::int64_t tokens, const LayerRouter& router
   up.lda = l;
   // Where the warp-specialized tile pays, the launcher stages the gathered rows here first.
   up.a_staging = gathered_.data();
+  const bool gated = is_gated(config_.activation);
   up.b = experts_.up.data();
-  up.b2 = is_gated(config_.activation) ? experts_.gate.data() : nullptr;
+  up.b2 = gated ? experts_.gate.data() : nullptr;
   up.b_group_stride = inter_ * l;
+  if (experts_.packed())
+    use_packed(experts_.packed_up, gated ? &experts_.packed_gate : nullptr, up);
   up.c = hidden_.data();
   up.ldc = inter_;
   up.n = inter_;
@@ -178,6 +202,7 @@ void RoutedExperts::run_on_device(std::int64_t tokens, const LayerRouter& router
   down.lda = inter_;
   down.b = experts_.down.data();
   down.b2 = nullptr;
+  if (experts_.packed()) use_packed(experts_.packed_down, nullptr, down);
   down.c = slot_out_.data();
   down.ldc = l;
   down.n = l;

@@ -7,7 +7,10 @@
 //           gathering z's rows and applying the activation → one grouped GEMM for the down rows
 //           (no host read: capturable)
 //
-// then the weighted combine into routed [T, l]. Host code only.
+// then the weighted combine into routed [T, l]. MXFP4 experts kept packed (LayerWeights::
+// experts_packed()) stay packed on the device and take the device path, whose grouped GEMMs
+// dequantize them in their main loop (the bits of the dequantized experts); the host path's
+// cuBLASLt GEMMs read dense weights only and refuse them. Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,6 +35,8 @@ class RoutedExperts {
   RoutedExperts(const RoutedExperts&) = delete;
   RoutedExperts& operator=(const RoutedExperts&) = delete;
 
+  // Whether the experts are held as MXFP4 (they then take the device path only).
+  bool packed() const { return experts_.packed(); }
   // Waits until the last upload of the slot order has left the host buffer.
   void wait_for_order_upload() const;
   // Workspaces for `rows` tokens (the caller has waited for the work that used the old ones).
@@ -39,6 +44,7 @@ class RoutedExperts {
 
   // routed [T, l] = round(Σ_j w_tj · o_tj), o_tj = round(act(z_t·G_eᵀ, z_t·U_eᵀ)) · D_eᵀ in fp32.
   // The host path: reads the router's host routing once router_end has passed, into `routing`.
+  // Dense experts only (packed(): lmoe::Error).
   void run_on_host(std::int64_t tokens, const LayerRouter& router, cudaEvent_t router_end,
                    Routing& routing, const DeviceBuffer& latent, MatrixView routed,
                    CublasLtGemm& gemm, cudaStream_t stream);
@@ -58,7 +64,7 @@ class RoutedExperts {
   DType dtype_;
   std::int64_t inter_;           // this rank's slice of each routed expert's intermediate dim
   DeviceExpertWeights experts_;  // gate [E, I_r, l] or empty (relu2), up [E, I_r, l],
-                                 // down [E, l, I_r]
+                                 // down [E, l, I_r]; dense or MXFP4
   cudaEvent_t order_copied_ = nullptr;  // order_host_ may be rewritten
 
   DeviceBuffer order_device_;    // row of each slot [T·k] int32, then token of each grouped row

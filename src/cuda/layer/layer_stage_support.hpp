@@ -1,5 +1,5 @@
-// What the CUDA layer's stages share: weight uploads, sizes in bytes and the rows of the
-// expert-grouped buffers. Host code only.
+// What the CUDA layer's stages share: weight uploads (routed experts dense or MXFP4), sizes in
+// bytes and the rows of the expert-grouped buffers. Host code only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/layer/device_mxfp4_weight.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "lmoe/layer_weights.hpp"
@@ -33,20 +34,20 @@ struct DeviceExpertWeights {
   DeviceExpertWeights(const HostTensor& gate_weight, const HostTensor& up_weight,
                       const HostTensor& down_weight)
       : gate(upload(gate_weight)), up(upload(up_weight)), down(upload(down_weight)) {}
-  // The routed experts in `dtype`. Packed MXFP4 experts are dequantized here, one weight at a
-  // time: the GEMMs read dense weights (a packed grouped GEMM is not written yet).
-  DeviceExpertWeights(const LayerWeights& weights, DType dtype)
-      : gate(upload_dense(weights, &LayerWeights::expert_gate, dtype)),
-        up(upload_dense(weights, &LayerWeights::expert_up, dtype)),
-        down(upload_dense(weights, &LayerWeights::expert_down, dtype)) {}
-  DeviceBuffer gate, up, down;
+  // The routed experts as `weights` hold them: dense, or MXFP4 (weights.experts_packed(): the
+  // dense buffers are then empty and the packed ones hold blocks and scales, never dequantized
+  // here; the grouped GEMM dequantizes them in its main loop).
+  explicit DeviceExpertWeights(const LayerWeights& weights)
+      : gate(upload(weights.expert_gate)),
+        up(upload(weights.expert_up)),
+        down(upload(weights.expert_down)),
+        packed_gate(weights.expert_gate_mxfp4),
+        packed_up(weights.expert_up_mxfp4),
+        packed_down(weights.expert_down_mxfp4) {}
+  bool packed() const { return packed_up.blocks.bytes() > 0; }
 
- private:
-  static DeviceBuffer upload_dense(const LayerWeights& weights, HostTensor LayerWeights::*member,
-                                   DType dtype) {
-    HostTensor scratch;
-    return upload(dense_expert_weight(weights, member, dtype, scratch));
-  }
+  DeviceBuffer gate, up, down;
+  DeviceMxfp4Weight packed_gate, packed_up, packed_down;  // empty unless packed (gate: and gated)
 };
 
 inline cudaEvent_t make_event(bool timing) {

@@ -1,0 +1,92 @@
+// MXFP4 routed experts kept packed on the cuda backend: they stay packed on the GPU, every forward
+// takes the routed experts' device path, whose grouped GEMMs dequantize them in their main loop,
+// and the layer gives the bits of the same checkpoint loaded dequantized on the device path
+// (partials, y and routing, tp 1 and 2); a layer the device path cannot run (f32) refuses packed
+// experts when it is built, with the reason. Every test skips where no GPU is visible.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "error_message.hpp"
+#include "gpu_test_support.hpp"
+#include "lmoe/comm_group.hpp"
+#include "lmoe/latent_moe_layer.hpp"
+#include "lmoe/layer_weights.hpp"
+#include "lmoe/tools/layer_runner.hpp"
+#include "packed_checkpoint.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using lmoe::DType;
+using lmoe::LayerConfig;
+using ::testing::HasSubstr;
+
+constexpr int kLayer = 1;
+
+// T = 1 and 5 (m16 tiles), 64 and 300 (more rows per expert: m64 and m128 where 16 experts share
+// them).
+TEST(CudaPackedExperts, LayerGivesTheBitsOfTheDequantizedLayerOnTheDevicePath) {
+  SKIP_WITHOUT_GPU();
+  const fs::path dir = lmoe::testing::write_random_mxfp4_checkpoint("lmoe_cuda_packed_", kLayer);
+  const LayerConfig config = lmoe::testing::situ_mxfp4_config();
+  const lmoe::LayerTensorNames names = *lmoe::find_preset("small-mxfp4").tensor_names;
+  std::vector<lmoe::HostTensor> inputs;
+  for (std::int64_t tokens : {1, 5, 64, 300}) {
+    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, DType::bf16,
+                                                   static_cast<std::uint64_t>(tokens)));
+  }
+  lmoe::LayerOptions options;
+  options.config = config;
+  options.dtype = DType::bf16;
+  options.backend = lmoe::Backend::cuda;
+  lmoe::LayerRunOptions run;
+  run.keep_partials = true;
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const auto load = [&](bool keep_packed) {
+      return [&, keep_packed](int rank) {
+        return lmoe::load_layer_weights(dir.string(), names, kLayer, config, DType::bf16, tp, rank,
+                                        {.keep_experts_packed = keep_packed});
+      };
+    };
+    // The dequantized layer on the device path (its eager default is cuBLASLt's host path, whose
+    // sums run in another order); the packed one takes the device path by itself.
+    lmoe::LayerOptions device = options;
+    device.device_experts = true;
+    const auto dense = lmoe::run_layer_on_threads(device, tp, load(false), inputs, run);
+    const auto packed = lmoe::run_layer_on_threads(options, tp, load(true), inputs, run);
+    lmoe::testing::expect_same_layer_bits(dense, packed, tp);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CudaPackedExperts, AnF32LayerRefusesThemWithTheReason) {
+  SKIP_WITHOUT_GPU();
+  const fs::path dir =
+      lmoe::testing::write_random_mxfp4_checkpoint("lmoe_cuda_packed_f32_", kLayer);
+  const LayerConfig config = lmoe::testing::situ_mxfp4_config();
+  const lmoe::LayerTensorNames names = *lmoe::find_preset("small-mxfp4").tensor_names;
+  lmoe::LayerOptions options;
+  options.config = config;
+  options.dtype = DType::f32;
+  options.backend = lmoe::Backend::cuda;
+  lmoe::run_comm_group("cuda-threads", 1, [&](int, lmoe::Communicator& comm) {
+    const std::string message = lmoe::testing::error_message_of([&] {
+      lmoe::LatentMoELayer layer(
+          options, comm,
+          lmoe::load_layer_weights(dir.string(), names, kLayer, config, DType::f32, 1, 0,
+                                   {.keep_experts_packed = true}));
+    });
+    EXPECT_THAT(message, HasSubstr("weights: MXFP4 experts kept packed run on the cuda layer's "
+                                   "device path"));
+    EXPECT_THAT(message, HasSubstr("dtype: the device path's grouped GEMM takes bf16 or f16, got "
+                                   "f32; load them dequantized"));
+  });
+  fs::remove_all(dir);
+}
+
+}  // namespace
