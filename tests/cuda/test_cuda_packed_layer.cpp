@@ -1,8 +1,9 @@
 // MXFP4 routed experts kept packed on the cuda backend: they stay packed on the GPU, every forward
 // takes the routed experts' device path, whose grouped GEMMs dequantize them in their main loop,
 // and the layer gives the bits of the same checkpoint loaded dequantized on the device path
-// (partials, y and routing, tp 1 and 2); a layer the device path cannot run (f32) refuses packed
-// experts when it is built, with the reason. Every test skips where no GPU is visible.
+// (partials, y and routing, tp 1 and 2), eager and replayed from CUDA graphs; a layer the device
+// path cannot run (f32) refuses packed experts when it is built, with the reason. Every test skips
+// where no GPU is visible.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -60,6 +61,53 @@ TEST(CudaPackedExperts, LayerGivesTheBitsOfTheDequantizedLayerOnTheDevicePath) {
     const auto dense = lmoe::run_layer_on_threads(device, tp, load(false), inputs, run);
     const auto packed = lmoe::run_layer_on_threads(options, tp, load(true), inputs, run);
     lmoe::testing::expect_same_layer_bits(dense, packed, tp);
+  }
+  fs::remove_all(dir);
+}
+
+// `lmoe layer --graph`'s runner with packed experts, T changing from input to input: every replay
+// of a T's graph has the eager forward's bits, and those are the dequantized layer's on the device
+// path (one p2p rank: the graph holds the whole forward, tail included).
+TEST(CudaPackedExperts, GraphReplaysGiveTheBitsOfTheDequantizedLayer) {
+  SKIP_WITHOUT_GPU();
+  const fs::path dir =
+      lmoe::testing::write_random_mxfp4_checkpoint("lmoe_cuda_packed_graph_", kLayer);
+  const LayerConfig config = lmoe::testing::situ_mxfp4_config();
+  const lmoe::LayerTensorNames names = *lmoe::find_preset("small-mxfp4").tensor_names;
+  std::vector<lmoe::HostTensor> inputs;
+  for (std::int64_t tokens : {5, 1, 300, 64}) {
+    inputs.push_back(lmoe::make_random_layer_input(config.d_model, tokens, DType::bf16,
+                                                   static_cast<std::uint64_t>(40 + tokens)));
+  }
+  lmoe::LayerOptions options;
+  options.config = config;
+  options.dtype = DType::bf16;
+  options.backend = lmoe::Backend::cuda;
+  const auto load = [&](bool keep_packed) {
+    return [&, keep_packed](int rank) {
+      return lmoe::load_layer_weights(dir.string(), names, kLayer, config, DType::bf16, 1, rank,
+                                      {.keep_experts_packed = keep_packed});
+    };
+  };
+  lmoe::LayerRunOptions graph;
+  graph.comm = "p2p";
+  graph.graph = true;
+  graph.warmup = 1;
+  graph.repeats = 2;
+  const auto packed = lmoe::run_layer_on_threads(options, 1, load(true), inputs, graph);
+  lmoe::LayerOptions device = options;
+  device.device_experts = true;
+  lmoe::LayerRunOptions eager;
+  eager.comm = "p2p";
+  const auto dense = lmoe::run_layer_on_threads(device, 1, load(false), inputs, eager);
+  ASSERT_EQ(packed.size(), inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    SCOPED_TRACE("input " + std::to_string(i));
+    const lmoe::LayerRankResult& replayed = packed[i].ranks.front();
+    EXPECT_TRUE(replayed.replay_matches_eager);
+    EXPECT_EQ(replayed.replay_seconds.size(), 2u);
+    EXPECT_TRUE(lmoe::same_bits(replayed.y, dense[i].ranks.front().y));
+    EXPECT_EQ(replayed.routing.expert_ids, dense[i].ranks.front().routing.expert_ids);
   }
   fs::remove_all(dir);
 }
