@@ -1,12 +1,12 @@
-// The grouped GEMM with MXFP4 weights (GroupedGemmArgs::b_blocks): on every mma.sync tile, bf16 and
-// f16, its output is bit for bit the dense grouped GEMM's on Mxfp4Tensor::dequantize's weights with
-// the same tile — fp32, rounded, and through the gated (both weights packed) and plain
-// activations — on ragged groups of 0, 1, 3, 17, 64 and 300 rows (read in place and gathered),
-// K = 96 and 544 (32 · odd: the last chunk half empty, scales at odd byte addresses) and 3584
-// (Kimi-K3's latent), N not a multiple of any tile's columns; random codes (every code in both
-// nibbles) and scales across their range, outputs poisoned before each run. Bad packed arguments
-// are refused with their reason (host checks, no GPU needed); the GEMMs skip where no GPU is
-// visible.
+// The grouped GEMM with MXFP4 weights (GroupedGemmArgs::b_blocks): on every mma.sync tile, and on
+// every wgmma tile where the GPU has them (compute 9.0), bf16 and f16, its output is bit for bit
+// the dense grouped GEMM's on Mxfp4Tensor::dequantize's weights with the same tile — fp32, rounded,
+// and through the gated (both weights packed) and plain activations — on ragged groups of 0, 1, 3,
+// 17, 64 and 300 rows (read in place and gathered), K = 96 and 544 (32 · odd: the last chunk half
+// empty, scales at odd byte addresses) and 3584 (Kimi-K3's latent), N not a multiple of any tile's
+// columns; random codes (every code in both nibbles) and scales across their range, outputs
+// poisoned before each run. Bad packed arguments are refused with their reason (host checks, no GPU
+// needed); the GEMMs skip where no GPU is visible.
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/runtime/cuda_device_info.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "gpu_test_support.hpp"
 #include "lmoe/dims.hpp"
@@ -187,8 +188,14 @@ TEST_P(PackedGroupedGemm, GivesTheBitsOfTheDequantizedWeightsOnEveryMmaSyncTile)
   lmoe::LayerConfig plain;
   plain.activation = lmoe::ExpertActivation::relu2;
   const std::size_t esize = lmoe::dtype_size(dtype);
-  for (const GroupedTile tile : {GroupedTile::m16, GroupedTile::m64, GroupedTile::m128,
-                                 GroupedTile::m128_wide, GroupedTile::automatic}) {
+  std::vector<GroupedTile> tiles{GroupedTile::m16, GroupedTile::m64, GroupedTile::m128,
+                                 GroupedTile::m128_wide, GroupedTile::automatic};
+  // The wgmma tiles where this GPU has them (wgmma_ws runs wgmma_m256's packed kernel).
+  if (!lmoe::cuda::grouped_tile_unsupported(GroupedTile::wgmma,
+                                            lmoe::cuda::current_compute_capability())) {
+    tiles.insert(tiles.end(), {GroupedTile::wgmma, GroupedTile::wgmma_m256, GroupedTile::wgmma_ws});
+  }
+  for (const GroupedTile tile : tiles) {
     SCOPED_TRACE(std::string("tile ") + lmoe::cuda::grouped_tile_name(tile));
     const auto both = [&](GroupedOut out, const Weights* second, const lmoe::LayerConfig* act,
                           std::size_t element, const char* what) {
@@ -277,21 +284,12 @@ TEST(PackedGroupedGemm, RefusesWhatItCannotRunWithTheReason) {
   bad = args;
   bad.b_scales = other + 2;
   EXPECT_THAT(refused(bad), HasSubstr("b_scales, b2_scales: expected 4-byte aligned scales"));
-  for (const GroupedTile tile :
-       {GroupedTile::wgmma, GroupedTile::wgmma_m256, GroupedTile::wgmma_ws}) {
-    bad = args;
-    bad.tile = tile;
-    EXPECT_THAT(refused(bad),
-                HasSubstr("tile: expected an mma.sync tile (automatic, m16, m64, m128, m128_wide) "
-                          "with MXFP4 weights, got " +
-                          std::string(lmoe::cuda::grouped_tile_name(tile)) +
-                          " (the wgmma tiles read dense weights)"));
-  }
 }
 
-// automatic takes the mma.sync tile of the rows per group for packed weights, even where it would
-// take a wgmma tile for dense ones (compute 9.0, from kGroupedWgmmaMinRows rows): each bound ±1.
-TEST(PackedGroupedGemm, AutomaticPicksAnMmaSyncTile) {
+// automatic takes the dense weights' mma.sync tiles for packed ones and, on compute 9.0 from
+// kGroupedWgmmaMinRows rows, wgmma_m256 where dense weights would take wgmma_ws (whose TMA loads
+// bf16 rows): each bound ±1.
+TEST(PackedGroupedGemm, AutomaticPicksTheDenseTileOrWgmmaM256) {
   GroupedGemmArgs args = packed_args();
   args.max_groups = 16;
   args.groups = 64;
@@ -300,14 +298,20 @@ TEST(PackedGroupedGemm, AutomaticPicksAnMmaSyncTile) {
     args.max_rows = rows;
     return lmoe::cuda::grouped_gemm_tile(args, kHopper);
   };
+  constexpr std::int64_t kMin = lmoe::cuda::kGroupedWgmmaMinRows;
   EXPECT_EQ(tile_for(16 * 16), GroupedTile::m16);
   EXPECT_EQ(tile_for(16 * 16 + 1), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * lmoe::cuda::kGroupedWgmmaMinRows), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * 96), GroupedTile::m64);
-  EXPECT_EQ(tile_for(16 * 96 + 1), GroupedTile::m128);
-  EXPECT_EQ(tile_for(16 * 1000), GroupedTile::m128);
+  EXPECT_EQ(tile_for(16 * (kMin - 1)), GroupedTile::m64);
+  EXPECT_EQ(tile_for(16 * kMin), GroupedTile::wgmma_m256);
+  EXPECT_EQ(tile_for(16 * 1000), GroupedTile::wgmma_m256);
   args.max_rows = 16 * 1000;
-  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args), GroupedTile::m128);  // this device, any
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, 100), GroupedTile::m128);  // Blackwell: no wgmma
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, 0), GroupedTile::m128);    // no device
+  args.max_rows = 16 * 96;
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, 100), GroupedTile::m64);
+  args.max_rows = 16 * 96 + 1;
+  EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, 100), GroupedTile::m128);
+  args.max_rows = 16 * 1000;
   args.b_blocks = nullptr;
   args.b = args.b_scales;  // dense: wgmma on compute 9.0
   EXPECT_EQ(lmoe::cuda::grouped_gemm_tile(args, kHopper), GroupedTile::wgmma_ws);

@@ -31,13 +31,18 @@ using Wgmma = GroupedWgmmaShape<128, 5, false>;
 using WgmmaGated = GroupedWgmmaShape<128, 5, true>;
 using WgmmaM256 = GroupedWgmmaShape<256, 4, false>;
 using WgmmaM256Gated = GroupedWgmmaShape<256, 4, true>;
+// MXFP4 weights: a packed stage is 8 KiB smaller, so the same stages fit beside the two B tiles.
+template <bool kGated>
+using WgmmaPacked = GroupedWgmmaShape<128, 5, kGated, true>;
+template <bool kGated>
+using WgmmaM256Packed = GroupedWgmmaShape<256, 4, kGated, true>;
 using WgmmaWs = GroupedWgmmaWsShape<false>;
 using WgmmaWsGated = GroupedWgmmaWsShape<true>;
 
 template <class Shape>
 struct IsWgmmaShape : std::false_type {};
-template <int kRowsM, int kStages, bool kGated>
-struct IsWgmmaShape<GroupedWgmmaShape<kRowsM, kStages, kGated>> : std::true_type {};
+template <int kRowsM, int kStages, bool kGated, bool kPacked>
+struct IsWgmmaShape<GroupedWgmmaShape<kRowsM, kStages, kGated, kPacked>> : std::true_type {};
 
 // The kernel of a (dtype, shape): the wgmma shapes have their own.
 template <class Shape>
@@ -112,7 +117,9 @@ cudaError_t prepare_typed() {
   for (const cudaError_t status :
        {prepare_shape<T, Wgmma>(), prepare_shape<T, WgmmaGated>(), prepare_shape<T, WgmmaM256>(),
         prepare_shape<T, WgmmaM256Gated>(), prepare_shape<T, WgmmaWs>(),
-        prepare_shape<T, WgmmaWsGated>()}) {
+        prepare_shape<T, WgmmaWsGated>(), prepare_shape<T, WgmmaPacked<false>>(),
+        prepare_shape<T, WgmmaPacked<true>>(), prepare_shape<T, WgmmaM256Packed<false>>(),
+        prepare_shape<T, WgmmaM256Packed<true>>()}) {
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
@@ -209,9 +216,21 @@ template <typename T>
 cudaError_t launch_typed(const GroupedGemmArgs& args, const GroupedGemmParams& params,
                          cudaStream_t stream) {
   const GroupedTile tile = grouped_gemm_tile(args);
-  // MXFP4 weights run the mma.sync tiles alone (grouped_gemm_unsupported refuses the others).
-  if (grouped_weights_packed(args)) return launch_mma_sync<T, true>(tile, args, params, stream);
   const bool gated = gated_call(args);
+  if (grouped_weights_packed(args)) {
+    // MXFP4 weights: wgmma_ws loads B by TMA as bf16 rows, so its packed counterpart is
+    // wgmma_m256's (the same rows per block, the same bits).
+    switch (tile) {
+      case GroupedTile::wgmma:
+        return gated ? launch_shape<T, WgmmaPacked<true>>(args, params, stream)
+                     : launch_shape<T, WgmmaPacked<false>>(args, params, stream);
+      case GroupedTile::wgmma_m256:
+      case GroupedTile::wgmma_ws:
+        return gated ? launch_shape<T, WgmmaM256Packed<true>>(args, params, stream)
+                     : launch_shape<T, WgmmaM256Packed<false>>(args, params, stream);
+      default: return launch_mma_sync<T, true>(tile, args, params, stream);
+    }
+  }
   switch (tile) {
     case GroupedTile::wgmma:
       return gated ? launch_shape<T, WgmmaGated>(args, params, stream)
@@ -263,7 +282,7 @@ std::optional<std::string> grouped_tile_unsupported(GroupedTile tile, int comput
 namespace {
 
 // Why MXFP4 weights (b_blocks set) cannot run: dense ones beside them, missing scales, a gate not
-// packed alike, K off the 32-column blocks, misaligned operands, a wgmma tile.
+// packed alike, K off the 32-column blocks, misaligned operands.
 std::optional<std::string> packed_weights_unsupported(const GroupedGemmArgs& args) {
   if (args.b != nullptr || args.b2 != nullptr) {
     return std::string("b, b2: expected null with MXFP4 weights (b_blocks), got a dense one too");
@@ -284,11 +303,6 @@ std::optional<std::string> packed_weights_unsupported(const GroupedGemmArgs& arg
   }
   if (address(args.b_scales) % 4 != 0 || address(args.b2_scales) % 4 != 0) {
     return std::string("b_scales, b2_scales: expected 4-byte aligned scales");
-  }
-  if (wgmma_tile(args.tile)) {
-    return "tile: expected an mma.sync tile (automatic, m16, m64, m128, m128_wide) with MXFP4 "
-           "weights, got " +
-           std::string(grouped_tile_name(args.tile)) + " (the wgmma tiles read dense weights)";
   }
   return std::nullopt;
 }
@@ -359,8 +373,10 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
   if (args.tile != GroupedTile::automatic) return args.tile;
   const std::int64_t rows = rows_per_group(args);
   if (rows <= 16) return GroupedTile::m16;
-  if (rows >= kGroupedWgmmaMinRows && !grouped_weights_packed(args) &&
+  if (rows >= kGroupedWgmmaMinRows &&
       !grouped_tile_unsupported(GroupedTile::wgmma_m256, compute_capability)) {
+    // MXFP4 weights: wgmma_m256's packed kernel (wgmma_ws loads B as bf16 rows by TMA).
+    if (grouped_weights_packed(args)) return GroupedTile::wgmma_m256;
     // Rows read in place (no a_rows: the experts' down call) or staged there first (a_staging):
     // the warp-specialized tile, whose producer loads them by TMA too. Gathered rows without
     // staging: the producer warpgroup's cp.async of 256 rows falls behind at ~146 rows per
@@ -374,9 +390,8 @@ GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args, int compute_capabilit
 
 GroupedTile grouped_gemm_tile(const GroupedGemmArgs& args) {
   // Only an average that could pick wgmma asks the device.
-  const bool may_pick_wgmma = args.tile == GroupedTile::automatic &&
-                              !grouped_weights_packed(args) &&
-                              rows_per_group(args) >= kGroupedWgmmaMinRows;
+  const bool may_pick_wgmma =
+      args.tile == GroupedTile::automatic && rows_per_group(args) >= kGroupedWgmmaMinRows;
   return grouped_gemm_tile(args, may_pick_wgmma ? current_compute_capability() : 0);
 }
 

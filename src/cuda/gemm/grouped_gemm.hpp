@@ -6,8 +6,9 @@
 // with C in fp32, rounded once to the operands' dtype, or (the experts' up projection) through the
 // activation: round(act(A · B2_gᵀ, A · B_gᵀ)) with B2 the gate weights (act of the up product alone
 // for relu2). B and B2 may be MXFP4 (e2m1 codes and E8M0 scales, Mxfp4Tensor's layout), dequantized
-// in the kernel's main loop: the same bits as the dense weights Mxfp4Tensor::dequantize gives (on
-// the mma.sync tiles; the wgmma tiles read dense weights only). The host never reads `first`, so
+// in the kernel's main loop: the same bits as the dense weights Mxfp4Tensor::dequantize gives on
+// the same tile (wgmma_ws, whose TMA loads bf16 rows, runs wgmma_m256's packed kernel). The host
+// never reads `first`, so
 // the call can be captured in a CUDA graph; it needs
 // only a bound on the rows (max_rows ≥ first[groups]) and on the groups that hold rows.
 // cuBLAS(Lt) 13.0 has no grouped GEMM whose sizes stay on the device (cublasGemmGroupedBatchedEx
@@ -97,8 +98,8 @@ struct GroupedGemmArgs {
 // Why the kernel cannot run `args` (nullopt when it can): the dtype, K's row pitch (K even; 16-byte
 // copies need K and lda multiples of 8, else 8- or 4-byte ones), the group count, a gate without
 // a gated activation, a tile the current device cannot run (wgmma tiles off compute 9.0), MXFP4
-// weights with K not a multiple of 32, misaligned, beside dense ones, or on a wgmma tile. Names
-// the argument and the expected value.
+// weights with K not a multiple of 32, misaligned, or beside dense ones. Names the argument and
+// the expected value.
 std::optional<std::string> grouped_gemm_unsupported(const GroupedGemmArgs& args);
 
 // The tile `automatic` resolves to for these args on the current device, or on a device of

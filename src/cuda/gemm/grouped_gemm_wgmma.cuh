@@ -28,6 +28,12 @@
 // - Summation order over K as in the other tiles: 64-wide chunks in order, in each the four k16
 //   steps in order, each a wgmma into accumulators that start at zero (the hardware's order inside
 //   a k16 step).
+// - MXFP4 weights (kPacked shapes): a stage holds A's rows and B's packed rows (Mxfp4Stage); after
+//   the stage's barrier all threads dequantize B into one of two bf16/f16 tiles in the same
+//   swizzled layout (grouped_gemm_mxfp4.cuh), fence it for the async proxy, and a second barrier
+//   hands it to the wgmma. Two tiles, because chunk i − 1's wgmma may still read its tile while
+//   chunk i's is written; chunk i − 2's, whose tile is reused, is done everywhere after the first
+//   barrier. The same values feed the same wgmma steps: the dense tile's bits.
 // Only the sm_90a pass has a body; other architectures trap, and the host launches this kernel only
 // on compute 9.0 (grouped_gemm.cu). Device code only.
 #pragma once
@@ -39,22 +45,26 @@
 
 namespace lmoe::cuda {
 
-// kRowsM / 64 warpgroups, each 64 of the rows × all kBRows = 128 B rows.
-template <int kRowsMT, int kStagesT, bool kGatedT>
+// kRowsM / 64 warpgroups, each 64 of the rows × all kBRows = 128 B rows; kPacked: MXFP4 weights.
+template <int kRowsMT, int kStagesT, bool kGatedT, bool kPackedT = false>
 struct GroupedWgmmaShape {
   static constexpr int kRowsM = kRowsMT;
   static constexpr int kBRows = 128;  // wgmma's N: up rows, then gate rows
   static constexpr int kColsN = kGatedT ? kBRows / 2 : kBRows;  // output columns per block
   static constexpr bool kGated = kGatedT;
-  static constexpr bool kPacked = false;  // dense weights only
+  static constexpr bool kPacked = kPackedT;
   static constexpr int kWarpgroups = kRowsM / 64;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kStages = kStagesT;
-  static constexpr int kStageBytes = (kRowsM + kBRows) * 128;
+  // The two dequantized B tiles (kPacked), then the stages.
+  static constexpr int kBTileBytes = kPacked ? 2 * kBRows * 128 : 0;
+  static constexpr int kStageBytes =
+      kRowsM * 128 + (kPacked ? kBRows * (kMxfp4ChunkBytes + kMxfp4ScaleBytes) : kBRows * 128);
   // Dynamic shared memory starts after the static variables: 1 KiB of slack to align it to 1024.
-  static constexpr int kSharedBytes = kStages * kStageBytes + 1024;
+  static constexpr int kSharedBytes = kBTileBytes + kStages * kStageBytes + 1024;
   static_assert(kRowsM % 64 == 0 && kRowsM <= 256, "whole m64 warpgroup tiles, ≤ 512 threads");
-  static_assert(kStageBytes % 1024 == 0 && (kRowsM * 128) % 1024 == 0, "1024-byte swizzle atoms");
+  static_assert(kStageBytes % 1024 == 0 && (kRowsM * 128) % 1024 == 0 && kBTileBytes % 1024 == 0,
+                "1024-byte swizzle atoms");
   static_assert(kStages >= 3, "a stage for the loads, one being multiplied, one draining");
   static_assert(kSharedBytes + kRowsM * 8 + 64 <= 227 * 1024, "an H200 block's shared memory");
 };
@@ -97,8 +107,10 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
   const int tid = static_cast<int>(threadIdx.x);
   const int rows_here = tile.rows_here;
   const int a_rows_used = (rows_here + 15) / 16 * 16;
-  const std::uint32_t smem =
-      (static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_smem)) + 1023u) & ~1023u;
+  const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(wgmma_smem));
+  const std::uint32_t b_tiles = (raw + 1023u) & ~1023u;  // kPacked: the two dequantized B tiles
+  [[maybe_unused]] unsigned char* const b_tiles_generic = wgmma_smem + (b_tiles - raw);
+  const std::uint32_t smem = b_tiles + Shape::kBTileBytes;
   const int chunks = static_cast<int>((p.k + kGroupedTileK - 1) / kGroupedTileK);
   auto load_chunk = [&](int c) {
     grouped_load_chunk<T, Shape>(p, tile, a_rows_used, c,
@@ -126,10 +138,20 @@ __global__ void __launch_bounds__(Shape::kThreads, 1)
     cp_async_wait<Shape::kStages - 3>();
     fence_proxy_async_shared();  // this thread's copies of chunk i, visible to wgmma's reads
     __syncthreads();  // every thread's copies of chunk i; chunk i − 2's wgmma done everywhere
+    const std::uint32_t a_stage = smem + (i % Shape::kStages) * Shape::kStageBytes;
+    std::uint32_t b_rows = a_stage + Shape::kRowsM * 128;
+    if constexpr (Shape::kPacked) {
+      // Into the tile chunk i − 2 read, from the stage's packed rows.
+      const int b_tile = (i & 1) * Shape::kBRows * 128;
+      mxfp4_dequantize_chunk<T, Shape>(tile.b_packed, tile.b2_packed, tile.col0, p.k, i,
+                                       b_tiles_generic + (b_rows - b_tiles),
+                                       b_tiles_generic + b_tile);
+      fence_proxy_async_shared();  // this thread's stores, visible to wgmma's reads
+      __syncthreads();             // the whole tile before any warpgroup's wgmma
+      b_rows = b_tiles + b_tile;
+    }
     if (multiplies) {
-      const std::uint32_t a_stage = smem + (i % Shape::kStages) * Shape::kStageBytes;
       const std::uint32_t a_rows = a_stage + warpgroup * 64 * 128;  // this warpgroup's 8 atoms
-      const std::uint32_t b_rows = a_stage + Shape::kRowsM * 128;
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kGroupedTileK / 16; ++ks) {
