@@ -99,6 +99,8 @@ struct LayerCommand {
     std::unique_ptr<LayerReference> reference;
     std::vector<LayerInputRun> cpu_results;
     LayerWeightBytes weight_bytes;  // rank 0's
+    // cuda: what building the layers took on rank 0's GPU (LayerRankResult::layer_device_bytes)
+    std::int64_t device_bytes = -1;
   };
   // The printed table, its rows as JSON and whether every row passed its checks.
   struct LayerRows {
@@ -110,8 +112,8 @@ struct LayerCommand {
   LayerSetup setup() const;
   LayerRuns run_layers(const LayerSetup& setup) const;
   LayerRows report_rows(const LayerSetup& setup, const LayerRuns& runs) const;
-  void write_report(const LayerSetup& setup, const LayerWeightBytes& weight_bytes,
-                    const nlohmann::json& rows, bool all_ok) const;
+  void write_report(const LayerSetup& setup, const LayerRuns& runs, const nlohmann::json& rows,
+                    bool all_ok) const;
   void dump(const LayerSetup& setup, const LayerRuns& runs) const;
 };
 
@@ -310,6 +312,8 @@ LayerCommand::LayerRuns LayerCommand::run_layers(const LayerSetup& setup) const 
         return weights;
       },
       inputs, run);
+  if (!runs.results.empty())
+    runs.device_bytes = runs.results.front().ranks.front().layer_device_bytes;
 
   if (!no_check) {
     std::cerr << "lmoe layer: checking against fp64 math\n";
@@ -444,8 +448,9 @@ LayerCommand::LayerRows LayerCommand::report_rows(const LayerSetup& setup,
   return out;
 }
 
-void LayerCommand::write_report(const LayerSetup& setup, const LayerWeightBytes& weight_bytes,
+void LayerCommand::write_report(const LayerSetup& setup, const LayerRuns& runs,
                                 const nlohmann::json& rows, bool all_ok) const {
+  const LayerWeightBytes& weight_bytes = runs.weight_bytes;
   const bool load = setup.load;
   const ModelPreset& preset = *setup.preset;
   const ModelOptions::Resolved& resolved = setup.resolved;
@@ -454,42 +459,45 @@ void LayerCommand::write_report(const LayerSetup& setup, const LayerWeightBytes&
   const Backend chosen_backend = setup.chosen_backend;
   const LayerRunOptions& run = setup.run;
   if (!json_path.empty()) {
-    nlohmann::json doc = {{"command", "layer"},
-                          {"lmoe_version", kVersion},
-                          {"preset", preset.name},
-                          {"scale", divisor},
-                          {"weights", load ? nlohmann::json(weights_dir) : nlohmann::json()},
-                          {"layer", load ? nlohmann::json(layer_index) : nlohmann::json()},
-                          {"weight_bytes",
-                           {{"total", weight_bytes.total()},
-                            {"routed_experts", weight_bytes.routed_experts},
-                            {"routed_experts_dequantized", weight_bytes.routed_experts_dequantized},
-                            {"routed_experts_mxfp4", weight_bytes.routed_experts_mxfp4},
-                            {"other", weight_bytes.other},
-                            {"experts_packed", weight_bytes.experts_packed}}},
-                          {"d_model", config.d_model},
-                          {"d_latent", config.d_latent},
-                          {"num_experts", config.router.num_experts},
-                          {"top_k", config.router.top_k},
-                          {"n_group", config.router.n_group},
-                          {"topk_group", config.router.topk_group},
-                          {"expert_intermediate", config.expert_intermediate},
-                          {"num_shared_experts", config.num_shared_experts},
-                          {"shared_intermediate", config.shared_intermediate},
-                          {"activation", activation_name(config.activation)},
-                          {"routed_scaling_factor", config.router.routed_scaling_factor},
-                          {"dtype", dtype_name(resolved.dtype)},
-                          {"eps", resolved.eps},
-                          {"tp", ranks},
-                          {"backend", backend_name(chosen_backend)},
-                          {"comm", run.comm},
-                          {"mode", graph ? "graph" : "eager"},
-                          {"cold_l2", cold_l2},
-                          {"warmup", run.warmup},
-                          {"repeats", run.repeats},
-                          {"seed", seed},
-                          {"rows", rows},
-                          {"ok", all_ok}};
+    nlohmann::json doc = {
+        {"command", "layer"},
+        {"lmoe_version", kVersion},
+        {"preset", preset.name},
+        {"scale", divisor},
+        {"weights", load ? nlohmann::json(weights_dir) : nlohmann::json()},
+        {"layer", load ? nlohmann::json(layer_index) : nlohmann::json()},
+        {"weight_bytes",
+         {{"total", weight_bytes.total()},
+          {"routed_experts", weight_bytes.routed_experts},
+          {"routed_experts_dequantized", weight_bytes.routed_experts_dequantized},
+          {"routed_experts_mxfp4", weight_bytes.routed_experts_mxfp4},
+          {"other", weight_bytes.other},
+          {"experts_packed", weight_bytes.experts_packed}}},
+        {"layer_device_bytes",
+         runs.device_bytes >= 0 ? nlohmann::json(runs.device_bytes) : nlohmann::json()},
+        {"d_model", config.d_model},
+        {"d_latent", config.d_latent},
+        {"num_experts", config.router.num_experts},
+        {"top_k", config.router.top_k},
+        {"n_group", config.router.n_group},
+        {"topk_group", config.router.topk_group},
+        {"expert_intermediate", config.expert_intermediate},
+        {"num_shared_experts", config.num_shared_experts},
+        {"shared_intermediate", config.shared_intermediate},
+        {"activation", activation_name(config.activation)},
+        {"routed_scaling_factor", config.router.routed_scaling_factor},
+        {"dtype", dtype_name(resolved.dtype)},
+        {"eps", resolved.eps},
+        {"tp", ranks},
+        {"backend", backend_name(chosen_backend)},
+        {"comm", run.comm},
+        {"mode", graph ? "graph" : "eager"},
+        {"cold_l2", cold_l2},
+        {"warmup", run.warmup},
+        {"repeats", run.repeats},
+        {"seed", seed},
+        {"rows", rows},
+        {"ok", all_ok}};
     write_json_file(json_path, doc);
   }
 }
@@ -641,10 +649,16 @@ void LayerCommand::execute() const {
                     : "")
             << "\n";
   print_weight_bytes(weight_bytes, resolved.dtype);
+  if (runs.device_bytes >= 0) {
+    std::cout << "# device memory in use on rank 0's GPU grew by " << runs.device_bytes << " B ("
+              << format_number(static_cast<double>(runs.device_bytes) / 1048576.0)
+              << " MiB) while the ranks built their layers (weights and workspaces; every "
+                 "rank's where they share the GPU)\n";
+  }
   table.print(std::cout);
   std::cout << (all_ok ? "all rows ok\n" : "SOME ROWS FAILED\n");
 
-  write_report(setup, weight_bytes, report.rows, all_ok);
+  write_report(setup, runs, report.rows, all_ok);
   if (!dump_dir.empty()) dump(setup, runs);
   if (!all_ok) throw CLI::RuntimeError(1);
 }

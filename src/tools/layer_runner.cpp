@@ -36,7 +36,26 @@ std::vector<LayerInputRun> run_layer_on_threads(
   const LayerConfig& config = options.config;
 
   const auto run_rank = [&](int rank, Communicator& comm) {
+#ifdef LMOE_HAS_CUDA
+    // Rank 0's GPU before and after every rank has built its layer.
+    const bool cuda = options.backend == Backend::cuda;
+    std::int64_t in_use = 0;
+    if (cuda) {
+      comm.barrier();
+      if (rank == 0) in_use = device_memory_in_use();
+      comm.barrier();
+    }
     LatentMoELayer layer(options, comm, weights(rank));
+    if (cuda) {
+      comm.barrier();
+      if (rank == 0) {
+        const std::int64_t grown = device_memory_in_use() - in_use;
+        for (LayerInputRun& result : results) result.ranks.front().layer_device_bytes = grown;
+      }
+    }
+#else
+    LatentMoELayer layer(options, comm, weights(rank));
+#endif
 #ifdef LMOE_HAS_CUDA
     // Device inputs, the rank's own stream, results copied back: cuda/cuda_layer_runner.cpp.
     if (options.backend == Backend::cuda)

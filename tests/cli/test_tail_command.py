@@ -408,6 +408,14 @@ class LayerCommand(unittest.TestCase):
             self.assertEqual(doc["weight_bytes"], {
                 "total": packed + other, "routed_experts": packed, "routed_experts_dequantized": dequantized,
                 "routed_experts_mxfp4": packed, "other": other, "experts_packed": True})
+            # What building the layers took on rank 0's GPU: null and not printed on the cpu backend;
+            # on cuda at least rank 0's weights as held, printed as written.
+            device_bytes = doc["layer_device_bytes"]
+            if device_bytes is None:
+                self.assertNotIn("device memory in use", result.stdout)
+            else:
+                self.assertGreaterEqual(device_bytes, packed + other)
+                self.assertIn(f"GPU grew by {device_bytes} B (", result.stdout)
             packed_rows = [(row["tokens"], row["ok"]) for row in doc["rows"]]
 
             # Dequantized at load (the default): the same layer, and the bytes before packing.

@@ -1,9 +1,9 @@
 // MXFP4 routed experts kept packed on the cuda backend: they stay packed on the GPU, every forward
 // takes the routed experts' device path, whose grouped GEMMs dequantize them in their main loop,
 // and the layer gives the bits of the same checkpoint loaded dequantized on the device path
-// (partials, y and routing, tp 1 and 2), eager and replayed from CUDA graphs; a layer the device
-// path cannot run (f32) refuses packed experts when it is built, with the reason. Every test skips
-// where no GPU is visible.
+// (partials, y and routing, tp 1 and 2), eager and replayed from CUDA graphs; what building it
+// takes on the GPU holds its weights as held; a layer the device path cannot run (f32) refuses
+// packed experts when it is built, with the reason. Every test skips where no GPU is visible.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -61,6 +61,13 @@ TEST(CudaPackedExperts, LayerGivesTheBitsOfTheDequantizedLayerOnTheDevicePath) {
     const auto dense = lmoe::run_layer_on_threads(device, tp, load(false), inputs, run);
     const auto packed = lmoe::run_layer_on_threads(options, tp, load(true), inputs, run);
     lmoe::testing::expect_same_layer_bits(dense, packed, tp);
+    // What building the layers took on the GPU holds at least rank 0's weights, as held.
+    const auto weights_on_device = [&](bool keep_packed) {
+      return static_cast<std::int64_t>(
+          lmoe::layer_weight_bytes(load(keep_packed)(0), DType::bf16).total());
+    };
+    EXPECT_GE(dense.front().ranks.front().layer_device_bytes, weights_on_device(false));
+    EXPECT_GE(packed.front().ranks.front().layer_device_bytes, weights_on_device(true));
   }
   fs::remove_all(dir);
 }

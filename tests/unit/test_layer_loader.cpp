@@ -12,8 +12,11 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
+#include <grp.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "checkpoint_writer.hpp"
@@ -74,6 +77,37 @@ class LayerLoader : public ::testing::Test {
       return error.message();
     }
     return "no error";
+  }
+
+  // The error of loading dir_ as a user whom file modes bind: root reads files of mode 000, so as
+  // root a child process drops to nobody (uid and gid 65534, no other groups) and sends the message
+  // back through a pipe; nullopt where it cannot. Any other user loads in this process.
+  std::optional<std::string> load_error_unprivileged() {
+    if (::geteuid() != 0) return load_error_as_written();
+    int fds[2];
+    if (::pipe(fds) != 0) return std::nullopt;
+    const pid_t child = ::fork();
+    if (child < 0) return std::nullopt;
+    if (child == 0) {
+      ::close(fds[0]);
+      const bool dropped = ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 &&
+                           ::setuid(65534) == 0 && ::geteuid() != 0;
+      const std::string message = dropped ? load_error_as_written() : std::string();
+      const bool written =
+          ::write(fds[1], message.data(), message.size()) == static_cast<ssize_t>(message.size());
+      ::_exit(dropped && written ? 0 : 1);  // no test teardown in the child
+    }
+    ::close(fds[1]);
+    std::string message;
+    char buffer[4096];
+    for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) > 0;) {
+      message.append(buffer, static_cast<std::size_t>(n));
+    }
+    ::close(fds[0]);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
+    return message;
   }
 
   fs::path dir_;
@@ -547,28 +581,33 @@ TEST_F(LayerLoader, AFolderWhereAFileBelongsIsNamed) {
 }
 
 // A file or folder that cannot be read for its permissions is an error naming its path. Mode 000
-// does not stop root, so the test skips where the file stays readable.
+// does not stop root, so as root the loads run in a child process that has dropped to nobody.
 TEST_F(LayerLoader, UnreadableFilesAreNamed) {
   const RawFile good = good_tensors();
   const fs::path index = index_path();
   const fs::path shard = dir_ / "model-00002-of-00002.safetensors";
   write_checkpoint(dir_, good);
+  // Readable by anyone first: where that does not load (a parent folder closed to others), the
+  // modes below could not be what fails.
+  const fs::perms readable = fs::perms::owner_read | fs::perms::owner_write |
+                             fs::perms::group_read | fs::perms::others_read;
+  fs::permissions(
+      dir_, readable | fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec);
+  if (load_error_unprivileged() != "no error")
+    GTEST_SKIP() << "no unprivileged process here loads the checkpoint when every mode allows it";
   fs::permissions(index, fs::perms::none);
-  if (::access(index.c_str(), R_OK) == 0) {
-    fs::permissions(index, fs::perms::owner_read | fs::perms::owner_write);
-    GTEST_SKIP() << "a file of mode 000 is still readable here (running as root)";
-  }
-  EXPECT_THAT(load_error_as_written(),
+  EXPECT_THAT(load_error_unprivileged().value_or(""),
               HasSubstr(index.string() + ": cannot read the checkpoint index: Permission denied"));
-  fs::permissions(index, fs::perms::owner_read | fs::perms::owner_write);
+  fs::permissions(index, readable);
   fs::permissions(shard, fs::perms::none);
-  EXPECT_THAT(load_error_as_written(),
+  EXPECT_THAT(load_error_unprivileged().value_or(""),
               HasSubstr(shard.string() + ": cannot open safetensors file: Permission denied"));
-  fs::permissions(shard, fs::perms::owner_read | fs::perms::owner_write);
+  fs::permissions(shard, readable);
   fs::remove(index);
   fs::permissions(dir_, fs::perms::none);
-  EXPECT_THAT(load_error_as_written(), HasSubstr("checkpoint directory " + dir_.string() +
-                                                 ": cannot list: Permission denied"));
+  EXPECT_THAT(
+      load_error_unprivileged().value_or(""),
+      HasSubstr("checkpoint directory " + dir_.string() + ": cannot list: Permission denied"));
   fs::permissions(dir_, fs::perms::owner_all);
 }
 

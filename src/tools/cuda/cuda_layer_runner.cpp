@@ -228,4 +228,10 @@ void run_layer_rank_cuda(LatentMoELayer& layer, Communicator& comm,
   }
 }
 
+std::int64_t device_memory_in_use() {
+  std::size_t free = 0, total = 0;
+  LMOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return static_cast<std::int64_t>(total - free);
+}
+
 }  // namespace lmoe

@@ -15,4 +15,7 @@ void run_layer_rank_cuda(LatentMoELayer& layer, Communicator& comm,
                          std::span<const HostTensor> inputs, const LayerRunOptions& run,
                          std::vector<LayerInputRun>& results);
 
+// The current device's memory in use (total − free, cudaMemGetInfo), every process's.
+std::int64_t device_memory_in_use();
+
 }  // namespace lmoe

@@ -38,6 +38,9 @@ struct LayerRankResult {
   // whether a replay's y had the eager forward's bits (y is the replay's, routing the eager one's).
   std::vector<double> replay_seconds;
   bool replay_matches_eager = true;
+  // cuda, rank 0: how much the device memory in use on rank 0's GPU grew while every rank built
+  // its layer (weights, workspaces; every rank's where the ranks share that GPU); −1 elsewhere.
+  std::int64_t layer_device_bytes = -1;
 };
 
 struct LayerInputRun {
