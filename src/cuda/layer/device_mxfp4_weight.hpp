@@ -33,9 +33,9 @@ struct DeviceMxfp4Weight {
 
   DeviceBuffer blocks;  // [E, R, C/2] e2m1 codes, two a byte (the low nibble the even column)
   DeviceBuffer scales;  // [E, R, C/32] E8M0
-  std::int64_t blocks_per_expert =
-      0;  // bytes of an expert's blocks (a multiple of 16: C % 32 == 0)
-  std::int64_t scales_per_expert = 0;  // bytes of an expert's scales
+  // Bytes of an expert's blocks (a multiple of 16: C % 32 == 0) and of its scales.
+  std::int64_t blocks_per_expert = 0;
+  std::int64_t scales_per_expert = 0;
 
  private:
   static DeviceBuffer upload_bytes(const std::vector<std::uint8_t>& bytes) {
