@@ -3,6 +3,7 @@
 it on one GPU (bf16 weights), beside `lmoe layer --graph` on the same checkpoint and inputs.
 
     python3 benchmarks/torch_moe.py --preset kimi-k3 --generate CKPT          # synthetic checkpoint
+    python3 benchmarks/torch_moe.py --preset kimi-k3 --experts 112 --generate CKPT   # one GPU's share
     python3 benchmarks/torch_moe.py --preset kimi-k3 --weights CKPT --lmoe build/cuda/lmoe \\
         --json torch_moe.json --markdown torch_moe.md                         # GPU: time both
     python3 benchmarks/torch_moe.py --device cpu --preset small --weights CKPT --check-lmoe DUMP
@@ -27,8 +28,8 @@ MXFP4 experts where the model stores them so, random e2m1 nibbles with one E8M0 
 that `lmoe layer --weights DIR --layer 0` loads. --check-lmoe DIR reads the x, y and routing that
 `lmoe layer --dump-dir DIR` wrote, runs x here and compares y on the tokens both routed alike with
 the layer's tolerances (docs/layer.md, normwise 1e-2 and row 0.06 in bf16); exit 1 beyond them. With
---lmoe (cuda) the script runs `lmoe layer --graph` (warm and --cold-l2, one rank, --dump-dir)
-itself, checks, then times its own forward as CUDA graphs (warm and cold L2, --iters replays, median
+--lmoe (cuda) the script runs `lmoe layer --graph` itself (warm and --cold-l2, one rank, --dump-dir;
+MXFP4 experts kept packed), checks, then times its own forward as CUDA graphs (warm and cold L2, --iters replays, median
 µs) and writes the table: both times, their ratio, and two floors measured in the same run (the
 active weights' bytes at the device-copy rate, the FLOPs at the bf16 GEMM rate;
 benchmarks/tail_vs_torch.py measures both).
@@ -68,6 +69,9 @@ def parse_args():
     p.add_argument("--seed", type=int, default=2026, help="the generator's seed")
     p.add_argument("--weights", metavar="DIR", help="the checkpoint folder `lmoe layer --weights` reads")
     p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0,
+                   help="routed experts (0: the preset's): --generate writes that many, and lmoe and this script "
+                        "load that many (`lmoe layer --experts`); e.g. 112 for Kimi-K3 on one GPU")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--check-lmoe", metavar="DIR", help="compare with what `lmoe layer --dump-dir DIR` wrote")
     p.add_argument("--lmoe", metavar="BINARY",
@@ -88,6 +92,8 @@ def parse_args():
         p.error("--device cuda: no GPU here (--device cpu runs the self-test with --check-lmoe)")
     if args.lmoe and args.device != "cuda":
         p.error("--lmoe times lmoe and PyTorch on a GPU: it needs --device cuda")
+    if args.experts < 0:
+        p.error(f"--experts: expected 0 (the preset's) or more, got {args.experts}")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     return args
@@ -177,11 +183,13 @@ def lmoe_binary(given):
                      f"lmoe) so that {os.path.join(ROOT, 'build', 'cpu', 'lmoe')} exists")
 
 
-def describe_preset(lmoe, preset):
-    """The preset's layer at its own dims from `lmoe layer --describe` (src/models/ defines it), in this
-    script's names: d, l, experts, inter, shared (the shared experts' total width), act, beta, beta_lin,
-    mxfp4, names (role → tensor name with {layer} and {expert}; "" where the model has none)."""
+def describe_preset(lmoe, preset, experts=0):
+    """The preset's layer at its own dims (with `experts` routed experts where > 0) from `lmoe layer
+    --describe` (src/models/ defines it), in this script's names: d, l, experts, inter, shared (the shared
+    experts' total width), act, beta, beta_lin, mxfp4, names (role → tensor name with {layer} and {expert};
+    "" where the model has none)."""
     command = [lmoe, "layer", "--preset", preset, "--scale", "1", "--describe"]
+    command += ["--experts", str(experts)] if experts > 0 else []
     try:
         completed = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as error:
@@ -417,13 +425,16 @@ def compare(model, dump_dir):
     return results
 
 
-def run_lmoe(args, dump_dir, cold):
+def run_lmoe(args, cfg, dump_dir, cold):
     """`lmoe layer --graph` at one rank on the checkpoint: {T: row} from its --json."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "layer.json")
         command = [args.lmoe, "layer", "--backend", "cuda", "--preset", args.preset, "--weights", args.weights,
                    "--layer", str(args.layer), "-n", "1", "--graph", "-t", ",".join(map(str, args.token_list)), "--repeats",
                    str(args.iters), "--no-check", "--json", path]
+        command += ["--experts", str(args.experts)] if args.experts > 0 else []
+        # MXFP4 experts stay packed in lmoe, as it serves such a checkpoint (this script dequantizes).
+        command += ["--keep-packed"] if cfg["mxfp4"] else []
         command += ["--cold-l2"] if cold else ["--dump-dir", dump_dir]
         print("+", " ".join(command), flush=True)
         completed = subprocess.run(command, stdout=subprocess.PIPE, text=True)
@@ -485,7 +496,7 @@ def bench(args, model):
 
 def main():
     args = parse_args()
-    cfg = describe_preset(lmoe_binary(args.lmoe), args.preset)
+    cfg = describe_preset(lmoe_binary(args.lmoe), args.preset, args.experts)
     if args.generate:
         generate_checkpoint(cfg, args.generate, args.seed, args.layer)
         print(f"wrote {args.preset} layer {args.layer} (seed {args.seed}) to {args.generate}")
@@ -500,7 +511,7 @@ def main():
         if args.lmoe:
             dump_dir = os.path.join(scratch, "dump")
             for cold in (False, True):
-                lmoe_rows[cold], code = run_lmoe(args, dump_dir, cold)
+                lmoe_rows[cold], code = run_lmoe(args, cfg, dump_dir, cold)
                 failed |= code != 0
         if dump_dir:
             checks = compare(model, dump_dir)

@@ -211,8 +211,6 @@ LayerCommand::LayerSetup LayerCommand::setup() const {
   if (load && (model.d_model > 0 || model.d_latent > 0)) {
     throw Error("--weights: the checkpoint has the preset's own dims; drop --d-model/--d-latent");
   }
-  LMOE_CHECK(!load || experts == 0,
-             "--experts: a checkpoint has the model's own experts; drop --experts with --weights");
   const PresetLayer layer = preset_layer(load);
   const ModelPreset& preset = *(setup.preset = layer.preset);
   const ModelOptions::Resolved& resolved = setup.resolved = layer.resolved;
@@ -686,7 +684,9 @@ void add_layer_command(CLI::App& app) {
   sub->add_option("--experts", command->experts,
                   "routed experts (default: the preset's, divided by --scale); e.g. --scale 1 "
                   "--experts 112 runs "
-                  "the model's own dims with 1/8 of Kimi-K3's experts, to fit one GPU")
+                  "the model's own dims with 1/8 of Kimi-K3's experts, to fit one GPU; with "
+                  "--weights, the checkpoint's (one written with that many, e.g. by "
+                  "benchmarks/torch_moe.py --generate --experts N)")
       ->check(CLI::PositiveNumber);
   sub->add_option("-n,--ranks", command->ranks, "tensor-parallel ranks (threads)")
       ->capture_default_str();

@@ -81,6 +81,24 @@ class TorchMoeAgainstLmoe(unittest.TestCase):
         self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
         self.assertIn("FAIL", result.stdout)
 
+    def test_a_checkpoint_of_fewer_experts_is_the_same_layer_to_both(self):
+        # --experts 8: the script writes 8 experts (router rows included), lmoe loads 8; a full
+        # checkpoint with --experts 8 is refused by the router weight's shape.
+        fewer = os.path.join(self.tmp.name, "fewer")
+        generated = script("--preset", "small", "--experts", "8", "--generate", fewer, "--seed", "9")
+        self.assertEqual(generated.returncode, 0, generated.stdout + generated.stderr)
+        dump = os.path.join(self.tmp.name, "fewer_dump")
+        lmoe_layer(fewer, dump, "--experts", "8")
+        result = script("--device", "cpu", "--preset", "small", "--experts", "8", "--weights", fewer,
+                        "--check-lmoe", dump)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("check T=5: ", result.stdout)
+        refused = subprocess.run([LMOE, "layer", "--backend", "cpu", "--preset", "small", "--weights",
+                                  self.checkpoint, "--layer", "0", "-n", "2", "-t", "1", "--experts", "8"],
+                                 capture_output=True, text=True, timeout=600)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("[16, 384]", refused.stderr)
+
     def test_an_empty_dump_folder_is_named(self):
         empty = os.path.join(self.tmp.name, "empty")
         os.makedirs(empty, exist_ok=True)
