@@ -173,7 +173,7 @@ struct Shape {
 
 class PackedGroupedGemm : public ::testing::TestWithParam<std::tuple<DType, Shape, bool>> {};
 
-TEST_P(PackedGroupedGemm, GivesTheBitsOfTheDequantizedWeightsOnEveryMmaSyncTile) {
+TEST_P(PackedGroupedGemm, GivesTheBitsOfTheDequantizedWeightsOnEveryTile) {
   SKIP_WITHOUT_GPU();
   const auto [dtype, shape, gather] = GetParam();
   std::mt19937 rng(static_cast<std::uint32_t>(shape.k * 7 + shape.n + (gather ? 1 : 0)));
