@@ -330,10 +330,9 @@ Json bench_epilogue(const EpilogueCase& c, lmoe::cuda::CublasLtGemm& gemm, Timer
                           ? "automatic=" + std::string(lmoe::cuda::epilogue_tile_name(
                                                lmoe::cuda::epilogue_tile_for(c.m, c.n)))
                           : std::string(lmoe::cuda::epilogue_tile_name(tile)));
-      ways.emplace_back([&, args, tile](int) mutable {
-        args.tile = tile;
-        lmoe::cuda::run_epilogue_gemm(args, stream);
-      });
+      lmoe::cuda::EpilogueGemmArgs way = args;
+      way.tile = tile;
+      ways.emplace_back([&, way](int) { lmoe::cuda::run_epilogue_gemm(way, stream); });
     }
   }
   names.emplace_back("unfused");

@@ -75,7 +75,7 @@ struct GroupedGemmArgs {
   // row holding the e2m1 codes of columns 2j (low nibble) and 2j + 1 (high nibble), and b_scales
   // [groups, N, K/32] E8M0 bytes, one per 32 columns of a row; a weight is e2m1 · 2^(scale − 127).
   // b2_blocks and b2_scales: the gate's, or null. K a multiple of 32, blocks 16-byte and scales
-  // 4-byte aligned, group strides in bytes (blocks' a multiple of 16); mma.sync tiles only.
+  // 4-byte aligned, group strides in bytes (blocks' a multiple of 16); wgmma_ws runs wgmma_m256.
   const std::uint8_t* b_blocks = nullptr;
   const std::uint8_t* b_scales = nullptr;
   const std::uint8_t* b2_blocks = nullptr;
