@@ -239,7 +239,17 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{"softmax_e32_k4",
                    router_of(32, 4, 1, 1, lmoe::RouterScore::softmax, false, true, 1.0f)},
         RouterCase{"e896_k16",
-                   router_of(896, 16, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)}),
+                   router_of(896, 16, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)},
+        // Nemotron 3 Super's router: k = 22 needs three representatives from each warp.
+        RouterCase{"e512_k22",
+                   router_of(512, 22, 1, 1, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
+        // Each warp's experts fall in one group, so half the warps hold no eligible expert: fewer
+        // representatives than k, and every eligible expert is a candidate.
+        RouterCase{"grouped_e256_k8_g8_top4",
+                   router_of(256, 8, 8, 4, lmoe::RouterScore::sigmoid, true, true, 2.5f)},
+        // The most experts and the largest k a layer's configuration allows.
+        RouterCase{"e1024_k32",
+                   router_of(1024, 32, 1, 1, lmoe::RouterScore::sigmoid, true, true, 1.0f)}),
     [](const ::testing::TestParamInfo<RouterCase>& info) { return std::string(info.param.name); });
 
 // ---- the router from x and the weights, against the CPU router

@@ -62,7 +62,8 @@ cudaError_t launch_route(const float* logits, const float* bias, std::int64_t nu
   params.parts = logit_parts;
   const std::size_t shared_bytes =
       sizeof(float) * static_cast<std::size_t>(2 * config.num_experts + config.n_group) +
-      sizeof(int) * static_cast<std::size_t>(config.n_group + config.top_k);
+      sizeof(int) * static_cast<std::size_t>(config.n_group + config.top_k + config.num_experts);
+  static_assert(kThreads % 32 == 0 && kThreads / 32 <= kRouteWarps);
   route_kernel<<<static_cast<unsigned>(num_tokens), kThreads, shared_bytes, stream>>>(
       logits, config.correction_bias ? bias : nullptr, params, ids, weights);
   return cudaGetLastError();

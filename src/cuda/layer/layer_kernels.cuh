@@ -40,13 +40,21 @@ __device__ inline bool ranks_before(float value_a, int index_a, float value_b, i
   return index_a < index_b;
 }
 
+// The route kernel's block: a whole number of warps, at most kRouteWarps.
+inline constexpr int kRouteWarps = 8;
+
 // One block per token. Shared memory: scores [E], biased [E], group scores [n_group], group
-// eligibility [n_group], the selected ids [k].
+// eligibility [n_group], the selected ids [k], the candidates [E].
 //
 // Selection: an eligible expert's rank is the number of eligible experts that rank before it;
 // those with rank < k are the k best, in order — exactly what the CPU's partial_sort under the same
-// strict total order picks. Each thread counts for its own experts, so the result does not depend
-// on scheduling.
+// strict total order picks. Ranking every expert against all others puts E dependent shared-memory
+// reads on the thread that holds the best one, so only candidates are ranked: τ is the k-th best
+// of k or more distinct eligible experts (each warp's best few of its threads' bests), so at least
+// k eligible experts rank at or before τ and the k best are among those (the candidates); and
+// whatever ranks before a candidate is a candidate too, so a candidate's rank among candidates is
+// its rank among all eligible experts. The candidates' order in shared memory depends on
+// scheduling; their ranks, and so the result, do not.
 __global__ void route_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                              RouterParams p, std::int32_t* __restrict__ ids,
                              float* __restrict__ weights) {
@@ -56,6 +64,7 @@ __global__ void route_kernel(const float* __restrict__ logits, const float* __re
   float* group_scores = biased + p.experts;
   int* group_ok = reinterpret_cast<int*>(group_scores + p.n_group);
   int* selected = group_ok + p.n_group;
+  int* candidates = selected + p.top_k;
   __shared__ float softmax_max, softmax_sum;
 
   const std::int64_t token = blockIdx.x;
@@ -128,12 +137,55 @@ __global__ void route_kernel(const float* __restrict__ logits, const float* __re
     __syncthreads();
   }
 
+  const auto eligible = [&](int e) { return p.n_group <= 1 || group_ok[e / group_size] != 0; };
+  const auto before = [&](int a, int b) { return ranks_before(biased[a], a, biased[b], b); };
+  __shared__ int representatives[kRouteWarps * 32];
+  __shared__ int threshold, candidate_count;
+  // Each warp's best `per_warp` of its threads' best eligible experts, in warp rank order.
+  const int lane = tid % 32, warp = tid / 32, warps = threads / 32;
+  const int per_warp = min(32, (p.top_k + warps - 1) / warps);
+  int best = -1;
   for (int e = tid; e < p.experts; e += threads) {
-    if (p.n_group > 1 && !group_ok[e / group_size]) continue;
+    if (eligible(e) && (best < 0 || before(e, best))) best = e;
+  }
+  int warp_rank = 0;
+  for (int other = 0; other < 32; ++other) {
+    const int rival = __shfl_sync(0xffffffffu, best, other);
+    if (rival >= 0 && best >= 0 && before(rival, best)) ++warp_rank;
+  }
+  if (lane < per_warp) representatives[warp * per_warp + lane] = -1;
+  if (tid == 0) {
+    threshold = -1;
+    candidate_count = 0;
+  }
+  __syncwarp();
+  if (best >= 0 && warp_rank < per_warp) representatives[warp * per_warp + warp_rank] = best;
+  __syncthreads();
+  // τ: the representative with k − 1 representatives before it; none when they are fewer than k.
+  for (int i = tid; i < warps * per_warp; i += threads) {
+    const int e = representatives[i];
+    if (e < 0) continue;
     int rank = 0;
-    for (int other = 0; other < p.experts && rank < p.top_k; ++other) {
-      if (p.n_group > 1 && !group_ok[other / group_size]) continue;
-      if (ranks_before(biased[other], other, biased[e], e)) ++rank;
+    for (int j = 0; j < warps * per_warp && rank < p.top_k; ++j) {
+      const int rival = representatives[j];
+      if (rival >= 0 && before(rival, e)) ++rank;
+    }
+    if (rank == p.top_k - 1) threshold = e;
+  }
+  __syncthreads();
+  const int tau = threshold;
+  for (int e = tid; e < p.experts; e += threads) {
+    if (eligible(e) && (tau < 0 || e == tau || before(e, tau))) {
+      candidates[atomicAdd(&candidate_count, 1)] = e;
+    }
+  }
+  __syncthreads();
+  const int count = candidate_count;
+  for (int i = tid; i < count; i += threads) {
+    const int e = candidates[i];
+    int rank = 0;
+    for (int j = 0; j < count && rank < p.top_k; ++j) {
+      if (before(candidates[j], e)) ++rank;
     }
     if (rank < p.top_k) selected[rank] = e;
   }

@@ -16,16 +16,17 @@ namespace lmoe::cuda {
 cudaError_t launch_to_float(const void* x, float* out, std::int64_t count, DType dtype,
                             cudaStream_t stream);
 
-// The most experts the router kernel holds in shared memory (two fp32 values each).
-inline constexpr std::int64_t kMaxRouterExperts = 4096;
+// The most experts the router kernel takes (three 4-byte values each in shared memory, 12 KB):
+// the most a layer's configuration allows.
+inline constexpr std::int64_t kMaxRouterExperts = 1024;
 
 // select_experts (include/lmoe/router.hpp) on the device: logits [T, E] fp32 → ids [T, k] (best
 // first) and weights [T, k]. With logit_parts > 1 (at most 3) the logits come as [T, parts·E]
 // (the router GEMM on a split weight, core/router_weight_split.hpp) and expert e's logit is
 // (part 0 + part 1) + part 2 of its column, in fp32. `bias` holds E values when
-// config.correction_bias, else it is null. One block per token; selection ranks every eligible
-// expert against all others with the CPU router's total order (no atomics, no order-dependent
-// reductions), so it depends only on the logits' bits.
+// config.correction_bias, else it is null. One block per token; selection ranks the candidates
+// for the k best (layer_kernels.cuh) with the CPU router's total order, so it depends only on the
+// logits' bits.
 cudaError_t launch_route(const float* logits, const float* bias, std::int64_t num_tokens,
                          const RouterConfig& config, std::int32_t* ids, float* weights,
                          cudaStream_t stream, int logit_parts = 1);
