@@ -15,17 +15,22 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "core/host_math.hpp"
 #include "core/router_weight_split.hpp"
+#include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/layer/cuda_layer_executor.hpp"
 #include "cuda/layer/layer_kernels.hpp"
+#include "cuda/layer/layer_router.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "gpu_test_support.hpp"
 #include "layer_checks.hpp"
@@ -418,6 +423,45 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{"no_bias_no_renorm_e32_k4",
                    router_of(32, 4, 1, 1, lmoe::RouterScore::sigmoid, false, false, 5.0f)}),
     [](const ::testing::TestParamInfo<RouterCase>& info) { return std::string(info.param.name); });
+
+// The router GEMM's algorithm depends on its operands' alignment, so LayerRouter reads x in place
+// only when it is as aligned as its own buffer (256 bytes) and copies it there otherwise: every
+// alignment must route to the same bits, ids and weights (Kimi-K3's 896 experts, top 16).
+TEST(CudaRouterAlignment, XAtAnyAlignmentRoutesToTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  LayerConfig config = small_config();
+  config.router = router_of(896, 16, 1, 1, lmoe::RouterScore::sigmoid, true, true, 2.5f);
+  const lmoe::LayerWeights weights =
+      lmoe::make_random_layer_weights(config, DType::bf16, 1, 0, kWeightSeed);
+  const std::int64_t tokens = 37, slots = tokens * config.router.top_k;
+  const HostTensor x = lmoe::make_random_layer_input(config.d_model, tokens, DType::bf16, 43);
+  lmoe::cuda::LayerRouter router(config, DType::bf16, weights);
+  lmoe::cuda::CublasLtGemm gemm;
+  lmoe::cuda::DeviceBuffer buffer(x.nbytes() + 512);
+  std::vector<std::int32_t> first;
+  for (const std::size_t offset : {0, 256, 2, 16, 128}) {
+    SCOPED_TRACE("x at byte " + std::to_string(offset) + " of a 256-byte aligned buffer");
+    auto* at = static_cast<std::byte*>(buffer.data()) + offset;
+    ASSERT_EQ(cudaMemcpy(at, x.data(), x.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    router.reserve(tokens);
+    auto* host = const_cast<std::int32_t*>(router.host_routing());
+    std::memset(host, 0xff, static_cast<std::size_t>(2 * slots) * 4);  // poisoned
+    const lmoe::ConstMatrixView view{
+        at, DType::bf16, tokens, config.d_model, config.d_model, lmoe::MemorySpace::device};
+    router.route(view, false, gemm, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<std::int32_t> routing(host, host + 2 * slots);  // ids, then weights' bits
+    if (first.empty()) {
+      for (std::int64_t j = 0; j < slots; ++j) {
+        ASSERT_GE(routing[j], 0);
+        ASSERT_LT(routing[j], config.router.num_experts);
+      }
+      first = routing;
+      continue;
+    }
+    EXPECT_EQ(routing, first);
+  }
+}
 
 // ---- the layer
 // ------------------------------------------------------------------------------------

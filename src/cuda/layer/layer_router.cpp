@@ -1,5 +1,7 @@
 #include "cuda/layer/layer_router.hpp"
 
+#include <cstdint>
+
 #include "core/router_weight_split.hpp"
 #include "cuda/layer/layer_kernels.hpp"
 
@@ -33,13 +35,17 @@ void LayerRouter::route(ConstMatrixView x, bool captured, CublasLtGemm& gemm, cu
   auto* weights = reinterpret_cast<float*>(ids + slots(tokens));
   if (split_router_) {
     // [T, 3E] fp32: x times each bf16 part of the weight (exact products, fp32 sums); the route
-    // kernel adds each expert's three. x is copied first into a buffer of this executor: the
-    // GEMM's algorithm depends on its operands' alignment, and every rank must route alike
-    // whatever the alignment of its caller's x.
-    LMOE_CUDA_CHECK(cudaMemcpyAsync(router_x_.data(), x.data, bytes(tokens * d),
-                                    cudaMemcpyDeviceToDevice, stream));
-    gemm.run(router_x_.data(), router_parts_.data(), d, logits_.data(), 3 * experts, tokens,
-             3 * experts, d, DType::bf16, DType::f32, stream);
+    // kernel adds each expert's three. The GEMM's algorithm depends on its operands' alignment
+    // (up to 256 bytes, CublasLtGemm), and every rank must route alike whatever the alignment of
+    // its caller's x: an x less aligned than this executor's buffer is copied into it first.
+    const void* router_x = x.data;
+    if (reinterpret_cast<std::uintptr_t>(x.data) % 256 != 0) {
+      LMOE_CUDA_CHECK(cudaMemcpyAsync(router_x_.data(), x.data, bytes(tokens * d),
+                                      cudaMemcpyDeviceToDevice, stream));
+      router_x = router_x_.data();
+    }
+    gemm.run(router_x, router_parts_.data(), d, logits_.data(), 3 * experts, tokens, 3 * experts, d,
+             DType::bf16, DType::f32, stream);
   } else {
     // The router weight is fp32: x is converted exactly, and the GEMM accumulates in fp32.
     check(launch_to_float(x.data, static_cast<float*>(x32_.data()), tokens * d, dtype_, stream),

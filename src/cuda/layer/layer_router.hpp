@@ -47,7 +47,7 @@ class LayerRouter {
   DeviceBuffer router_bias_;    // [E] fp32, or empty
 
   DeviceBuffer x32_;               // [T, d] fp32 (not split_router_)
-  DeviceBuffer router_x_;          // [T, d] bf16 (split_router_): x where the router GEMM reads it
+  DeviceBuffer router_x_;          // [T, d] bf16 (split_router_): an x less than 256-byte aligned
   DeviceBuffer logits_;            // [T, E] fp32, [T, 3E] with split_router_
   DeviceBuffer routing_device_;    // ids [T·k] int32, then weights [T·k] fp32
   MappedHostBuffer routing_host_;  // the same, on the host (page-locked: copies are asynchronous)
