@@ -298,13 +298,15 @@ class CudaLayerExecutor final : public LayerExecutor {
 
   // Where each stage starts or ends: `event` orders (and, eager, times) the forward; in a capture
   // with stage events, the point's external event is recorded beside it for every replay. The two
-  // are kept apart because a capture turns an ordinary record into the graph's fork and join.
+  // are kept apart because a capture turns an ordinary record into the graph's fork and join. The
+  // external record comes first: a node after the join's record would be the side stream's
+  // unjoined work, which ends the capture with an error.
   void mark(cudaEvent_t event, StagePoint point, cudaStream_t stream) {
-    LMOE_CUDA_CHECK(cudaEventRecord(event, stream));
     if (captured_ && capture_stage_events_) {
       LMOE_CUDA_CHECK(
           cudaEventRecordWithFlags(replay_events_[point], stream, cudaEventRecordExternal));
     }
+    LMOE_CUDA_CHECK(cudaEventRecord(event, stream));
   }
 
   static bool is_capturing(cudaStream_t stream) {
