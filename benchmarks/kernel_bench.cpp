@@ -6,7 +6,9 @@
 //   (d) the tail's up-projections (column tier's stripe → bf16 and → f32, full width), as % of (c);
 //   (e) the routed experts' grouped GEMM at decode, MXFP4 weights against bf16 ones: Kimi-K3's
 //       experts (l, I/tp for tp 1 and 8, 16 active of 112), T = 1 and 16 rows per active expert;
-//       GB/s counts the weight bytes streamed (as held: packed or bf16), as % of (a).
+//       GB/s counts the weight bytes streamed (as held: packed or bf16), as % of (a);
+//   (f) the layer's router at Kimi-K3's and Nemotron 3 Super's routers, T = 1, 16, 128: its logits
+//       GEMM, its selection kernel and the whole stage, against the fp32 weight's bytes at (a).
 //
 // Every operation is captured `inner` times into a CUDA graph, and the graph is timed with CUDA
 // events after warm-up: one repetition = one graph launch, time per operation = its time / inner.
@@ -36,15 +38,19 @@
 
 #include "core/fast_random.hpp"
 #include "core/host_math.hpp"
+#include "core/router_weight_split.hpp"
 #include "cuda/gemm/cublaslt_gemm.hpp"
 #include "cuda/gemm/epilogue_gemm.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/layer/layer_kernels.hpp"
+#include "cuda/layer/layer_router.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_buffer.hpp"
 #include "cuda/tail/launchers.hpp"
 #include "graph_timer.hpp"
 #include "lmoe/dims.hpp"
 #include "lmoe/error.hpp"
+#include "lmoe/layer_weights.hpp"
 #include "lmoe/tensor.hpp"
 
 namespace {
@@ -56,6 +62,11 @@ using Json = nlohmann::json;
 struct Settings : lmoe::bench::TimerSettings {
   double copy_mib = 1024;
   std::string json_path;
+  // What runs after the copy (every row's reference): norm, gemm, epilogue, grouped, router.
+  std::vector<std::string> sections{"norm", "gemm", "epilogue", "grouped", "router"};
+  bool runs(const std::string& section) const {
+    return std::find(sections.begin(), sections.end(), section) != sections.end();
+  }
 };
 
 using lmoe::bench::Timer;
@@ -468,7 +479,9 @@ Json bench_packed_grouped(Timer& timer, cudaStream_t stream, double copy_gbps) {
         down_call.out = GroupedOut::f32;
         for (const auto& [name, args, matrices] :
              {std::tuple{"up", up_call, 2}, std::tuple{"down", down_call, 1}}) {
-          if (auto why = lmoe::cuda::grouped_gemm_unsupported(args))
+          GroupedGemmArgs checked = args;  // each launch sets `first` to its set's
+          checked.first = static_cast<const std::int32_t*>(firsts[0].data());
+          if (auto why = lmoe::cuda::grouped_gemm_unsupported(checked))
             throw lmoe::Error(std::string("grouped ") + name + ": " + *why);
           const Timing t = timer.time([&, &args = args](int i) {
             GroupedGemmArgs launch = args;
@@ -480,7 +493,7 @@ Json bench_packed_grouped(Timer& timer, cudaStream_t stream, double copy_gbps) {
           const double weight_bytes = packed ? values * (0.5 + 1.0 / 32) : values * 2;
           const double gbps = weight_bytes / (t.median_us * 1e3);
           const std::string tile =
-              lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(args));
+              lmoe::cuda::grouped_tile_name(lmoe::cuda::grouped_gemm_tile(checked));
           const std::string way = packed ? "mxfp4" : "bf16";
           const std::string shape =
               std::string(name) + " I=" + std::to_string(inter) + " T=" + std::to_string(tokens);
@@ -503,6 +516,71 @@ Json bench_packed_grouped(Timer& timer, cudaStream_t stream, double copy_gbps) {
         }
       }
     }
+  }
+  return rows;
+}
+
+// ---- (f) the router -----------------------------------------------------------------------------
+
+// A bf16 layer's router stage at a preset's router, split into what runs: the logits GEMM over
+// the weight's three bf16 parts, the selection kernel on its [T, 3E] logits, and the whole stage
+// (LayerRouter::route as a captured forward runs it: no copy to the host). The floor is the fp32
+// weight read once at the copy rate: what any router that reads the weight as shipped must move.
+Json bench_router(const std::string& preset, std::int64_t tokens, lmoe::cuda::CublasLtGemm& gemm,
+                  Timer& timer, cudaStream_t stream, double copy_gbps) {
+  const lmoe::LayerConfig config = *lmoe::find_preset(preset).layer;
+  const std::int64_t experts = config.router.num_experts, d = config.d_model;
+  lmoe::LayerWeights weights;
+  weights.router_weight = random_tensor(DType::f32, experts, d, 61);
+  if (config.router.correction_bias) {
+    weights.router_bias = lmoe::HostTensor(DType::f32, {experts});
+    for (std::int64_t e = 0; e < experts; ++e) weights.router_bias.set(e, 0.01f * (e % 7));
+  }
+  const DeviceBuffer parts = to_device(lmoe::split_router_weight_bf16(weights.router_weight));
+  const DeviceBuffer bias =
+      config.router.correction_bias ? to_device(weights.router_bias) : DeviceBuffer();
+  const DeviceBuffer x = to_device(random_tensor(DType::bf16, tokens, d, 62));
+  DeviceBuffer logits(static_cast<std::size_t>(tokens * 3 * experts) * 4);
+  DeviceBuffer routing(static_cast<std::size_t>(tokens * config.router.top_k) * 8);
+  auto* ids = static_cast<std::int32_t*>(routing.data());
+  auto* routing_weights = reinterpret_cast<float*>(ids + tokens * config.router.top_k);
+  lmoe::cuda::LayerRouter router(config, DType::bf16, weights);
+  router.reserve(tokens);
+  const lmoe::ConstMatrixView view{x.data(), DType::bf16, tokens, d, d, lmoe::MemorySpace::device};
+  const double floor_bytes = static_cast<double>(experts * d) * 4.0;
+  const double floor_us = floor_bytes / (copy_gbps * 1e3);
+  const std::function<void()> steps[] = {
+      [&] {
+        gemm.run(x.data(), parts.data(), d, logits.data(), 3 * experts, tokens, 3 * experts, d,
+                 DType::bf16, DType::f32, stream);
+      },
+      [&] {
+        lmoe::cuda::check(lmoe::cuda::launch_route(static_cast<const float*>(logits.data()),
+                                                   static_cast<const float*>(bias.data()), tokens,
+                                                   config.router, ids, routing_weights, stream, 3),
+                          "launch_route");
+      },
+      [&] { router.route(view, true, gemm, stream); }};
+  const char* names[] = {"logits", "select", "stage"};
+  Json rows = Json::array();
+  for (int i = 0; i < 3; ++i) {
+    const Timing t = timer.time([&](int) { steps[i](); });
+    const double gbps = i == 1 ? 0 : floor_bytes / (t.median_us * 1e3);
+    char check[96];
+    std::snprintf(check, sizeof(check), "E=%lld d=%lld k=%lld; fp32 weight floor %.2f us",
+                  static_cast<long long>(experts), static_cast<long long>(d),
+                  static_cast<long long>(config.router.top_k), floor_us);
+    print_row("router", preset + " T=" + std::to_string(tokens), names[i], t, gbps,
+              100.0 * gbps / copy_gbps, 0, 0, check);
+    Json row = timing_json(t);
+    row.update({{"preset", preset},
+                {"tokens", tokens},
+                {"step", names[i]},
+                {"experts", experts},
+                {"d_model", d},
+                {"top_k", config.router.top_k},
+                {"floor_us", floor_us}});
+    rows.push_back(row);
   }
   return rows;
 }
@@ -555,8 +633,10 @@ int run(const Settings& settings) {
                               {4096, 3584, DType::bf16}, {8192, 3584, DType::bf16},
                               {8192, 1024, DType::bf16}, {8192, 3584, DType::f32}};
     report["rms_norm"] = Json::array();
-    for (const NormCase& c : norms)
-      report["rms_norm"].push_back(bench_norm(c, props, timer, stream, copy_gbps));
+    if (settings.runs("norm")) {
+      for (const NormCase& c : norms)
+        report["rms_norm"].push_back(bench_norm(c, props, timer, stream, copy_gbps));
+    }
 
     lmoe::cuda::CublasLtGemm gemm;
     const GemmCase gemms[] = {{"square", 8192, 8192, 8192, DType::bf16},
@@ -566,6 +646,8 @@ int run(const Settings& settings) {
     report["gemm"] = Json::array();
     double square_tflops = 0;
     for (const GemmCase& c : gemms) {
+      // The square GEMM is the epilogue rows' reference rate.
+      if (!settings.runs("gemm") && !(c.name == "square" && settings.runs("epilogue"))) continue;
       double tflops = 0;
       report["gemm"].push_back(bench_gemm(c, gemm, timer, stream, square_tflops, tflops));
       if (c.name == "square") square_tflops = tflops;
@@ -573,6 +655,7 @@ int run(const Settings& settings) {
 
     report["epilogue"] = Json::array();
     for (std::int64_t m : {1, 16, 128, 1024, 8192}) {
+      if (!settings.runs("epilogue")) break;
       for (const EpilogueCase& c :
            {EpilogueCase{"full width", m, 7168, 3584, 7168,
                          lmoe::cuda::EpilogueAdd::round_product_first},
@@ -584,7 +667,17 @@ int run(const Settings& settings) {
       }
     }
 
-    report["grouped_mxfp4"] = bench_packed_grouped(timer, stream, copy_gbps);
+    report["grouped_mxfp4"] =
+        settings.runs("grouped") ? bench_packed_grouped(timer, stream, copy_gbps) : Json::array();
+
+    report["router"] = Json::array();
+    for (const char* preset : {"kimi-k3", "nemotron-3-super"}) {
+      for (const std::int64_t tokens : {1, 16, 128}) {
+        if (!settings.runs("router")) break;
+        for (Json& row : bench_router(preset, tokens, gemm, timer, stream, copy_gbps))
+          report["router"].push_back(std::move(row));
+      }
+    }
   }
   LMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 
@@ -614,6 +707,11 @@ int main(int argc, char** argv) {
   app.add_option("--copy-mib", settings.copy_mib,
                  "bytes of the device-to-device copy, in MiB (>= 256)")
       ->check(CLI::Range(256.0, 65536.0))
+      ->capture_default_str();
+  app.add_option("--sections", settings.sections,
+                 "what to measure after the copy bandwidth (comma-separated)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"norm", "gemm", "epilogue", "grouped", "router"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
