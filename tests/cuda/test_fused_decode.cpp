@@ -549,13 +549,19 @@ struct LlSoakResult {
   std::vector<std::string> errors;               // a failed wait's error ("" for none)
 };
 
+// Lines of the soak's calls: the soak kernel's 1024 threads (launch_fused_ll_soak) stride over
+// them, so threads 768 … 1023 start in the second half. A stride that divided the half would have
+// every thread take a first-half line (which waits for the late sender) before its second-half
+// one, and the second half's flags would then almost never be polled before they are written.
+constexpr std::int64_t kLlSoakLines = 1536;
+
 // `calls` calls of the decode kernel's line exchange alone (tools/cuda/fused_ll_soak.hpp) on tp
 // p2p ranks, from epoch `first_epoch`, the second half of the lines first used at call
 // `widen_at`, the late sender of every call waiting `late_ns`. Each rank's lines start as the
 // fused tier starts them (start_ll_lines), or with `flags_as_tier_starts` false, every byte 0.
 LlSoakResult run_ll_soak(int tp, std::uint32_t first_epoch, std::int64_t calls,
                          std::int64_t widen_at, std::uint64_t late_ns, bool flags_as_tier_starts) {
-  constexpr std::int64_t kLines = 2048;
+  constexpr std::int64_t kLines = kLlSoakLines;
   constexpr std::int64_t kCallsPerLaunch = 8192;  // launches follow each other; epochs go on
   const std::int64_t parity_bytes = lmoe::cuda::fused_ll_soak_parity_bytes(tp, kLines);
   LlSoakResult result;
@@ -620,7 +626,7 @@ LlSoakResult run_ll_soak(int tp, std::uint32_t first_epoch, std::int64_t calls,
 }
 
 // The decode kernel's LL lines (fused_ll.cuh) alone, between ranks sharing the GPU: call after
-// call every rank sends its peers 1024 … 2048 lines whose payloads change every call (−0,
+// call every rank sends its peers 768 … 1536 lines whose payloads change every call (−0,
 // subnormal and NaN bit patterns and data equal to a flag among them), takes theirs one by one or
 // four at once, and checks every line's data; in every call one rank sends late, so its peers
 // poll lines it has not written yet. From epoch 1 (as a FusedTail starts) and from just below the
@@ -646,7 +652,7 @@ TEST_F(Fused, LlLinesCarryChangingPayloadsAcrossTheEpochsWrap) {
         EXPECT_EQ(result.errors[rank], "") << "rank " << r;
         EXPECT_EQ(result.wrong[rank], 0ull) << "rank " << r;
         // Every call takes at least half the lines from every peer.
-        EXPECT_GE(result.taken[rank], static_cast<unsigned long long>(calls) * 1024 *
+        EXPECT_GE(result.taken[rank], static_cast<unsigned long long>(calls) * (kLlSoakLines / 2) *
                                           static_cast<unsigned long long>(tp - 1))
             << "rank " << r;
       }
