@@ -497,8 +497,11 @@ TEST(CudaTokenChunks, EveryChunkCountMeetsTheContract) {
            {std::int64_t{2}, std::int64_t{5}, std::int64_t{37}, std::int64_t{300}}) {
         for (bool graph : {false, true}) {
           if (graph && std::string(comm) == "cuda-threads") continue;  // synchronizes on the host
-          SCOPED_TRACE(std::string(comm) + " chunks=" + chunks + " T=" + std::to_string(tokens) +
-                       (graph ? " graph" : ""));
+          const std::string where = std::string(comm) + " chunks=" + chunks +
+                                    " T=" + std::to_string(tokens) + (graph ? " graph" : "");
+          SCOPED_TRACE(where);
+          std::printf("[ chunks ] %s\n", where.c_str());  // an exception names no case
+          std::fflush(stdout);
           const lmoe::TailCase c =
               lmoe::make_random_case(kSmall, 1e-5f, DType::bf16, 2, tokens, 77u + tokens);
           const lmoe::CaseRun result = run_gpu(c, TailTier::token, comm, graph);
