@@ -406,8 +406,13 @@ def compare(model, dump_dir):
         x = dump.get("x").to(model.device)
         theirs_y = dump.get("y").float()
         theirs_ids = dump.get("expert_ids").long()
+        # The loop gathers T·k experts' weights: past LOOP_MAX_TOKENS (8192 tokens: 168 GiB) the
+        # grouped path, where this torch has it.
+        impl = None
+        if x.shape[0] > LOOP_MAX_TOKENS and x.is_cuda and hasattr(torch, "_grouped_mm"):
+            impl = "grouped"
         with torch.no_grad():
-            y, ids = model.forward(x)
+            y, ids = model.forward(x, impl)
         y = y.float().cpu()
         same = (ids.cpu().sort(dim=1).values == theirs_ids.sort(dim=1).values).all(dim=1)
         mine, ref = y[same].double(), theirs_y[same].double()
