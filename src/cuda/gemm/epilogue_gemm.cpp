@@ -38,9 +38,6 @@ double tile_cost(EpilogueTile tile, std::int64_t m, std::int64_t n, int sms) {
   switch (tile) {
     case EpilogueTile::m64_n128: bm = 64, rate = 0.8; break;
     case EpilogueTile::m128_n256: bn = 256, rate = 1.0; break;
-    // Measured at 0.70 of m128_n256's rate on an H100 (8192 × 7168 × 3584: 923 against 650 µs),
-    // and slower on the tp-8 stripe too (108.7 against 88.5 µs), so equal waves never pick it.
-    case EpilogueTile::m128_n224: bn = 224, rate = 0.70; break;
     default: break;
   }
   const std::int64_t tiles = ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
@@ -57,7 +54,6 @@ Launch launch_for_tile(EpilogueTile tile) {
     case EpilogueTile::m64_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m64_n128>;
     case EpilogueTile::m128_n128: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n128>;
     case EpilogueTile::m128_n256: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n256>;
-    case EpilogueTile::m128_n224: return &launch_epilogue_gemm<dtype, add, EpilogueTile::m128_n224>;
     case EpilogueTile::automatic: break;
   }
   throw Error("epilogue GEMM: no kernel for an unresolved tile");
@@ -79,7 +75,6 @@ std::string_view epilogue_tile_name(EpilogueTile tile) {
     case EpilogueTile::m64_n128: return "m64_n128";
     case EpilogueTile::m128_n128: return "m128_n128";
     case EpilogueTile::m128_n256: return "m128_n256";
-    case EpilogueTile::m128_n224: return "m128_n224";
   }
   return "?";
 }

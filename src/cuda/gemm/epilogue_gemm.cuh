@@ -75,13 +75,6 @@ struct TileConfig<EpilogueTile::m128_n256> {
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
-template <>
-struct TileConfig<EpilogueTile::m128_n224> {
-  using Tile = Shape<_128, _224, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
 
 template <DType dtype, EpilogueAdd add, EpilogueTile tile>
 struct Kernel {
@@ -163,7 +156,7 @@ std::optional<std::string> launch_epilogue_gemm(const EpilogueGemmArgs& args, in
 
 }  // namespace lmoe::cuda
 
-// One file per (dtype, add) instantiates its four tiles.
+// One file per (dtype, add) instantiates its three tiles.
 #define LMOE_EPILOGUE_GEMM_INSTANTIATE(dtype, add)                                   \
   template std::optional<std::string>                                                \
   lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m64_n128>(  \
@@ -173,7 +166,4 @@ std::optional<std::string> launch_epilogue_gemm(const EpilogueGemmArgs& args, in
       const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                       \
   template std::optional<std::string>                                                \
   lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n256>( \
-      const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t);                       \
-  template std::optional<std::string>                                                \
-  lmoe::cuda::launch_epilogue_gemm<dtype, add, lmoe::cuda::EpilogueTile::m128_n224>( \
       const lmoe::cuda::EpilogueGemmArgs&, int, cudaStream_t)

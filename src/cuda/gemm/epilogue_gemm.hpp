@@ -28,12 +28,9 @@ enum class EpilogueTile : std::uint8_t {
   m64_n128,   // ping-pong warpgroups: decode and small T
   m128_n128,  // cooperative
   m128_n256,  // cooperative, a cluster of 2 along M: large T
-  // m128_n256's schedule 32 columns narrower: slower on every tail shape measured, so never
-  // automatic; kept to compare (docs/gemm.md).
-  m128_n224,
 };
 inline constexpr EpilogueTile kEpilogueTiles[] = {EpilogueTile::m64_n128, EpilogueTile::m128_n128,
-                                                  EpilogueTile::m128_n256, EpilogueTile::m128_n224};
+                                                  EpilogueTile::m128_n256};
 std::string_view epilogue_tile_name(EpilogueTile tile);
 EpilogueTile parse_epilogue_tile(std::string_view name);  // throws lmoe::Error naming the choices
 
