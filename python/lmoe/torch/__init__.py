@@ -1,5 +1,7 @@
 """lmoe's tail as a torch module (LatentTail) and in the reference system's call shape
 (latent_moe_tail). docs/python.md says how the ranks and the weights are handled."""
+import atexit
+
 import torch
 import torch.distributed as dist
 
@@ -139,6 +141,12 @@ def forget_tails():
     """Drops the tails latent_moe_tail built; the next call builds anew (after weights changed in
     place, which the tails' copies do not see)."""
     _TAILS.clear()
+
+
+# At exit the tails go first, while the interpreter and torch are whole: a tail keeps its process
+# group alive, and a gloo group destroyed later, in the interpreter's teardown, can abort the process
+# ("terminate called without an active exception") after the program has finished.
+atexit.register(forget_tails)
 
 
 def latent_moe_tail(fused_output, shared_output, norm_weight, up_proj_weight, eps, *, group=None,
