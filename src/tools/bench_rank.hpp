@@ -29,7 +29,8 @@ class BenchRank {
   virtual void load_inputs(std::int64_t num_tokens, std::uint64_t routed_seed,
                            std::uint64_t shared_seed) = 0;
   // What forward() runs from now on: `tier` on the loaded rows, as a replay of one captured graph
-  // (graph) or a LatentTail::forward call (eager).
+  // (graph) or a LatentTail::forward call (eager). A tier prepared before at the same T keeps its
+  // graph, so that a T's tiers can be timed in turns.
   virtual void prepare(TailTier tier, BenchMode mode) = 0;
   // `count` forwards, not timed.
   virtual void warm_up(int count) = 0;
@@ -44,6 +45,18 @@ class BenchRank {
 // first whose bits differ from layer 0's, else layer 0's. A layer that went wrong alone (a
 // workspace two tails share, a graph that left one out) is then what the contract judges.
 HostTensor first_differing_output(std::vector<HostTensor> outputs);
+
+// How many turns time_tiers_in_turns splits each tier's iterations into.
+inline constexpr int kTimingTurns = 5;
+
+// The tiers of one T (loaded, each prepared once) timed in turns: `iters` timed forwards of each,
+// in min(kTimingTurns, iters) turns of a share each, every turn starting one tier later and each
+// share after one untimed forward of its tier. Timed one after another, a tier inherits the clocks
+// and L2 its predecessor left: the same body measured 8–11 % apart by its place in the sweep
+// (docs/perf.md); in turns each tier sees every position. Per tier, its seconds.
+std::vector<std::vector<double>> time_tiers_in_turns(BenchRank& bench_rank,
+                                                     std::span<const TailTier> tiers,
+                                                     BenchMode mode, int iters);
 
 // `layers`: the tails a forward runs, in order (at least one; they outlive the rank).
 std::unique_ptr<BenchRank> make_host_bench_rank(std::span<LatentTail* const> layers,

@@ -285,44 +285,60 @@ void time_comm(const BenchOptions& options, const std::string& comm_name, const 
     const ModeChoice mode = choose_mode(options, comm, max_tokens);
     const std::size_t r = static_cast<std::size_t>(rank);
 
-    for (std::size_t j = 0; j < jobs.size(); ++j) {
-      const Job& job = jobs[j];
-      JobSlot& slot = slots[j];
-      if (rank == 0) meter.report(first_progress_index + j, comm_name, job.tokens, job.tier);
-      std::optional<std::string> declined =
-          tail.support(job.tokens).declined[static_cast<std::size_t>(job.tier)];
-      if (!declined && mode.mode == BenchMode::device_tokens) {
-        // The tier's buckets with T read on the device (a bucket without it: the reason).
-        for (const DeviceTokenBucket& bucket : tail.device_token_buckets(job.tier)) {
-          if (job.tokens <= bucket.max_tokens) {
-            if (!bucket.tier) declined = bucket.reason;
-            break;
+    // Jobs come T by T (run_tail_bench): a T's tiers share its inputs and are timed in turns.
+    for (std::size_t first = 0; first < jobs.size();) {
+      std::size_t last = first;
+      while (last < jobs.size() && jobs[last].tokens == jobs[first].tokens) ++last;
+      const std::int64_t tokens = jobs[first].tokens;
+      std::vector<std::size_t> runs;  // the T's jobs that run (not declined)
+      for (std::size_t j = first; j < last; ++j) {
+        const Job& job = jobs[j];
+        JobSlot& slot = slots[j];
+        std::optional<std::string> declined =
+            tail.support(tokens).declined[static_cast<std::size_t>(job.tier)];
+        if (!declined && mode.mode == BenchMode::device_tokens) {
+          // The tier's buckets with T read on the device (a bucket without it: the reason).
+          for (const DeviceTokenBucket& bucket : tail.device_token_buckets(job.tier)) {
+            if (tokens <= bucket.max_tokens) {
+              if (!bucket.tier) declined = bucket.reason;
+              break;
+            }
           }
         }
+        if (rank == 0) {
+          slot.declined = declined;
+          slot.chosen = tail.decide(tokens).tier == job.tier;
+          slot.mode = mode.mode;
+          slot.mode_reason = mode.reason;
+        }
+        if (!declined) runs.push_back(j);
       }
-      if (rank == 0) {
-        slot.declined = declined;
-        slot.chosen = tail.decide(job.tokens).tier == job.tier;
-        slot.mode = mode.mode;
-        slot.mode_reason = mode.reason;
-      }
-      if (!declined) {
-        const int tier_index = static_cast<int>(job.tier);
-        bench_rank->load_inputs(job.tokens,
-                                bench::input_seed(options.seed, job.tokens, tier_index, rank, 0),
-                                bench::input_seed(options.seed, job.tokens, tier_index, rank, 1));
-        bench_rank->prepare(job.tier, mode.mode);
-        bench_rank->warm_up(options.warmup);
-        slot.rank_seconds[r] = bench_rank->time(options.iters);
-        for (double& seconds : slot.rank_seconds[r]) seconds /= options.layers;  // per tail
-        if (is_checked(options, job.tokens)) {
+      if (!runs.empty()) {
+        bench_rank->load_inputs(tokens, bench::input_seed(options.seed, tokens, rank, 0),
+                                bench::input_seed(options.seed, tokens, rank, 1));
+        for (std::size_t j : runs) {
+          if (rank == 0) meter.report(first_progress_index + j, comm_name, tokens, jobs[j].tier);
+          bench_rank->prepare(jobs[j].tier, mode.mode);
+          bench_rank->warm_up(options.warmup);
+        }
+        std::vector<TailTier> tiers;
+        for (std::size_t j : runs) tiers.push_back(jobs[j].tier);
+        std::vector<std::vector<double>> seconds =
+            time_tiers_in_turns(*bench_rank, tiers, mode.mode, options.iters);
+        for (std::size_t i = 0; i < runs.size(); ++i) {
+          const std::size_t j = runs[i];
+          slots[j].rank_seconds[r] = std::move(seconds[i]);
+          for (double& each : slots[j].rank_seconds[r]) each /= options.layers;  // per tail
+          if (!is_checked(options, tokens)) continue;
+          bench_rank->prepare(jobs[j].tier, mode.mode);
           HostTensor y = bench_rank->checked_output();
-          if (rank == 0) slot.output = std::move(y);
+          if (rank == 0) slots[j].output = std::move(y);
           comm.barrier();  // rank 0's output is in the slot
-          slot.matches_rank0[r] = rank == 0 || same_bits(y, slot.output);
+          slots[j].matches_rank0[r] = rank == 0 || same_bits(y, slots[j].output);
         }
       }
-      slot.rank_done[r] = 1;
+      for (std::size_t j = first; j < last; ++j) slots[j].rank_done[r] = 1;
+      first = last;
     }
   });
 }
@@ -361,26 +377,41 @@ BenchRecord record_of(const BenchOptions& options, const std::string& comm, cons
   return record;
 }
 
-// The inputs every rank had for (T, tier), regenerated on the host, with the shared weights.
+// The inputs every rank had at T (every tier's), regenerated on the host, with the shared weights.
 void load_case_inputs(TailCase& c, const BenchOptions& options, const Job& job) {
   const std::int64_t l = options.dims.d_latent, d = options.dims.d_model;
   c.num_tokens = job.tokens;
   c.routed = HostTensor(options.dtype, {options.tp, job.tokens, l});
   c.shared = HostTensor(options.dtype, {options.tp, job.tokens, d});
   for (int rank = 0; rank < options.tp; ++rank) {
-    const int tier_index = static_cast<int>(job.tier);
     fill_bench_values(c.routed.slice_matrix(rank).data, static_cast<std::size_t>(job.tokens * l),
-                      options.dtype,
-                      bench::input_seed(options.seed, job.tokens, tier_index, rank, 0));
+                      options.dtype, bench::input_seed(options.seed, job.tokens, rank, 0));
     fill_bench_values(c.shared.slice_matrix(rank).data, static_cast<std::size_t>(job.tokens * d),
-                      options.dtype,
-                      bench::input_seed(options.seed, job.tokens, tier_index, rank, 1));
+                      options.dtype, bench::input_seed(options.seed, job.tokens, rank, 1));
   }
 }
 
 double job_weight(std::int64_t tokens, double fixed) { return static_cast<double>(tokens) + fixed; }
 
 }  // namespace
+
+std::vector<std::vector<double>> time_tiers_in_turns(BenchRank& bench_rank,
+                                                     std::span<const TailTier> tiers,
+                                                     BenchMode mode, int iters) {
+  std::vector<std::vector<double>> seconds(tiers.size());
+  const int turns = std::min(kTimingTurns, iters);
+  for (int turn = 0; turn < turns; ++turn) {
+    const int count = iters * (turn + 1) / turns - iters * turn / turns;
+    for (std::size_t i = 0; i < tiers.size(); ++i) {
+      const std::size_t t = (i + static_cast<std::size_t>(turn)) % tiers.size();
+      bench_rank.prepare(tiers[t], mode);
+      bench_rank.warm_up(1);
+      const std::vector<double> timed = bench_rank.time(count);
+      seconds[t].insert(seconds[t].end(), timed.begin(), timed.end());
+    }
+  }
+  return seconds;
+}
 
 BenchResult run_tail_bench(const BenchOptions& options_in, const BenchProgressFn& progress) {
   validate_bench_options(options_in);

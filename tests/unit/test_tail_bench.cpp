@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "lmoe/error.hpp"
@@ -119,16 +120,14 @@ TEST(BenchValues, ExactInEveryDtypeAndFreshPerStream) {
   }
   EXPECT_GT(seen.size(), 200u);             // most of the 256 values occur
   EXPECT_LT(std::fabs(sum / kCount), 0.1);  // centred near 0
-  // Different (T, tier, rank, tensor) give different streams; the same gives the same.
-  const std::uint64_t a = lmoe::bench::input_seed(1, 64, 0, 0, 0);
-  EXPECT_EQ(a, lmoe::bench::input_seed(1, 64, 0, 0, 0));
-  std::set<std::uint64_t> seeds = {a,
-                                   lmoe::bench::input_seed(1, 65, 0, 0, 0),
-                                   lmoe::bench::input_seed(1, 64, 1, 0, 0),
-                                   lmoe::bench::input_seed(1, 64, 0, 1, 0),
-                                   lmoe::bench::input_seed(1, 64, 0, 0, 1),
-                                   lmoe::bench::input_seed(2, 64, 0, 0, 0)};
-  EXPECT_EQ(seeds.size(), 6u);
+  // Different (T, rank, tensor) give different streams; the same gives the same (a T's tiers
+  // share their inputs).
+  const std::uint64_t a = lmoe::bench::input_seed(1, 64, 0, 0);
+  EXPECT_EQ(a, lmoe::bench::input_seed(1, 64, 0, 0));
+  std::set<std::uint64_t> seeds = {
+      a, lmoe::bench::input_seed(1, 65, 0, 0), lmoe::bench::input_seed(1, 64, 1, 0),
+      lmoe::bench::input_seed(1, 64, 0, 1), lmoe::bench::input_seed(2, 64, 0, 0)};
+  EXPECT_EQ(seeds.size(), 5u);
 
   std::vector<std::uint16_t> bf16(8);
   lmoe::fill_bench_values(bf16.data(), bf16.size(), DType::bf16, a);
@@ -328,6 +327,54 @@ TEST(TailBench, TiersThatCannotSplitTheHiddenSizeAreDeclined) {
   EXPECT_TRUE(find(result, 5, TailTier::column).declined.has_value());
   EXPECT_FALSE(find(result, 5, TailTier::token).declined.has_value());
   EXPECT_TRUE(result.ok());
+}
+
+// A BenchRank that records the calls it gets and times iteration i of each call as i + 1.
+class RecordingBenchRank : public lmoe::BenchRank {
+ public:
+  std::vector<std::string> calls;
+  void load_inputs(std::int64_t, std::uint64_t, std::uint64_t) override { calls.push_back("load"); }
+  void prepare(TailTier tier, lmoe::BenchMode) override {
+    calls.push_back("prepare " + std::string(lmoe::tier_name(tier)));
+  }
+  void warm_up(int count) override { calls.push_back("warm " + std::to_string(count)); }
+  std::vector<double> time(int count) override {
+    calls.push_back("time " + std::to_string(count));
+    std::vector<double> seconds;
+    for (int i = 0; i < count; ++i) seconds.push_back(i + 1);
+    return seconds;
+  }
+  lmoe::HostTensor checked_output() override { return {}; }
+};
+
+TEST(BenchTurns, EachTierIsTimedInEveryPositionAfterAnUntimedForward) {
+  RecordingBenchRank rank;
+  const std::vector<TailTier> tiers = {TailTier::overlap, TailTier::column, TailTier::token};
+  const auto seconds = lmoe::time_tiers_in_turns(rank, tiers, lmoe::BenchMode::graph, 12);
+  ASSERT_EQ(seconds.size(), 3u);
+  for (const auto& each : seconds) EXPECT_EQ(each.size(), 12u);  // every iteration, once
+  // 5 turns of 2, 2, 3, 2, 3 iterations; turn t starts with tier t mod 3.
+  std::vector<std::string> expected;
+  const int counts[] = {2, 2, 3, 2, 3};
+  for (int turn = 0; turn < 5; ++turn) {
+    for (int i = 0; i < 3; ++i) {
+      const TailTier tier = tiers[static_cast<std::size_t>((i + turn) % 3)];
+      expected.push_back("prepare " + std::string(lmoe::tier_name(tier)));
+      expected.push_back("warm 1");
+      expected.push_back("time " + std::to_string(counts[turn]));
+    }
+  }
+  EXPECT_EQ(rank.calls, expected);
+  EXPECT_EQ(seconds[0], (std::vector<double>{1, 2, 1, 2, 1, 2, 3, 1, 2, 1, 2, 3}));
+}
+
+TEST(BenchTurns, FewerIterationsThanTurnsTimeOneEach) {
+  RecordingBenchRank rank;
+  const std::vector<TailTier> tiers = {TailTier::fused, TailTier::overlap};
+  const auto seconds = lmoe::time_tiers_in_turns(rank, tiers, lmoe::BenchMode::eager, 2);
+  EXPECT_EQ(seconds[0].size(), 2u);
+  EXPECT_EQ(seconds[1].size(), 2u);
+  EXPECT_EQ(std::count(rank.calls.begin(), rank.calls.end(), "time 1"), 4);
 }
 
 TEST(BenchMode, NamesRoundTrip) {

@@ -61,7 +61,7 @@ class CudaBenchRank final : public BenchRank {
                "bench: T=" + std::to_string(num_tokens) + " outside the buffers' 1.." +
                    std::to_string(max_tokens_));
     quiesce();
-    graph_.reset();  // captured with the previous T
+    graphs_.clear();  // captured with the previous T
     tokens_ = num_tokens;
     cuda::check(cuda::launch_fill_bench_values(routed_.data(), tokens_ * dims_.d_latent, dtype_,
                                                routed_seed, stream()),
@@ -78,7 +78,7 @@ class CudaBenchRank final : public BenchRank {
 
   void prepare(TailTier tier, BenchMode mode) override {
     tier_ = tier;
-    graph_.reset();
+    graph_mode_ = mode == BenchMode::graph;
     device_tokens_ = mode == BenchMode::device_tokens;
     if (device_tokens_ && !device_graphs_.contains(tier)) {
       // Captured once per tier, for every T: one eager call first (it runs every bucket's GEMMs
@@ -89,14 +89,14 @@ class CudaBenchRank final : public BenchRank {
       device_graphs_[tier] = capture([&] { device_forward(); });
       quiesce();
     }
-    if (mode == BenchMode::graph) {
+    if (graph_mode_ && !graphs_.contains(tier)) {
       // One eager call first: ranks that share a GPU run each GEMM shape once outside any
       // collective there (cuda_tail_executor.cpp, warm_up_gemms); and no rank instantiates while a
       // peer already replays.
       quiesce();
       eager_forward();
       quiesce();
-      graph_ = capture([&] { eager_forward(); });
+      graphs_[tier] = capture([&] { eager_forward(); });
       quiesce();
     }
   }
@@ -194,8 +194,8 @@ class CudaBenchRank final : public BenchRank {
   void forward() {
     if (device_tokens_) {
       LMOE_CUDA_CHECK(cudaGraphLaunch(device_graphs_.at(tier_).get(), stream()));
-    } else if (graph_) {
-      LMOE_CUDA_CHECK(cudaGraphLaunch(graph_.get(), stream()));
+    } else if (graph_mode_) {
+      LMOE_CUDA_CHECK(cudaGraphLaunch(graphs_.at(tier_).get(), stream()));
     } else {
       eager_forward();
     }
@@ -218,10 +218,11 @@ class CudaBenchRank final : public BenchRank {
   std::vector<DeviceBuffer> out_;  // per layer [max T, d]
   UniqueStream stream_;
   cuda::StreamTimer timer_;
-  UniqueGraphExec graph_;       // graph mode: one forward of tier_ at tokens_
-  DeviceBuffer tokens_device_;  // device-tokens mode: T, written by load_inputs
+  std::map<TailTier, UniqueGraphExec> graphs_;  // graph mode: one forward of each tier at tokens_
+  DeviceBuffer tokens_device_;                  // device-tokens mode: T, written by load_inputs
   std::map<TailTier, UniqueGraphExec> device_graphs_;  // device-tokens mode: one per tier, every T
   std::optional<cuda::L2Evictor> evictor_;             // cold L2: read before each timed forward
+  bool graph_mode_ = false;
   bool device_tokens_ = false;
   std::int64_t tokens_ = 0;
   TailTier tier_ = TailTier::overlap;
