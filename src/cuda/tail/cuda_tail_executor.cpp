@@ -106,8 +106,13 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
     for (std::int64_t j = 0; j < l; ++j)
       gamma[j] = load_as_float(norm_weight.data, static_cast<std::size_t>(j), dtype);
     gamma_ = DeviceBuffer(gamma.size() * sizeof(float));
-    LMOE_CUDA_CHECK(
-        cudaMemcpy(gamma_.data(), gamma.data(), gamma_.bytes(), cudaMemcpyHostToDevice));
+    // gamma goes up on the side stream, so that the stream has run work before its first
+    // collective: a stream whose first work is a round can stall ranks that share a GPU
+    // (docs/p2p.md, "A stream's first work"; `token`'s chunked body issues its rounds there).
+    LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    LMOE_CUDA_CHECK(cudaMemcpyAsync(gamma_.data(), gamma.data(), gamma_.bytes(),
+                                    cudaMemcpyHostToDevice, side_stream_));
+    LMOE_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
 
     w_up_ = DeviceBuffer(static_cast<std::size_t>(d * l) * esize_);  // [d, l], contiguous
     LMOE_CUDA_CHECK(cudaMemcpy2D(
@@ -115,7 +120,6 @@ class CudaTailExecutor final : public TailExecutor, public DeviceTokensRunner {
         static_cast<std::size_t>(up_proj_weight.ld) * esize_, static_cast<std::size_t>(l) * esize_,
         static_cast<std::size_t>(d), cudaMemcpyHostToDevice));
 
-    LMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     LMOE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     for (auto* events : {&scattered_, &added_}) {
