@@ -48,8 +48,7 @@ constexpr const char* kFloorDefinition =
     "'-' where ranks share a GPU or no rates are known (--rates)";
 constexpr const char* kWrongDefinition =
     "#wrong: elements of a checked run's output beyond the numerics contract's per-element bound "
-    "(fresh "
-    "inputs per T and tier, output poisoned before the run); '-': not checked";
+    "(fresh inputs per T, output poisoned before each tier's run); '-': not checked";
 
 struct BenchCommand {
   CLI::App* app = nullptr;
